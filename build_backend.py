@@ -1,0 +1,110 @@
+"""In-tree PEP 517 build backend: setuptools, plus CUDA discovery.
+
+It exists for one reason: when nvcc is present but the CUDA toolkit has no cuBLAS (nvcc from a
+distribution package, or a runtime-only toolkit), the build needs cuBLAS headers and libraries
+from the `nvidia-cublas` wheel. PEP 517's get_requires_for_build_* hooks let us ask pip for
+that wheel only in that case, so CPU-only machines never download it.
+
+setup.py imports the discovery helpers below, so there is one definition of "where is CUDA".
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import build_meta as _setuptools
+from setuptools.build_meta import *  # noqa: F401,F403  (re-export the standard hooks)
+
+
+def cuda_mode():
+    """'off', 'on' (required) or 'auto', from FASTTRAN_CUDA."""
+    v = os.environ.get("FASTTRAN_CUDA", "").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return "off"
+    if v in ("1", "on", "true", "yes"):
+        return "on"
+    if v not in ("", "auto"):
+        raise RuntimeError(f"FASTTRAN_CUDA must be 0, 1 or auto, got {v!r}")
+    return "auto"
+
+
+def find_nvcc():
+    """Path of nvcc: $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin, or the
+    nvidia-cuda-nvcc wheel. None when absent."""
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(env)
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return os.path.realpath(found)
+    if os.path.isfile("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda/bin/nvcc"
+    d = _wheel_dir("cuda_nvcc")
+    if d and os.path.isfile(os.path.join(d, "bin", "nvcc")):
+        return os.path.join(d, "bin", "nvcc")
+    return None
+
+
+def nvcc_version(nvcc):
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _wheel_dir(name):
+    """Directory of an nvidia-* wheel component (nvidia/<name>) on sys.path, or None."""
+    for p in sys.path:
+        d = os.path.join(p, "nvidia", name)
+        if os.path.isdir(d):
+            return d
+    # CUDA 13 wheels install under nvidia/cu13/
+    for p in sys.path:
+        d = os.path.join(p, "nvidia", "cu13")
+        if os.path.isdir(os.path.join(d, "include")) and os.path.isfile(
+            os.path.join(d, "include", "cublas_v2.h" if name == "cublas" else "cuda_runtime.h")
+        ):
+            return d
+    return None
+
+
+def find_cublas(cuda_home):
+    """(include_dir, lib_dir, source) of cuBLAS: the toolkit, else the nvidia-cublas wheel."""
+    inc = os.path.join(cuda_home, "include")
+    for lib in ("lib64", os.path.join("targets", "x86_64-linux", "lib"), "lib"):
+        libdir = os.path.join(cuda_home, lib)
+        if os.path.isfile(os.path.join(inc, "cublas_v2.h")) and os.path.exists(
+            os.path.join(libdir, "libcublas.so")
+        ):
+            return inc, libdir, "toolkit"
+    d = _wheel_dir("cublas")
+    if d:
+        libdir = os.path.join(d, "lib")
+        return os.path.join(d, "include"), libdir, "nvidia-cublas wheel"
+    return None
+
+
+def cublas_wheel_name(nvcc):
+    major = nvcc_version(nvcc)[0]
+    return "nvidia-cublas" if major >= 13 else f"nvidia-cublas-cu{major}"
+
+
+def _extra_requires():
+    if cuda_mode() == "off":
+        return []
+    nvcc = find_nvcc()
+    if not nvcc:
+        return []
+    home = os.path.dirname(os.path.dirname(nvcc))
+    if find_cublas(home):
+        return []
+    return [cublas_wheel_name(nvcc)]
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return _setuptools.get_requires_for_build_wheel(config_settings) + _extra_requires()
+
+
+def get_requires_for_build_editable(config_settings=None):
+    return _setuptools.get_requires_for_build_editable(config_settings) + _extra_requires()

@@ -1,0 +1,77 @@
+/* The backend interface: one table of function pointers per device kind (ggml's shape).
+ * The encoder's layer loop (model/encoder.c) only talks to this table, so the CPU and CUDA
+ * implementations are interchangeable. All buffers are flat, row-major, in the backend's
+ * memory; shapes are given as (B, T, C) with B batch, T tokens, C channels, NH heads.
+ *
+ * The CUDA backend lives in a separate shared library loaded at run time (backend.c), so a
+ * missing CUDA driver or cuBLAS never stops the CPU backend from importing. It cannot call
+ * the core's ft_error(), so it reports errors through host->error. */
+#ifndef FT_BACKEND_H
+#define FT_BACKEND_H
+#include "fasttran.h"
+
+#define FT_BACKEND_ABI 1
+
+typedef struct ft_backend ft_backend;
+
+/* services the core lends to a backend loaded as a separate library */
+typedef struct {
+    ft_status (*error)(ft_status s, const char *fmt, ...);
+} ft_host_api;
+
+struct ft_backend {
+    int abi;
+    const char *name;          /* "cpu", "cuda:0" */
+    ft_device device;
+    void *ctx;                 /* backend private state */
+
+    ft_status (*alloc)(ft_backend *be, size_t bytes, void **out);
+    void (*free)(ft_backend *be, void *p);
+    ft_status (*upload)(ft_backend *be, void *dst, const void *host_src, size_t bytes);
+    ft_status (*download)(ft_backend *be, void *host_dst, const void *src, size_t bytes);
+    ft_status (*synchronize)(ft_backend *be);
+    void (*destroy)(ft_backend *be);
+
+    /* C (M, N) = alpha * op(A) op(B) + beta * C, row-major, op = transpose when trans_* */
+    ft_status (*gemm)(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
+                      float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float beta, float *C, int64_t ldc);
+
+    /* ---- encoder ops (fp32) ---- */
+    /* out (B*T, C) = LayerNorm(word[ids] + pos[t] + type[types]) */
+    ft_status (*embed_ln_forward)(ft_backend *be, float *out, const int32_t *ids,
+                                  const int32_t *types, const float *word, const float *pos,
+                                  const float *type, const float *gamma, const float *beta,
+                                  int64_t B, int64_t T, int64_t C, float eps);
+    /* dst (N, C) = row broadcast of bias (C): prefill before a beta=1 GEMM */
+    ft_status (*broadcast_rows)(ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C);
+    /* ctx (B, T, C) = softmax(Q K^T / sqrt(C/NH) + mask) V per (b, h); qkv (B, T, 3C) with
+     * Q, K, V at column offsets 0, C, 2C. keymask (B, T) 1/0; key_len (B): keys at and after
+     * key_len[b] are all masked (lets the CPU skip right padding). scratch: per-thread rows. */
+    ft_status (*attention_forward)(ft_backend *be, float *ctx, const float *qkv,
+                                   const float *keymask, const int32_t *key_len, int64_t B,
+                                   int64_t T, int64_t C, int64_t NH, float *scratch);
+    size_t (*attention_scratch_bytes)(ft_backend *be, int64_t B, int64_t T, int64_t NH);
+    /* h (N, I) = act(h + bias) in place */
+    ft_status (*bias_act_forward)(ft_backend *be, float *h, const float *bias, int64_t N,
+                                  int64_t I, ft_activation act);
+    /* out (N, C) = LayerNorm(residual + y + bias); out may alias residual or y */
+    ft_status (*bias_residual_ln_forward)(ft_backend *be, float *out, const float *residual,
+                                          const float *y, const float *bias, const float *gamma,
+                                          const float *beta, int64_t N, int64_t C, float eps);
+    /* out (B, C) = CLS row or mask-aware mean over T of h (B, T, C) */
+    ft_status (*pool_forward)(ft_backend *be, float *out, const float *h, const float *keymask,
+                              int64_t B, int64_t T, int64_t C, ft_pooling mode);
+};
+
+/* The CPU backend (always built). */
+ft_backend *ft_backend_cpu(void);
+/* Open the CUDA backend on device `index` (loads the CUDA library on first use). */
+ft_status ft_backend_cuda_open(int index, ft_backend **out);
+
+/* Entry points the CUDA library exports (resolved with dlsym). */
+typedef ft_status (*ft_cuda_open_fn)(const ft_host_api *host, int index, ft_backend **out);
+typedef ft_status (*ft_cuda_probe_fn)(const ft_host_api *host, int *count, char *desc, size_t len);
+typedef const char *(*ft_cuda_build_fn)(void);
+
+#endif

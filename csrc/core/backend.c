@@ -1,0 +1,76 @@
+/* Backend selection at run time. The CPU backend is linked in; the CUDA backend is the
+ * library libfasttran_cuda.so next to this module, opened with dlopen on first use so that a
+ * machine without a CUDA driver or cuBLAS still imports fasttran and says why CUDA is off. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "backend.h"
+#include "core/status.h"
+
+static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *cuda_lib;
+static char cuda_load_error[512];
+static const ft_host_api host_api = {ft_error};
+
+int ft_cuda_compiled(void) {
+#ifdef FT_WITH_CUDA
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Loads the library once; returns its handle or NULL with cuda_load_error set. */
+static void *cuda_library(void) {
+    pthread_mutex_lock(&cuda_lock);
+    if (!cuda_lib && !cuda_load_error[0]) {
+#ifdef FT_WITH_CUDA
+        Dl_info info;
+        char path[4096];
+        if (!dladdr((void *)&cuda_library, &info) || !info.dli_fname) {
+            snprintf(cuda_load_error, sizeof cuda_load_error, "cannot locate the fasttran module file");
+        } else {
+            snprintf(path, sizeof path, "%s", info.dli_fname);
+            char *slash = strrchr(path, '/');
+            size_t dir = slash ? (size_t)(slash - path + 1) : 0;
+            snprintf(path + dir, sizeof path - dir, "libfasttran_cuda.so");
+            cuda_lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+            if (!cuda_lib)
+                snprintf(cuda_load_error, sizeof cuda_load_error, "cannot load the CUDA backend: %s", dlerror());
+        }
+#else
+        snprintf(cuda_load_error, sizeof cuda_load_error,
+                 "fasttran was built without CUDA (no nvcc found at build time, or FASTTRAN_CUDA=0)");
+#endif
+    }
+    void *lib = cuda_lib;
+    pthread_mutex_unlock(&cuda_lock);
+    return lib;
+}
+
+ft_status ft_cuda_probe(int *device_count, char *desc, size_t desc_len) {
+    *device_count = 0;
+    if (desc_len) desc[0] = '\0';
+    void *lib = cuda_library();
+    if (!lib) return ft_error(FT_ERR_DEVICE, "%s", cuda_load_error);
+    ft_cuda_probe_fn probe = (ft_cuda_probe_fn)dlsym(lib, "ft_cuda_probe_devices");
+    if (!probe) return ft_error(FT_ERR_DEVICE, "the CUDA backend library lacks ft_cuda_probe_devices");
+    return probe(&host_api, device_count, desc, desc_len);
+}
+
+ft_status ft_backend_cuda_open(int index, ft_backend **out) {
+    void *lib = cuda_library();
+    if (!lib) return ft_error(FT_ERR_DEVICE, "%s", cuda_load_error);
+    ft_cuda_open_fn open_fn = (ft_cuda_open_fn)dlsym(lib, "ft_cuda_backend_open");
+    if (!open_fn) return ft_error(FT_ERR_DEVICE, "the CUDA backend library lacks ft_cuda_backend_open");
+    FT_TRY(open_fn(&host_api, index, out));
+    if ((*out)->abi != FT_BACKEND_ABI) {
+        (*out)->destroy(*out);
+        *out = NULL;
+        return ft_error(FT_ERR_DEVICE, "CUDA backend ABI mismatch: rebuild fasttran");
+    }
+    return FT_OK;
+}

@@ -1,0 +1,79 @@
+/* Attention on the CPU, one (batch, head) block at a time: S = Q K^T / sqrt(hs) for that
+ * head only (T x Tk scratch per thread, never all heads' scores at once), masked softmax in
+ * place, then P V written straight into the head's columns of ctx. Blocks run in parallel
+ * over OpenMP threads, each calling single-threaded BLAS (a multi-threaded GEMM on a
+ * 128 x 128 x 32 block spends more time waking threads than multiplying).
+ *
+ * Padding: keys at or after key_len[b] are all masked, so the GEMMs only span the first
+ * key_len[b] keys (right padding costs no score work). Query rows of padded tokens are still
+ * computed, because Hugging Face returns them too. A row whose keys are all masked gets
+ * uniform weights over all T keys, which is what HF's additive float-min mask produces. */
+#include <math.h>
+#include <omp.h>
+
+#include "blas.h"
+#include "cpu_ops.h"
+#include "mathfun.h"
+
+size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t NH) {
+    (void)be; (void)B; (void)NH;
+    return (size_t)omp_get_max_threads() * (size_t)T * (size_t)T * sizeof(float);
+}
+
+static void softmax_rows(float *S, const float *keymask, int64_t T, int64_t Tk, int all_masked) {
+    for (int64_t i = 0; i < T; i++) {
+        float *s = S + i * Tk;
+        if (all_masked) {
+            float u = 1.0f / (float)Tk;
+            for (int64_t j = 0; j < Tk; j++) s[j] = u;
+            continue;
+        }
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < Tk; j++) {
+            float v = keymask[j] != 0.0f ? s[j] : -INFINITY;
+            mx = v > mx ? v : mx;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < Tk; j++) {
+            float e = keymask[j] != 0.0f ? ft_expf(s[j] - mx) : 0.0f;
+            s[j] = e;
+            sum += e;
+        }
+        float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < Tk; j++) s[j] *= inv;
+    }
+}
+
+ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, const float *keymask,
+                                const int32_t *key_len, int64_t B, int64_t T, int64_t C, int64_t NH,
+                                float *scratch) {
+    (void)be;
+    const int64_t hs = C / NH, ld = 3 * C;
+    const float scale = 1.0f / sqrtf((float)hs);
+    /* each worker runs whole blocks: BLAS must not split them further (its pool would contend
+     * with ours for the same cores) */
+    int blas_threads = ft_blas_get_threads();
+    ft_blas_set_threads(1);
+#pragma omp parallel
+    {
+        float *S = scratch + (size_t)omp_get_thread_num() * (size_t)T * (size_t)T;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < B * NH; bh++) {
+            int64_t b = bh / NH, h = bh % NH;
+            const float *q = qkv + b * T * ld + h * hs, *k = q + C, *v = q + 2 * C;
+            int all_masked = key_len[b] == 0;
+            int64_t Tk = all_masked ? T : key_len[b];
+            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)T, (blasint)Tk,
+                          (blasint)hs, scale, q, (blasint)ld, k, (blasint)ld, 0.0f, S, (blasint)Tk);
+            softmax_rows(S, keymask + b * T, T, Tk, all_masked);
+            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)T, (blasint)hs,
+                          (blasint)Tk, 1.0f, S, (blasint)Tk, v, (blasint)ld, 0.0f,
+                          ctx + b * T * C + h * hs, (blasint)C);
+        }
+    }
+    ft_blas_set_threads(blas_threads);
+    return FT_OK;
+}

@@ -1,0 +1,200 @@
+// The CUDA backend, built into libfasttran_cuda.so and opened at run time by core/backend.c.
+//
+// This is the skeleton the CUDA encoder issue fills in: device query, memory, copies on the
+// backend's own stream and cuBLAS GEMMs are real; the fused encoder ops are not written yet
+// and say so (FT_ERR_UNSUPPORTED), so Encoder(device="cuda") fails with a clear message
+// rather than computing anything wrong.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "backend.h"
+
+namespace {
+
+const ft_host_api *g_host;
+
+struct cuda_ctx {
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    char name[32];
+};
+
+ft_status cuda_fail(cudaError_t err, const char *what) {
+    return g_host->error(FT_ERR_DEVICE, "CUDA error in %s: %s (%s)", what, cudaGetErrorName(err),
+                         cudaGetErrorString(err));
+}
+
+ft_status blas_fail(cublasStatus_t st, const char *what) {
+    return g_host->error(FT_ERR_DEVICE, "cuBLAS error in %s: %d", what, (int)st);
+}
+
+#define CU(call, what) do { cudaError_t _e = (call); if (_e != cudaSuccess) return cuda_fail(_e, what); } while (0)
+
+cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
+
+ft_status cuda_alloc(ft_backend *be, size_t bytes, void **out) {
+    CU(cudaSetDevice(ctx_of(be)->device), "cudaSetDevice");
+    cudaError_t e = cudaMalloc(out, bytes ? bytes : 1);
+    if (e != cudaSuccess)
+        return g_host->error(e == cudaErrorMemoryAllocation ? FT_ERR_NOMEM : FT_ERR_DEVICE,
+                             "cannot allocate %zu bytes on %s: %s", bytes, ctx_of(be)->name,
+                             cudaGetErrorString(e));
+    return FT_OK;
+}
+
+void cuda_free(ft_backend *be, void *p) {
+    cudaSetDevice(ctx_of(be)->device);
+    cudaFree(p);
+}
+
+ft_status cuda_upload(ft_backend *be, void *dst, const void *src, size_t bytes) {
+    CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx_of(be)->stream), "upload");
+    return FT_OK;
+}
+
+ft_status cuda_download(ft_backend *be, void *dst, const void *src, size_t bytes) {
+    CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ctx_of(be)->stream), "download");
+    CU(cudaStreamSynchronize(ctx_of(be)->stream), "download");
+    return FT_OK;
+}
+
+ft_status cuda_sync(ft_backend *be) {
+    CU(cudaStreamSynchronize(ctx_of(be)->stream), "cudaStreamSynchronize");
+    return FT_OK;
+}
+
+void cuda_destroy(ft_backend *be) {
+    cuda_ctx *c = ctx_of(be);
+    cudaSetDevice(c->device);
+    cublasDestroy(c->blas);
+    cudaStreamDestroy(c->stream);
+    free(c);
+    free(be);
+}
+
+// Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
+ft_status cuda_gemm(ft_backend *be, int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha,
+                    const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                    int64_t ldc) {
+    cublasStatus_t st = cublasSgemm(ctx_of(be)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M, (int)K, &alpha, B,
+                                    (int)ldb, A, (int)lda, &beta, C, (int)ldc);
+    if (st != CUBLAS_STATUS_SUCCESS) return blas_fail(st, "cublasSgemm");
+    return FT_OK;
+}
+
+ft_status not_yet(const char *op) {
+    return g_host->error(FT_ERR_UNSUPPORTED,
+                         "the CUDA encoder op '%s' is not implemented in this version of fasttran; "
+                         "use device='cpu'", op);
+}
+
+ft_status cuda_embed_ln(ft_backend *, float *, const int32_t *, const int32_t *, const float *,
+                        const float *, const float *, const float *, const float *, int64_t, int64_t,
+                        int64_t, float) { return not_yet("embed_ln_forward"); }
+ft_status cuda_broadcast_rows(ft_backend *, float *, const float *, int64_t, int64_t) {
+    return not_yet("broadcast_rows");
+}
+ft_status cuda_attention(ft_backend *, float *, const float *, const float *, const int32_t *, int64_t,
+                         int64_t, int64_t, int64_t, float *) { return not_yet("attention_forward"); }
+size_t cuda_attention_scratch(ft_backend *, int64_t, int64_t, int64_t) { return 0; }
+ft_status cuda_bias_act(ft_backend *, float *, const float *, int64_t, int64_t, ft_activation) {
+    return not_yet("bias_act_forward");
+}
+ft_status cuda_bias_residual_ln(ft_backend *, float *, const float *, const float *, const float *,
+                                const float *, const float *, int64_t, int64_t, float) {
+    return not_yet("bias_residual_ln_forward");
+}
+ft_status cuda_pool(ft_backend *, float *, const float *, const float *, int64_t, int64_t, int64_t,
+                    ft_pooling) { return not_yet("pool_forward"); }
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) const char *ft_cuda_build_info(void) {
+    static char buf[128];
+    snprintf(buf, sizeof buf, "CUDA %d.%d, cuBLAS %d.%d.%d", CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10,
+             CUBLAS_VER_MAJOR, CUBLAS_VER_MINOR, CUBLAS_VER_PATCH);
+    return buf;
+}
+
+__attribute__((visibility("default"))) ft_status ft_cuda_probe_devices(const ft_host_api *host, int *count,
+                                                                       char *desc, size_t len) {
+    g_host = host;
+    *count = 0;
+    cudaError_t e = cudaGetDeviceCount(count);
+    if (e != cudaSuccess) {
+        *count = 0;
+        return host->error(FT_ERR_DEVICE, "no usable CUDA device: %s", cudaGetErrorString(e));
+    }
+    if (len) desc[0] = '\0';
+    size_t used = 0;
+    for (int d = 0; d < *count && used + 1 < len; d++) {
+        cudaDeviceProp p;
+        if (cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
+        int n = snprintf(desc + used, len - used, "%s%d: %s (sm_%d%d, %.1f GiB)", d ? "; " : "", d, p.name,
+                         p.major, p.minor, (double)p.totalGlobalMem / (1u << 30));
+        if (n < 0) break;
+        used += (size_t)n;
+    }
+    return FT_OK;
+}
+
+__attribute__((visibility("default"))) ft_status ft_cuda_backend_open(const ft_host_api *host, int index,
+                                                                      ft_backend **out) {
+    g_host = host;
+    *out = nullptr;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) return host->error(FT_ERR_DEVICE, "no usable CUDA device: %s", cudaGetErrorString(e));
+    if (index < 0 || index >= count)
+        return host->error(FT_ERR_DEVICE, "CUDA device %d requested but %d device(s) present", index, count);
+    cuda_ctx *c = static_cast<cuda_ctx *>(calloc(1, sizeof(cuda_ctx)));
+    ft_backend *be = static_cast<ft_backend *>(calloc(1, sizeof(ft_backend)));
+    if (!c || !be) { free(c); free(be); return host->error(FT_ERR_NOMEM, "out of memory"); }
+    c->device = index;
+    snprintf(c->name, sizeof c->name, "cuda:%d", index);
+    if ((e = cudaSetDevice(index)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        free(c); free(be);
+        return cuda_fail(e, "opening the device");
+    }
+    cublasStatus_t bs = cublasCreate(&c->blas);
+    if (bs == CUBLAS_STATUS_SUCCESS) bs = cublasSetStream(c->blas, c->stream);
+    // true fp32 by default: no TF32 unless the user asks (a later option)
+    if (bs == CUBLAS_STATUS_SUCCESS) bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        cudaStreamDestroy(c->stream);
+        free(c); free(be);
+        return blas_fail(bs, "cublasCreate");
+    }
+    be->abi = FT_BACKEND_ABI;
+    be->name = c->name;
+    be->device.kind = FT_DEVICE_CUDA;
+    be->device.index = index;
+    be->ctx = c;
+    be->alloc = cuda_alloc;
+    be->free = cuda_free;
+    be->upload = cuda_upload;
+    be->download = cuda_download;
+    be->synchronize = cuda_sync;
+    be->destroy = cuda_destroy;
+    be->gemm = cuda_gemm;
+    be->embed_ln_forward = cuda_embed_ln;
+    be->broadcast_rows = cuda_broadcast_rows;
+    be->attention_forward = cuda_attention;
+    be->attention_scratch_bytes = cuda_attention_scratch;
+    be->bias_act_forward = cuda_bias_act;
+    be->bias_residual_ln_forward = cuda_bias_residual_ln;
+    be->pool_forward = cuda_pool;
+    *out = be;
+    return FT_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,421 @@
+/* BERT encoder: parameter table, weight loading/saving, workspace and the forward layer loop.
+ * Device-agnostic: all math goes through the backend table. */
+#include "model/encoder.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "io/safetensors.h"
+
+/* ---- parameter table --------------------------------------------------------------------- */
+
+static ft_status add_view(ft_encoder *e, size_t *cap, size_t *off, const char *name, int ndim,
+                          int64_t d0, int64_t d1, int optional, size_t *where) {
+    if (e->n_views == *cap) {
+        size_t nc = *cap ? *cap * 2 : 64;
+        ft_param_view *nv = realloc(e->views, nc * sizeof *nv);
+        if (!nv) return ft_error(FT_ERR_NOMEM, "out of memory building the parameter table");
+        e->views = nv;
+        *cap = nc;
+    }
+    ft_param_view *v = &e->views[e->n_views++];
+    snprintf(v->name, sizeof v->name, "%s", name);
+    v->offset = *off;
+    v->ndim = ndim;
+    v->shape[0] = d0;
+    v->shape[1] = ndim == 2 ? d1 : 1;
+    v->optional = optional;
+    if (where) *where = *off;
+    *off += (size_t)d0 * (size_t)(ndim == 2 ? d1 : 1);
+    return FT_OK;
+}
+
+static ft_status build_layout(ft_encoder *e) {
+    const ft_bert_config *c = &e->cfg;
+    const int64_t C = c->hidden_size, I = c->intermediate_size;
+    size_t cap = 0, off = 0, dummy;
+    char nm[96];
+    FT_TRY(add_view(e, &cap, &off, "embeddings.word_embeddings.weight", 2, c->vocab_size, C, 0, &e->word));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.position_embeddings.weight", 2, c->max_position_embeddings, C, 0, &e->pos));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.token_type_embeddings.weight", 2, c->type_vocab_size, C, 0, &e->type));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.weight", 1, C, 0, 0, &e->emb_ln_g));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.bias", 1, C, 0, 0, &e->emb_ln_b));
+    e->layers = calloc((size_t)c->num_layers, sizeof *e->layers);
+    if (!e->layers) return ft_error(FT_ERR_NOMEM, "out of memory");
+    for (int64_t l = 0; l < c->num_layers; l++) {
+        ft_layer_offsets *L = &e->layers[l];
+#define LV(suffix, nd, a, b, slot)                                                   \
+        snprintf(nm, sizeof nm, "encoder.layer.%lld.%s", (long long)l, suffix);      \
+        FT_TRY(add_view(e, &cap, &off, nm, nd, a, b, 0, slot));
+        LV("attention.self.query.weight", 2, C, C, &L->wqkv)   /* rows 0..C-1 of Wqkv */
+        LV("attention.self.key.weight", 2, C, C, &dummy)       /* rows C..2C-1 */
+        LV("attention.self.value.weight", 2, C, C, &dummy)     /* rows 2C..3C-1 */
+        LV("attention.self.query.bias", 1, C, 0, &L->bqkv)
+        LV("attention.self.key.bias", 1, C, 0, &dummy)
+        LV("attention.self.value.bias", 1, C, 0, &dummy)
+        LV("attention.output.dense.weight", 2, C, C, &L->wo)
+        LV("attention.output.dense.bias", 1, C, 0, &L->bo)
+        LV("attention.output.LayerNorm.weight", 1, C, 0, &L->ln1_g)
+        LV("attention.output.LayerNorm.bias", 1, C, 0, &L->ln1_b)
+        LV("intermediate.dense.weight", 2, I, C, &L->w1)
+        LV("intermediate.dense.bias", 1, I, 0, &L->b1)
+        LV("output.dense.weight", 2, C, I, &L->w2)
+        LV("output.dense.bias", 1, C, 0, &L->b2)
+        LV("output.LayerNorm.weight", 1, C, 0, &L->ln2_g)
+        LV("output.LayerNorm.bias", 1, C, 0, &L->ln2_b)
+#undef LV
+    }
+    FT_TRY(add_view(e, &cap, &off, "pooler.dense.weight", 2, C, C, 1, &e->pooler_w));
+    FT_TRY(add_view(e, &cap, &off, "pooler.dense.bias", 1, C, 0, 1, &e->pooler_b));
+    e->n_params = off;
+    return FT_OK;
+}
+
+static ft_status check_config(const ft_bert_config *c) {
+#define REQ(cond, ...) if (!(cond)) return ft_error(FT_ERR_INVALID_ARGUMENT, __VA_ARGS__)
+    REQ(c->vocab_size >= 1 && c->vocab_size <= INT32_MAX, "vocab_size must be in [1, 2^31), got %lld", (long long)c->vocab_size);
+    REQ(c->hidden_size >= 1 && c->hidden_size <= 65536, "hidden_size must be in [1, 65536], got %lld", (long long)c->hidden_size);
+    REQ(c->num_layers >= 0 && c->num_layers <= 1024, "num_hidden_layers must be in [0, 1024], got %lld", (long long)c->num_layers);
+    REQ(c->num_heads >= 1 && c->hidden_size % c->num_heads == 0,
+        "hidden_size %lld is not a multiple of num_attention_heads %lld", (long long)c->hidden_size, (long long)c->num_heads);
+    REQ(c->intermediate_size >= 1 && c->intermediate_size <= 1 << 20, "intermediate_size must be in [1, 2^20], got %lld", (long long)c->intermediate_size);
+    REQ(c->max_position_embeddings >= 1 && c->max_position_embeddings <= 1 << 20,
+        "max_position_embeddings must be in [1, 2^20], got %lld", (long long)c->max_position_embeddings);
+    REQ(c->type_vocab_size >= 1 && c->type_vocab_size <= 1 << 20, "type_vocab_size must be in [1, 2^20], got %lld", (long long)c->type_vocab_size);
+    REQ(c->layer_norm_eps > 0.0f, "layer_norm_eps must be > 0, got %g", (double)c->layer_norm_eps);
+    REQ(c->activation >= FT_ACT_GELU_ERF && c->activation <= FT_ACT_RELU, "unknown activation %d", (int)c->activation);
+#undef REQ
+    return FT_OK;
+}
+
+ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_encoder **out) {
+    *out = NULL;
+    FT_TRY(check_config(cfg));
+    ft_encoder *e = calloc(1, sizeof *e);
+    if (!e) return ft_error(FT_ERR_NOMEM, "out of memory");
+    e->cfg = *cfg;
+    pthread_mutex_init(&e->lock, NULL);
+    ft_status st = FT_OK;
+    if (device.kind == FT_DEVICE_CPU) e->be = ft_backend_cpu();
+    else st = ft_backend_cuda_open(device.index, &e->be);
+    if (st == FT_OK) st = build_layout(e);
+    if (st == FT_OK) {
+        e->host_params = calloc(e->n_params, sizeof(float));
+        if (!e->host_params) st = ft_error(FT_ERR_NOMEM, "cannot allocate %zu parameters", e->n_params);
+    }
+    if (st == FT_OK) {
+        if (e->be->device.kind == FT_DEVICE_CPU) e->params = e->host_params;
+        else st = e->be->alloc(e->be, e->n_params * sizeof(float), (void **)&e->params);
+    }
+    if (st != FT_OK) { ft_encoder_free(e); return st; }
+    *out = e;
+    return FT_OK;
+}
+
+void ft_encoder_free(ft_encoder *e) {
+    if (!e) return;
+    if (e->be) {
+        if (e->ws) e->be->free(e->be, e->ws);
+        if (e->params && e->params != e->host_params) e->be->free(e->be, e->params);
+        e->be->destroy(e->be);
+    }
+    free(e->host_params);
+    free(e->host_ws);
+    free(e->views);
+    free(e->layers);
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+}
+
+const ft_bert_config *ft_encoder_config(const ft_encoder *e) { return &e->cfg; }
+int ft_encoder_has_pooler(const ft_encoder *e) { return e->has_pooler; }
+size_t ft_encoder_param_count(const ft_encoder *e) { return e->n_params; }
+size_t ft_encoder_workspace_bytes(const ft_encoder *e) { return e->ws_bytes; }
+size_t ft_encoder_num_tensors(const ft_encoder *e) { return e->n_views; }
+
+ft_status ft_encoder_tensor_info(const ft_encoder *e, size_t i, const char **name, int *ndim,
+                                 int64_t shape[2], float **host_data) {
+    if (i >= e->n_views) return ft_error(FT_ERR_OUT_OF_RANGE, "tensor index %zu out of range", i);
+    const ft_param_view *v = &e->views[i];
+    *name = v->name;
+    *ndim = v->ndim;
+    shape[0] = v->shape[0];
+    shape[1] = v->shape[1];
+    *host_data = e->host_params + v->offset;
+    return FT_OK;
+}
+
+/* ---- loading and saving ------------------------------------------------------------------ */
+
+static ft_status detect_prefix(const ft_st_file *f, char *prefix, size_t len) {
+    static const char key[] = "embeddings.word_embeddings.weight";
+    const size_t kl = sizeof key - 1;
+    for (size_t k = 0; k < f->n_entries; k++) {
+        size_t nl = strlen(f->entries[k].name);
+        if (nl >= kl && strcmp(f->entries[k].name + nl - kl, key) == 0 && nl - kl < len) {
+            memcpy(prefix, f->entries[k].name, nl - kl);
+            prefix[nl - kl] = '\0';
+            return FT_OK;
+        }
+    }
+    return ft_error(FT_ERR_FORMAT, "%s: no tensor named '[prefix]%s': not a BERT checkpoint", f->path, key);
+}
+
+ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const char *prefix_in) {
+    ft_st_file f;
+    FT_TRY(ft_st_open(path, &f));
+    char prefix[128];
+    ft_status st = FT_OK;
+    if (prefix_in) snprintf(prefix, sizeof prefix, "%s", prefix_in);
+    else st = detect_prefix(&f, prefix, sizeof prefix);
+    size_t plen = strlen(prefix);
+    /* a checkpoint with more layers than the config is a mismatch, not something to ignore */
+    for (size_t k = 0; st == FT_OK && k < f.n_entries; k++) {
+        const char *nm = f.entries[k].name;
+        long long idx;
+        if (strncmp(nm, prefix, plen) == 0 && sscanf(nm + plen, "encoder.layer.%lld.", &idx) == 1 &&
+            (idx < 0 || idx >= e->cfg.num_layers))
+            st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' belongs to layer %lld but the config has num_hidden_layers = %lld",
+                          path, nm, idx, (long long)e->cfg.num_layers);
+    }
+    char full[256];
+    int pooler_found = 0;
+    for (size_t k = 0; st == FT_OK && k < e->n_views; k++) {
+        const ft_param_view *v = &e->views[k];
+        snprintf(full, sizeof full, "%s%s", prefix, v->name);
+        const ft_st_entry *t = ft_st_find(&f, full);
+        if (!t) {
+            if (v->optional) continue;
+            st = ft_error(FT_ERR_FORMAT, "%s: missing tensor '%s' (expected shape [%lld%s%lld])", path, full,
+                          (long long)v->shape[0], v->ndim == 2 ? ", " : "", v->ndim == 2 ? (long long)v->shape[1] : 0LL);
+            if (v->ndim == 1)
+                st = ft_error(FT_ERR_FORMAT, "%s: missing tensor '%s' (expected shape [%lld])", path, full, (long long)v->shape[0]);
+            break;
+        }
+        if (t->dtype != FT_F32 && t->dtype != FT_F16 && t->dtype != FT_BF16) {
+            st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' has dtype %s; expected F32, F16 or BF16", path, full, t->dtype_name);
+            break;
+        }
+        if (t->ndim != v->ndim || t->shape[0] != v->shape[0] || (v->ndim == 2 && t->shape[1] != v->shape[1])) {
+            char got[128] = "";
+            for (int d = 0; d < t->ndim; d++) {
+                size_t l = strlen(got);
+                snprintf(got + l, sizeof got - l, "%s%lld", d ? ", " : "", (long long)t->shape[d]);
+            }
+            if (v->ndim == 2)
+                st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' has shape [%s]; the config needs [%lld, %lld]", path, full,
+                              got, (long long)v->shape[0], (long long)v->shape[1]);
+            else
+                st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' has shape [%s]; the config needs [%lld]", path, full, got,
+                              (long long)v->shape[0]);
+            break;
+        }
+        ft_convert_to_f32(e->host_params + v->offset, f.data + t->begin, (ft_dtype)t->dtype,
+                          (size_t)v->shape[0] * (size_t)v->shape[1]);
+        if (v->optional) pooler_found++;
+    }
+    ft_st_close(&f);
+    if (st != FT_OK) return st;
+    e->has_pooler = pooler_found == 2;
+    if (!e->has_pooler)   /* half a pooler is as good as none */
+        memset(e->host_params + e->pooler_w, 0,
+               (e->n_params - e->pooler_w) * sizeof(float));
+    if (e->params != e->host_params)
+        FT_TRY(e->be->upload(e->be, e->params, e->host_params, e->n_params * sizeof(float)));
+    return FT_OK;
+}
+
+ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_dtype dtype) {
+    if (dtype != FT_F32 && dtype != FT_F16 && dtype != FT_BF16)
+        return ft_error(FT_ERR_DTYPE, "checkpoints are saved as float32, float16 or bfloat16, not %s", ft_dtype_name(dtype));
+    size_t n = e->n_views - (e->has_pooler ? 0 : 2);
+    ft_st_tensor *ts = calloc(n, sizeof *ts);
+    void *conv = NULL;
+    if (!ts) return ft_error(FT_ERR_NOMEM, "out of memory");
+    if (dtype != FT_F32) {
+        conv = malloc(e->n_params * 2);
+        if (!conv) { free(ts); return ft_error(FT_ERR_NOMEM, "out of memory"); }
+        ft_convert_from_f32(conv, dtype, e->host_params, e->n_params);
+    }
+    for (size_t k = 0; k < n; k++) {
+        const ft_param_view *v = &e->views[k];
+        ts[k].name = v->name;
+        ts[k].dtype = dtype;
+        ts[k].ndim = v->ndim;
+        ts[k].shape[0] = v->shape[0];
+        ts[k].shape[1] = v->shape[1];
+        ts[k].data = dtype == FT_F32 ? (const void *)(e->host_params + v->offset)
+                                     : (const void *)((const uint16_t *)conv + v->offset);
+    }
+    ft_status st = ft_safetensors_write(path, ts, n, "{\"format\":\"pt\"}");
+    free(conv);
+    free(ts);
+    return st;
+}
+
+/* ---- forward ------------------------------------------------------------------------------ */
+
+typedef struct {
+    float *x, *t, *ctx, *big, *scratch, *pooled, *keymask;
+    int32_t *ids, *types, *key_len;
+} fwd_buffers;
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* Grow the workspaces to fit (B, T); never shrinks, so steady-state batches allocate nothing. */
+static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffers *w) {
+    const int64_t C = e->cfg.hidden_size, I = e->cfg.intermediate_size, N = B * T;
+    const int64_t wide = I > 3 * C ? I : 3 * C;   /* qkv (N, 3C) and ffn (N, I) share a buffer */
+    size_t sizes[10] = {
+        align64((size_t)N * C * 4), align64((size_t)N * C * 4), align64((size_t)N * C * 4),
+        align64((size_t)N * wide * 4), align64(e->be->attention_scratch_bytes(e->be, B, T, e->cfg.num_heads)),
+        align64((size_t)B * C * 4), align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4),
+        align64((size_t)B * 4)};
+    size_t total = 0;
+    for (int k = 0; k < 10; k++) total += sizes[k];
+    if (total > e->ws_bytes) {
+        if (e->ws) e->be->free(e->be, e->ws);
+        e->ws = NULL;
+        e->ws_bytes = 0;
+        FT_TRY(e->be->alloc(e->be, total, &e->ws));
+        e->ws_bytes = total;
+    }
+    size_t host_need = align64((size_t)N * 4) * 3 + align64((size_t)B * 4);
+    if (host_need > e->host_ws_bytes) {
+        free(e->host_ws);
+        e->host_ws = aligned_alloc(64, host_need);
+        e->host_ws_bytes = e->host_ws ? host_need : 0;
+        if (!e->host_ws) return ft_error(FT_ERR_NOMEM, "cannot allocate %zu bytes of staging memory", host_need);
+    }
+    char *p = e->ws;
+    void **slots[10] = {(void **)&w->x, (void **)&w->t, (void **)&w->ctx, (void **)&w->big, (void **)&w->scratch,
+                        (void **)&w->pooled, (void **)&w->keymask, (void **)&w->ids, (void **)&w->types,
+                        (void **)&w->key_len};
+    for (int k = 0; k < 10; k++) { *slots[k] = p; p += sizes[k]; }
+    return FT_OK;
+}
+
+static const char *index_dtype_ok(const ft_index2d *v, int is_mask) {
+    switch (v->dtype) {
+    case FT_I64: case FT_I32: return NULL;
+    case FT_I16: case FT_I8: case FT_U8: case FT_BOOL: case FT_F32: case FT_F64: return is_mask ? NULL : "";
+    default: return "";
+    }
+}
+
+/* One pass over the inputs: range checks, then packed int32/float copies for the backend. */
+static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const ft_index2d *ids,
+                              const ft_index2d *mask, const ft_index2d *types, int32_t *ids32,
+                              int32_t *types32, float *keymask, int32_t *key_len) {
+    const ft_bert_config *c = &e->cfg;
+    if (index_dtype_ok(ids, 0)) return ft_error(FT_ERR_DTYPE, "input_ids must be int32 or int64, got %s", ft_dtype_name(ids->dtype));
+    if (types && index_dtype_ok(types, 0))
+        return ft_error(FT_ERR_DTYPE, "token_type_ids must be int32 or int64, got %s", ft_dtype_name(types->dtype));
+    if (mask && index_dtype_ok(mask, 1))
+        return ft_error(FT_ERR_DTYPE, "attention_mask must be bool, an integer type or float, got %s", ft_dtype_name(mask->dtype));
+    for (int64_t b = 0; b < B; b++) {
+        int32_t last = 0;
+        for (int64_t t = 0; t < T; t++) {
+            int64_t id = ft_index2d_get(ids, b, t);
+            if (id < 0 || id >= c->vocab_size)
+                return ft_error(FT_ERR_OUT_OF_RANGE, "input_ids[%lld, %lld] = %lld is out of range for vocab_size %lld",
+                                (long long)b, (long long)t, (long long)id, (long long)c->vocab_size);
+            ids32[b * T + t] = (int32_t)id;
+            int64_t ty = types ? ft_index2d_get(types, b, t) : 0;
+            if (ty < 0 || ty >= c->type_vocab_size)
+                return ft_error(FT_ERR_OUT_OF_RANGE, "token_type_ids[%lld, %lld] = %lld is out of range for type_vocab_size %lld",
+                                (long long)b, (long long)t, (long long)ty, (long long)c->type_vocab_size);
+            types32[b * T + t] = (int32_t)ty;
+            float m = 1.0f;
+            if (mask) {
+                double mv;
+                if (mask->dtype == FT_F32 || mask->dtype == FT_F64) {
+                    int64_t k = b * mask->stride[0] + t * mask->stride[1];
+                    mv = mask->dtype == FT_F32 ? ((const float *)mask->data)[k] : ((const double *)mask->data)[k];
+                } else {
+                    mv = (double)ft_index2d_get(mask, b, t);
+                }
+                if (mv != 0.0 && mv != 1.0)
+                    return ft_error(FT_ERR_OUT_OF_RANGE, "attention_mask[%lld, %lld] = %g; expected 0 or 1",
+                                    (long long)b, (long long)t, mv);
+                m = (float)mv;
+            }
+            keymask[b * T + t] = m;
+            if (m != 0.0f) last = (int32_t)(t + 1);
+        }
+        key_len[b] = last;
+    }
+    return FT_OK;
+}
+
+static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_index2d *ids,
+                                const ft_index2d *mask, const ft_index2d *types,
+                                float *const *hidden_out, float *const *pooled_out, ft_pooling pooling,
+                                ft_cancel_fn cancel, void *cancel_arg) {
+    const ft_bert_config *c = &e->cfg;
+    ft_backend *be = e->be;
+    const int64_t C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads, L = c->num_layers;
+    const int64_t N = B * T;
+    if (B < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "empty batch: batch size must be >= 1");
+    if (T < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "empty sequences: sequence length must be >= 1");
+    if (T > c->max_position_embeddings)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "sequence length %lld exceeds max_position_embeddings %lld",
+                        (long long)T, (long long)c->max_position_embeddings);
+    if (!ids || !ids->data) return ft_error(FT_ERR_INVALID_ARGUMENT, "input_ids is required");
+    if (pooling < FT_POOL_NONE || pooling > FT_POOL_MEAN) return ft_error(FT_ERR_INVALID_ARGUMENT, "unknown pooling %d", (int)pooling);
+    fwd_buffers w;
+    FT_TRY(ensure_workspace(e, B, T, &w));
+    char *hp = e->host_ws;
+    int32_t *ids32 = (int32_t *)hp, *types32 = (int32_t *)(hp + align64((size_t)N * 4));
+    float *keymask = (float *)(hp + 2 * align64((size_t)N * 4));
+    int32_t *key_len = (int32_t *)(hp + 3 * align64((size_t)N * 4));
+    FT_TRY(stage_inputs(e, B, T, ids, mask, types, ids32, types32, keymask, key_len));
+    FT_TRY(be->upload(be, w.ids, ids32, (size_t)N * 4));
+    FT_TRY(be->upload(be, w.types, types32, (size_t)N * 4));
+    FT_TRY(be->upload(be, w.keymask, keymask, (size_t)N * 4));
+    FT_TRY(be->upload(be, w.key_len, key_len, (size_t)B * 4));
+
+    const float *P = e->params;
+    FT_TRY(be->embed_ln_forward(be, w.x, w.ids, w.types, P + e->word, P + e->pos, P + e->type, P + e->emb_ln_g,
+                                P + e->emb_ln_b, B, T, C, c->layer_norm_eps));
+    for (int64_t l = 0; l <= L; l++) {
+        if (l > 0) {
+            if (cancel && cancel(cancel_arg)) return ft_error(FT_ERR_INTERRUPTED, "forward interrupted");
+            const ft_layer_offsets *o = &e->layers[l - 1];
+            /* qkv (N, 3C) = x Wqkv^T + bqkv: bias prefilled, one GEMM for Q, K and V */
+            FT_TRY(be->broadcast_rows(be, w.big, P + o->bqkv, N, 3 * C));
+            FT_TRY(be->gemm(be, 0, 1, N, 3 * C, C, 1.0f, w.x, C, P + o->wqkv, C, 1.0f, w.big, 3 * C));
+            FT_TRY(be->attention_forward(be, w.ctx, w.big, w.keymask, w.key_len, B, T, C, NH, w.scratch));
+            /* t = LN(x + ctx Wo^T + bo) */
+            FT_TRY(be->gemm(be, 0, 1, N, C, C, 1.0f, w.ctx, C, P + o->wo, C, 0.0f, w.t, C));
+            FT_TRY(be->bias_residual_ln_forward(be, w.t, w.x, w.t, P + o->bo, P + o->ln1_g, P + o->ln1_b, N, C,
+                                                c->layer_norm_eps));
+            /* big (N, I) = act(t W1^T + b1) */
+            FT_TRY(be->gemm(be, 0, 1, N, I, C, 1.0f, w.t, C, P + o->w1, C, 0.0f, w.big, I));
+            FT_TRY(be->bias_act_forward(be, w.big, P + o->b1, N, I, c->activation));
+            /* x = LN(t + big W2^T + b2) */
+            FT_TRY(be->gemm(be, 0, 1, N, C, I, 1.0f, w.big, I, P + o->w2, I, 0.0f, w.ctx, C));
+            FT_TRY(be->bias_residual_ln_forward(be, w.x, w.t, w.ctx, P + o->b2, P + o->ln2_g, P + o->ln2_b, N, C,
+                                                c->layer_norm_eps));
+        }
+        if (hidden_out && hidden_out[l]) FT_TRY(be->download(be, hidden_out[l], w.x, (size_t)N * C * 4));
+        if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) {
+            FT_TRY(be->pool_forward(be, w.pooled, w.x, w.keymask, B, T, C, pooling));
+            FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
+        }
+    }
+    return be->synchronize(be);
+}
+
+ft_status ft_encoder_forward(ft_encoder *e, int64_t B, int64_t T, const ft_index2d *ids,
+                             const ft_index2d *mask, const ft_index2d *types,
+                             float *const *hidden_out, float *const *pooled_out, ft_pooling pooling,
+                             ft_cancel_fn cancel, void *cancel_arg) {
+    pthread_mutex_lock(&e->lock);
+    ft_status st = forward_locked(e, B, T, ids, mask, types, hidden_out, pooled_out, pooling, cancel, cancel_arg);
+    pthread_mutex_unlock(&e->lock);
+    return st;
+}

@@ -1,0 +1,43 @@
+/* The BERT encoder: parameters in one allocation with a table of named views (Hugging Face
+ * names), activations in one workspace sized from (B, T), and the layer loop over backend ops. */
+#ifndef FT_MODEL_ENCODER_H
+#define FT_MODEL_ENCODER_H
+#include <pthread.h>
+
+#include "backend.h"
+
+typedef struct {
+    char name[96];
+    size_t offset;        /* floats from the start of the parameter buffer */
+    int ndim;
+    int64_t shape[2];
+    int optional;         /* pooler: may be absent from a checkpoint */
+} ft_param_view;
+
+/* Offsets (in floats) of one layer's tensors. Q, K, V weights are adjacent rows of one
+ * (3C, C) block and their biases one (3C) vector, so the QKV projection is a single GEMM while
+ * each Hugging Face tensor is still a contiguous named view. */
+typedef struct {
+    size_t wqkv, bqkv, wo, bo, ln1_g, ln1_b, w1, b1, w2, b2, ln2_g, ln2_b;
+} ft_layer_offsets;
+
+struct ft_encoder {
+    ft_bert_config cfg;
+    ft_backend *be;
+    float *params;            /* backend memory, n_params floats */
+    float *host_params;       /* host copy (== params on the CPU) for save and inspection */
+    size_t n_params;
+    ft_param_view *views;
+    size_t n_views;
+    size_t word, pos, type, emb_ln_g, emb_ln_b, pooler_w, pooler_b;
+    ft_layer_offsets *layers;
+    int has_pooler;
+    /* workspace, grown on demand, never shrunk */
+    void *ws;
+    size_t ws_bytes;
+    void *host_ws;            /* int32 ids/types, float keymask, int32 key_len staging */
+    size_t host_ws_bytes;
+    pthread_mutex_t lock;
+};
+
+#endif

@@ -1,0 +1,30 @@
+/* Shared pieces of the CPython binding. Errors from C arrive as ft_status and become a Python
+ * exception here, exactly once (ft_py_raise). */
+#ifndef FT_PYTHON_BINDING_H
+#define FT_PYTHON_BINDING_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL fasttran_ARRAY_API
+#ifndef FT_BINDING_MAIN
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include "fasttran.h"
+
+/* exception classes from fasttran.errors, looked up at module init */
+typedef struct {
+    PyObject *base, *input, *input_type, *input_range, *checkpoint, *not_found, *io, *unsupported, *backend;
+} ft_py_errors;
+extern ft_py_errors ft_errors;
+
+/* Raise the exception for `st` with ft_last_error() as its message; returns NULL. */
+PyObject *ft_py_raise(ft_status st);
+/* Raise `cls` with a formatted message; returns NULL. */
+PyObject *ft_py_fail(PyObject *cls, const char *fmt, ...);
+
+int ft_py_add_encoder_type(PyObject *module);
+
+#endif

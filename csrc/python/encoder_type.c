@@ -1,0 +1,317 @@
+/* fasttran._C.EncoderCore: a heap type owning one ft_encoder. The Python Encoder class
+ * (fasttran/encoder.py) wraps it with config parsing, conveniences and reprs. */
+#include "binding.h"
+
+typedef struct {
+    PyObject_HEAD
+    ft_encoder *enc;
+} EncoderCore;
+
+static void EncoderCore_dealloc(EncoderCore *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->enc) {
+        ft_encoder *e = self->enc;
+        self->enc = NULL;
+        Py_BEGIN_ALLOW_THREADS     /* waits for a forward running in another thread */
+        ft_encoder_free(e);
+        Py_END_ALLOW_THREADS
+    }
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                             "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "activation",
+                             "pad_token_id", "device_index", NULL};
+    ft_bert_config c;
+    int act = 0, device_index = -1;
+    memset(&c, 0, sizeof c);
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|i", kwlist, &c.vocab_size, &c.hidden_size,
+                                     &c.num_layers, &c.num_heads, &c.intermediate_size,
+                                     &c.max_position_embeddings, &c.type_vocab_size, &c.layer_norm_eps, &act,
+                                     &c.pad_token_id, &device_index))
+        return -1;
+    c.activation = (ft_activation)act;
+    if (self->enc) {
+        ft_py_fail(ft_errors.base, "EncoderCore is already initialised");
+        return -1;
+    }
+    ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
+    ft_status st;
+    ft_encoder *e = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_encoder_create(&c, dev, &e);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { ft_py_raise(st); return -1; }
+    self->enc = e;
+    return 0;
+}
+
+static int ready(EncoderCore *self) {
+    if (!self->enc) { ft_py_fail(ft_errors.base, "EncoderCore is not initialised"); return 0; }
+    return 1;
+}
+
+static PyObject *EncoderCore_load(EncoderCore *self, PyObject *args) {
+    const char *path, *prefix = NULL;
+    if (!ready(self) || !PyArg_ParseTuple(args, "s|z", &path, &prefix)) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_encoder_load_safetensors(self->enc, path, prefix);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *EncoderCore_save(EncoderCore *self, PyObject *args) {
+    const char *path, *dtype = "float32";
+    if (!ready(self) || !PyArg_ParseTuple(args, "s|s", &path, &dtype)) return NULL;
+    ft_dtype dt;
+    if (strcmp(dtype, "float32") == 0) dt = FT_F32;
+    else if (strcmp(dtype, "float16") == 0) dt = FT_F16;
+    else if (strcmp(dtype, "bfloat16") == 0) dt = FT_BF16;
+    else return ft_py_fail(ft_errors.input_type, "save dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_encoder_save_safetensors(self->enc, path, dt);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* ---- inputs ------------------------------------------------------------------------------- */
+
+static int npy_to_ft(int npy, ft_dtype *out) {
+    switch (npy) {
+    case NPY_INT64: *out = FT_I64; return 1;
+    case NPY_INT32: *out = FT_I32; return 1;
+    case NPY_INT16: *out = FT_I16; return 1;
+    case NPY_INT8: *out = FT_I8; return 1;
+    case NPY_UINT8: *out = FT_U8; return 1;
+    case NPY_BOOL: *out = FT_BOOL; return 1;
+    case NPY_FLOAT32: *out = FT_F32; return 1;
+    case NPY_FLOAT64: *out = FT_F64; return 1;
+    default: return 0;
+    }
+}
+
+/* View `obj` (an ndarray) as a 2-D index array in place. Non-contiguous and read-only arrays
+ * are read as they are; only misaligned or byte-swapped ones are copied. `*keep` receives the
+ * array to hold while C reads it. */
+static int index_view(PyObject *obj, const char *what, const npy_intp *expect_shape, ft_index2d *out,
+                      PyArrayObject **keep) {
+    *keep = NULL;
+    if (!PyArray_Check(obj)) {
+        ft_py_fail(ft_errors.input_type, "%s must be a NumPy array or a DLPack tensor, got %s", what,
+                   Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    if (PyArray_NDIM(a) != 2) {
+        ft_py_fail(ft_errors.input, "%s must be 2-D (batch, sequence), got a %d-D array", what, PyArray_NDIM(a));
+        return 0;
+    }
+    ft_dtype dt;
+    if (!npy_to_ft(PyArray_TYPE(a), &dt)) {
+        PyObject *r = PyObject_Repr((PyObject *)PyArray_DESCR(a));
+        ft_py_fail(ft_errors.input_type, "%s has dtype %U; expected int32 or int64", what, r ? r : Py_None);
+        Py_XDECREF(r);
+        return 0;
+    }
+    if (expect_shape && (PyArray_DIM(a, 0) != expect_shape[0] || PyArray_DIM(a, 1) != expect_shape[1])) {
+        ft_py_fail(ft_errors.input, "%s has shape (%zd, %zd) but input_ids has shape (%zd, %zd)", what,
+                   (Py_ssize_t)PyArray_DIM(a, 0), (Py_ssize_t)PyArray_DIM(a, 1), (Py_ssize_t)expect_shape[0],
+                   (Py_ssize_t)expect_shape[1]);
+        return 0;
+    }
+    npy_intp isz = PyArray_ITEMSIZE(a);
+    int ok = PyArray_ISALIGNED(a) && PyArray_ISNOTSWAPPED(a) && PyArray_STRIDE(a, 0) % isz == 0 &&
+             PyArray_STRIDE(a, 1) % isz == 0;
+    if (ok) {
+        Py_INCREF(a);
+    } else {
+        a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 2, 2, NPY_ARRAY_CARRAY_RO | NPY_ARRAY_ENSURECOPY, NULL);
+        if (!a) return 0;
+        npy_to_ft(PyArray_TYPE(a), &dt);
+    }
+    *keep = a;
+    out->data = PyArray_DATA(a);
+    out->dtype = dt;
+    out->stride[0] = PyArray_STRIDE(a, 0) / (npy_intp)PyArray_ITEMSIZE(a);
+    out->stride[1] = PyArray_STRIDE(a, 1) / (npy_intp)PyArray_ITEMSIZE(a);
+    return 1;
+}
+
+/* Between layers: take the GIL back briefly and let Python run its signal handlers, so Ctrl-C
+ * stops a long forward. The exception is stashed and restored after the forward returns. */
+typedef struct {
+    PyThreadState *ts;
+    PyObject *type, *value, *tb;
+} cancel_state;
+
+static int check_signals(void *arg) {
+    cancel_state *cs = arg;
+    PyEval_RestoreThread(cs->ts);
+    int stop = PyErr_CheckSignals() < 0;
+    if (stop) PyErr_Fetch(&cs->type, &cs->value, &cs->tb);
+    cs->ts = PyEval_SaveThread();
+    return stop;
+}
+
+/* forward(ids, mask, types, layers, pooling, want_hidden) -> (hidden list | None, pooled list | None) */
+static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args) {
+    PyObject *ids_obj, *mask_obj, *types_obj, *layers;
+    int pooling, want_hidden;
+    if (!ready(self) ||
+        !PyArg_ParseTuple(args, "OOOO!ip", &ids_obj, &mask_obj, &types_obj, &PyTuple_Type, &layers, &pooling,
+                          &want_hidden))
+        return NULL;
+    const ft_bert_config *cfg = ft_encoder_config(self->enc);
+    const int64_t L = cfg->num_layers, C = cfg->hidden_size;
+    if (pooling < FT_POOL_NONE || pooling > FT_POOL_MEAN) return ft_py_fail(ft_errors.input, "bad pooling code %d", pooling);
+    ft_index2d ids, mask, types;
+    PyArrayObject *k_ids = NULL, *k_mask = NULL, *k_types = NULL;
+    PyObject *hidden = NULL, *pooled = NULL, *result = NULL;
+    float **hptr = NULL, **pptr = NULL;
+    if (!index_view(ids_obj, "input_ids", NULL, &ids, &k_ids)) return NULL;
+    npy_intp shape[3] = {PyArray_DIM(k_ids, 0), PyArray_DIM(k_ids, 1), (npy_intp)C};
+    if (mask_obj != Py_None && !index_view(mask_obj, "attention_mask", shape, &mask, &k_mask)) goto done;
+    if (types_obj != Py_None && !index_view(types_obj, "token_type_ids", shape, &types, &k_types)) goto done;
+
+    Py_ssize_t nl = PyTuple_GET_SIZE(layers);
+    hptr = PyMem_Calloc((size_t)L + 1, sizeof *hptr);
+    pptr = PyMem_Calloc((size_t)L + 1, sizeof *pptr);
+    if (!hptr || !pptr) { PyErr_NoMemory(); goto done; }
+    hidden = want_hidden ? PyList_New(nl) : Py_NewRef(Py_None);
+    pooled = pooling ? PyList_New(nl) : Py_NewRef(Py_None);
+    if (!hidden || !pooled) goto done;
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        long l = PyLong_AsLong(PyTuple_GET_ITEM(layers, k));
+        if (l == -1 && PyErr_Occurred()) goto done;
+        if (l < 0 || l > L) { ft_py_fail(ft_errors.input, "layer %ld out of range 0..%lld", l, (long long)L); goto done; }
+        if (hptr[l] || pptr[l]) { ft_py_fail(ft_errors.input, "layer %ld requested twice", l); goto done; }
+        if (want_hidden) {
+            PyObject *a = PyArray_SimpleNew(3, shape, NPY_FLOAT32);
+            if (!a) goto done;
+            PyList_SET_ITEM(hidden, k, a);
+            hptr[l] = PyArray_DATA((PyArrayObject *)a);
+        }
+        if (pooling) {
+            npy_intp ps[2] = {shape[0], (npy_intp)C};
+            PyObject *a = PyArray_SimpleNew(2, ps, NPY_FLOAT32);
+            if (!a) goto done;
+            PyList_SET_ITEM(pooled, k, a);
+            pptr[l] = PyArray_DATA((PyArrayObject *)a);
+        }
+    }
+    {
+        ft_status st;
+        cancel_state cs = {NULL, NULL, NULL, NULL};
+        cs.ts = PyEval_SaveThread();
+        st = ft_encoder_forward(self->enc, shape[0], shape[1], &ids, k_mask ? &mask : NULL,
+                                k_types ? &types : NULL, hptr, pptr, (ft_pooling)pooling, check_signals, &cs);
+        PyEval_RestoreThread(cs.ts);
+        if (cs.type) PyErr_Restore(cs.type, cs.value, cs.tb);
+        if (st != FT_OK) { ft_py_raise(st); goto done; }
+    }
+    result = PyTuple_Pack(2, hidden, pooled);
+done:
+    PyMem_Free(hptr);
+    PyMem_Free(pptr);
+    Py_XDECREF(hidden);
+    Py_XDECREF(pooled);
+    Py_XDECREF(k_ids);
+    Py_XDECREF(k_mask);
+    Py_XDECREF(k_types);
+    return result;
+}
+
+/* tensors() -> [(name, shape)] in parameter-table order */
+static PyObject *EncoderCore_tensors(EncoderCore *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self)) return NULL;
+    size_t n = ft_encoder_num_tensors(self->enc);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        const char *name;
+        int nd;
+        int64_t sh[2];
+        float *data;
+        ft_encoder_tensor_info(self->enc, i, &name, &nd, sh, &data);
+        PyObject *t = nd == 2 ? Py_BuildValue("(s(LL))", name, (long long)sh[0], (long long)sh[1])
+                              : Py_BuildValue("(s(L))", name, (long long)sh[0]);
+        if (!t) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    return out;
+}
+
+/* tensor(i) -> a NumPy copy of parameter i (host copy of the weights) */
+static PyObject *EncoderCore_tensor(EncoderCore *self, PyObject *arg) {
+    if (!ready(self)) return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    const char *name;
+    int nd;
+    int64_t sh[2];
+    float *data;
+    if (i < 0) return ft_py_fail(ft_errors.input_range, "tensor index %zd out of range", i);
+    ft_status st = ft_encoder_tensor_info(self->enc, (size_t)i, &name, &nd, sh, &data);
+    if (st != FT_OK) return ft_py_raise(st);
+    npy_intp dims[2] = {(npy_intp)sh[0], (npy_intp)sh[1]};
+    PyObject *a = PyArray_SimpleNew(nd, dims, NPY_FLOAT32);
+    if (a) memcpy(PyArray_DATA((PyArrayObject *)a), data, (size_t)(sh[0] * sh[1]) * sizeof(float));
+    return a;
+}
+
+static PyObject *EncoderCore_get_has_pooler(EncoderCore *self, void *c) {
+    (void)c;
+    if (!ready(self)) return NULL;
+    return PyBool_FromLong(ft_encoder_has_pooler(self->enc));
+}
+static PyObject *EncoderCore_get_num_parameters(EncoderCore *self, void *c) {
+    (void)c;
+    if (!ready(self)) return NULL;
+    return PyLong_FromSize_t(ft_encoder_param_count(self->enc));
+}
+static PyObject *EncoderCore_get_workspace_bytes(EncoderCore *self, void *c) {
+    (void)c;
+    if (!ready(self)) return NULL;
+    return PyLong_FromSize_t(ft_encoder_workspace_bytes(self->enc));
+}
+
+static PyMethodDef EncoderCore_methods[] = {
+    {"load", (PyCFunction)EncoderCore_load, METH_VARARGS, "load(path, prefix=None): read a safetensors file."},
+    {"save", (PyCFunction)EncoderCore_save, METH_VARARGS, "save(path, dtype='float32'): write safetensors atomically."},
+    {"forward", (PyCFunction)EncoderCore_forward, METH_VARARGS,
+     "forward(ids, mask, types, layers, pooling, want_hidden) -> (hidden, pooled)."},
+    {"tensors", (PyCFunction)EncoderCore_tensors, METH_NOARGS, "[(name, shape)] of the parameter table."},
+    {"tensor", (PyCFunction)EncoderCore_tensor, METH_O, "tensor(i): copy of parameter i."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef EncoderCore_getset[] = {
+    {"has_pooler", (getter)EncoderCore_get_has_pooler, NULL, "whether the checkpoint had pooler weights", NULL},
+    {"num_parameters", (getter)EncoderCore_get_num_parameters, NULL, "float parameters in the table", NULL},
+    {"workspace_bytes", (getter)EncoderCore_get_workspace_bytes, NULL, "bytes in the activation workspace", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot EncoderCore_slots[] = {
+    {Py_tp_dealloc, EncoderCore_dealloc},
+    {Py_tp_init, EncoderCore_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_methods, EncoderCore_methods},
+    {Py_tp_getset, EncoderCore_getset},
+    {Py_tp_doc, "The C encoder behind fasttran.Encoder."},
+    {0, NULL}};
+
+static PyType_Spec EncoderCore_spec = {"fasttran._C.EncoderCore", sizeof(EncoderCore), 0, Py_TPFLAGS_DEFAULT,
+                                       EncoderCore_slots};
+
+int ft_py_add_encoder_type(PyObject *m) {
+    PyObject *tp = PyType_FromModuleAndSpec(m, &EncoderCore_spec, NULL);
+    if (!tp) return -1;
+    int r = PyModule_AddObjectRef(m, "EncoderCore", tp);
+    Py_DECREF(tp);
+    return r;
+}

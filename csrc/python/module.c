@@ -1,0 +1,120 @@
+/* fasttran._C: module init, the status -> exception mapping, build and runtime info. */
+#define FT_BINDING_MAIN
+#include "binding.h"
+
+ft_py_errors ft_errors;
+
+PyObject *ft_py_fail(PyObject *cls, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    if (msg) {
+        PyErr_SetObject(cls, msg);
+        Py_DECREF(msg);
+    }
+    return NULL;
+}
+
+PyObject *ft_py_raise(ft_status st) {
+    const char *msg = ft_last_error();
+    if (!msg[0]) msg = ft_status_name(st);
+    PyObject *cls;
+    switch (st) {
+    case FT_ERR_INVALID_ARGUMENT: cls = ft_errors.input; break;
+    case FT_ERR_DTYPE: cls = ft_errors.input_type; break;
+    case FT_ERR_OUT_OF_RANGE: cls = ft_errors.input_range; break;
+    case FT_ERR_NOMEM: cls = PyExc_MemoryError; break;
+    case FT_ERR_IO: cls = ft_errors.io; break;
+    case FT_ERR_NOT_FOUND: cls = ft_errors.not_found; break;
+    case FT_ERR_FORMAT: cls = ft_errors.checkpoint; break;
+    case FT_ERR_UNSUPPORTED: cls = ft_errors.unsupported; break;
+    case FT_ERR_DEVICE: cls = ft_errors.backend; break;
+    case FT_ERR_INTERRUPTED:
+        if (PyErr_Occurred()) return NULL;   /* the KeyboardInterrupt is already set */
+        cls = PyExc_KeyboardInterrupt;
+        break;
+    default: cls = ft_errors.base; break;
+    }
+    PyErr_SetString(cls, msg);
+    ft_clear_error();
+    return NULL;
+}
+
+static PyObject *py_blas_name(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return PyUnicode_FromString(ft_blas_name());
+}
+
+static PyObject *py_num_threads(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return PyLong_FromLong(ft_num_threads());
+}
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) return ft_py_fail(ft_errors.input, "number of threads must be >= 1, got %ld", n);
+    ft_set_num_threads((int)n);
+    Py_RETURN_NONE;
+}
+
+/* cuda_probe() -> (device_count, description, error or None) */
+static PyObject *py_cuda_probe(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    int count = 0;
+    char desc[1024];
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_cuda_probe(&count, desc, sizeof desc);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) {
+        PyObject *r = Py_BuildValue("(iss)", 0, "", ft_last_error());
+        ft_clear_error();
+        return r;
+    }
+    return Py_BuildValue("(isO)", count, desc, Py_None);
+}
+
+static PyMethodDef module_methods[] = {
+    {"blas_name", py_blas_name, METH_NOARGS, "The BLAS library and CPU core it selected."},
+    {"num_threads", py_num_threads, METH_NOARGS, "Threads used by OpenMP and BLAS."},
+    {"set_num_threads", py_set_num_threads, METH_O, "Set the threads used by OpenMP and BLAS."},
+    {"cuda_probe", py_cuda_probe, METH_NOARGS, "(device_count, description, error) of the CUDA backend."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fasttran._C",
+                                        "fasttran's C core (see csrc/include/fasttran.h).", -1,
+                                        module_methods};
+
+static int load_errors(void) {
+    PyObject *m = PyImport_ImportModule("fasttran.errors");
+    if (!m) return -1;
+    struct { PyObject **slot; const char *name; } names[] = {
+        {&ft_errors.base, "FastTranError"}, {&ft_errors.input, "InputError"},
+        {&ft_errors.input_type, "InputTypeError"}, {&ft_errors.input_range, "InputRangeError"},
+        {&ft_errors.checkpoint, "CheckpointError"}, {&ft_errors.not_found, "CheckpointNotFoundError"},
+        {&ft_errors.io, "FastTranIOError"}, {&ft_errors.unsupported, "UnsupportedError"},
+        {&ft_errors.backend, "BackendError"}};
+    for (size_t k = 0; k < sizeof names / sizeof *names; k++) {
+        *names[k].slot = PyObject_GetAttrString(m, names[k].name);
+        if (!*names[k].slot) { Py_DECREF(m); return -1; }
+    }
+    Py_DECREF(m);
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__C(void) {
+    import_array();
+    if (load_errors() < 0) return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m) return NULL;
+    if (PyModule_AddStringConstant(m, "version", FT_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "cuda_compiled", ft_cuda_compiled()) < 0 ||
+        ft_py_add_encoder_type(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

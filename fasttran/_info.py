@@ -1,0 +1,56 @@
+"""What was built, and what this machine offers at run time."""
+import platform
+
+from . import _C
+
+try:
+    from ._build_config import BUILD
+except ImportError:  # pragma: no cover - only an incomplete in-place build lacks it
+    BUILD = {}
+
+
+def _cuda_runtime():
+    count, desc, err = _C.cuda_probe()
+    return count, desc, err
+
+
+def cuda_available():
+    """True when the CUDA backend was built, loads, and sees at least one device."""
+    if not _C.cuda_compiled:
+        return False
+    return _cuda_runtime()[0] > 0
+
+
+def build_info():
+    """A dict describing the build (backends, BLAS, compiler flags, CUDA archs) and the
+    runtime (threads, CUDA devices, or why CUDA is unavailable)."""
+    count, desc, err = _cuda_runtime()
+    return {
+        "version": _C.version,
+        "backends": ["cpu"] + (["cuda"] if _C.cuda_compiled else []),
+        "blas": _C.blas_name(),
+        "threads": _C.num_threads(),
+        "compiler": BUILD.get("compiler"),
+        "cflags": BUILD.get("cflags"),
+        "numpy_build_version": BUILD.get("numpy_build_version"),
+        "python": platform.python_version(),
+        "cuda": {
+            "compiled": bool(_C.cuda_compiled),
+            "version": BUILD.get("cuda_version"),
+            "archs": BUILD.get("cuda_archs", []),
+            "cublas": BUILD.get("cublas_source"),
+            "device_count": count,
+            "devices": desc or None,
+            "unavailable_reason": err,
+        },
+    }
+
+
+def get_num_threads():
+    """Threads used by fasttran's CPU backend (OpenMP row ops and OpenBLAS GEMMs)."""
+    return _C.num_threads()
+
+
+def set_num_threads(n):
+    """Set the threads used by fasttran's CPU backend."""
+    _C.set_num_threads(int(n))

@@ -1,0 +1,406 @@
+"""fasttran.Encoder: a Hugging Face BERT-family checkpoint on fasttran's C core.
+
+The Python side only parses config.json, finds files, converts inputs to arrays, and adds
+conveniences (encode, reprs). Weights are read by the C safetensors reader; the forward pass
+runs in C with the GIL released.
+"""
+import json
+import os
+
+import numpy as np
+
+from . import _C
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InputError,
+    InputTypeError,
+    UnsupportedError,
+    UnsupportedModelError,
+)
+
+_ACTIVATIONS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "relu": 2}
+_POOLING = {None: 0, "none": 0, "cls": 1, "mean": 2}
+
+# transformers.BertConfig defaults, used when a field is absent (as transformers does)
+_BERT_DEFAULTS = {
+    "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512,
+    "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
+}
+
+
+def parse_bert_config(cfg, source="config.json"):
+    """Validate a config dict and return the fields fasttran uses. Anything the C encoder does
+    not implement is refused by name."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+    model_type = cfg.get("model_type", "bert")
+    if model_type != "bert":
+        raise UnsupportedModelError(
+            f"{source}: model_type {model_type!r} is not supported; fasttran implements BERT "
+            "(model_type 'bert')")
+    pos_type = cfg.get("position_embedding_type", "absolute")
+    if pos_type != "absolute":
+        raise UnsupportedModelError(
+            f"{source}: position_embedding_type {pos_type!r} is not supported; only 'absolute'")
+    for flag in ("is_decoder", "add_cross_attention"):
+        if cfg.get(flag):
+            raise UnsupportedModelError(f"{source}: {flag}=true is not supported (encoders only)")
+    out = {k: cfg.get(k, v) for k, v in _BERT_DEFAULTS.items()}
+    act = out["hidden_act"]
+    if not isinstance(act, str) or act not in _ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{source}: hidden_act {act!r} is not supported; supported: " + ", ".join(sorted(_ACTIVATIONS)))
+    for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k == "num_hidden_layers" else 1):
+            raise CheckpointError(f"{source}: {k} must be a positive integer, got {v!r}")
+    if out["hidden_size"] % out["num_attention_heads"]:
+        raise CheckpointError(
+            f"{source}: hidden_size {out['hidden_size']} is not a multiple of "
+            f"num_attention_heads {out['num_attention_heads']}")
+    eps = out["layer_norm_eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise CheckpointError(f"{source}: layer_norm_eps must be a positive number, got {eps!r}")
+    if out["pad_token_id"] is None:
+        out["pad_token_id"] = 0
+    return out
+
+
+def _find_checkpoint(path):
+    """Return (weights file, config file, directory of the tokenizer files, max_seq_length).
+    Handles plain transformers directories and sentence-transformers layouts (modules.json
+    naming the Transformer module's folder)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"checkpoint path {path!r} does not exist")
+    if os.path.isfile(path):
+        if path.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl")):
+            raise CheckpointError(f"{path}: fasttran never loads pickle files; convert it to safetensors")
+        root, weights = os.path.dirname(path) or ".", path
+    else:
+        root, weights = path, None
+    model_dir = root
+    modules = os.path.join(root, "modules.json")
+    if weights is None and os.path.isfile(modules):
+        try:
+            with open(modules) as f:
+                mods = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{modules}: cannot read: {e}") from e
+        for m in mods if isinstance(mods, list) else []:
+            if isinstance(m, dict) and str(m.get("type", "")).endswith("models.Transformer"):
+                model_dir = os.path.join(root, m.get("path", "") or "")
+                break
+    if weights is None:
+        weights = os.path.join(model_dir, "model.safetensors")
+        if not os.path.isfile(weights):
+            if os.path.isfile(os.path.join(model_dir, "model.safetensors.index.json")):
+                raise UnsupportedError(f"{model_dir}: sharded safetensors checkpoints are not supported yet")
+            pickles = [n for n in ("pytorch_model.bin", "tf_model.h5") if os.path.isfile(os.path.join(model_dir, n))]
+            if pickles:
+                raise CheckpointError(
+                    f"{model_dir}: has only {pickles[0]}; fasttran never loads pickle files. Save the model "
+                    "with safe_serialization=True to get model.safetensors")
+            raise CheckpointNotFoundError(f"{model_dir}: no model.safetensors")
+    config = os.path.join(os.path.dirname(weights), "config.json")
+    if not os.path.isfile(config):
+        raise CheckpointNotFoundError(f"{os.path.dirname(weights)}: no config.json next to the weights")
+    max_len = None
+    for d in (model_dir, root):
+        sb = os.path.join(d, "sentence_bert_config.json")
+        if os.path.isfile(sb):
+            try:
+                with open(sb) as f:
+                    max_len = json.load(f).get("max_seq_length")
+            except (OSError, ValueError):
+                max_len = None
+            break
+    tok_dir = next((d for d in (model_dir, root) if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
+    return weights, config, tok_dir, max_len
+
+
+def _as_index_array(x, name):
+    """NumPy arrays pass through; any DLPack producer (a torch tensor) is viewed without a
+    copy; lists become arrays."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        dev = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
+        if int(dev[0]) not in (1, 3):   # kDLCPU, kDLCUDAHost
+            raise UnsupportedError(
+                f"{name} is on DLPack device {tuple(int(d) for d in dev)}; this encoder runs on the CPU, "
+                "pass a CPU tensor")
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, BufferError, RuntimeError) as e:
+            raise InputTypeError(f"{name}: cannot read this DLPack tensor: {e}") from e
+    if isinstance(x, (list, tuple)):
+        try:
+            a = np.asarray(x)
+        except ValueError as e:
+            raise InputError(f"{name}: ragged nested lists; pad them to one length first ({e})") from e
+        if a.dtype.kind not in "iub":
+            raise InputTypeError(f"{name}: expected integers, got a list of {a.dtype}")
+        return a.astype(np.int64) if a.dtype.kind != "b" else a
+    raise InputTypeError(f"{name} must be a NumPy array, a DLPack tensor or a list, got {type(x).__name__}")
+
+
+class Encoder:
+    """A BERT-family encoder on fasttran's C core.
+
+    Create it with :meth:`from_pretrained`. ``forward`` returns NumPy float32 arrays: hidden
+    states ``(batch, seq, hidden)`` of any layers (0 = embeddings output), or pooled vectors
+    ``(batch, hidden)``; ``encode`` embeds texts like sentence-transformers.
+    """
+
+    def __init__(self, config, device="cpu"):
+        """A blank encoder (zero weights) for a config dict; use :meth:`from_pretrained` to
+        load a checkpoint."""
+        self.config = parse_bert_config(config, "config")
+        self._raw_config = dict(config)
+        self.device = self._parse_device(device)
+        if self.device != "cpu" and not _C.cuda_compiled:
+            raise UnsupportedError(f"device {device!r}: " + str(_C.cuda_probe()[2]))
+        c = self.config
+        self._core = _C.EncoderCore(
+            c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+            c["intermediate_size"], c["max_position_embeddings"], c["type_vocab_size"], float(c["layer_norm_eps"]),
+            _ACTIVATIONS[c["hidden_act"]], int(c["pad_token_id"]), -1 if self.device == "cpu" else int(self.device[5:]))
+        self.path = None
+        self.tokenizer = None
+        self.max_seq_length = c["max_position_embeddings"]
+
+    @staticmethod
+    def _parse_device(device):
+        if not isinstance(device, str):
+            raise InputTypeError(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
+        d = device.strip().lower()
+        if d == "cpu":
+            return "cpu"
+        if d == "cuda":
+            return "cuda:0"
+        if d.startswith("cuda:") and d[5:].isdigit():
+            return d
+        raise InputError(f"unknown device {device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+
+    # ---- loading and saving ---------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", prefix=None, load_tokenizer=True):
+        """Load a Hugging Face BERT checkpoint directory (config.json + model.safetensors), a
+        sentence-transformers directory, or a model.safetensors file with config.json beside
+        it. Tensor names may carry a prefix such as ``bert.`` (detected, or pass ``prefix``).
+        Pickle checkpoints (pytorch_model.bin) are refused."""
+        weights, config_file, tok_dir, max_len = _find_checkpoint(path)
+        try:
+            with open(config_file) as f:
+                raw = json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
+        parse_bert_config(raw, config_file)   # errors name the file
+        enc = cls(raw, device)
+        enc._core.load(weights, prefix)
+        enc.path = os.path.abspath(os.fspath(path))
+        if max_len:
+            enc.max_seq_length = min(int(max_len), enc.config["max_position_embeddings"])
+        if load_tokenizer and tok_dir:
+            enc._load_tokenizer(tok_dir)
+        return enc
+
+    def _load_tokenizer(self, tok_dir):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return   # optional: encode() explains what to install
+        tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+        tok.no_padding()
+        tok.enable_truncation(max_length=self.max_seq_length)
+        self.tokenizer = tok
+
+    def save_pretrained(self, path, dtype="float32"):
+        """Write config.json + model.safetensors (Hugging Face BertModel names) into directory
+        `path`, atomically; loadable by transformers' BertModel.from_pretrained."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self._core.save(os.path.join(path, "model.safetensors"), dtype)
+        c = self.config
+        out = {k: v for k, v in self._raw_config.items() if not k.startswith("_")}
+        out.update({
+            "architectures": ["BertModel"], "model_type": "bert", "position_embedding_type": "absolute",
+            "vocab_size": c["vocab_size"], "hidden_size": c["hidden_size"],
+            "num_hidden_layers": c["num_hidden_layers"], "num_attention_heads": c["num_attention_heads"],
+            "intermediate_size": c["intermediate_size"], "hidden_act": c["hidden_act"],
+            "max_position_embeddings": c["max_position_embeddings"], "type_vocab_size": c["type_vocab_size"],
+            "layer_norm_eps": c["layer_norm_eps"], "pad_token_id": c["pad_token_id"],
+            "torch_dtype": dtype, "add_pooling_layer": bool(self._core.has_pooler),
+        })
+        tmp = os.path.join(path, f"config.json.tmp.{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, "config.json"))
+        return path
+
+    def state_dict(self):
+        """{Hugging Face name: float32 NumPy copy} of every parameter."""
+        names = self._core.tensors()
+        out = {}
+        for i, (name, _shape) in enumerate(names):
+            if name.startswith("pooler.") and not self._core.has_pooler:
+                continue
+            out[name] = self._core.tensor(i)
+        return out
+
+    # ---- properties --------------------------------------------------------------------------
+    @property
+    def num_layers(self):
+        return self.config["num_hidden_layers"]
+
+    @property
+    def hidden_size(self):
+        return self.config["hidden_size"]
+
+    @property
+    def has_pooler(self):
+        return bool(self._core.has_pooler)
+
+    @property
+    def num_parameters(self):
+        return sum(int(np.prod(s)) for n, s in self._core.tensors()
+                   if self._core.has_pooler or not n.startswith("pooler."))
+
+    # ---- forward -------------------------------------------------------------------------------
+    def _layer_list(self, output_layers):
+        L = self.num_layers
+        single = isinstance(output_layers, (int, np.integer)) and not isinstance(output_layers, bool)
+        items = [output_layers] if single else output_layers
+        try:
+            items = list(items)
+        except TypeError:
+            raise InputTypeError(f"output_layers must be an int or a list of ints, got {type(output_layers).__name__}") from None
+        if not items:
+            raise InputError("output_layers is empty")
+        layers = []
+        for x in items:
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                raise InputTypeError(f"output_layers entries must be ints, got {x!r}")
+            x = int(x)
+            if not -(L + 1) <= x <= L:
+                raise InputError(f"output layer {x} out of range: this encoder has layers 0..{L} (or -1..-{L + 1})")
+            layers.append(x % (L + 1))
+        return single, layers
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_layers=-1, pooling=None):
+        """Run the encoder.
+
+        input_ids, attention_mask, token_type_ids: (batch, seq) NumPy int32/int64 arrays (the
+        mask may also be bool/uint8/float 0-1), or CPU DLPack tensors (read in place).
+        output_layers: an int or a list of ints; 0 = embeddings output, L = last layer,
+        negatives count from the end. pooling: None, "cls" or "mean" (mask-aware).
+        Returns one float32 array for an int, a list for a list: (batch, seq, hidden) hidden
+        states, or (batch, hidden) when pooling."""
+        if pooling not in _POOLING:
+            raise InputError(f"pooling must be None, 'cls' or 'mean', got {pooling!r}")
+        single, layers = self._layer_list(output_layers)
+        ids = _as_index_array(input_ids, "input_ids")
+        mask = _as_index_array(attention_mask, "attention_mask")
+        types = _as_index_array(token_type_ids, "token_type_ids")
+        unique = tuple(dict.fromkeys(layers))
+        hidden, pooled = self._core.forward(ids, mask, types, unique, _POOLING[pooling], pooling is None)
+        got = dict(zip(unique, pooled if pooling is not None else hidden))
+        out = [got[l] if i == layers.index(l) else got[l].copy() for i, l in enumerate(layers)]
+        return out[0] if single else out
+
+    __call__ = forward
+
+    # ---- text ------------------------------------------------------------------------------------
+    def tokenize(self, texts, max_length=None):
+        """Tokenize with the checkpoint's tokenizer.json and pad to the longest: returns
+        (input_ids, attention_mask, token_type_ids) int64 arrays."""
+        if self.tokenizer is None:
+            raise UnsupportedError(
+                "no tokenizer: install the 'tokenizers' package (pip install fasttran[text]) and load a "
+                "checkpoint that has tokenizer.json")
+        if isinstance(texts, str):
+            texts = [texts]
+        if max_length is not None and max_length != self.max_seq_length:
+            self.tokenizer.enable_truncation(max_length=int(max_length))
+        try:
+            encs = self.tokenizer.encode_batch(list(texts))
+        finally:
+            if max_length is not None:
+                self.tokenizer.enable_truncation(max_length=self.max_seq_length)
+        T = max((len(e.ids) for e in encs), default=0)
+        ids = np.zeros((len(encs), T), np.int64)
+        mask = np.zeros((len(encs), T), np.int64)
+        types = np.zeros((len(encs), T), np.int64)
+        ids[:] = self.config["pad_token_id"]
+        for i, e in enumerate(encs):
+            n = len(e.ids)
+            ids[i, :n] = e.ids
+            mask[i, :n] = e.attention_mask
+            types[i, :n] = e.type_ids
+        return ids, mask, types
+
+    def encode(self, texts, batch_size=32, pooling="mean", normalize=False, layer=-1, show_progress=None):
+        """Embed texts like sentence-transformers' ``encode``: tokenize, batch by length (so
+        little padding), run, pool, restore the input order. Returns (n, hidden) float32.
+        A progress bar is shown for long inputs (over 1,000 texts) unless show_progress=False."""
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        if pooling not in ("mean", "cls"):
+            raise InputError(f"encode pooling must be 'mean' or 'cls', got {pooling!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not all(isinstance(t, str) for t in texts):
+            raise InputTypeError("encode takes a list of strings")
+        out = np.zeros((len(texts), self.hidden_size), np.float32)
+        if not texts:
+            return out
+        if self.tokenizer is None:
+            self.tokenize([])   # raises the explanation
+        lengths = [len(e.ids) for e in self.tokenizer.encode_batch(texts)]
+        order = np.argsort(-np.asarray(lengths), kind="stable")
+        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        if show_progress is None:
+            show_progress = len(texts) > 1000
+        it = batches
+        if show_progress:
+            from tqdm.auto import tqdm
+            it = tqdm(batches, desc="encode", unit="batch")
+        for idx in it:
+            ids, mask, types = self.tokenize([texts[i] for i in idx])
+            out[idx] = self.forward(ids, mask, types, output_layers=layer, pooling=pooling)
+        if normalize:
+            norms = np.linalg.norm(out, axis=1, keepdims=True)
+            out /= np.maximum(norms, 1e-12)
+        return out
+
+    # ---- reprs -------------------------------------------------------------------------------------
+    def _summary(self):
+        c = self.config
+        return [
+            ("layers", c["num_hidden_layers"]), ("hidden", c["hidden_size"]), ("heads", c["num_attention_heads"]),
+            ("intermediate", c["intermediate_size"]), ("vocab", c["vocab_size"]),
+            ("max positions", c["max_position_embeddings"]), ("activation", c["hidden_act"]),
+            ("parameters", f"{self.num_parameters / 1e6:.1f} M"), ("pooler", self.has_pooler),
+            ("device", self.device), ("tokenizer", self.tokenizer is not None),
+        ]
+
+    def __repr__(self):
+        c = self.config
+        src = f", path={self.path!r}" if self.path else ""
+        return (f"Encoder(bert, layers={c['num_hidden_layers']}, hidden={c['hidden_size']}, "
+                f"heads={c['num_attention_heads']}, intermediate={c['intermediate_size']}, "
+                f"params={self.num_parameters / 1e6:.1f}M, device={self.device!r}{src})")
+
+    def _repr_html_(self):
+        import html
+        rows = "".join(f"<tr><th style='text-align:left'>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+                       for k, v in self._summary())
+        title = html.escape(self.path or "fasttran.Encoder")
+        return f"<div><b>fasttran.Encoder</b> <code>{title}</code><table>{rows}</table></div>"

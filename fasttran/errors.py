@@ -1,0 +1,43 @@
+"""One exception hierarchy. Every error raised by fasttran is a FastTranError and also the
+built-in type a caller would expect (ValueError for bad values, TypeError for bad dtypes,
+FileNotFoundError for a missing file...), so generic handlers keep working."""
+
+
+class FastTranError(Exception):
+    """Base class of every fasttran error."""
+
+
+class InputError(FastTranError, ValueError):
+    """An argument has a bad value or shape (empty batch, mismatched shapes, bad option)."""
+
+
+class InputTypeError(FastTranError, TypeError):
+    """An array or tensor has a dtype or type fasttran cannot take."""
+
+
+class InputRangeError(InputError, IndexError):
+    """A value is out of range: a token id >= vocab_size, a type id >= type_vocab_size..."""
+
+
+class CheckpointError(FastTranError, ValueError):
+    """A checkpoint file is corrupt, truncated, inconsistent, or does not match its config."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint describes a model fasttran does not implement (named in the message)."""
+
+
+class CheckpointNotFoundError(FastTranError, FileNotFoundError):
+    """A checkpoint directory or file does not exist."""
+
+
+class FastTranIOError(FastTranError, OSError):
+    """Reading or writing a file failed (permissions, disk full...)."""
+
+
+class UnsupportedError(FastTranError, NotImplementedError):
+    """An operation is not available in this build or on this backend."""
+
+
+class BackendError(FastTranError, RuntimeError):
+    """The compute backend failed (no CUDA device, CUDA or cuBLAS error)."""

@@ -1,0 +1,179 @@
+"""Build fasttran: the C extension fasttran._C (core, CPU backend, binding) and, when CUDA is
+found, the CUDA backend library fasttran/libfasttran_cuda.so (opened at run time by the core).
+
+Environment:
+  FASTTRAN_CUDA=0|1|auto   force the CUDA backend off / on (on without nvcc is an error)
+  FASTTRAN_CUDA_ARCHS      e.g. "80;90" (SASS for each, plus PTX for the lowest)
+  FASTTRAN_MARCH           -march for the CPU code (default: native; "" to omit)
+  FASTTRAN_SANITIZE=address  build with AddressSanitizer (tests run with LD_PRELOAD=libasan)
+  FASTTRAN_DEBUG=1         -O0 -g
+"""
+import glob
+import os
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import build_backend as cuda_env  # noqa: E402  (one definition of CUDA discovery)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join("csrc")
+BASE_DEPS = ["numpy>=2.0", "scipy-openblas32>=0.3.27", "tqdm"]
+
+
+def c_sources():
+    dirs = ["core", "io", "cpu", "model", "python"]
+    return sorted(f for d in dirs for f in glob.glob(os.path.join(CSRC, d, "*.c")))
+
+
+def cpu_flags():
+    flags = ["-std=c11", "-fopenmp", "-fvisibility=hidden", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra",
+             "-Wno-unused-parameter", "-Wno-missing-field-initializers", "-Wno-cast-function-type"]
+    if os.environ.get("FASTTRAN_DEBUG") == "1":
+        flags += ["-O0", "-g"]
+    else:
+        flags += ["-O3", "-fno-math-errno"]
+    march = os.environ.get("FASTTRAN_MARCH", "native")
+    if march:
+        flags.append(f"-march={march}")
+    if os.environ.get("FASTTRAN_SANITIZE") == "address":
+        flags += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+    return flags
+
+
+def cuda_config():
+    """None (CPU-only build) or a dict describing the CUDA toolchain to use."""
+    mode = cuda_env.cuda_mode()
+    if mode == "off":
+        return None
+    nvcc = cuda_env.find_nvcc()
+    if not nvcc:
+        if mode == "on":
+            raise RuntimeError("FASTTRAN_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+        return None
+    home = os.path.dirname(os.path.dirname(nvcc))
+    blas = cuda_env.find_cublas(home)
+    if not blas:
+        msg = ("nvcc found at %s but no cuBLAS (cublas_v2.h) in the toolkit or in an nvidia-cublas wheel; "
+               "install %s or set FASTTRAN_CUDA=0" % (nvcc, cuda_env.cublas_wheel_name(nvcc)))
+        if mode == "on":
+            raise RuntimeError(msg)
+        print("fasttran: " + msg + " -- building CPU-only", file=sys.stderr)
+        return None
+    archs = os.environ.get("FASTTRAN_CUDA_ARCHS", "80;90")
+    archs = [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
+    return {"nvcc": nvcc, "home": home, "version": "%d.%d" % cuda_env.nvcc_version(nvcc),
+            "cublas_include": blas[0], "cublas_lib": blas[1], "cublas_source": blas[2], "archs": archs}
+
+
+def versioned_lib(libdir, name):
+    """Path of lib<name>.so or its highest versioned file (the wheels ship only .so.N)."""
+    plain = os.path.join(libdir, f"lib{name}.so")
+    if os.path.exists(plain):
+        return plain
+    found = sorted(glob.glob(os.path.join(libdir, f"lib{name}.so.*")))
+    if not found:
+        raise RuntimeError(f"lib{name}.so not found in {libdir}")
+    return found[0]
+
+
+class FastTranBuildExt(build_ext):
+    def build_extensions(self):
+        self.cuda = cuda_config()
+        ext = self.extensions[0]
+        if self.cuda:
+            ext.define_macros.append(("FT_WITH_CUDA", "1"))
+        # gcc and flags: plain C11, never the C++ compiler setuptools may pick for linking
+        super().build_extensions()
+        out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
+        if self.cuda:
+            self.build_cuda_library(out_dir)
+        self.write_build_config(out_dir)
+
+    def build_cuda_library(self, out_dir):
+        cu = self.cuda
+        objs = []
+        tmp = os.path.join(self.build_temp, "cuda")
+        os.makedirs(tmp, exist_ok=True)
+        gencode = []
+        for a in cu["archs"]:
+            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        lowest = min(cu["archs"], key=lambda a: int("".join(c for c in a if c.isdigit())))
+        gencode += ["-gencode", f"arch=compute_{lowest},code=compute_{lowest}"]   # PTX for newer GPUs
+        sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+        for src in sources:
+            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            cmd = [cu["nvcc"], "-c", src, "-o", obj, "-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                   "-I" + os.path.join(CSRC), "-I" + os.path.join(CSRC, "include"), "-I" + cu["cublas_include"],
+                   *gencode]
+            print(" ".join(cmd))
+            subprocess.run(cmd, check=True)
+            objs.append(obj)
+        target = os.path.join(out_dir, "libfasttran_cuda.so")
+        cudart_static = os.path.join(cu["home"], "lib64", "libcudart_static.a")
+        if not os.path.exists(cudart_static):
+            cudart_static = glob.glob(os.path.join(cu["home"], "**", "libcudart_static.a"), recursive=True)[0]
+        # cudart is linked statically (no runtime dependency on the toolkit); cuBLAS is found
+        # next to the wheel install ($ORIGIN/../nvidia/cu13/lib) or in the toolkit.
+        rpaths = ["$ORIGIN/../nvidia/cu13/lib", "$ORIGIN/../nvidia/cublas/lib", cu["cublas_lib"]]
+        cmd = [cu["nvcc"], "-shared", "-o", target, *objs, cudart_static,
+               versioned_lib(cu["cublas_lib"], "cublas"), versioned_lib(cu["cublas_lib"], "cublasLt"),
+               "-ldl", "-lpthread", "-lrt", "-Xlinker", "-rpath=" + ":".join(rpaths)]
+        print(" ".join(cmd))
+        subprocess.run(cmd, check=True)
+
+    def write_build_config(self, out_dir):
+        cu = self.cuda
+        cfg = {
+            "compiler": sysconfig.get_config_var("CC") or "cc",
+            "cflags": " ".join(cpu_flags()),
+            "numpy_build_version": __import__("numpy").__version__,
+            "openblas_build_version": getattr(__import__("scipy_openblas32"), "__version__", "?"),
+            "cuda_compiled": bool(cu),
+            "cuda_version": cu["version"] if cu else None,
+            "cuda_archs": cu["archs"] if cu else [],
+            "cublas_source": cu["cublas_source"] if cu else None,
+        }
+        with open(os.path.join(out_dir, "_build_config.py"), "w") as f:
+            f.write("# generated by setup.py at build time\nBUILD = %r\n" % (cfg,))
+
+
+def make_extension():
+    import numpy
+    import scipy_openblas32 as ob
+
+    libdir = ob.get_lib_dir()
+    link = ["-fopenmp", f"-L{libdir}", f"-l{ob.get_library()}",
+            # installed: site-packages/fasttran/_C.so -> site-packages/scipy_openblas32/lib
+            "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib", f"-Wl,-rpath,{libdir}"]
+    if os.environ.get("FASTTRAN_SANITIZE") == "address":
+        link.append("-fsanitize=address")
+    return Extension(
+        "fasttran._C",
+        sources=c_sources(),
+        include_dirs=[os.path.join(CSRC), os.path.join(CSRC, "include"), numpy.get_include(), ob.get_include_dir()],
+        extra_compile_args=cpu_flags(),
+        extra_link_args=link,
+        define_macros=[],
+        depends=sorted(glob.glob(os.path.join(CSRC, "**", "*.h"), recursive=True)),
+    )
+
+
+def install_requires():
+    deps = list(BASE_DEPS)
+    cu = cuda_config()
+    if cu and cu["cublas_source"] != "toolkit":
+        nvcc = cu["nvcc"]
+        deps.append(cuda_env.cublas_wheel_name(nvcc))
+    return deps
+
+
+setup(
+    ext_modules=[make_extension()],
+    cmdclass={"build_ext": FastTranBuildExt},
+    install_requires=install_requires(),
+)
