@@ -102,3 +102,18 @@ def test_mask_none_equals_all_ones(checkpoint):
     np.testing.assert_array_equal(enc.forward(ids), enc.forward(ids, np.ones_like(ids), np.zeros_like(ids)))
     ref = hf_hidden_states(path, ids)[-1]
     assert np.abs(enc.forward(ids) - ref).max() <= 1e-4
+
+
+def test_sequence_with_no_real_token(checkpoint):
+    """A row whose mask is all zeros: zero attention output, as transformers' default (SDPA)
+    BertModel gives; the other rows are unaffected."""
+    path = checkpoint(**AWKWARD)
+    enc = fasttran.Encoder.from_pretrained(path)
+    ids, mask, types = batch(np.random.default_rng(5), 3, 11, pad_frac=0.5)
+    mask[1] = 0
+    ours = enc.forward(ids, mask, types, output_layers=list(range(AWKWARD["num_hidden_layers"] + 1)))
+    ref = hf_hidden_states(path, ids, mask, types)
+    for a, b in zip(ours, ref):
+        assert np.abs(a[1] - b[1]).max() <= 1e-4
+        assert np.abs(a[0] - b[0])[mask[0].astype(bool)].max() <= 1e-4
+    np.testing.assert_allclose(enc.forward(ids[[0]], mask[[0]], types[[0]])[0], ours[-1][0], atol=1e-5)

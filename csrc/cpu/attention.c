@@ -6,8 +6,9 @@
  *
  * Padding: keys at or after key_len[b] are all masked, so the GEMMs only span the first
  * key_len[b] keys (right padding costs no score work). Query rows of padded tokens are still
- * computed, because Hugging Face returns them too. A row whose keys are all masked gets
- * uniform weights over all T keys, which is what HF's additive float-min mask produces. */
+ * computed, because Hugging Face returns them too. A sequence with no real key at all gets a
+ * zero attention output, as transformers' default (SDPA) path and torch's SDPA give (its eager
+ * path would give uniform weights instead). */
 #include <math.h>
 #include <omp.h>
 
@@ -20,14 +21,9 @@ size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t
     return (size_t)omp_get_max_threads() * (size_t)T * (size_t)T * sizeof(float);
 }
 
-static void softmax_rows(float *S, const float *keymask, int64_t T, int64_t Tk, int all_masked) {
+static void softmax_rows(float *S, const float *keymask, int64_t T, int64_t Tk) {
     for (int64_t i = 0; i < T; i++) {
         float *s = S + i * Tk;
-        if (all_masked) {
-            float u = 1.0f / (float)Tk;
-            for (int64_t j = 0; j < Tk; j++) s[j] = u;
-            continue;
-        }
         float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
         for (int64_t j = 0; j < Tk; j++) {
@@ -64,14 +60,17 @@ ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, co
         for (int64_t bh = 0; bh < B * NH; bh++) {
             int64_t b = bh / NH, h = bh % NH;
             const float *q = qkv + b * T * ld + h * hs, *k = q + C, *v = q + 2 * C;
-            int all_masked = key_len[b] == 0;
-            int64_t Tk = all_masked ? T : key_len[b];
+            const int64_t Tk = key_len[b];
+            float *out = ctx + b * T * C + h * hs;
+            if (Tk == 0) {   /* no real key: zero output */
+                for (int64_t i = 0; i < T; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
+                continue;
+            }
             ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)T, (blasint)Tk,
                           (blasint)hs, scale, q, (blasint)ld, k, (blasint)ld, 0.0f, S, (blasint)Tk);
-            softmax_rows(S, keymask + b * T, T, Tk, all_masked);
+            softmax_rows(S, keymask + b * T, T, Tk);
             ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)T, (blasint)hs,
-                          (blasint)Tk, 1.0f, S, (blasint)Tk, v, (blasint)ld, 0.0f,
-                          ctx + b * T * C + h * hs, (blasint)C);
+                          (blasint)Tk, 1.0f, S, (blasint)Tk, v, (blasint)ld, 0.0f, out, (blasint)C);
         }
     }
     ft_blas_set_threads(blas_threads);
