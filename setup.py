@@ -93,6 +93,15 @@ class FastTranBuildExt(build_ext):
             self.build_cuda_library(out_dir)
         self.write_build_config(out_dir)
 
+    def get_outputs(self):
+        # the CUDA library and the build record are outputs too (editable installs copy only these)
+        outs = super().get_outputs()
+        out_dir = os.path.dirname(self.get_ext_fullpath(self.extensions[0].name))
+        extra = [os.path.join(out_dir, "_build_config.py")]
+        if getattr(self, "cuda", None):
+            extra.append(os.path.join(out_dir, "libfasttran_cuda.so"))
+        return outs + extra
+
     def build_cuda_library(self, out_dir):
         cu = self.cuda
         objs = []

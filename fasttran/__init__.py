@@ -5,7 +5,18 @@
     >>> emb = enc.encode(["a sentence", "another one"])        # (2, 384) float32
 """
 from . import errors  # first: the C module looks its exception classes up here
-from . import _C
+
+try:
+    from . import _C
+except ImportError as _e:  # pragma: no cover - depends on how Python was started
+    import os as _os
+    _src = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    if _os.path.exists(_os.path.join(_src, "setup.py")):
+        raise ImportError(
+            f"fasttran is being imported from its source folder {_src}, which has no compiled "
+            "extension. Run from another directory, or with `python -P` (so the installed "
+            "package is used), or install in place with `pip install -e .`") from _e
+    raise
 from ._info import build_info, cuda_available, get_num_threads, set_num_threads
 from .encoder import Encoder
 from .errors import (
