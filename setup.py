@@ -88,19 +88,25 @@ class FastTranBuildExt(build_ext):
             ext.define_macros.append(("FT_WITH_CUDA", "1"))
         # gcc and flags: plain C11, never the C++ compiler setuptools may pick for linking
         super().build_extensions()
-        out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
+        out_dir = os.path.join(self.build_lib, "fasttran")
         if self.cuda:
             self.build_cuda_library(out_dir)
         self.write_build_config(out_dir)
 
+    def extra_outputs(self):
+        """Files we build beside the extension: the CUDA library and the build record."""
+        names = ["_build_config.py"] + (["libfasttran_cuda.so"] if getattr(self, "cuda", None) else [])
+        return [os.path.join(self.build_lib, "fasttran", n) for n in names]
+
     def get_outputs(self):
-        # the CUDA library and the build record are outputs too (editable installs copy only these)
-        outs = super().get_outputs()
-        out_dir = os.path.dirname(self.get_ext_fullpath(self.extensions[0].name))
-        extra = [os.path.join(out_dir, "_build_config.py")]
-        if getattr(self, "cuda", None):
-            extra.append(os.path.join(out_dir, "libfasttran_cuda.so"))
-        return outs + extra
+        return super().get_outputs() + self.extra_outputs()
+
+    def copy_extensions_to_source(self):
+        # in-place / editable builds: setuptools copies the extension back; our files too
+        super().copy_extensions_to_source()
+        src_dir = self.get_finalized_command("build_py").get_package_dir("fasttran")
+        for path in self.extra_outputs():
+            self.copy_file(path, os.path.join(src_dir, os.path.basename(path)), level=self.verbose)
 
     def build_cuda_library(self, out_dir):
         cu = self.cuda

@@ -150,6 +150,16 @@ ft_status ft_encoder_tensor_info(const ft_encoder *e, size_t i, const char **nam
 
 /* ---- loading and saving ------------------------------------------------------------------ */
 
+/* "[a, b]" into buf (64 bytes) */
+static const char *shape_str(int ndim, const int64_t *shape, char *buf) {
+    size_t n = 0;
+    buf[n++] = '[';
+    for (int d = 0; d < ndim && n < 40; d++)
+        n += (size_t)snprintf(buf + n, 64 - n, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    snprintf(buf + n, 64 - n, "]");
+    return buf;
+}
+
 static ft_status detect_prefix(const ft_st_file *f, char *prefix, size_t len) {
     static const char key[] = "embeddings.word_embeddings.weight";
     const size_t kl = sizeof key - 1;
@@ -181,7 +191,7 @@ ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const cha
             st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' belongs to layer %lld but the config has num_hidden_layers = %lld",
                           path, nm, idx, (long long)e->cfg.num_layers);
     }
-    char full[256];
+    char full[256], sbuf[64];
     int pooler_found = 0;
     for (size_t k = 0; st == FT_OK && k < e->n_views; k++) {
         const ft_param_view *v = &e->views[k];
@@ -189,10 +199,7 @@ ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const cha
         const ft_st_entry *t = ft_st_find(&f, full);
         if (!t) {
             if (v->optional) continue;
-            st = ft_error(FT_ERR_FORMAT, "%s: missing tensor '%s' (expected shape [%lld%s%lld])", path, full,
-                          (long long)v->shape[0], v->ndim == 2 ? ", " : "", v->ndim == 2 ? (long long)v->shape[1] : 0LL);
-            if (v->ndim == 1)
-                st = ft_error(FT_ERR_FORMAT, "%s: missing tensor '%s' (expected shape [%lld])", path, full, (long long)v->shape[0]);
+            st = ft_error(FT_ERR_FORMAT, "%s: missing tensor '%s' (expected shape %s)", path, full, shape_str(v->ndim, v->shape, sbuf));
             break;
         }
         if (t->dtype != FT_F32 && t->dtype != FT_F16 && t->dtype != FT_BF16) {
@@ -200,17 +207,9 @@ ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const cha
             break;
         }
         if (t->ndim != v->ndim || t->shape[0] != v->shape[0] || (v->ndim == 2 && t->shape[1] != v->shape[1])) {
-            char got[128] = "";
-            for (int d = 0; d < t->ndim; d++) {
-                size_t l = strlen(got);
-                snprintf(got + l, sizeof got - l, "%s%lld", d ? ", " : "", (long long)t->shape[d]);
-            }
-            if (v->ndim == 2)
-                st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' has shape [%s]; the config needs [%lld, %lld]", path, full,
-                              got, (long long)v->shape[0], (long long)v->shape[1]);
-            else
-                st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' has shape [%s]; the config needs [%lld]", path, full, got,
-                              (long long)v->shape[0]);
+            char want[64];
+            st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' has shape %s; the config needs %s", path, full,
+                          shape_str(t->ndim, t->shape, sbuf), shape_str(v->ndim, v->shape, want));
             break;
         }
         ft_convert_to_f32(e->host_params + v->offset, f.data + t->begin, (ft_dtype)t->dtype,
