@@ -333,11 +333,14 @@ class Encoder:
         finally:
             if max_length is not None:
                 self.tokenizer.enable_truncation(max_length=self.max_seq_length)
+        return self._pad(encs)
+
+    def _pad(self, encs):
+        """(input_ids, attention_mask, token_type_ids) int64 arrays padded to the longest."""
         T = max((len(e.ids) for e in encs), default=0)
-        ids = np.zeros((len(encs), T), np.int64)
+        ids = np.full((len(encs), T), self.config["pad_token_id"], np.int64)
         mask = np.zeros((len(encs), T), np.int64)
         types = np.zeros((len(encs), T), np.int64)
-        ids[:] = self.config["pad_token_id"]
         for i, e in enumerate(encs):
             n = len(e.ids)
             ids[i, :n] = e.ids
@@ -363,8 +366,8 @@ class Encoder:
             return out
         if self.tokenizer is None:
             self.tokenize([])   # raises the explanation
-        lengths = [len(e.ids) for e in self.tokenizer.encode_batch(texts)]
-        order = np.argsort(-np.asarray(lengths), kind="stable")
+        encs = self.tokenizer.encode_batch(texts)   # once: lengths for batching, then padding
+        order = np.argsort(-np.asarray([len(e.ids) for e in encs]), kind="stable")
         batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
         if show_progress is None:
             show_progress = len(texts) > 1000
@@ -373,7 +376,7 @@ class Encoder:
             from tqdm.auto import tqdm
             it = tqdm(batches, desc="encode", unit="batch")
         for idx in it:
-            ids, mask, types = self.tokenize([texts[i] for i in idx])
+            ids, mask, types = self._pad([encs[i] for i in idx])
             out[idx] = self.forward(ids, mask, types, output_layers=layer, pooling=pooling)
         if normalize:
             norms = np.linalg.norm(out, axis=1, keepdims=True)

@@ -13,7 +13,8 @@ void ft_convert_to_f32(float *dst, const void *src, ft_dtype src_dtype, size_t n
 /* Convert n f32 elements into dst of dtype F32/F16/BF16. */
 void ft_convert_from_f32(void *dst, ft_dtype dst_dtype, const float *src, size_t n);
 
-/* Read element (i, j) of an integer-like 2-D view as int64 (masks: non-zero = 1). */
+/* Read element (i, j) of an integer 2-D view as int64 (BOOL as 0/1; float masks are read by
+ * the caller, which checks they hold exactly 0 or 1). */
 static inline int64_t ft_index2d_get(const ft_index2d *v, int64_t i, int64_t j) {
     int64_t k = i * v->stride[0] + j * v->stride[1];
     switch (v->dtype) {
@@ -23,8 +24,6 @@ static inline int64_t ft_index2d_get(const ft_index2d *v, int64_t i, int64_t j) 
     case FT_I8: return ((const int8_t *)v->data)[k];
     case FT_U8: return ((const uint8_t *)v->data)[k];
     case FT_BOOL: return ((const uint8_t *)v->data)[k] != 0;
-    case FT_F32: return ((const float *)v->data)[k] != 0.0f;
-    case FT_F64: return ((const double *)v->data)[k] != 0.0;
     default: return 0;
     }
 }
