@@ -86,7 +86,6 @@ class FastTranBuildExt(build_ext):
         ext = self.extensions[0]
         if self.cuda:
             ext.define_macros.append(("FT_WITH_CUDA", "1"))
-        # gcc and flags: plain C11, never the C++ compiler setuptools may pick for linking
         super().build_extensions()
         out_dir = os.path.join(self.build_lib, "fasttran")
         if self.cuda:

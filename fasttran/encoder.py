@@ -156,10 +156,10 @@ class Encoder:
     ``(batch, hidden)``; ``encode`` embeds texts like sentence-transformers.
     """
 
-    def __init__(self, config, device="cpu"):
+    def __init__(self, config, device="cpu", _source="config"):
         """A blank encoder (zero weights) for a config dict; use :meth:`from_pretrained` to
-        load a checkpoint."""
-        self.config = parse_bert_config(config, "config")
+        load a checkpoint. (`_source` names the config in error messages.)"""
+        self.config = parse_bert_config(config, _source)
         self._raw_config = dict(config)
         self.device = self._parse_device(device)
         if self.device != "cpu" and not _C.cuda_compiled:
@@ -199,8 +199,7 @@ class Encoder:
                 raw = json.load(f)
         except ValueError as e:
             raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
-        parse_bert_config(raw, config_file)   # errors name the file
-        enc = cls(raw, device)
+        enc = cls(raw, device, _source=config_file)
         enc._core.load(weights, prefix)
         enc.path = os.path.abspath(os.fspath(path))
         if max_len:
