@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 1
+#define FT_BACKEND_ABI 2
 
 typedef struct ft_backend ft_backend;
 
@@ -24,11 +24,14 @@ struct ft_backend {
     const char *name;          /* "cpu", "cuda:0" */
     ft_device device;
     void *ctx;                 /* backend private state */
+    uintptr_t stream;          /* cudaStream_t the backend queues work on (0 on the CPU) */
 
     ft_status (*alloc)(ft_backend *be, size_t bytes, void **out);
     void (*free)(ft_backend *be, void *p);
     ft_status (*upload)(ft_backend *be, void *dst, const void *host_src, size_t bytes);
     ft_status (*download)(ft_backend *be, void *host_dst, const void *src, size_t bytes);
+    /* copy within the backend's memory (device to device) */
+    ft_status (*copy)(ft_backend *be, void *dst, const void *src, size_t bytes);
     ft_status (*synchronize)(ft_backend *be);
     void (*destroy)(ft_backend *be);
 

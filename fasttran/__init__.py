@@ -19,6 +19,14 @@ except ImportError as _e:  # pragma: no cover - depends on how Python was starte
     raise
 from ._info import build_info, cuda_available, get_num_threads, set_num_threads
 from .encoder import Encoder
+
+Tensor = _C.Tensor   # device/host tensor with DLPack export and import (csrc/python/tensor_type.c)
+
+
+def from_dlpack(obj, stream=None):
+    """Wrap any DLPack producer (torch, CuPy, NumPy) as a :class:`Tensor`, zero-copy."""
+    return _C.Tensor.from_dlpack(obj, stream=stream)
+
 from .errors import (
     BackendError,
     CheckpointError,
@@ -34,7 +42,7 @@ from .errors import (
 __version__ = _C.version
 
 __all__ = [
-    "Encoder", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
+    "Encoder", "Tensor", "from_dlpack", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
     "FastTranError", "InputError", "InputTypeError", "InputRangeError", "CheckpointError",
     "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError",
 ]

@@ -122,17 +122,32 @@ def _find_checkpoint(path):
     return weights, config, tok_dir, max_len
 
 
-def _as_index_array(x, name):
-    """NumPy arrays pass through; any DLPack producer (a torch tensor) is viewed without a
-    copy; lists become arrays."""
+def _as_index_array(x, name, device="cpu"):
+    """NumPy arrays pass through; a CPU DLPack producer (a torch tensor) is viewed without a
+    copy; a CUDA DLPack tensor on the encoder's device is read to the host on a stream the
+    producer is asked to synchronise with (ids are validated on the host: B x T ints, small
+    next to the forward); lists become arrays."""
     if x is None or isinstance(x, np.ndarray):
         return x
     if hasattr(x, "__dlpack__"):
         dev = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
-        if int(dev[0]) not in (1, 3):   # kDLCPU, kDLCUDAHost
-            raise UnsupportedError(
-                f"{name} is on DLPack device {tuple(int(d) for d in dev)}; this encoder runs on the CPU, "
-                "pass a CPU tensor")
+        kind, index = int(dev[0]), int(dev[1])
+        if kind == 2:   # kDLCUDA
+            where = f"cuda:{index}"
+            if device == "cpu":
+                raise UnsupportedError(
+                    f"{name} is on {where} but this encoder runs on the CPU; pass a CPU tensor "
+                    f"(.cpu()) or create the encoder with device={where!r}")
+            if where != device:
+                raise InputError(f"{name} is on {where} but this encoder runs on {device}; "
+                                 f"move it to {device} first")
+            try:
+                t = _C.Tensor.from_dlpack(x, stream=_C.device_stream(index))
+            except (TypeError, BufferError, RuntimeError) as e:
+                raise InputTypeError(f"{name}: cannot read this DLPack tensor: {e}") from e
+            return t.numpy()
+        if kind not in (1, 3):   # kDLCPU, kDLCUDAHost
+            raise UnsupportedError(f"{name} is on DLPack device {(kind, index)}, which fasttran cannot read")
         try:
             return np.from_dlpack(x)
         except (TypeError, BufferError, RuntimeError) as e:
@@ -148,6 +163,9 @@ def _as_index_array(x, name):
     raise InputTypeError(f"{name} must be a NumPy array, a DLPack tensor or a list, got {type(x).__name__}")
 
 
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
 class Encoder:
     """A BERT-family encoder on fasttran's C core.
 
@@ -156,22 +174,50 @@ class Encoder:
     ``(batch, hidden)``; ``encode`` embeds texts like sentence-transformers.
     """
 
-    def __init__(self, config, device="cpu", _source="config"):
+    def __init__(self, config, device="cpu", dtype="float32", _source="config"):
         """A blank encoder (zero weights) for a config dict; use :meth:`from_pretrained` to
         load a checkpoint. (`_source` names the config in error messages.)"""
         self.config = parse_bert_config(config, _source)
         self._raw_config = dict(config)
-        self.device = self._parse_device(device)
-        if self.device != "cpu" and not _C.cuda_compiled:
-            raise UnsupportedError(f"device {device!r}: " + str(_C.cuda_probe()[2]))
-        c = self.config
-        self._core = _C.EncoderCore(
-            c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-            c["intermediate_size"], c["max_position_embeddings"], c["type_vocab_size"], float(c["layer_norm_eps"]),
-            _ACTIVATIONS[c["hidden_act"]], int(c["pad_token_id"]), -1 if self.device == "cpu" else int(self.device[5:]))
+        self.dtype = self._parse_dtype(dtype)
+        self._core = self._make_core(self._parse_device(device))
         self.path = None
         self.tokenizer = None
-        self.max_seq_length = c["max_position_embeddings"]
+        self.max_seq_length = self.config["max_position_embeddings"]
+
+    @property
+    def device(self):
+        """'cpu' or 'cuda:N'."""
+        return self._core.device
+
+    def _make_core(self, device):
+        if device != "cpu" and not _C.cuda_compiled:
+            raise UnsupportedError(f"device {device!r}: " + str(_C.cuda_probe()[2]))
+        c = self.config
+        return _C.EncoderCore(
+            c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+            c["intermediate_size"], c["max_position_embeddings"], c["type_vocab_size"], float(c["layer_norm_eps"]),
+            _ACTIVATIONS[c["hidden_act"]], int(c["pad_token_id"]), -1 if device == "cpu" else int(device[5:]))
+
+    def to(self, device):
+        """Move the weights to `device` ('cpu', 'cuda', 'cuda:N') and run there from now on.
+        Returns self. Tensors produced earlier stay valid where they are."""
+        device = self._parse_device(device)
+        if device != self.device:
+            core = self._make_core(device)
+            core.copy_weights_from(self._core)
+            self._core = core
+        return self
+
+    @staticmethod
+    def _parse_dtype(dtype):
+        if dtype not in _DTYPES:
+            raise InputError(f"dtype must be one of {', '.join(map(repr, _DTYPES))}, got {dtype!r}")
+        if dtype != "float32":
+            # half-precision weights/activations belong to the CUDA kernels, which still need a
+            # run on a GPU before they can be offered (see docs/architecture.md)
+            raise UnsupportedError(f"dtype={dtype!r} is not available in this build: the encoder computes in float32")
+        return dtype
 
     @staticmethod
     def _parse_device(device):
@@ -188,7 +234,7 @@ class Encoder:
 
     # ---- loading and saving ---------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, device="cpu", prefix=None, load_tokenizer=True):
+    def from_pretrained(cls, path, device="cpu", prefix=None, load_tokenizer=True, dtype="float32"):
         """Load a Hugging Face BERT checkpoint directory (config.json + model.safetensors), a
         sentence-transformers directory, or a model.safetensors file with config.json beside
         it. Tensor names may carry a prefix such as ``bert.`` (detected, or pass ``prefix``).
@@ -199,7 +245,7 @@ class Encoder:
                 raw = json.load(f)
         except ValueError as e:
             raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
-        enc = cls(raw, device, _source=config_file)
+        enc = cls(raw, device, dtype, _source=config_file)
         enc._core.load(weights, prefix)
         enc.path = os.path.abspath(os.fspath(path))
         if max_len:
@@ -292,25 +338,35 @@ class Encoder:
             layers.append(x % (L + 1))
         return single, layers
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_layers=-1, pooling=None):
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_layers=-1, pooling=None,
+                output="numpy"):
         """Run the encoder.
 
         input_ids, attention_mask, token_type_ids: (batch, seq) NumPy int32/int64 arrays (the
-        mask may also be bool/uint8/float 0-1), or CPU DLPack tensors (read in place).
+        mask may also be bool/uint8/float 0-1), or DLPack tensors (CPU ones read in place,
+        CUDA ones on the encoder's device).
         output_layers: an int or a list of ints; 0 = embeddings output, L = last layer,
         negatives count from the end. pooling: None, "cls" or "mean" (mask-aware).
+        output: "numpy" (host arrays) or "device" (fasttran.Tensor in the encoder's device
+        memory, zero-copy for torch.from_dlpack / cupy.from_dlpack).
         Returns one float32 array for an int, a list for a list: (batch, seq, hidden) hidden
         states, or (batch, hidden) when pooling."""
         if pooling not in _POOLING:
             raise InputError(f"pooling must be None, 'cls' or 'mean', got {pooling!r}")
+        if output not in ("numpy", "device"):
+            raise InputError(f"output must be 'numpy' or 'device', got {output!r}")
         single, layers = self._layer_list(output_layers)
-        ids = _as_index_array(input_ids, "input_ids")
-        mask = _as_index_array(attention_mask, "attention_mask")
-        types = _as_index_array(token_type_ids, "token_type_ids")
+        dev = self.device
+        ids = _as_index_array(input_ids, "input_ids", dev)
+        mask = _as_index_array(attention_mask, "attention_mask", dev)
+        types = _as_index_array(token_type_ids, "token_type_ids", dev)
         unique = tuple(dict.fromkeys(layers))
-        hidden, pooled = self._core.forward(ids, mask, types, unique, _POOLING[pooling], pooling is None)
+        hidden, pooled = self._core.forward(ids, mask, types, unique, _POOLING[pooling], pooling is None,
+                                            output == "device")
         got = dict(zip(unique, pooled if pooling is not None else hidden))
-        out = [got[l] if i == layers.index(l) else got[l].copy() for i, l in enumerate(layers)]
+        # a layer asked for twice: NumPy callers get independent copies, device tensors are shared
+        out = [got[l] if i == layers.index(l) or output == "device" else got[l].copy()
+               for i, l in enumerate(layers)]
         return out[0] if single else out
 
     __call__ = forward

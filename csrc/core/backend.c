@@ -74,3 +74,32 @@ ft_status ft_backend_cuda_open(int index, ft_backend **out) {
     }
     return FT_OK;
 }
+
+/* One shared backend per CUDA device for memory services that have no encoder at hand
+ * (reading a CUDA tensor to the host). Opened on first use, kept for the process. */
+static ft_backend *shared_cuda[64];
+
+static ft_status shared_backend(ft_device dev, ft_backend **out) {
+    if (dev.kind == FT_DEVICE_CPU) { *out = ft_backend_cpu(); return FT_OK; }
+    if (dev.index < 0 || dev.index >= 64) return ft_error(FT_ERR_DEVICE, "CUDA device index %d out of range", dev.index);
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&lock);
+    ft_status st = FT_OK;
+    if (!shared_cuda[dev.index]) st = ft_backend_cuda_open(dev.index, &shared_cuda[dev.index]);
+    *out = shared_cuda[dev.index];
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
+ft_status ft_device_read(ft_device dev, void *host_dst, const void *src, size_t bytes) {
+    ft_backend *be = NULL;
+    FT_TRY(shared_backend(dev, &be));
+    return be->download(be, host_dst, src, bytes);
+}
+
+ft_status ft_device_stream(ft_device dev, uintptr_t *stream) {
+    ft_backend *be = NULL;
+    FT_TRY(shared_backend(dev, &be));
+    *stream = be->stream;
+    return FT_OK;
+}

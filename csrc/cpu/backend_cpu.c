@@ -49,6 +49,7 @@ static ft_backend cpu_backend = {
     .free = cpu_free,
     .upload = cpu_copy,
     .download = cpu_copy,
+    .copy = cpu_copy,
     .synchronize = cpu_sync,
     .destroy = cpu_destroy,
     .gemm = cpu_gemm,

@@ -1,41 +1,20 @@
 // The CUDA backend, built into libfasttran_cuda.so and opened at run time by core/backend.c.
 //
-// This is the skeleton the CUDA encoder issue fills in: device query, memory, copies on the
-// backend's own stream and cuBLAS GEMMs are real; the fused encoder ops are not written yet
-// and say so (FT_ERR_UNSUPPORTED), so Encoder(device="cuda") fails with a clear message
-// rather than computing anything wrong.
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
-
+// This file holds the context (device, own non-blocking stream, cuBLAS handle), memory, copies
+// and the GEMM; the fused encoder ops live in rowops.cu and attention.cu. All work is queued on
+// the backend's stream; `synchronize` is the only host wait on the forward path.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
-#include "backend.h"
+#include "cuda_common.cuh"
+
+namespace ftcuda { const ft_host_api *g_host; }
+using namespace ftcuda;
 
 namespace {
 
-const ft_host_api *g_host;
-
-struct cuda_ctx {
-    int device;
-    cudaStream_t stream;
-    cublasHandle_t blas;
-    char name[32];
-};
-
-ft_status cuda_fail(cudaError_t err, const char *what) {
-    return g_host->error(FT_ERR_DEVICE, "CUDA error in %s: %s (%s)", what, cudaGetErrorName(err),
-                         cudaGetErrorString(err));
-}
-
-ft_status blas_fail(cublasStatus_t st, const char *what) {
-    return g_host->error(FT_ERR_DEVICE, "cuBLAS error in %s: %d", what, (int)st);
-}
-
-#define CU(call, what) do { cudaError_t _e = (call); if (_e != cudaSuccess) return cuda_fail(_e, what); } while (0)
-
-cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
+#define CU FT_CU
 
 ft_status cuda_alloc(ft_backend *be, size_t bytes, void **out) {
     CU(cudaSetDevice(ctx_of(be)->device), "cudaSetDevice");
@@ -88,30 +67,11 @@ ft_status cuda_gemm(ft_backend *be, int ta, int tb, int64_t M, int64_t N, int64_
     return FT_OK;
 }
 
-ft_status not_yet(const char *op) {
-    return g_host->error(FT_ERR_UNSUPPORTED,
-                         "the CUDA encoder op '%s' is not implemented in this version of fasttran; "
-                         "use device='cpu'", op);
+// device-to-device copy on the backend's stream (outputs kept on the device)
+ft_status cuda_copy(ft_backend *be, void *dst, const void *src, size_t bytes) {
+    CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx_of(be)->stream), "device copy");
+    return FT_OK;
 }
-
-ft_status cuda_embed_ln(ft_backend *, float *, const int32_t *, const int32_t *, const float *,
-                        const float *, const float *, const float *, const float *, int64_t, int64_t,
-                        int64_t, float) { return not_yet("embed_ln_forward"); }
-ft_status cuda_broadcast_rows(ft_backend *, float *, const float *, int64_t, int64_t) {
-    return not_yet("broadcast_rows");
-}
-ft_status cuda_attention(ft_backend *, float *, const float *, const float *, const int32_t *, int64_t,
-                         int64_t, int64_t, int64_t, float *) { return not_yet("attention_forward"); }
-size_t cuda_attention_scratch(ft_backend *, int64_t, int64_t, int64_t) { return 0; }
-ft_status cuda_bias_act(ft_backend *, float *, const float *, int64_t, int64_t, ft_activation) {
-    return not_yet("bias_act_forward");
-}
-ft_status cuda_bias_residual_ln(ft_backend *, float *, const float *, const float *, const float *,
-                                const float *, const float *, int64_t, int64_t, float) {
-    return not_yet("bias_residual_ln_forward");
-}
-ft_status cuda_pool(ft_backend *, float *, const float *, const float *, int64_t, int64_t, int64_t,
-                    ft_pooling) { return not_yet("pool_forward"); }
 
 }  // namespace
 
@@ -179,11 +139,13 @@ __attribute__((visibility("default"))) ft_status ft_cuda_backend_open(const ft_h
     be->device.kind = FT_DEVICE_CUDA;
     be->device.index = index;
     be->ctx = c;
+    be->stream = reinterpret_cast<uintptr_t>(c->stream);
     be->alloc = cuda_alloc;
     be->free = cuda_free;
     be->upload = cuda_upload;
     be->download = cuda_download;
     be->synchronize = cuda_sync;
+    be->copy = cuda_copy;
     be->destroy = cuda_destroy;
     be->gemm = cuda_gemm;
     be->embed_ln_forward = cuda_embed_ln;

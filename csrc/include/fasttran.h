@@ -91,6 +91,8 @@ size_t ft_encoder_workspace_bytes(const ft_encoder *enc);
  * "bert."); pass NULL to detect it. Every tensor of the model must be present with the right
  * shape; F32/F16/BF16 are converted to the parameter dtype. */
 ft_status ft_encoder_load_safetensors(ft_encoder *enc, const char *path, const char *prefix);
+/* Copy all weights of `src` into `dst` (same config, any devices): Encoder.to(device). */
+ft_status ft_encoder_copy_weights(ft_encoder *dst, const ft_encoder *src);
 /* Write the weights as a Hugging Face BertModel safetensors file (atomic: temp + rename). */
 ft_status ft_encoder_save_safetensors(const ft_encoder *enc, const char *path, ft_dtype dtype);
 
@@ -104,13 +106,29 @@ ft_status ft_encoder_tensor_info(const ft_encoder *enc, size_t i, const char **n
  *   types (B, T) token type ids (NULL: all zeros).
  *   hidden_out[l] (B, T, C) float32, l = 0..L (0 = embeddings output); NULL = not wanted.
  *   pooled_out[l] (B, C) float32 pooled with `pooling`; NULL = not wanted.
- * Output pointers are host memory for the CPU backend. Thread-safe (one forward at a time
- * per encoder). */
+ * With outputs_on_device = 0 the output pointers are host memory; with 1 they are memory
+ * of the encoder's device from ft_encoder_device_alloc (the same thing on the CPU backend).
+ * Returns when the outputs are complete. Thread-safe (one forward at a time per encoder). */
 ft_status ft_encoder_forward(ft_encoder *enc, int64_t B, int64_t T,
                              const ft_index2d *ids, const ft_index2d *mask,
                              const ft_index2d *types,
                              float *const *hidden_out, float *const *pooled_out,
-                             ft_pooling pooling, ft_cancel_fn cancel, void *cancel_arg);
+                             ft_pooling pooling, int outputs_on_device,
+                             ft_cancel_fn cancel, void *cancel_arg);
+
+/* Memory on the encoder's device (host memory for the CPU backend), for device outputs.
+ * Free it with ft_encoder_device_free on the same encoder, before ft_encoder_free. */
+ft_device ft_encoder_device(const ft_encoder *enc);
+ft_status ft_encoder_device_alloc(ft_encoder *enc, size_t bytes, void **out);
+void ft_encoder_device_free(ft_encoder *enc, void *p);
+/* Copy `bytes` from encoder device memory to the host (blocking). */
+ft_status ft_encoder_device_read(ft_encoder *enc, void *host_dst, const void *src, size_t bytes);
+
+/* Device memory services without an encoder: copy `bytes` at device address `src` to the host
+ * (blocking), and the stream that copy is ordered on (so a DLPack producer can be asked to
+ * make its data ready for it). For the CPU the copy is a memcpy and the stream 0. */
+ft_status ft_device_read(ft_device dev, void *host_dst, const void *src, size_t bytes);
+ft_status ft_device_stream(ft_device dev, uintptr_t *stream);
 
 /* ---- safetensors ---------------------------------------------------------------------- */
 typedef struct {

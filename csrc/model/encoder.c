@@ -148,6 +148,16 @@ ft_status ft_encoder_tensor_info(const ft_encoder *e, size_t i, const char **nam
     return FT_OK;
 }
 
+ft_status ft_encoder_copy_weights(ft_encoder *dst, const ft_encoder *src) {
+    if (memcmp(&dst->cfg, &src->cfg, sizeof dst->cfg) != 0 || dst->n_params != src->n_params)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "copy_weights: the two encoders have different configs");
+    memcpy(dst->host_params, src->host_params, src->n_params * sizeof(float));
+    dst->has_pooler = src->has_pooler;
+    if (dst->params != dst->host_params)
+        FT_TRY(dst->be->upload(dst->be, dst->params, dst->host_params, dst->n_params * sizeof(float)));
+    return dst->be->synchronize(dst->be);
+}
+
 /* ---- loading and saving ------------------------------------------------------------------ */
 
 /* "[a, b]" into buf (64 bytes) */
@@ -353,7 +363,7 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
 static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_index2d *ids,
                                 const ft_index2d *mask, const ft_index2d *types,
                                 float *const *hidden_out, float *const *pooled_out, ft_pooling pooling,
-                                ft_cancel_fn cancel, void *cancel_arg) {
+                                int on_device, ft_cancel_fn cancel, void *cancel_arg) {
     const ft_bert_config *c = &e->cfg;
     ft_backend *be = e->be;
     const int64_t C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads, L = c->num_layers;
@@ -367,6 +377,7 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     if (pooling < FT_POOL_NONE || pooling > FT_POOL_MEAN) return ft_error(FT_ERR_INVALID_ARGUMENT, "unknown pooling %d", (int)pooling);
     fwd_buffers w;
     FT_TRY(ensure_workspace(e, B, T, &w));
+    ft_status (*out)(ft_backend *, void *, const void *, size_t) = on_device ? be->copy : be->download;
     char *hp = e->host_ws;
     int32_t *ids32 = (int32_t *)hp, *types32 = (int32_t *)(hp + align64((size_t)N * 4));
     float *keymask = (float *)(hp + 2 * align64((size_t)N * 4));
@@ -400,10 +411,12 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
             FT_TRY(be->bias_residual_ln_forward(be, w.x, w.t, w.ctx, P + o->b2, P + o->ln2_g, P + o->ln2_b, N, C,
                                                 c->layer_norm_eps));
         }
-        if (hidden_out && hidden_out[l]) FT_TRY(be->download(be, hidden_out[l], w.x, (size_t)N * C * 4));
+        if (hidden_out && hidden_out[l]) FT_TRY(out(be, hidden_out[l], w.x, (size_t)N * C * 4));
         if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) {
-            FT_TRY(be->pool_forward(be, w.pooled, w.x, w.keymask, B, T, C, pooling));
-            FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
+            /* device outputs: pool straight into the output, no staging copy */
+            float *dst = on_device ? pooled_out[l] : w.pooled;
+            FT_TRY(be->pool_forward(be, dst, w.x, w.keymask, B, T, C, pooling));
+            if (!on_device) FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
         }
     }
     return be->synchronize(be);
@@ -412,9 +425,29 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
 ft_status ft_encoder_forward(ft_encoder *e, int64_t B, int64_t T, const ft_index2d *ids,
                              const ft_index2d *mask, const ft_index2d *types,
                              float *const *hidden_out, float *const *pooled_out, ft_pooling pooling,
-                             ft_cancel_fn cancel, void *cancel_arg) {
+                             int outputs_on_device, ft_cancel_fn cancel, void *cancel_arg) {
     pthread_mutex_lock(&e->lock);
-    ft_status st = forward_locked(e, B, T, ids, mask, types, hidden_out, pooled_out, pooling, cancel, cancel_arg);
+    ft_status st = forward_locked(e, B, T, ids, mask, types, hidden_out, pooled_out, pooling, outputs_on_device != 0,
+                                  cancel, cancel_arg);
+    pthread_mutex_unlock(&e->lock);
+    return st;
+}
+
+/* ---- device memory for outputs ------------------------------------------------------------- */
+
+ft_device ft_encoder_device(const ft_encoder *e) { return e->be->device; }
+
+ft_status ft_encoder_device_alloc(ft_encoder *e, size_t bytes, void **out) {
+    return e->be->alloc(e->be, bytes, out);
+}
+
+void ft_encoder_device_free(ft_encoder *e, void *p) {
+    if (p) e->be->free(e->be, p);
+}
+
+ft_status ft_encoder_device_read(ft_encoder *e, void *host_dst, const void *src, size_t bytes) {
+    pthread_mutex_lock(&e->lock);   /* the backend's stream is shared with forward */
+    ft_status st = e->be->download(e->be, host_dst, src, bytes);
     pthread_mutex_unlock(&e->lock);
     return st;
 }

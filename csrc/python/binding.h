@@ -26,5 +26,17 @@ PyObject *ft_py_raise(ft_status st);
 PyObject *ft_py_fail(PyObject *cls, const char *fmt, ...);
 
 int ft_py_add_encoder_type(PyObject *module);
+int ft_py_add_tensor_type(PyObject *module);
+
+/* fasttran.Tensor (tensor_type.c). `release(owner, ctx, data)` frees the memory when the
+ * tensor dies (NULL: nothing to free); `owner` is kept alive until then. On failure the
+ * memory is released and NULL returned. strides in elements, NULL for C order. */
+typedef void (*ft_py_release_fn)(PyObject *owner, void *ctx, void *data);
+PyObject *ft_py_tensor_new(void *data, int ndim, const int64_t *shape, const int64_t *strides, ft_dtype dtype,
+                           ft_device device, int readonly, PyObject *owner, ft_py_release_fn release,
+                           void *release_ctx);
+int ft_py_tensor_check(PyObject *obj);
+void *ft_py_tensor_data(PyObject *obj, int *ndim, const int64_t **shape, const int64_t **strides, ft_dtype *dtype,
+                        ft_device *device);
 
 #endif

@@ -80,6 +80,18 @@ static PyObject *EncoderCore_save(EncoderCore *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *EncoderCore_copy_weights_from(EncoderCore *self, PyObject *arg) {
+    if (!ready(self)) return NULL;
+    if (Py_TYPE(arg) != Py_TYPE(self) || !((EncoderCore *)arg)->enc)
+        return ft_py_fail(ft_errors.input_type, "copy_weights_from needs an initialised EncoderCore");
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_encoder_copy_weights(self->enc, ((EncoderCore *)arg)->enc);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 /* ---- inputs ------------------------------------------------------------------------------- */
 
 static int npy_to_ft(int npy, ft_dtype *out) {
@@ -161,13 +173,43 @@ static int check_signals(void *arg) {
     return stop;
 }
 
-/* forward(ids, mask, types, layers, pooling, want_hidden) -> (hidden list | None, pooled list | None) */
+/* Device outputs are encoder memory: the Tensor holds the EncoderCore, which frees it. */
+static void release_device_output(PyObject *owner, void *ctx, void *data) {
+    (void)ctx;
+    EncoderCore *core = (EncoderCore *)owner;
+    if (core->enc) ft_encoder_device_free(core->enc, data);
+}
+
+/* An output array: NumPy on the host, or a fasttran.Tensor in the encoder's device memory. */
+static PyObject *new_output(EncoderCore *self, int on_device, int nd, const npy_intp *dims, float **ptr) {
+    if (!on_device) {
+        PyObject *a = PyArray_SimpleNew(nd, dims, NPY_FLOAT32);
+        if (a) *ptr = PyArray_DATA((PyArrayObject *)a);
+        return a;
+    }
+    int64_t shape[3];
+    size_t n = 1;
+    for (int d = 0; d < nd; d++) { shape[d] = dims[d]; n *= (size_t)dims[d]; }
+    void *p = NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_encoder_device_alloc(self->enc, n * sizeof(float), &p);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    *ptr = p;
+    return ft_py_tensor_new(p, nd, shape, NULL, FT_F32, ft_encoder_device(self->enc), 0, (PyObject *)self,
+                            release_device_output, NULL);
+}
+
+/* forward(ids, mask, types, layers, pooling, want_hidden, on_device=False)
+ *   -> (hidden list | None, pooled list | None); arrays are NumPy, or fasttran.Tensor in the
+ *   encoder's device memory with on_device. */
 static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args) {
     PyObject *ids_obj, *mask_obj, *types_obj, *layers;
-    int pooling, want_hidden;
+    int pooling, want_hidden, on_device = 0;
     if (!ready(self) ||
-        !PyArg_ParseTuple(args, "OOOO!ip", &ids_obj, &mask_obj, &types_obj, &PyTuple_Type, &layers, &pooling,
-                          &want_hidden))
+        !PyArg_ParseTuple(args, "OOOO!ip|p", &ids_obj, &mask_obj, &types_obj, &PyTuple_Type, &layers, &pooling,
+                          &want_hidden, &on_device))
         return NULL;
     const ft_bert_config *cfg = ft_encoder_config(self->enc);
     const int64_t L = cfg->num_layers, C = cfg->hidden_size;
@@ -194,17 +236,15 @@ static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args) {
         if (l < 0 || l > L) { ft_py_fail(ft_errors.input, "layer %ld out of range 0..%lld", l, (long long)L); goto done; }
         if (hptr[l] || pptr[l]) { ft_py_fail(ft_errors.input, "layer %ld requested twice", l); goto done; }
         if (want_hidden) {
-            PyObject *a = PyArray_SimpleNew(3, shape, NPY_FLOAT32);
+            PyObject *a = new_output(self, on_device, 3, shape, &hptr[l]);
             if (!a) goto done;
             PyList_SET_ITEM(hidden, k, a);
-            hptr[l] = PyArray_DATA((PyArrayObject *)a);
         }
         if (pooling) {
             npy_intp ps[2] = {shape[0], (npy_intp)C};
-            PyObject *a = PyArray_SimpleNew(2, ps, NPY_FLOAT32);
+            PyObject *a = new_output(self, on_device, 2, ps, &pptr[l]);
             if (!a) goto done;
             PyList_SET_ITEM(pooled, k, a);
-            pptr[l] = PyArray_DATA((PyArrayObject *)a);
         }
     }
     {
@@ -212,7 +252,8 @@ static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args) {
         cancel_state cs = {NULL, NULL, NULL, NULL};
         cs.ts = PyEval_SaveThread();
         st = ft_encoder_forward(self->enc, shape[0], shape[1], &ids, k_mask ? &mask : NULL,
-                                k_types ? &types : NULL, hptr, pptr, (ft_pooling)pooling, check_signals, &cs);
+                                k_types ? &types : NULL, hptr, pptr, (ft_pooling)pooling, on_device,
+                                check_signals, &cs);
         PyEval_RestoreThread(cs.ts);
         if (cs.type) PyErr_Restore(cs.type, cs.value, cs.tb);
         if (st != FT_OK) { ft_py_raise(st); goto done; }
@@ -277,6 +318,13 @@ static PyObject *EncoderCore_get_num_parameters(EncoderCore *self, void *c) {
     if (!ready(self)) return NULL;
     return PyLong_FromSize_t(ft_encoder_param_count(self->enc));
 }
+static PyObject *EncoderCore_get_device(EncoderCore *self, void *c) {
+    (void)c;
+    if (!ready(self)) return NULL;
+    ft_device d = ft_encoder_device(self->enc);
+    if (d.kind == FT_DEVICE_CPU) return PyUnicode_FromString("cpu");
+    return PyUnicode_FromFormat("cuda:%d", d.index);
+}
 static PyObject *EncoderCore_get_workspace_bytes(EncoderCore *self, void *c) {
     (void)c;
     if (!ready(self)) return NULL;
@@ -288,6 +336,7 @@ static PyMethodDef EncoderCore_methods[] = {
     {"save", (PyCFunction)EncoderCore_save, METH_VARARGS, "save(path, dtype='float32'): write safetensors atomically."},
     {"forward", (PyCFunction)EncoderCore_forward, METH_VARARGS,
      "forward(ids, mask, types, layers, pooling, want_hidden) -> (hidden, pooled)."},
+    {"copy_weights_from", (PyCFunction)EncoderCore_copy_weights_from, METH_O, "copy all weights of another core."},
     {"tensors", (PyCFunction)EncoderCore_tensors, METH_NOARGS, "[(name, shape)] of the parameter table."},
     {"tensor", (PyCFunction)EncoderCore_tensor, METH_O, "tensor(i): copy of parameter i."},
     {NULL, NULL, 0, NULL}};
@@ -295,6 +344,7 @@ static PyMethodDef EncoderCore_methods[] = {
 static PyGetSetDef EncoderCore_getset[] = {
     {"has_pooler", (getter)EncoderCore_get_has_pooler, NULL, "whether the checkpoint had pooler weights", NULL},
     {"num_parameters", (getter)EncoderCore_get_num_parameters, NULL, "float parameters in the table", NULL},
+    {"device", (getter)EncoderCore_get_device, NULL, "'cpu' or 'cuda:N'", NULL},
     {"workspace_bytes", (getter)EncoderCore_get_workspace_bytes, NULL, "bytes in the activation workspace", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 

@@ -77,7 +77,23 @@ static PyObject *py_cuda_probe(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(isO)", count, desc, Py_None);
 }
 
+/* device_stream(index) -> the cudaStream_t (as int) that host reads of CUDA tensors use */
+static PyObject *py_device_stream(PyObject *self, PyObject *arg) {
+    (void)self;
+    int index = (int)PyLong_AsLong(arg);
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    ft_device dev = {index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, index < 0 ? 0 : index};
+    uintptr_t stream = 0;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_device_stream(dev, &stream);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    return PyLong_FromSize_t((size_t)stream);
+}
+
 static PyMethodDef module_methods[] = {
+    {"device_stream", py_device_stream, METH_O, "Stream used to read CUDA tensors on device N to the host."},
     {"blas_name", py_blas_name, METH_NOARGS, "The BLAS library and CPU core it selected."},
     {"num_threads", py_num_threads, METH_NOARGS, "Threads used by OpenMP and BLAS."},
     {"set_num_threads", py_set_num_threads, METH_O, "Set the threads used by OpenMP and BLAS."},
@@ -112,7 +128,7 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (!m) return NULL;
     if (PyModule_AddStringConstant(m, "version", FT_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "cuda_compiled", ft_cuda_compiled()) < 0 ||
-        ft_py_add_encoder_type(m) < 0) {
+        ft_py_add_encoder_type(m) < 0 || ft_py_add_tensor_type(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,0 +1,72 @@
+// Shared pieces of the CUDA backend: the context, error helpers and block reductions.
+#ifndef FT_CUDA_COMMON_CUH
+#define FT_CUDA_COMMON_CUH
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "backend.h"
+
+namespace ftcuda {
+
+extern const ft_host_api *g_host;
+
+struct cuda_ctx {
+    int device;
+    cudaStream_t stream;   // all work of this backend runs here (non-blocking)
+    cublasHandle_t blas;
+    char name[32];
+};
+
+inline cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
+
+inline ft_status cuda_fail(cudaError_t err, const char *what) {
+    return g_host->error(FT_ERR_DEVICE, "CUDA error in %s: %s (%s)", what, cudaGetErrorName(err),
+                         cudaGetErrorString(err));
+}
+inline ft_status blas_fail(cublasStatus_t st, const char *what) {
+    return g_host->error(FT_ERR_DEVICE, "cuBLAS error in %s: %d", what, (int)st);
+}
+
+// after a kernel launch: report launch errors (bad configuration), not asynchronous faults
+inline ft_status launched(const char *what) {
+    cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? FT_OK : cuda_fail(e, what);
+}
+
+#define FT_CU(call, what) do { cudaError_t _e = (call); if (_e != cudaSuccess) return ftcuda::cuda_fail(_e, what); } while (0)
+#define FT_CUBLAS(call, what) do { cublasStatus_t _s = (call); if (_s != CUBLAS_STATUS_SUCCESS) return ftcuda::blas_fail(_s, what); } while (0)
+
+// Sum of v over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+__device__ inline float block_sum(float v, float *shared32) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    __syncthreads();   // shared32 may still be read by a previous call
+    if (lane == 0) shared32[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? shared32[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// element type <-> float, so one kernel source serves fp32 / fp16 / bf16
+template <typename T> __device__ inline float to_f(T x) { return static_cast<float>(x); }
+template <typename T> __device__ inline T from_f(float x) { return static_cast<T>(x); }
+
+}  // namespace ftcuda
+
+// encoder ops (rowops.cu, attention.cu)
+ft_status cuda_embed_ln(ft_backend *be, float *out, const int32_t *ids, const int32_t *types, const float *word,
+                        const float *pos, const float *type, const float *gamma, const float *beta, int64_t B,
+                        int64_t T, int64_t C, float eps);
+ft_status cuda_broadcast_rows(ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C);
+ft_status cuda_bias_act(ft_backend *be, float *h, const float *bias, int64_t N, int64_t I, ft_activation act);
+ft_status cuda_bias_residual_ln(ft_backend *be, float *out, const float *residual, const float *y,
+                                const float *bias, const float *gamma, const float *beta, int64_t N, int64_t C,
+                                float eps);
+ft_status cuda_pool(ft_backend *be, float *out, const float *h, const float *keymask, int64_t B, int64_t T,
+                    int64_t C, ft_pooling mode);
+ft_status cuda_attention(ft_backend *be, float *ctx, const float *qkv, const float *keymask, const int32_t *key_len,
+                         int64_t B, int64_t T, int64_t C, int64_t NH, float *scratch);
+size_t cuda_attention_scratch(ft_backend *be, int64_t B, int64_t T, int64_t NH);
+
+#endif

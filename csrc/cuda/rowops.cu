@@ -1,0 +1,140 @@
+// Fused row kernels of the CUDA backend: embedding gather + sum + LayerNorm, bias + activation,
+// bias + residual + LayerNorm, bias broadcast, pooling. One block per row for the LayerNorm
+// kernels: the row is read once into its final place, then statistics (two passes, mean then
+// centred variance, as PyTorch) and the normalisation re-read it from L1/L2. Each thread touches
+// the same columns in every pass, so an output aliasing an input needs no barrier.
+// Statistics are float whatever the storage type (one kernel source per op, templated on it).
+#include "cuda_common.cuh"
+
+using namespace ftcuda;
+
+namespace {
+
+int row_threads(int64_t C) {
+    int64_t t = (C + 31) / 32 * 32;
+    return (int)(t < 32 ? 32 : t > 256 ? 256 : t);
+}
+
+template <typename T>
+__device__ void layernorm_row(T *o, const T *gamma, const T *beta, int64_t C, float sum, float eps,
+                              float *sh) {
+    const float mean = block_sum(sum, sh) / (float)C;
+    float var = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) { float d = to_f(o[c]) - mean; var += d * d; }
+    var = block_sum(var, sh) / (float)C;
+    const float rstd = rsqrtf(var + eps);
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+        o[c] = from_f<T>((to_f(o[c]) - mean) * rstd * to_f(gamma[c]) + to_f(beta[c]));
+}
+
+// out (B*T, C) = LN(word[ids] + type[types] + pos[t]); one block per token
+template <typename T>
+__global__ void embed_ln_kernel(T *out, const int32_t *ids, const int32_t *types, const T *word, const T *pos,
+                                const T *type, const T *gamma, const T *beta, int64_t Tn, int64_t C, float eps) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    const T *w = word + (int64_t)ids[r] * C, *p = pos + (r % Tn) * C;
+    const T *ty = type + (int64_t)(types ? types[r] : 0) * C;
+    T *o = out + r * C;
+    float sum = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        float v = (to_f(w[c]) + to_f(ty[c])) + to_f(p[c]);   // HF's order of sums
+        o[c] = from_f<T>(v);
+        sum += to_f(o[c]);
+    }
+    layernorm_row(o, gamma, beta, C, sum, eps, sh);
+}
+
+// out (N, C) = LN((y + bias) + residual); out may alias residual or y
+template <typename T>
+__global__ void bias_residual_ln_kernel(T *out, const T *residual, const T *y, const T *bias, const T *gamma,
+                                        const T *beta, int64_t C, float eps) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    const T *a = residual + r * C, *b = y + r * C;
+    T *o = out + r * C;
+    float sum = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        float v = (to_f(b[c]) + to_f(bias[c])) + to_f(a[c]);
+        o[c] = from_f<T>(v);
+        sum += to_f(o[c]);
+    }
+    layernorm_row(o, gamma, beta, C, sum, eps, sh);
+}
+
+__device__ inline float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+}
+
+template <typename T>
+__global__ void bias_act_kernel(T *h, const T *bias, int64_t total, int64_t I, int act) {
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
+        float v = to_f(h[k]) + to_f(bias[k % I]);
+        v = act == FT_ACT_GELU_ERF ? gelu_erf(v) : act == FT_ACT_GELU_TANH ? gelu_tanh(v) : fmaxf(v, 0.0f);
+        h[k] = from_f<T>(v);
+    }
+}
+
+template <typename T>
+__global__ void broadcast_rows_kernel(T *dst, const T *bias, int64_t total, int64_t C) {
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x)
+        dst[k] = bias[k % C];
+}
+
+// out (B, C): CLS row, or sentence-transformers' mean: sum(mask * h) / max(sum(mask), 1e-9)
+template <typename T>
+__global__ void pool_kernel(T *out, const T *h, const float *keymask, int64_t Tn, int64_t C, int mode) {
+    const int64_t b = blockIdx.y, c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const T *hb = h + b * Tn * C;
+    if (mode == FT_POOL_CLS) { out[b * C + c] = hb[c]; return; }
+    float acc = 0.0f, count = 0.0f;
+    for (int64_t t = 0; t < Tn; t++) {
+        float m = keymask[b * Tn + t];
+        if (m == 0.0f) continue;
+        count += m;
+        acc += to_f(hb[t * C + c]);
+    }
+    out[b * C + c] = from_f<T>(acc / fmaxf(count, 1e-9f));
+}
+
+unsigned grid_for(int64_t total, int threads) {
+    int64_t g = (total + threads - 1) / threads;
+    return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
+}
+
+}  // namespace
+
+ft_status cuda_embed_ln(ft_backend *be, float *out, const int32_t *ids, const int32_t *types, const float *word,
+                        const float *pos, const float *type, const float *gamma, const float *beta, int64_t B,
+                        int64_t T, int64_t C, float eps) {
+    embed_ln_kernel<float><<<(unsigned)(B * T), row_threads(C), 0, ctx_of(be)->stream>>>(
+        out, ids, types, word, pos, type, gamma, beta, T, C, eps);
+    return launched("embed_ln_forward");
+}
+
+ft_status cuda_broadcast_rows(ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C) {
+    broadcast_rows_kernel<float><<<grid_for(N * C, 256), 256, 0, ctx_of(be)->stream>>>(dst, bias, N * C, C);
+    return launched("broadcast_rows");
+}
+
+ft_status cuda_bias_act(ft_backend *be, float *h, const float *bias, int64_t N, int64_t I, ft_activation act) {
+    bias_act_kernel<float><<<grid_for(N * I, 256), 256, 0, ctx_of(be)->stream>>>(h, bias, N * I, I, (int)act);
+    return launched("bias_act_forward");
+}
+
+ft_status cuda_bias_residual_ln(ft_backend *be, float *out, const float *residual, const float *y,
+                                const float *bias, const float *gamma, const float *beta, int64_t N, int64_t C,
+                                float eps) {
+    bias_residual_ln_kernel<float><<<(unsigned)N, row_threads(C), 0, ctx_of(be)->stream>>>(
+        out, residual, y, bias, gamma, beta, C, eps);
+    return launched("bias_residual_ln_forward");
+}
+
+ft_status cuda_pool(ft_backend *be, float *out, const float *h, const float *keymask, int64_t B, int64_t T,
+                    int64_t C, ft_pooling mode) {
+    dim3 grid((unsigned)((C + 127) / 128), (unsigned)B);
+    pool_kernel<float><<<grid, 128, 0, ctx_of(be)->stream>>>(out, h, keymask, T, C, (int)mode);
+    return launched("pool_forward");
+}
