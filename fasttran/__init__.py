@@ -18,6 +18,7 @@ except ImportError as _e:  # pragma: no cover - depends on how Python was starte
             "package is used), or install in place with `pip install -e .`") from _e
     raise
 from ._info import build_info, cuda_available, get_num_threads, set_num_threads
+from .cache import ActivationCache
 from .encoder import Encoder
 
 Tensor = _C.Tensor   # device/host tensor with DLPack export and import (csrc/python/tensor_type.c)
@@ -29,6 +30,8 @@ def from_dlpack(obj, stream=None):
 
 from .errors import (
     BackendError,
+    CacheCorruptError,
+    CacheMismatchError,
     CheckpointError,
     CheckpointNotFoundError,
     FastTranError,
@@ -42,7 +45,7 @@ from .errors import (
 __version__ = _C.version
 
 __all__ = [
-    "Encoder", "Tensor", "from_dlpack", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
+    "Encoder", "ActivationCache", "Tensor", "from_dlpack", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
     "FastTranError", "InputError", "InputTypeError", "InputRangeError", "CheckpointError",
-    "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError",
+    "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError", "CacheCorruptError", "CacheMismatchError",
 ]

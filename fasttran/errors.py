@@ -41,3 +41,11 @@ class UnsupportedError(FastTranError, NotImplementedError):
 
 class BackendError(FastTranError, RuntimeError):
     """The compute backend failed (no CUDA device, CUDA or cuBLAS error)."""
+
+
+class CacheCorruptError(FastTranIOError):
+    """A cache file is truncated, altered or missing: never returned as data."""
+
+
+class CacheMismatchError(FastTranError, ValueError):
+    """A cache was built with another model, other inputs or other settings."""

@@ -143,6 +143,20 @@ typedef struct {
 ft_status ft_safetensors_write(const char *path, const ft_st_tensor *tensors, size_t n,
                                const char *metadata_json /* NULL or a JSON object of strings */);
 
+/* ---- activation cache codecs ------------------------------------------------------------- */
+/* Error of an encoding against its float32 input, accumulated over calls. */
+typedef struct { double max_abs_err, sum_sq_err, sum_sq_ref; } ft_codec_error;
+
+/* Encode n rows of C floats into `dst` with codec F32/F16/BF16/I8; I8 writes one scale per
+ * row into `scales` (n). `err` (may be NULL) accumulates the error made. */
+ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float *src, int64_t n, int64_t C,
+                          ft_codec_error *err);
+/* dst row k (n, C) = decoded row at src[k] (scale scales[k] for I8); NULL src[k] = zeros. */
+ft_status ft_cache_gather(float *dst, int64_t n, int64_t C, ft_dtype codec, const void *const *src,
+                          const float *scales);
+/* CRC-32C of n bytes, continuing from `crc` (0 to start). */
+uint32_t ft_crc32c(uint32_t crc, const void *data, size_t n);
+
 /* ---- build and runtime information ------------------------------------------------------ */
 const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */
 int ft_num_threads(void);
