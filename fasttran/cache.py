@@ -184,6 +184,8 @@ class ActivationCache:
     def _blank(cls):
         self = object.__new__(cls)
         self._shards = []
+        self._tables = None
+        self._unverified = 0
         self._lock = threading.Lock()
         self._hits = self._misses = 0
         self.encoder = None
@@ -381,6 +383,7 @@ class ActivationCache:
             return None   # fits nowhere: these examples are recomputed when read
         k = len(self._shards)
         self._shards.append(s)
+        self._tables = None
         self._loc[examples] = k
         self._row[examples] = s.row_start
         return s
@@ -399,6 +402,7 @@ class ActivationCache:
                                 (e["file"], e["bytes"], e["crc32c"]))
             if s is not None and s.tier == "disk":
                 s.verified = False
+                self._unverified += 1
 
     def _encode_batch(self, idx):
         """Run the encoder on examples idx (one plan batch), padded to their planned length;
@@ -523,12 +527,26 @@ class ActivationCache:
             raise InputRangeError(f"unknown example id {int(q[bad][0])} ({int(bad.sum())} unknown in this request)")
         return self._sorted_ids[pos]
 
+    def _address_tables(self):
+        """(values base address per shard, all int8 scales concatenated, offset per shard);
+        rebuilt when shards change."""
+        if self._tables is None:
+            bases = np.array([s.values.ctypes.data for s in self._shards] or [0], np.uint64)
+            if self.dtype == "int8" and self._shards:
+                flat = np.concatenate([np.asarray(s.scales, np.float32) for s in self._shards])
+                off = np.concatenate([[0], np.cumsum([len(s.values) for s in self._shards])[:-1]]).astype(np.int64)
+            else:
+                flat, off = np.zeros(1, np.float32), np.zeros(max(1, len(self._shards)), np.int64)
+            self._tables = (bases, flat, off)
+        return self._tables
+
     def _verify(self, shard):
         if not shard.verified:
             with self._lock:
                 if not shard.verified:
                     _open_arrays(os.path.join(self.path, shard.file), shard.bytes, shard.crc)
                     shard.verified = True
+                    self._unverified -= 1
 
     def get(self, example_ids, output="numpy", ragged=False):
         """A batch for `example_ids`: pooled caches give (batch, hidden); positions="all" gives
@@ -545,43 +563,39 @@ class ActivationCache:
         with self._lock:
             self._hits += int(hit.sum())
             self._misses += int((~hit).sum())
-        # row addresses: shard values base + row * row_bytes
+        # row addresses: shard values base + row * row_bytes (vectorised over the batch)
         rb = C * np.dtype(_CODEC_DTYPE[self.dtype]).itemsize
-        base = np.zeros(len(idx), np.uint64)
-        scales_src = []
-        for k in np.unique(loc[hit]):
-            s = self._shards[k]
-            self._verify(s)
-            base[loc == k] = s.values.ctypes.data
+        bases, flat_scales, scale_off = self._address_tables()
+        if self._unverified:
+            for k in np.unique(loc[hit]):
+                self._verify(self._shards[k])
+        safe_loc = np.maximum(loc, 0)
+        base = np.where(hit, bases[safe_loc], np.uint64(0))
         miss_vals = self._recompute(idx[~hit]) if (~hit).any() else None
         if self.positions == "all" and not ragged:
             T = int(rows.max()) if len(rows) else 0
             t = np.arange(T)[None, :]
             valid = t < rows[:, None]
             first = self._row[idx][:, None] + t
+            use = valid & hit[:, None]
+            ptr = np.where(use, base[:, None] + first.astype(np.uint64) * np.uint64(rb), np.uint64(0))
+            srow = scale_off[safe_loc][:, None] + first
         else:
             valid = None
-            first = np.concatenate([self._row[i] + np.arange(r) for i, r in zip(idx, rows)]) if self.positions == "all" \
-                else self._row[idx]
-        # per output row: address and scale
-        if valid is not None:
-            ptr = np.where(valid & hit[:, None], base[:, None] + first.astype(np.uint64) * np.uint64(rb), 0).astype(np.uint64)
-            shard_of = np.broadcast_to(loc[:, None], valid.shape)
-            out_rows = ptr.size
-        else:
-            rep = np.repeat(np.arange(len(idx)), rows)
-            ptr = np.where(hit[rep], base[rep] + first.astype(np.uint64) * np.uint64(rb), 0).astype(np.uint64)
-            shard_of = loc[rep]
-            out_rows = len(ptr)
-        ptr = ptr.reshape(-1)
+            if self.positions == "all":
+                rep = np.repeat(np.arange(len(idx)), rows)
+                first = self._row[idx][rep] + (np.arange(len(rep)) - np.repeat(np.cumsum(rows) - rows, rows))
+            else:
+                rep = np.arange(len(idx))
+                first = self._row[idx]
+            use = hit[rep]
+            ptr = np.where(use, base[rep] + first.astype(np.uint64) * np.uint64(rb), np.uint64(0))
+            srow = scale_off[safe_loc][rep] + first
+        ptr = np.ascontiguousarray(ptr.reshape(-1), np.uint64)
+        out_rows = len(ptr)
         sc = None
         if self.dtype == "int8":
-            sc = np.zeros(out_rows, np.float32)
-            fr = np.asarray(first).reshape(-1) if valid is None else first.reshape(-1)
-            so = np.asarray(shard_of).reshape(-1)
-            for k in np.unique(loc[hit]):
-                sel = (so == k) & (ptr != 0)
-                sc[sel] = self._shards[k].scales[fr[sel]]
+            sc = np.where(use.reshape(-1), flat_scales[np.where(use, srow, 0).reshape(-1)], 0).astype(np.float32)
         out = np.empty((out_rows, C), np.float32)
         _C.cache_gather(out, ptr, sc if sc is not None else np.zeros(0, np.float32), self.dtype)
         # recomputed misses fill their places
