@@ -193,7 +193,7 @@ class ActivationCache:
         return self
 
     @staticmethod
-    def _inputs(encoder_dev, input_ids, attention_mask, token_type_ids):
+    def _inputs(input_ids, attention_mask, token_type_ids):
         from .encoder import _as_index_array
         ids = _as_index_array(input_ids, "input_ids")
         if ids is None or ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
@@ -249,7 +249,7 @@ class ActivationCache:
         L = encoder.num_layers
         if not isinstance(layer, (int, np.integer)) or not -(L + 1) <= layer <= L:
             raise InputError(f"layer must be an int in 0..{L} (or -1..-{L + 1}), got {layer!r}")
-        tokens, types, offsets, lengths = cls._inputs(encoder.device, input_ids, attention_mask, token_type_ids)
+        tokens, types, offsets, lengths = cls._inputs(input_ids, attention_mask, token_type_ids)
         N = len(lengths)
         if example_ids is None:
             ex = np.arange(N, dtype=np.int64)
@@ -502,7 +502,7 @@ class ActivationCache:
                 raise CacheMismatchError(f"{self.path} was built with another model (weights or config differ)")
             self.encoder = encoder
         if input_ids is not None:
-            tokens, types, offsets, _ = cls._inputs("cpu", input_ids, attention_mask, token_type_ids)
+            tokens, types, offsets, _ = cls._inputs(input_ids, attention_mask, token_type_ids)
             fps = _input_fingerprints(tokens, types, offsets)
             if len(fps) != len(self._fps) or (fps != self._fps).any():
                 raise CacheMismatchError(f"{self.path} was built from other inputs")
@@ -660,7 +660,7 @@ class ActivationCache:
             order = rng.permutation(N) if shuffle else np.arange(N)
             groups = [order]
         else:
-            storage = np.concatenate([self._order])   # plan order = shard order
+            storage = self._order   # plan order = shard order
             per = self._shard_bytes(1) * np.maximum(self._rows_of(storage), 1)
             limit = chunk_bytes or (self.host_bytes or 256 << 20)
             groups, start, acc = [], 0, 0
