@@ -184,6 +184,7 @@ class ActivationCache:
     def _blank(cls):
         self = object.__new__(cls)
         self._shards = []
+        self._tier_bytes = {}
         self._tables = None
         self._unverified = 0
         self._lock = threading.Lock()
@@ -357,7 +358,7 @@ class ActivationCache:
         return rows * self.hidden * np.dtype(_CODEC_DTYPE[self.dtype]).itemsize + (rows * 4 if self.dtype == "int8" else 0)
 
     def _used(self, tier):
-        return sum(s.nbytes for s in self._shards if s.tier == tier)
+        return self._tier_bytes.get(tier, 0)
 
     def _add_shard(self, examples, values, scales, file_info=None):
         s = _Shard()
@@ -368,7 +369,7 @@ class ActivationCache:
         s.file, s.bytes, s.crc = (file_info or (None, 0, None))
         s.nbytes = self._shard_bytes(len(values))   # data bytes: what budgets and stats count
         s.verified = True
-        fits_host = self.host_bytes is None or self._used("host") + self._shard_bytes(len(values)) <= self.host_bytes
+        fits_host = self.host_bytes is None or self._used("host") + s.nbytes <= self.host_bytes
         if fits_host:
             s.tier = "host"
             if isinstance(values, np.memmap):   # reopened: bring it into memory
@@ -383,6 +384,7 @@ class ActivationCache:
             return None   # fits nowhere: these examples are recomputed when read
         k = len(self._shards)
         self._shards.append(s)
+        self._tier_bytes[s.tier] = self._used(s.tier) + s.nbytes
         self._tables = None
         self._loc[examples] = k
         self._row[examples] = s.row_start
@@ -394,8 +396,7 @@ class ActivationCache:
     def _load_shards(self, entries):
         for e in entries:
             path = os.path.join(self.path, e["file"])
-            rows = int(_open_arrays(path, e["bytes"])[0]["values"].shape[0])
-            to_host = self.host_bytes is None or self._used("host") + self._shard_bytes(rows) <= self.host_bytes
+            to_host = self.host_bytes is None or self._used("host") + self._shard_bytes(e["rows"]) <= self.host_bytes
             # a shard copied into memory is checked now; one served from disk before its first read
             arrs, _ = _open_arrays(path, e["bytes"], e["crc32c"] if to_host else None)
             s = self._add_shard(np.asarray(arrs["examples"]), arrs["values"], arrs.get("scales"),
@@ -463,7 +464,7 @@ class ActivationCache:
                     arrays["scales"] = sc
                 size, crc = _atomic_write(os.path.join(self.path, name), _pack_arrays(arrays, {"batch": b}))
                 info = (name, size, crc)
-                self._manifest["shards"].append({"file": name, "bytes": size, "crc32c": crc})
+                self._manifest["shards"].append({"file": name, "bytes": size, "crc32c": crc, "rows": len(vals)})
                 self._manifest["error"] = self._err
                 self._manifest["build_seconds"] = self._build_seconds + time.perf_counter() - t0
                 _manifest_write(self.path, self._manifest)

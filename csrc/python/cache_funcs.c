@@ -30,6 +30,18 @@ static PyArrayObject *want_array(PyObject *o, const char *what, int npy, int nd,
     return a;
 }
 
+/* The int8 codec's scales: a float32 array of n entries (writeable when encoding); other codecs
+ * take none. Returns 1 with *out set (NULL when not int8), or 0 with an exception. */
+static int int8_scales(ft_dtype codec, PyObject *o, npy_intp n, int writeable, float **out) {
+    *out = NULL;
+    if (codec != FT_I8) return 1;
+    PyArrayObject *sc = want_array(o, "scales", NPY_FLOAT32, 1, writeable);
+    if (!sc) return 0;
+    if (PyArray_DIM(sc, 0) != n) { ft_py_fail(ft_errors.input, "scales needs %zd entries", (Py_ssize_t)n); return 0; }
+    *out = PyArray_DATA(sc);
+    return 1;
+}
+
 static int codec_npy(ft_dtype c) { return c == FT_F32 ? NPY_FLOAT32 : c == FT_I8 ? NPY_INT8 : NPY_UINT16; }
 
 /* cache_encode(src (n, C) float32, codec, values (n, C), scales (n,) float32 or None)
@@ -48,13 +60,8 @@ static PyObject *py_cache_encode(PyObject *self, PyObject *args) {
     if (PyArray_DIM(val, 0) != n || PyArray_DIM(val, 1) != C)
         return ft_py_fail(ft_errors.input, "values has shape (%zd, %zd), src (%zd, %zd)", (Py_ssize_t)PyArray_DIM(val, 0),
                           (Py_ssize_t)PyArray_DIM(val, 1), (Py_ssize_t)n, (Py_ssize_t)C);
-    float *scales = NULL;
-    if (codec == FT_I8) {
-        PyArrayObject *sc = want_array(sc_o, "scales", NPY_FLOAT32, 1, 1);
-        if (!sc) return NULL;
-        if (PyArray_DIM(sc, 0) != n) return ft_py_fail(ft_errors.input, "scales needs %zd entries", (Py_ssize_t)n);
-        scales = PyArray_DATA(sc);
-    }
+    float *scales;
+    if (!int8_scales(codec, sc_o, n, 1, &scales)) return NULL;
     ft_codec_error err = {0, 0, 0};
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -78,13 +85,8 @@ static PyObject *py_cache_gather(PyObject *self, PyObject *args) {
     if (!ptr) return NULL;
     const npy_intp n = PyArray_DIM(out, 0), C = PyArray_DIM(out, 1);
     if (PyArray_DIM(ptr, 0) != n) return ft_py_fail(ft_errors.input, "src_ptrs needs %zd entries", (Py_ssize_t)n);
-    const float *scales = NULL;
-    if (codec == FT_I8) {
-        PyArrayObject *sc = want_array(sc_o, "scales", NPY_FLOAT32, 1, 0);
-        if (!sc) return NULL;
-        if (PyArray_DIM(sc, 0) != n) return ft_py_fail(ft_errors.input, "scales needs %zd entries", (Py_ssize_t)n);
-        scales = PyArray_DATA(sc);
-    }
+    float *scales;
+    if (!int8_scales(codec, sc_o, n, 0, &scales)) return NULL;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ft_cache_gather(PyArray_DATA(out), n, C, codec, (const void *const *)PyArray_DATA(ptr), scales);

@@ -228,7 +228,6 @@ static PyObject *Tensor_dlpack(TensorObject *self, PyObject *args, PyObject *kw)
         src = (TensorObject *)copied;
     }
     if (src->device.kind == FT_DEVICE_CPU && stream != Py_None && !copied) {
-        Py_XDECREF(copied);
         return buffer_error("stream must be None for a CPU tensor, got %R", stream);
     }
     if (src->device.kind == FT_DEVICE_CUDA && stream != Py_None && !PyLong_Check(stream))
