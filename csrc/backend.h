@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 2
+#define FT_BACKEND_ABI 3
 
 typedef struct ft_backend ft_backend;
 
@@ -65,12 +65,35 @@ struct ft_backend {
     /* out (B, C) = CLS row or mask-aware mean over T of h (B, T, C) */
     ft_status (*pool_forward)(ft_backend *be, float *out, const float *h, const float *keymask,
                               int64_t B, int64_t T, int64_t C, ft_pooling mode);
+
+    /* ---- training (heads, optimizers) ---- */
+    /* y (n) = x * keep(key, i) / (1 - p); y may alias x. keep() is ft_dropout_keep (core/rng.h),
+     * so the same call on a gradient applies the same mask (the backward pass). */
+    ft_status (*dropout)(ft_backend *be, float *y, const float *x, int64_t n, float p, uint64_t key);
+    /* dx (n) = dy * (1 - y^2): tanh backward from its output y; dx may alias dy */
+    ft_status (*tanh_backward)(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n);
+    /* Row-wise softmax cross-entropy over (N, K) logits. valid (valid_rows, K) or NULL: row r uses
+     * valid row r % valid_rows, and positions with 0 take no part. labels (N) in [0, K) at a valid
+     * position (checked by the caller). loss (N) per-row loss; dlogits (N, K) = scale * (softmax -
+     * onehot), 0 at invalid positions. */
+    ft_status (*softmax_xent)(ft_backend *be, float *loss, float *dlogits, const float *logits,
+                              const float *valid, int64_t valid_rows, const int32_t *labels, int64_t N,
+                              int64_t K, float scale);
+    /* axis 0: out (K) = sum over rows of x (N, K);  axis 1: out (N) = sum over columns */
+    ft_status (*sum_axis)(ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis);
+    /* One fused LAMB / AdamW step over `count` tensors (see ft_optimizer_step). */
+    ft_status (*optim_step)(ft_backend *be, const ft_optim_config *cfg, const ft_optim_tensor *t,
+                            size_t count, ft_optim_info *info);
 };
 
 /* The CPU backend (always built). */
 ft_backend *ft_backend_cpu(void);
 /* Open the CUDA backend on device `index` (loads the CUDA library on first use). */
 ft_status ft_backend_cuda_open(int index, ft_backend **out);
+
+/* The process-wide backend of a device (the CPU table, or one shared CUDA backend per device,
+ * opened on first use): memory services, optimizer steps and heads that have no encoder. */
+ft_status ft_backend_for(ft_device dev, ft_backend **out);
 
 /* Entry points the CUDA library exports (resolved with dlsym). */
 typedef ft_status (*ft_cuda_open_fn)(const ft_host_api *host, int index, ft_backend **out);

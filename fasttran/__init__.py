@@ -20,6 +20,9 @@ except ImportError as _e:  # pragma: no cover - depends on how Python was starte
 from ._info import build_info, cuda_available, get_num_threads, set_num_threads
 from .cache import ActivationCache
 from .encoder import Encoder
+from . import optim
+from .heads import ClassificationHead, QAHead
+from .trainer import Trainer
 
 Tensor = _C.Tensor   # device/host tensor with DLPack export and import (csrc/python/tensor_type.c)
 
@@ -45,7 +48,7 @@ from .errors import (
 __version__ = _C.version
 
 __all__ = [
-    "Encoder", "ActivationCache", "Tensor", "from_dlpack", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
+    "Encoder", "ActivationCache", "Trainer", "ClassificationHead", "QAHead", "optim", "Tensor", "from_dlpack", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
     "FastTranError", "InputError", "InputTypeError", "InputRangeError", "CheckpointError",
     "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError", "CacheCorruptError", "CacheMismatchError",
 ]

@@ -62,7 +62,7 @@ def _atomic_write(path, chunks):
             os.unlink(tmp)
         except OSError:
             pass
-        raise FastTranIOError(e.errno, f"cannot write cache file {path}: {os.strerror(e.errno or 0) or e}") from e
+        raise FastTranIOError(e.errno, f"cannot write {path}: {os.strerror(e.errno or 0) or e}") from e
     return size, crc
 
 
@@ -306,9 +306,17 @@ class ActivationCache:
         self._run_build(n_cached, show_progress)
         return self
 
+    @classmethod
+    def uncached(cls, encoder, input_ids, attention_mask=None, token_type_ids=None, example_ids=None, layer=-1,
+                 positions="cls", batch_size=64):
+        """The no-cache baseline behind the same interface: nothing is stored, every get()
+        runs the encoder on that batch (build(..., max_fraction=0))."""
+        return cls.build(encoder, input_ids, attention_mask, token_type_ids, example_ids=example_ids, layer=layer,
+                         positions=positions, batch_size=batch_size, max_fraction=0.0, show_progress=False)
+
     def _plan(self):
-        """Length-sorted batches over all examples; pad_to[i] = the length example i's batch
-        is padded to. Misses are recomputed at the same padding, so values match bitwise."""
+        """Length-sorted batches over all examples (the build order: little padding); pad_to[i]
+        = the length example i's build batch is padded to."""
         order = np.argsort(self._lengths, kind="stable")
         self._order = order
         nb = (len(order) + self.batch_size - 1) // self.batch_size
@@ -406,9 +414,9 @@ class ActivationCache:
                 self._unverified += 1
 
     def _encode_batch(self, idx):
-        """Run the encoder on examples idx (one plan batch), padded to their planned length;
-        returns float32 rows (pooled, or real tokens only)."""
-        T = int(self._pad_to[idx[0]])
+        """Run the encoder on examples idx, padded to the longest of them; returns float32 rows
+        (pooled, or real tokens only)."""
+        T = max(1, int(self._lengths[idx].max()))
         B = len(idx)
         ids = np.zeros((B, T), np.int32)
         tys = np.zeros((B, T), np.int32)
@@ -618,37 +626,40 @@ class ActivationCache:
         return wrap(out.reshape(len(idx), -1, C)), valid.astype(np.int64)
 
     def _recompute(self, idx):
-        """Values of uncached examples through the encoder (at their planned padding) and the
-        codec, so they equal what the cache would have stored."""
+        """Values of uncached examples through the encoder and the codec, so they equal what the
+        cache would have stored: the CPU encoder gives every example the same bits whatever
+        batch it is in and whatever length that batch is padded to (tested), so misses run as
+        ordinary batches padded to their longest. With max_fraction=0 this is the encoder in
+        the loop: the no-cache baseline."""
         if self.encoder is None:
             raise InputError(f"example id {int(self.example_ids[idx[0]])} is not cached and this cache has no "
                              "encoder to compute it: open it with ActivationCache.open(path, encoder=...)")
         out = [None] * len(idx)
-        order = np.argsort(self._pad_to[idx], kind="stable")
-        pads = self._pad_to[idx][order]
-        for T in np.unique(pads):
-            sel = order[pads == T]
-            for a in range(0, len(sel), self.batch_size):
-                part = sel[a:a + self.batch_size]
-                rows = self._encode_batch(idx[part])
+        for a in range(0, len(idx), self.batch_size):
+            part = np.arange(a, min(a + self.batch_size, len(idx)))
+            rows = self._encode_batch(idx[part])
+            if self.dtype == "float32":
+                dec = rows
+            else:
                 vals, sc, _ = self._encode_rows(rows)
                 dec = np.empty(rows.shape, np.float32)
                 rb = vals.strides[0]
                 ptr = (np.uint64(vals.ctypes.data) + np.arange(len(vals), dtype=np.uint64) * np.uint64(rb))
                 _C.cache_gather(dec, ptr, sc if sc is not None else np.zeros(0, np.float32), self.dtype)
-                r = self._rows_of(idx[part])
-                starts = np.concatenate([[0], np.cumsum(r)])
-                for j, p in enumerate(part):
-                    out[p] = dec[starts[j]:starts[j + 1]]
+            r = self._rows_of(idx[part])
+            starts = np.concatenate([[0], np.cumsum(r)])
+            for j, p in enumerate(part):
+                out[p] = dec[starts[j]:starts[j + 1]]
         return out
 
     def batches(self, batch_size, shuffle=True, seed=None, drop_last=False, sampling="random", chunk_bytes=None,
-                passes_per_chunk=1, prefetch=2, output="numpy", ragged=False):
+                passes_per_chunk=1, prefetch=2, output="numpy", ragged=False, start=0):
         """Iterate one epoch: yields (example_ids, batch) with batch as from :meth:`get`. The
         next batches are prepared on a background thread while the caller computes.
         sampling="chunked" (FastTran's improved sampling): examples are grouped into chunks of
         at most `chunk_bytes` in storage order; chunks come in random order and each is
-        shuffled and read `passes_per_chunk` times before moving on."""
+        shuffled and read `passes_per_chunk` times before moving on. `start` skips the first
+        batches of the epoch (resuming an interrupted one: the order depends only on `seed`)."""
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
         if sampling not in ("random", "chunked"):
@@ -679,7 +690,7 @@ class ActivationCache:
         steps = [order[a:a + batch_size] for a in range(0, len(order), batch_size)]
         if drop_last and steps and len(steps[-1]) < batch_size:
             steps.pop()
-        return _Prefetcher(self, steps, prefetch, output, ragged)
+        return _Prefetcher(self, steps[start:], prefetch, output, ragged)
 
     # ---- information -------------------------------------------------------------------------
     def __len__(self):

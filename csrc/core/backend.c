@@ -79,7 +79,7 @@ ft_status ft_backend_cuda_open(int index, ft_backend **out) {
  * (reading a CUDA tensor to the host). Opened on first use, kept for the process. */
 static ft_backend *shared_cuda[64];
 
-static ft_status shared_backend(ft_device dev, ft_backend **out) {
+ft_status ft_backend_for(ft_device dev, ft_backend **out) {
     if (dev.kind == FT_DEVICE_CPU) { *out = ft_backend_cpu(); return FT_OK; }
     if (dev.index < 0 || dev.index >= 64) return ft_error(FT_ERR_DEVICE, "CUDA device index %d out of range", dev.index);
     static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -93,13 +93,31 @@ static ft_status shared_backend(ft_device dev, ft_backend **out) {
 
 ft_status ft_device_read(ft_device dev, void *host_dst, const void *src, size_t bytes) {
     ft_backend *be = NULL;
-    FT_TRY(shared_backend(dev, &be));
+    FT_TRY(ft_backend_for(dev, &be));
     return be->download(be, host_dst, src, bytes);
 }
 
 ft_status ft_device_stream(ft_device dev, uintptr_t *stream) {
     ft_backend *be = NULL;
-    FT_TRY(shared_backend(dev, &be));
+    FT_TRY(ft_backend_for(dev, &be));
     *stream = be->stream;
     return FT_OK;
+}
+
+ft_status ft_device_alloc(ft_device dev, size_t bytes, void **out) {
+    ft_backend *be = NULL;
+    FT_TRY(ft_backend_for(dev, &be));
+    return be->alloc(be, bytes, out);
+}
+
+void ft_device_free(ft_device dev, void *p) {
+    ft_backend *be = NULL;
+    if (!p || ft_backend_for(dev, &be) != FT_OK) return;
+    be->free(be, p);
+}
+
+ft_status ft_device_write(ft_device dev, void *dst, const void *host_src, size_t bytes) {
+    ft_backend *be = NULL;
+    FT_TRY(ft_backend_for(dev, &be));
+    return be->upload(be, dst, host_src, bytes);
 }

@@ -66,11 +66,20 @@ ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, co
                 for (int64_t i = 0; i < T; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
                 continue;
             }
-            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)T, (blasint)Tk,
-                          (blasint)hs, scale, q, (blasint)ld, k, (blasint)ld, 0.0f, S, (blasint)Tk);
-            softmax_rows(S, keymask + b * T, T, Tk);
-            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)T, (blasint)hs,
-                          (blasint)Tk, 1.0f, S, (blasint)Tk, v, (blasint)ld, 0.0f, out, (blasint)C);
+            /* real query rows [0, Tk) and padded ones [Tk, T) in separate GEMMs: BLAS picks
+             * its kernel (and so its rounding) by the problem size, and this keeps every real
+             * token's result a function of the real length only. An example then gets the same
+             * bits whatever its batch is padded to, which is what lets the Trainer's
+             * encoder-in-the-loop baseline match the activation cache bit for bit. */
+            for (int part = 0; part < 2; part++) {
+                const int64_t r0 = part ? Tk : 0, rows = part ? T - Tk : Tk;
+                if (rows == 0) continue;
+                ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)rows, (blasint)Tk, (blasint)hs, scale,
+                              q + r0 * ld, (blasint)ld, k, (blasint)ld, 0.0f, S, (blasint)Tk);
+                softmax_rows(S, keymask + b * T, rows, Tk);
+                ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)rows, (blasint)hs, (blasint)Tk, 1.0f,
+                              S, (blasint)Tk, v, (blasint)ld, 0.0f, out + r0 * C, (blasint)C);
+            }
         }
     }
     ft_blas_set_threads(blas_threads);

@@ -58,6 +58,11 @@ static ft_backend cpu_backend = {
     .attention_forward = cpu_attention_forward,
     .attention_scratch_bytes = cpu_attention_scratch_bytes,
     .bias_act_forward = cpu_bias_act_forward,
+    .dropout = cpu_dropout,
+    .tanh_backward = cpu_tanh_backward,
+    .softmax_xent = cpu_softmax_xent,
+    .sum_axis = cpu_sum_axis,
+    .optim_step = cpu_optim_step,
     .bias_residual_ln_forward = cpu_bias_residual_ln_forward,
     .pool_forward = cpu_pool_forward,
 };

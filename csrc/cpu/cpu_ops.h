@@ -21,4 +21,12 @@ size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t
 ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, const float *keymask,
                                 const int32_t *key_len, int64_t B, int64_t T, int64_t C, int64_t NH,
                                 float *scratch);
+/* training: train_ops.c, optim.c */
+ft_status cpu_dropout(ft_backend *be, float *y, const float *x, int64_t n, float p, uint64_t key);
+ft_status cpu_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n);
+ft_status cpu_softmax_xent(ft_backend *be, float *loss, float *dlogits, const float *logits, const float *valid,
+                           int64_t valid_rows, const int32_t *labels, int64_t N, int64_t K, float scale);
+ft_status cpu_sum_axis(ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis);
+ft_status cpu_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_optim_tensor *t, size_t count,
+                         ft_optim_info *info);
 #endif

@@ -65,6 +65,9 @@ ft_status cpu_bias_act_forward(ft_backend *be, float *h, const float *bias, int6
 #pragma omp simd
             for (int64_t i = 0; i < I; i++) { float v = x[i] + bias[i]; x[i] = v > 0.0f ? v : 0.0f; }
             break;
+        case FT_ACT_TANH:
+            for (int64_t i = 0; i < I; i++) x[i] = tanhf(x[i] + bias[i]);
+            break;
         }
     }
     return FT_OK;

@@ -71,7 +71,7 @@ template <typename T>
 __global__ void bias_act_kernel(T *h, const T *bias, int64_t total, int64_t I, int act) {
     for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
         float v = to_f(h[k]) + to_f(bias[k % I]);
-        v = act == FT_ACT_GELU_ERF ? gelu_erf(v) : act == FT_ACT_GELU_TANH ? gelu_tanh(v) : fmaxf(v, 0.0f);
+        v = act == FT_ACT_GELU_ERF ? gelu_erf(v) : act == FT_ACT_GELU_TANH ? gelu_tanh(v) : act == FT_ACT_TANH ? tanhf(v) : fmaxf(v, 0.0f);
         h[k] = from_f<T>(v);
     }
 }

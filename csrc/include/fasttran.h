@@ -58,7 +58,7 @@ typedef struct {
 } ft_index2d;
 
 /* ---- model description --------------------------------------------------------------- */
-typedef enum { FT_ACT_GELU_ERF = 0, FT_ACT_GELU_TANH = 1, FT_ACT_RELU = 2 } ft_activation;
+typedef enum { FT_ACT_GELU_ERF = 0, FT_ACT_GELU_TANH = 1, FT_ACT_RELU = 2, FT_ACT_TANH = 3 } ft_activation;
 
 typedef struct {
     int64_t vocab_size;
@@ -156,6 +156,92 @@ ft_status ft_cache_gather(float *dst, int64_t n, int64_t C, ft_dtype codec, cons
                           const float *scales);
 /* CRC-32C of n bytes, continuing from `crc` (0 to start). */
 uint32_t ft_crc32c(uint32_t crc, const void *data, size_t n);
+
+/* ---- optimizers -------------------------------------------------------------------------- */
+/* One fused step over a list of tensors, in place, on the device that holds them (all tensors of
+ * one call on one device). LAMB (You et al. 2019) and AdamW (Loshchilov & Hutter), both with
+ * optional bias correction and optional global gradient-norm clipping:
+ *   g <- g * min(1, max_grad_norm / ||g||_global)            (max_grad_norm > 0)
+ *   m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  m^ = m / (1 - b1^t);  v^ = v / (1 - b2^t)
+ *   LAMB:  u = m^ / (sqrt(v^) + eps) + wd w;  phi = ||w|| / ||u|| (1 if either is 0);  w <- w - lr phi u
+ *   AdamW: w <- w - lr wd w - lr m^ / (sqrt(v^) + eps)
+ * Gradients are read only (a caller's .grad stays intact). With check_finite, a non-finite
+ * gradient fails the call with FT_ERR_INVALID_ARGUMENT before anything is written. */
+typedef enum { FT_OPT_ADAMW = 0, FT_OPT_LAMB = 1 } ft_optimizer;
+
+typedef struct {
+    ft_optimizer kind;
+    /* double, so that 1 - beta is exact before the kernels round it to float (0.999f leaves
+     * 1 - beta2 off by 1e-5 relative, which v accumulates) */
+    double lr, beta1, beta2, eps;
+    int bias_correction;
+    double max_grad_norm;  /* > 0: clip by the global gradient norm; <= 0: no clipping */
+    int check_finite;      /* refuse non-finite gradients (costs one read of the gradients) */
+    int64_t step;          /* t >= 1: the number of this update (bias correction) */
+} ft_optim_config;
+
+typedef struct {
+    float *param;          /* (n) float32 master weights, updated in place */
+    const float *grad;     /* (n) */
+    float *m, *v;          /* (n) moment estimates, updated in place */
+    void *copy;            /* NULL, or (n) F16/BF16 model copy written from the new weights */
+    ft_dtype copy_dtype;
+    int64_t n;
+    float weight_decay;    /* wd of this tensor (0 for biases and LayerNorm by the caller's rule) */
+} ft_optim_tensor;
+
+typedef struct {
+    double grad_norm;      /* global ||g|| before clipping (NaN when not computed) */
+    double clip_scale;     /* the factor applied to the gradients (1 without clipping) */
+} ft_optim_info;
+
+/* info may be NULL (on CUDA it then costs no host synchronisation). */
+ft_status ft_optimizer_step(ft_device dev, const ft_optim_config *cfg, const ft_optim_tensor *tensors,
+                            size_t count, ft_optim_info *info);
+
+/* ---- task heads ---------------------------------------------------------------------------- */
+/* Heads train on frozen features (from the activation cache or the encoder). Parameters of a head
+ * live in one flat float buffer; ft_head_tensor_info gives each tensor's name, shape and offset.
+ *   FT_HEAD_LINEAR:  logits (B, K) = dropout(x) W^T + b                     W (K, C), b (K)
+ *   FT_HEAD_POOLER:  h = tanh(dropout(x) W1^T + b1); logits = dropout(h) W^T + b   W1 (C, C)
+ *   FT_HEAD_QA:      x (B, T, C) token states; logits (2, B, T) = W x + b    W (2, C), b (2)
+ *                    start = logits[0], end = logits[1]; softmax over the positions with
+ *                    valid != 0 (the context), the others take no part.
+ * Loss: mean cross-entropy (QA: mean of the start and end losses). Dropout masks come from a
+ * counter-based hash of (seed, step, element), recomputed in the backward pass, never stored. */
+typedef enum { FT_HEAD_LINEAR = 0, FT_HEAD_POOLER = 1, FT_HEAD_QA = 2 } ft_head_kind;
+
+typedef struct {
+    ft_head_kind kind;
+    int64_t hidden;        /* C */
+    int64_t num_labels;    /* K (QA: 2) */
+    float dropout;         /* probability, [0, 1) */
+} ft_head_config;
+
+ft_status ft_head_check(const ft_head_config *cfg);
+size_t ft_head_num_tensors(const ft_head_config *cfg);
+ft_status ft_head_tensor_info(const ft_head_config *cfg, size_t i, const char **name, int *ndim,
+                              int64_t shape[2], size_t *offset);
+size_t ft_head_param_count(const ft_head_config *cfg);
+
+/* Forward (and backward when `labels` and `grads` are given) over a batch, all buffers in the
+ * memory of `dev`:
+ *   x (B, C), or (B, T, C) for QA;  valid (B, T) QA only (1 = context position);
+ *   labels: int32 (B) class ids, or (2, B) start then end positions for QA; NULL = no loss;
+ *   logits out: (B, K), or (2, B, T) for QA;  loss out (host): mean loss, or NULL;
+ *   grads out: like params (overwritten), or NULL;  dx out: like x, or NULL.
+ * training != 0 applies dropout with masks from (seed, step). Labels out of range, and QA labels
+ * at a position that is not valid, fail with FT_ERR_OUT_OF_RANGE. */
+ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, const float *params,
+                                   const float *x, int64_t B, int64_t T, const float *valid,
+                                   const int32_t *labels, float *logits, double *loss, float *grads,
+                                   float *dx, int training, uint64_t seed, uint64_t step);
+
+/* Memory on a device without an encoder (host memory for the CPU): optimizer state, head
+ * buffers. Free with ft_device_free on the same device. */
+ft_status ft_device_alloc(ft_device dev, size_t bytes, void **out);
+void ft_device_free(ft_device dev, void *p);
+ft_status ft_device_write(ft_device dev, void *dst, const void *host_src, size_t bytes);
 
 /* ---- build and runtime information ------------------------------------------------------ */
 const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */

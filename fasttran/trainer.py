@@ -1,0 +1,423 @@
+"""fasttran.Trainer: trains a task head on frozen features with a fused LAMB/AdamW.
+
+Features come from an :class:`ActivationCache` (computed once, read every epoch), or from the
+same object built with ``max_fraction=0`` (``ActivationCache.uncached``): then every batch runs
+through the encoder -- the paper's baseline. Both give identical losses and weights for a seed:
+the CPU encoder's output for an example does not depend on its batch or padding, batches come
+in the same seeded order, and dropout masks are a pure function of (seed, step, element).
+
+The loop is Python; each step is two C calls with the GIL released (head forward+backward,
+then one fused optimizer step), while the next batch is gathered (or encoded) on a background
+thread.
+"""
+import html
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+from . import _C
+from .cache import ActivationCache, _atomic_write
+from .errors import CheckpointError, InputError, InputTypeError, UnsupportedError
+from .heads import ClassificationHead, QAHead, _Head
+from .optim import SCHEDULES, make_optimizer, schedule_factor
+from .safetensors_io import read_safetensors, write_safetensors
+
+_HEADS = {"classification": dict(pooler=False), "classification-pooler": dict(pooler=True), "qa": {}}
+
+
+class TrainingInterrupted(Exception):
+    pass
+
+
+def _epoch_seed(seed, epoch):
+    return (int(seed) * 1_000_003 + epoch * 7919) % (2 ** 63)
+
+
+class Trainer:
+    """Fine-tunes a task head on frozen features.
+
+        >>> head = fasttran.ClassificationHead(384, num_labels=2)
+        >>> tr = fasttran.Trainer(head, optimizer="lamb", lr=2e-3, epochs=3, batch_size=32)
+        >>> tr.fit(cache, labels, eval=(dev_cache, dev_labels))
+        >>> tr.evaluate(dev_cache, dev_labels)      # {'accuracy': ..., 'f1': ..., 'loss': ...}
+
+    `head` is a head object, or "classification" / "classification-pooler" / "qa" (sized from
+    the cache at fit time). `warmup` is a fraction of all steps (< 1) or a step count.
+    """
+
+    def __init__(self, head="classification", optimizer="lamb", lr=1e-3, weight_decay=0.01, schedule="linear",
+                 warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
+                 eps=1e-6, dropout=None, num_labels=None, show_progress=None):
+        if isinstance(head, str):
+            if head not in _HEADS:
+                raise InputError(f"unknown head {head!r}; choose one of {sorted(_HEADS)} or pass a head object")
+        elif not isinstance(head, _Head):
+            raise InputTypeError(f"head must be a head object or a name, got {type(head).__name__}")
+        if not isinstance(optimizer, str) or optimizer.lower() not in ("lamb", "adamw"):
+            raise InputError(f"unknown optimizer {optimizer!r}; choose 'lamb' or 'adamw'")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
+            raise InputError(f"lr must be a finite number > 0, got {lr!r}")
+        if schedule not in SCHEDULES:
+            raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        for name, v in (("epochs", epochs), ("batch_size", batch_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise InputError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(warmup, (int, float)) or warmup < 0:
+            raise InputError(f"warmup must be a fraction in [0, 1) or a step count, got {warmup!r}")
+        if device != "cpu":
+            raise UnsupportedError(
+                f"Trainer(device={device!r}): training runs on the CPU in this version; the CUDA heads and "
+                "optimizer kernels are built but not yet validated on a GPU")
+        self.head = head if isinstance(head, _Head) else None
+        self._head_name = head if isinstance(head, str) else None
+        self.optimizer_name = optimizer.lower()
+        self.lr, self.weight_decay, self.schedule, self.warmup = float(lr), float(weight_decay), schedule, warmup
+        self.epochs, self.batch_size, self.seed, self.device = int(epochs), int(batch_size), int(seed), device
+        self.max_grad_norm, self.betas, self.eps = max_grad_norm, tuple(betas), float(eps)
+        self.dropout, self.num_labels = dropout, num_labels
+        self.show_progress = True if show_progress is None else bool(show_progress)
+        self.optimizer = None
+        self.history = []
+        self.global_step = 0
+        self._pos = (0, 0)           # (epoch, batch within it) of the next step
+        self._interrupt = False
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    @property
+    def task(self):
+        h = self.head
+        if h is not None:
+            return "qa" if isinstance(h, QAHead) else "classification"
+        return "qa" if self._head_name == "qa" else "classification"
+
+    def _make_head(self, cache, labels):
+        if self.head is not None:
+            return
+        if self._head_name == "qa":
+            self.head = QAHead(cache.hidden, dropout=0.0 if self.dropout is None else self.dropout, seed=self.seed)
+        else:
+            k = self.num_labels or int(np.max(labels)) + 1
+            self.head = ClassificationHead(cache.hidden, max(2, k), dropout=0.1 if self.dropout is None else self.dropout,
+                                           seed=self.seed, **_HEADS[self._head_name])
+
+    def _make_optimizer(self):
+        if self.optimizer is None:
+            self.optimizer = make_optimizer(self.optimizer_name, self.head.named_parameters(), lr=self.lr,
+                                            betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                            max_grad_norm=self.max_grad_norm)
+
+    def _check_source(self, cache):
+        if not isinstance(cache, ActivationCache):
+            raise InputTypeError(f"features must be an ActivationCache (ActivationCache.uncached for no cache), "
+                                 f"got {type(cache).__name__}")
+        want = "all" if self.task == "qa" else ("cls", "mean")
+        if (cache.positions == "all") != (self.task == "qa"):
+            raise InputError(f"a {self.task} head needs a cache with positions={want!r}, this one has "
+                             f"positions={cache.positions!r}")
+        if self.head is not None and cache.hidden != self.head.hidden_size:
+            raise InputError(f"the cache holds width {cache.hidden}, the head expects {self.head.hidden_size}")
+
+    def _check_targets(self, cache, targets):
+        N = len(cache)
+        if self.task == "qa":
+            if not (isinstance(targets, (tuple, list)) and len(targets) == 2):
+                raise InputError("QA targets must be (start_positions, end_positions)")
+            s, e = (np.asarray(t) for t in targets)
+            for name, a in (("start_positions", s), ("end_positions", e)):
+                if a.dtype.kind not in "iu":
+                    raise InputTypeError(f"{name} must be integers, got {a.dtype}")
+                if a.shape != (N,):
+                    raise InputError(f"{name} has {a.shape[0] if a.ndim else 0} entries but the cache has {N} examples")
+            lengths = cache._lengths
+            bad = np.flatnonzero((s < 0) | (e < s) | (e >= lengths))
+            if len(bad):
+                i = int(bad[0])
+                raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) is not "
+                                 f"inside its {int(lengths[i])} tokens with start <= end")
+            ctx = [self._context(cache, np.array([i]), int(lengths[i]))[0] for i in range(N)]
+            for i in range(N):
+                if not (ctx[i][s[i]] and ctx[i][e[i]]):
+                    raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) "
+                                     "is not in the context (token type 1)")
+            return np.stack([s, e]).astype(np.int32)
+        y = np.asarray(targets)
+        if y.dtype.kind not in "iu":
+            raise InputTypeError(f"labels must be integers, got {y.dtype}")
+        if y.shape != (N,):
+            raise InputError(f"labels has {y.shape[0] if y.ndim else 0} entries but the cache has {N} examples")
+        k = self.head.num_labels if self.head is not None else (self.num_labels or int(y.max()) + 1)
+        bad = np.flatnonzero((y < 0) | (y >= k))
+        if len(bad):
+            raise InputError(f"label {int(y[bad[0]])} of example {int(cache.example_ids[bad[0]])} is outside [0, {k})")
+        return y.astype(np.int32)
+
+    @staticmethod
+    def _context(cache, idx, T):
+        """(B, T) float mask of context positions: token type 1, but not the final [SEP]."""
+        out = np.zeros((len(idx), T), np.float32)
+        for j, i in enumerate(idx):
+            a, b = cache._offsets[i], cache._offsets[i + 1]
+            ty = cache._types[a:b]
+            m = (ty == 1).astype(np.float32)
+            if len(m):
+                m[-1] = 0.0
+            out[j, :len(m)] = m
+        return out
+
+    def _batch(self, cache, idx, batch):
+        """Features of a batch as the head wants them, with the NaN check."""
+        if self.task == "qa":
+            x, _mask = batch
+            x = np.ascontiguousarray(x)
+            valid = self._context(cache, idx, x.shape[1])
+        else:
+            x, valid = np.ascontiguousarray(batch), None
+        if not np.isfinite(x).all():
+            bad = np.flatnonzero(~np.isfinite(x.reshape(len(idx), -1)).all(1))
+            raise InputError(f"features of example {int(cache.example_ids[idx[bad[0]]])} contain NaN or Inf")
+        return x, valid
+
+    # ---- training -------------------------------------------------------------------------------
+    def fit(self, cache, targets, eval=None, checkpoint_dir=None, resume=False, stop_at_step=None):
+        """Train for `epochs` over `cache` (targets: class labels, or (starts, ends) for QA, in
+        the cache's example order). `eval`: (cache, labels) for classification, or (cache,
+        squad_features) for QA, evaluated after every epoch. With `checkpoint_dir` the state is
+        saved after every epoch and on Ctrl-C, and `resume=True` continues from it exactly.
+        `stop_at_step` stops like Ctrl-C once that many steps are done (the schedule stays the
+        full run's). Returns the history (one dict per epoch)."""
+        self._make_head(cache, targets if self.task != "qa" else None)
+        self._check_source(cache)
+        y = self._check_targets(cache, targets)
+        if resume:
+            if checkpoint_dir is None:
+                raise InputError("resume=True needs checkpoint_dir")
+            if os.path.exists(os.path.join(checkpoint_dir, "trainer.json")):
+                self._load_into(checkpoint_dir)
+        self._make_optimizer()
+        N = len(cache)
+        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
+        total = steps_per_epoch * self.epochs
+        warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
+        grads = np.zeros_like(self.head.params)
+        gviews = [grads[(t.__array_interface__["data"][0] - self.head.params.__array_interface__["data"][0]) // 4:][
+                  :t.size].reshape(t.shape) for t in self.head.tensors.values()]
+        old_handler = None
+        if threading.current_thread() is threading.main_thread():
+            def on_sigint(signum, frame):   # finish the step in flight, then stop cleanly
+                if self._interrupt:
+                    raise KeyboardInterrupt
+                self._interrupt = True
+            old_handler = signal.signal(signal.SIGINT, on_sigint)
+        self._interrupt = False
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:   # pragma: no cover
+            tqdm = None
+        try:
+            first_epoch, first_batch = self._pos
+            for epoch in range(first_epoch, self.epochs):
+                t0 = time.perf_counter()
+                it = cache.batches(self.batch_size, shuffle=True, seed=_epoch_seed(self.seed, epoch),
+                                   start=first_batch if epoch == first_epoch else 0)
+                bar = tqdm(total=steps_per_epoch, initial=first_batch if epoch == first_epoch else 0,
+                           desc=f"epoch {epoch + 1}/{self.epochs}", disable=not self.show_progress or tqdm is None,
+                           leave=False, file=sys.stderr) if tqdm else None
+                loss_sum, correct, seen, b = 0.0, 0, 0, (first_batch if epoch == first_epoch else 0)
+                for ids, batch in it:
+                    idx = cache._index_of(ids)
+                    x, valid = self._batch(cache, idx, batch)
+                    yb = y[:, idx] if self.task == "qa" else y[idx]
+                    if self.task == "qa":
+                        logits, loss = self.head.step(x, valid, yb, grads=grads, training=True, seed=self.seed,
+                                                      step=self.global_step)
+                    else:
+                        logits, loss = self.head.step(x, yb, grads=grads, training=True, seed=self.seed,
+                                                      step=self.global_step)
+                        correct += int((logits.argmax(1) == yb).sum())
+                    if not math.isfinite(loss):
+                        raise FloatingPointError(f"the loss is {loss} at step {self.global_step + 1} (epoch {epoch + 1}, "
+                                                 f"batch {b + 1}); training stopped before applying it")
+                    lr = self.lr * schedule_factor(self.schedule, self.global_step, total, warm)
+                    self.optimizer.step(gviews, lr=max(lr, 1e-30))
+                    self.global_step += 1
+                    b += 1
+                    self._pos = (epoch, b)
+                    loss_sum += loss * len(idx)
+                    seen += len(idx)
+                    if bar:
+                        bar.update(1)
+                        if b % 20 == 0:
+                            bar.set_postfix(loss=f"{loss_sum / seen:.4f}")
+                    if stop_at_step is not None and self.global_step >= stop_at_step:
+                        self._interrupt = True
+                    if self._interrupt:
+                        break
+                if bar:
+                    bar.close()
+                if self._interrupt:
+                    if checkpoint_dir:
+                        self.save(checkpoint_dir)
+                    where = f"; state saved to {checkpoint_dir}" if checkpoint_dir else ""
+                    print(f"interrupted after step {self.global_step} (epoch {epoch + 1}, batch {b}){where}",
+                          file=sys.stderr)
+                    break
+                self._pos = (epoch + 1, 0)
+                rec = {"epoch": epoch + 1, "steps": self.global_step, "train_loss": loss_sum / max(seen, 1),
+                       "seconds": time.perf_counter() - t0, "lr": self.optimizer.lr}
+                if self.task != "qa":
+                    rec["train_accuracy"] = correct / max(seen, 1)
+                if eval is not None:
+                    t1 = time.perf_counter()
+                    rec.update({f"eval_{k}": v for k, v in self.evaluate(*eval).items()})
+                    rec["eval_seconds"] = time.perf_counter() - t1
+                self.history.append(rec)
+                if checkpoint_dir:
+                    self.save(checkpoint_dir)
+                first_batch = 0
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+        return self.history
+
+    # ---- inference --------------------------------------------------------------------------------
+    def _logits(self, cache, batch_size=256):
+        if self.head is None:
+            raise InputError("the trainer has no head yet: fit() or load() first")
+        self._check_source(cache)
+        outs = []
+        for ids, batch in cache.batches(batch_size, shuffle=False):
+            idx = cache._index_of(ids)
+            x, valid = self._batch(cache, idx, batch)
+            if self.task == "qa":
+                lg, _ = self.head.step(x, valid)
+                for j in range(len(idx)):   # per example: (2, its own length)
+                    n = int(cache._lengths[idx[j]])
+                    outs.append(np.where(valid[j, :n] > 0, lg[:, j, :n], -np.inf))
+            else:
+                outs.append(self.head.step(x)[0])
+        return outs if self.task == "qa" else np.concatenate(outs)
+
+    def predict(self, cache, squad=None):
+        """Classification: predicted labels in the cache's example order. QA: with `squad` (the
+        SquadFeatures the cache was built from) the answer text per question id; without it the
+        per-example (start, end) logits."""
+        if self.task == "qa":
+            logits = self._logits(cache)
+            if squad is None:
+                return logits
+            return squad.postprocess(logits)
+        return self._logits(cache).argmax(1)
+
+    def evaluate(self, cache, targets):
+        """Classification: accuracy, F1 (binary: of class 1; else macro) and loss against labels.
+        QA: SQuAD exact match and F1 (official normalisation, best over all reference answers)
+        with `targets` the SquadFeatures the cache was built from."""
+        if self.task == "qa":
+            from .squad import squad_metrics
+            preds = self.predict(cache, squad=targets)
+            return squad_metrics(preds, targets.examples)
+        y = self._check_targets(cache, targets)
+        logits = self._logits(cache)
+        pred = logits.argmax(1)
+        z = logits - logits.max(1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+        loss = float(-logp[np.arange(len(y)), y].mean())
+        K = logits.shape[1]
+        f1s = []
+        for c in ([1] if K == 2 else range(K)):
+            tp = int(((pred == c) & (y == c)).sum())
+            fp = int(((pred == c) & (y != c)).sum())
+            fn = int(((pred != c) & (y == c)).sum())
+            f1s.append(2 * tp / max(2 * tp + fp + fn, 1))
+        return {"accuracy": float((pred == y).mean()), "f1": float(np.mean(f1s)), "loss": loss}
+
+    # ---- persistence ------------------------------------------------------------------------------
+    def _config(self):
+        return {"optimizer": self.optimizer_name, "lr": self.lr, "weight_decay": self.weight_decay,
+                "schedule": self.schedule, "warmup": self.warmup, "epochs": self.epochs,
+                "batch_size": self.batch_size, "seed": self.seed, "device": self.device,
+                "max_grad_norm": self.max_grad_norm, "betas": list(self.betas), "eps": self.eps}
+
+    def save(self, path):
+        """Write head weights and optimizer state (safetensors) and the trainer state (JSON),
+        each atomically; trainer.json, written last, holds the CRC-32C of the others."""
+        if self.head is None:
+            raise InputError("nothing to save: the trainer has no head yet")
+        os.makedirs(path, exist_ok=True)
+        files = {"head.safetensors": write_safetensors(os.path.join(path, "head.safetensors"),
+                                                       self.head.state_dict(), {"format": "fasttran-head"})}
+        opt = None
+        if self.optimizer is not None:
+            st = self.optimizer.state_dict()
+            files["optimizer.safetensors"] = write_safetensors(
+                os.path.join(path, "optimizer.safetensors"),
+                {"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}, {"format": "fasttran-optimizer"})
+            opt = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
+        state = {"format": "fasttran-trainer", "version": 1, "config": self._config(), "head": self.head.config(),
+                 "optimizer_state": opt, "global_step": self.global_step, "position": list(self._pos),
+                 "history": self.history, "files": files}
+        _atomic_write(os.path.join(path, "trainer.json"), [json.dumps(state, indent=1).encode()])
+        return path
+
+    def _load_into(self, path):
+        tj = os.path.join(path, "trainer.json")
+        try:
+            with open(tj, "rb") as f:
+                state = json.loads(f.read())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} has no trainer.json: not a fasttran trainer checkpoint") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{tj} is corrupt: {e}") from None
+        if state.get("format") != "fasttran-trainer":
+            raise CheckpointError(f"{tj} is not a fasttran trainer checkpoint")
+        files = state["files"]
+        head_t = read_safetensors(os.path.join(path, "head.safetensors"), files["head.safetensors"])
+        head = _Head.from_config(state["head"])
+        if self.head is not None and self.head.config() != head.config():
+            raise CheckpointError(f"the checkpoint's head {state['head']} differs from this trainer's {self.head.config()}")
+        self.head = self.head or head
+        self.head.load_state_dict(head_t)
+        self.optimizer = None
+        self._make_optimizer()
+        if state.get("optimizer_state"):
+            opt_t = read_safetensors(os.path.join(path, "optimizer.safetensors"), files["optimizer.safetensors"])
+            self.optimizer.load_state_dict(dict(state["optimizer_state"], **opt_t))
+        self.global_step = int(state["global_step"])
+        self._pos = tuple(state["position"])
+        self.history = state["history"]
+
+    @classmethod
+    def load(cls, path, **overrides):
+        """A Trainer restored from save(): head, optimizer state, step, position and history."""
+        tj = os.path.join(path, "trainer.json")
+        try:
+            with open(tj, "rb") as f:
+                cfg = json.loads(f.read())["config"]
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} has no trainer.json: not a fasttran trainer checkpoint") from None
+        except (ValueError, KeyError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{tj} is corrupt: {e}") from None
+        cfg.update(overrides)
+        with open(tj, "rb") as f:
+            head_cfg = json.loads(f.read())["head"]
+        self = cls(_Head.from_config(head_cfg), **cfg)
+        self._load_into(path)
+        return self
+
+    # ---- display ----------------------------------------------------------------------------------
+    def __repr__(self):
+        head = repr(self.head) if self.head is not None else repr(self._head_name)
+        return (f"Trainer(head={head}, optimizer={self.optimizer_name!r}, lr={self.lr:g}, schedule={self.schedule!r}, "
+                f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step})")
+
+    def _repr_html_(self):
+        rows = "".join("<tr>" + "".join(f"<td>{html.escape(f'{v:.4g}' if isinstance(v, float) else str(v))}</td>"
+                                        for v in r.values()) + "</tr>" for r in self.history)
+        head = "".join(f"<th>{html.escape(k)}</th>" for k in (self.history[0] if self.history else {}))
+        return f"<b>{html.escape(repr(self))}</b><table><tr>{head}</tr>{rows}</table>"
