@@ -98,6 +98,7 @@ class _FusedOptimizer:
         self.check_finite = bool(check_finite)
         self.step_count = 0
         self.last_grad_norm = float("nan")
+        self.last_kernel_launches = 0
 
         self._bufs, self.shapes, devices = [], [], set()
         for name, p in zip(self.names, self.params):
@@ -169,12 +170,13 @@ class _FusedOptimizer:
             self.lr = lr
         gbufs = self._grad_buffers(grads)
         b1, b2 = self.betas
-        norm, _ = _C.optimizer_step(
+        norm, _, launches = _C.optimizer_step(
             _KINDS[self._kind], self.lr, b1, b2, self.eps, int(self.bias_correction),
             float(self.max_grad_norm or 0.0), int(self.check_finite), self.step_count + 1,
             self._bufs, gbufs, self._m, self._v, self.decays, None)
         self.step_count += 1
         self.last_grad_norm = norm
+        self.last_kernel_launches = launches   # CUDA: fixed per configuration, whatever the tensor count
         return norm
 
     def state_dict(self):

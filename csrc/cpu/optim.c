@@ -133,7 +133,7 @@ ft_status cpu_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_op
         gnorm = sqrt(s);
         if (cfg->max_grad_norm > 0.0 && gnorm > cfg->max_grad_norm) clip = (float)(cfg->max_grad_norm / gnorm);
     }
-    if (info) { info->grad_norm = gnorm; info->clip_scale = clip; }
+    if (info) { info->grad_norm = gnorm; info->clip_scale = clip; info->kernel_launches = 0; }
 
     opt_coef k = {clip, (float)cfg->beta1, (float)(1.0 - cfg->beta1), (float)cfg->beta2, (float)(1.0 - cfg->beta2),
                   1.0f, 1.0f, (float)cfg->eps};

@@ -50,6 +50,7 @@ ft_status cuda_sync(ft_backend *be) {
 void cuda_destroy(ft_backend *be) {
     cuda_ctx *c = ctx_of(be);
     cudaSetDevice(c->device);
+    if (c->opt_ws) cudaFree(c->opt_ws);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);
@@ -155,6 +156,11 @@ __attribute__((visibility("default"))) ft_status ft_cuda_backend_open(const ft_h
     be->bias_act_forward = cuda_bias_act;
     be->bias_residual_ln_forward = cuda_bias_residual_ln;
     be->pool_forward = cuda_pool;
+    be->dropout = cuda_dropout;
+    be->tanh_backward = cuda_tanh_backward;
+    be->softmax_xent = cuda_softmax_xent;
+    be->sum_axis = cuda_sum_axis;
+    be->optim_step = cuda_optim_step;
     *out = be;
     return FT_OK;
 }

@@ -15,6 +15,8 @@ struct cuda_ctx {
     cudaStream_t stream;   // all work of this backend runs here (non-blocking)
     cublasHandle_t blas;
     char name[32];
+    void *opt_ws;          // optimizer tables and partial sums (optim.cu), grown as needed
+    size_t opt_ws_bytes;
 };
 
 inline cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
@@ -68,5 +70,14 @@ ft_status cuda_pool(ft_backend *be, float *out, const float *h, const float *key
 ft_status cuda_attention(ft_backend *be, float *ctx, const float *qkv, const float *keymask, const int32_t *key_len,
                          int64_t B, int64_t T, int64_t C, int64_t NH, float *scratch);
 size_t cuda_attention_scratch(ft_backend *be, int64_t B, int64_t T, int64_t NH);
+
+// training ops (train_ops.cu, optim.cu)
+ft_status cuda_dropout(ft_backend *be, float *y, const float *x, int64_t n, float p, uint64_t key);
+ft_status cuda_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n);
+ft_status cuda_softmax_xent(ft_backend *be, float *loss, float *dlogits, const float *logits, const float *valid,
+                            int64_t valid_rows, const int32_t *labels, int64_t N, int64_t K, float scale);
+ft_status cuda_sum_axis(ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis);
+ft_status cuda_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_optim_tensor *t, size_t count,
+                          ft_optim_info *info);
 
 #endif

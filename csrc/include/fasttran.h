@@ -193,6 +193,7 @@ typedef struct {
 typedef struct {
     double grad_norm;      /* global ||g|| before clipping (NaN when not computed) */
     double clip_scale;     /* the factor applied to the gradients (1 without clipping) */
+    int kernel_launches;   /* CUDA kernels this step launched (0 on the CPU): fixed per configuration */
 } ft_optim_info;
 
 /* info may be NULL (on CUDA it then costs no host synchronisation). */

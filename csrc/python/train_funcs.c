@@ -82,7 +82,8 @@ static int same_device(ft_device *have, int *set, ft_device d, const char *what)
 }
 
 /* optimizer_step(kind, lr, beta1, beta2, eps, bias_correction, max_grad_norm, check_finite, step,
- *                params, grads, ms, vs, weight_decays, copies or None) -> (grad_norm, clip_scale) */
+ *                params, grads, ms, vs, weight_decays, copies or None)
+ *   -> (grad_norm, clip_scale, CUDA kernel launches) */
 static PyObject *py_optimizer_step(PyObject *self, PyObject *args) {
     (void)self;
     int kind, bias_correction, check_finite;
@@ -145,14 +146,14 @@ static PyObject *py_optimizer_step(PyObject *self, PyObject *args) {
     }
     ft_optim_config cfg = {kind == 1 ? FT_OPT_LAMB : FT_OPT_ADAMW, lr, b1, b2, eps, bias_correction, max_norm,
                            check_finite, (int64_t)step};
-    ft_optim_info info = {0, 1};
+    ft_optim_info info = {0, 1, 0};
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ft_optimizer_step(dev, &cfg, t, (size_t)n, &info);
     Py_END_ALLOW_THREADS
     PyMem_Free(t);
     if (st != FT_OK) return ft_py_raise(st);
-    return Py_BuildValue("(dd)", info.grad_norm, info.clip_scale);
+    return Py_BuildValue("(ddi)", info.grad_norm, info.clip_scale, info.kernel_launches);
 fail:
     PyMem_Free(t);
     return NULL;

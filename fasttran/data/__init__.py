@@ -21,3 +21,12 @@ def load_sst2(path=None):
             labels.append(int(parts[li]))
             sentences.append(parts[1 - li])
     return sentences, labels
+
+
+def sst2_path(split):
+    """Path of the SST-2 sample shipped with fasttran: "dev" (all 872 dev sentences) or "train"
+    (4,000 train sentences drawn at random with seed 2026)."""
+    name = {"dev": "sst2_dev.tsv", "train": "sst2_train_sample.tsv"}.get(split)
+    if name is None:
+        raise ValueError(f"split must be 'dev' or 'train', got {split!r}")
+    return os.path.join(_HERE, name)
