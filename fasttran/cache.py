@@ -666,6 +666,9 @@ class ActivationCache:
             raise InputError(f"sampling must be 'random' or 'chunked', got {sampling!r}")
         if not isinstance(passes_per_chunk, int) or passes_per_chunk < 1:
             raise InputError(f"passes_per_chunk must be an int >= 1, got {passes_per_chunk!r}")
+        skip = int(start)
+        if skip < 0:
+            raise InputError(f"start must be >= 0, got {start!r}")
         rng = np.random.default_rng(seed)
         N = len(self.example_ids)
         if sampling == "random":
@@ -690,7 +693,7 @@ class ActivationCache:
         steps = [order[a:a + batch_size] for a in range(0, len(order), batch_size)]
         if drop_last and steps and len(steps[-1]) < batch_size:
             steps.pop()
-        return _Prefetcher(self, steps[start:], prefetch, output, ragged)
+        return _Prefetcher(self, steps[skip:], prefetch, output, ragged)
 
     # ---- information -------------------------------------------------------------------------
     def __len__(self):
