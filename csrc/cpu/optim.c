@@ -26,6 +26,15 @@ typedef struct {
     float clip, b1, omb1, b2, omb2, ibc1, ibc2, eps;   /* omb = 1 - b, from the double */
 } opt_coef;
 
+/* the Adam moment update both optimizers share: m, v updated in place, new values returned */
+static inline void adam_moments(const opt_coef *k, float g, float *m, float *v, float *mi, float *vi) {
+    g *= k->clip;
+    *mi = k->b1 * *m + k->omb1 * g;
+    *vi = k->b2 * *v + k->omb2 * g * g;
+    *m = *mi;
+    *v = *vi;
+}
+
 static double sumsq(const float *x, int64_t n) {
     double s = 0.0;
 #pragma omp simd reduction(+ : s)
@@ -50,11 +59,8 @@ static void lamb_moments(const ft_optim_tensor *t, int64_t a, int64_t b, const o
     double su = 0.0, sw = 0.0;
 #pragma omp simd reduction(+ : su, sw)
     for (int64_t i = a; i < b; i++) {
-        float gi = g[i] * k->clip;
-        float mi = k->b1 * m[i] + k->omb1 * gi;
-        float vi = k->b2 * v[i] + k->omb2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
+        float mi, vi;
+        adam_moments(k, g[i], &m[i], &v[i], &mi, &vi);
         float u = (mi * k->ibc1) / (sqrtf(vi * k->ibc2) + k->eps) + wd * w[i];
         su += (double)u * u;
         sw += (double)w[i] * w[i];
@@ -82,11 +88,8 @@ static void adamw_update(const ft_optim_tensor *t, int64_t a, int64_t b, const o
     const float decay = (float)(1.0 - (double)lr * t->weight_decay);
 #pragma omp simd
     for (int64_t i = a; i < b; i++) {
-        float gi = g[i] * k->clip;
-        float mi = k->b1 * m[i] + k->omb1 * gi;
-        float vi = k->b2 * v[i] + k->omb2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
+        float mi, vi;
+        adam_moments(k, g[i], &m[i], &v[i], &mi, &vi);
         w[i] = w[i] * decay - lr * (mi * k->ibc1) / (sqrtf(vi * k->ibc2) + k->eps);
     }
     write_copy(t, a, b);
