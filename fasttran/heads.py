@@ -27,13 +27,17 @@ class _Head:
         self.num_labels = int(num_labels)
         self.dropout = float(dropout)
         self._cfg = (_KIND[self.kind], self.hidden_size, self.num_labels, self.dropout)
-        table, total = _C.head_tensors(self._cfg)
+        self._table, total = _C.head_tensors(self._cfg)
         self.params = np.zeros(total, np.float32)
-        self.tensors = {name: self.params[off:off + int(np.prod(shape))].reshape(shape) for name, shape, off in table}
+        self.tensors = self.views(self.params)
         rng = np.random.default_rng(seed)
         for name, t in self.tensors.items():   # BERT's init: N(0, 0.02) weights, zero biases
             if name.endswith("weight"):
                 t[...] = rng.normal(0.0, init_std, t.shape).astype(np.float32)
+
+    def views(self, flat):
+        """Named views of a flat buffer laid out like `params` (e.g. the gradients)."""
+        return {name: flat[off:off + int(np.prod(shape))].reshape(shape) for name, shape, off in self._table}
 
     @property
     def num_parameters(self):

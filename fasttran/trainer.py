@@ -140,11 +140,13 @@ class Trainer:
                 i = int(bad[0])
                 raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) is not "
                                  f"inside its {int(lengths[i])} tokens with start <= end")
-            ctx = [self._context(cache, np.array([i]), int(lengths[i]))[0] for i in range(N)]
-            for i in range(N):
-                if not (ctx[i][s[i]] and ctx[i][e[i]]):
-                    raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) "
-                                     "is not in the context (token type 1)")
+            ctx = self._context(cache, np.arange(N), int(lengths.max()))
+            rows = np.arange(N)
+            bad = np.flatnonzero((ctx[rows, s] == 0) | (ctx[rows, e] == 0))
+            if len(bad):
+                i = int(bad[0])
+                raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) "
+                                 "is not in the context (token type 1)")
             return np.stack([s, e]).astype(np.int32)
         y = np.asarray(targets)
         if y.dtype.kind not in "iu":
@@ -205,8 +207,7 @@ class Trainer:
         total = steps_per_epoch * self.epochs
         warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
         grads = np.zeros_like(self.head.params)
-        gviews = [grads[(t.__array_interface__["data"][0] - self.head.params.__array_interface__["data"][0]) // 4:][
-                  :t.size].reshape(t.shape) for t in self.head.tensors.values()]
+        gviews = list(self.head.views(grads).values())
         old_handler = None
         if threading.current_thread() is threading.main_thread():
             def on_sigint(signum, frame):   # finish the step in flight, then stop cleanly
@@ -365,7 +366,9 @@ class Trainer:
         _atomic_write(os.path.join(path, "trainer.json"), [json.dumps(state, indent=1).encode()])
         return path
 
-    def _load_into(self, path):
+    @staticmethod
+    def _read_state(path):
+        """trainer.json of a checkpoint directory, checked to be one."""
         tj = os.path.join(path, "trainer.json")
         try:
             with open(tj, "rb") as f:
@@ -374,8 +377,12 @@ class Trainer:
             raise CheckpointError(f"{path} has no trainer.json: not a fasttran trainer checkpoint") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{tj} is corrupt: {e}") from None
-        if state.get("format") != "fasttran-trainer":
+        if not isinstance(state, dict) or state.get("format") != "fasttran-trainer" or "config" not in state:
             raise CheckpointError(f"{tj} is not a fasttran trainer checkpoint")
+        return state
+
+    def _load_into(self, path, state=None):
+        state = state or self._read_state(path)
         files = state["files"]
         head_t = read_safetensors(os.path.join(path, "head.safetensors"), files["head.safetensors"])
         head = _Head.from_config(state["head"])
@@ -395,19 +402,9 @@ class Trainer:
     @classmethod
     def load(cls, path, **overrides):
         """A Trainer restored from save(): head, optimizer state, step, position and history."""
-        tj = os.path.join(path, "trainer.json")
-        try:
-            with open(tj, "rb") as f:
-                cfg = json.loads(f.read())["config"]
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} has no trainer.json: not a fasttran trainer checkpoint") from None
-        except (ValueError, KeyError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{tj} is corrupt: {e}") from None
-        cfg.update(overrides)
-        with open(tj, "rb") as f:
-            head_cfg = json.loads(f.read())["head"]
-        self = cls(_Head.from_config(head_cfg), **cfg)
-        self._load_into(path)
+        state = cls._read_state(path)
+        self = cls(_Head.from_config(state["head"]), **dict(state["config"], **overrides))
+        self._load_into(path, state)
         return self
 
     # ---- display ----------------------------------------------------------------------------------
