@@ -766,7 +766,12 @@ class _Prefetcher:
                     continue
             if isinstance(item, BaseException):
                 return
-        self.q.put(None)
+        while not self.stop.is_set():
+            try:
+                self.q.put(None, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def __len__(self):
         return len(self.steps)
@@ -781,7 +786,14 @@ class _Prefetcher:
                     raise item
                 yield item
         finally:
-            self.stop.set()
+            self.close()
+
+    def close(self):
+        """Stop the reader and wait for it: a batch in flight (a C gather or an encoder forward)
+        must not outlive its consumer, or run into interpreter shutdown."""
+        self.stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
 
 
 class CacheDataset:

@@ -10,6 +10,7 @@ The loop is Python; each step is two C calls with the GIL released (head forward
 then one fused optimizer step), while the next batch is gathered (or encoded) on a background
 thread.
 """
+import contextlib
 import html
 import json
 import math
@@ -220,6 +221,7 @@ class Trainer:
             from tqdm.auto import tqdm
         except ImportError:   # pragma: no cover
             tqdm = None
+        stack = contextlib.ExitStack()
         try:
             first_epoch, first_batch = self._pos
             for epoch in range(first_epoch, self.epochs):
@@ -230,6 +232,7 @@ class Trainer:
                            desc=f"epoch {epoch + 1}/{self.epochs}", disable=not self.show_progress or tqdm is None,
                            leave=False, file=sys.stderr) if tqdm else None
                 loss_sum, correct, seen, b = 0.0, 0, 0, (first_batch if epoch == first_epoch else 0)
+                stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 for ids, batch in it:
                     idx = cache._index_of(ids)
                     x, valid = self._batch(cache, idx, batch)
@@ -282,6 +285,7 @@ class Trainer:
                     self.save(checkpoint_dir)
                 first_batch = 0
         finally:
+            stack.close()
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
         return self.history
