@@ -4,11 +4,23 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "backend.h"
 #include "core/status.h"
+
+/* the registry of the op list (backend.h): tests look each entry up by name */
+#define FT_REGISTRY_SERVICE(ret, name, params) {#name, "service", #ret, #params, offsetof(ft_backend, name)},
+#define FT_REGISTRY_OP(name, params) {#name, "op", "ft_status", #params, offsetof(ft_backend, name)},
+const ft_backend_entry ft_backend_registry[] = {
+    FT_BACKEND_SERVICES(FT_REGISTRY_SERVICE)
+    FT_BACKEND_OPS(FT_REGISTRY_OP)
+};
+#undef FT_REGISTRY_SERVICE
+#undef FT_REGISTRY_OP
+const size_t ft_backend_registry_count = sizeof ft_backend_registry / sizeof ft_backend_registry[0];
 
 static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *cuda_lib;

@@ -7,7 +7,7 @@
 #include "core/status.h"
 #include "cpu_ops.h"
 
-static ft_status cpu_alloc(ft_backend *be, size_t bytes, void **out) {
+ft_status cpu_alloc(ft_backend *be, size_t bytes, void **out) {
     (void)be;
     /* 64-byte alignment: full AVX-512 vectors and no false sharing between row blocks */
     size_t rounded = (bytes + 63) & ~(size_t)63;
@@ -17,18 +17,26 @@ static ft_status cpu_alloc(ft_backend *be, size_t bytes, void **out) {
     return FT_OK;
 }
 
-static void cpu_free(ft_backend *be, void *p) { (void)be; free(p); }
+void cpu_free(ft_backend *be, void *p) { (void)be; free(p); }
 
-static ft_status cpu_copy(ft_backend *be, void *dst, const void *src, size_t bytes) {
+ft_status cpu_copy(ft_backend *be, void *dst, const void *src, size_t bytes) {
     (void)be;
     if (bytes) memcpy(dst, src, bytes);
     return FT_OK;
 }
 
-static ft_status cpu_sync(ft_backend *be) { (void)be; return FT_OK; }
-static void cpu_destroy(ft_backend *be) { (void)be; /* static table */ }
+/* host memory is the backend's memory: uploads and downloads are copies */
+ft_status cpu_upload(ft_backend *be, void *dst, const void *host_src, size_t bytes) {
+    return cpu_copy(be, dst, host_src, bytes);
+}
+ft_status cpu_download(ft_backend *be, void *host_dst, const void *src, size_t bytes) {
+    return cpu_copy(be, host_dst, src, bytes);
+}
 
-static ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
+ft_status cpu_synchronize(ft_backend *be) { (void)be; return FT_OK; }
+void cpu_destroy(ft_backend *be) { (void)be; /* static table */ }
+
+ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
                           float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
                           float beta, float *C, int64_t ldc) {
     (void)be;
@@ -41,31 +49,17 @@ static ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, i
     return FT_OK;
 }
 
+#define FT_CPU_SERVICE_INIT(ret, name, params) .name = cpu_##name,
+#define FT_CPU_OP_INIT(name, params) .name = cpu_##name,
 static ft_backend cpu_backend = {
     .abi = FT_BACKEND_ABI,
     .name = "cpu",
     .device = {FT_DEVICE_CPU, 0},
-    .alloc = cpu_alloc,
-    .free = cpu_free,
-    .upload = cpu_copy,
-    .download = cpu_copy,
-    .copy = cpu_copy,
-    .synchronize = cpu_sync,
-    .destroy = cpu_destroy,
-    .gemm = cpu_gemm,
-    .embed_ln_forward = cpu_embed_ln_forward,
-    .broadcast_rows = cpu_broadcast_rows,
-    .attention_forward = cpu_attention_forward,
-    .attention_scratch_bytes = cpu_attention_scratch_bytes,
-    .bias_act_forward = cpu_bias_act_forward,
-    .dropout = cpu_dropout,
-    .tanh_backward = cpu_tanh_backward,
-    .softmax_xent = cpu_softmax_xent,
-    .sum_axis = cpu_sum_axis,
-    .optim_step = cpu_optim_step,
-    .bias_residual_ln_forward = cpu_bias_residual_ln_forward,
-    .pool_forward = cpu_pool_forward,
+    FT_BACKEND_SERVICES(FT_CPU_SERVICE_INIT)
+    FT_BACKEND_OPS(FT_CPU_OP_INIT)
 };
+#undef FT_CPU_SERVICE_INIT
+#undef FT_CPU_OP_INIT
 
 ft_backend *ft_backend_cpu(void) {
     ft_blas_use_openmp();

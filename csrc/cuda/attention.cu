@@ -38,11 +38,11 @@ __global__ void masked_softmax_kernel(float *S, const float *keymask, int64_t ro
 
 }  // namespace
 
-size_t cuda_attention_scratch(ft_backend *, int64_t B, int64_t T, int64_t NH) {
+size_t cuda_attention_scratch_bytes(ft_backend *, int64_t B, int64_t T, int64_t NH) {
     return (size_t)B * (size_t)NH * (size_t)T * (size_t)T * sizeof(float);
 }
 
-ft_status cuda_attention(ft_backend *be, float *ctx, const float *qkv, const float *keymask, const int32_t *key_len,
+ft_status cuda_attention_forward(ft_backend *be, float *ctx, const float *qkv, const float *keymask, const int32_t *key_len,
                          int64_t B, int64_t T, int64_t C, int64_t NH, float *scratch) {
     (void)key_len;   // on the GPU masked keys are zeroed in the softmax; see the file comment
     cuda_ctx *c = ctx_of(be);

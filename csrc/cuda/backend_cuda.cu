@@ -12,8 +12,6 @@
 namespace ftcuda { const ft_host_api *g_host; }
 using namespace ftcuda;
 
-namespace {
-
 #define CU FT_CU
 
 ft_status cuda_alloc(ft_backend *be, size_t bytes, void **out) {
@@ -42,7 +40,7 @@ ft_status cuda_download(ft_backend *be, void *dst, const void *src, size_t bytes
     return FT_OK;
 }
 
-ft_status cuda_sync(ft_backend *be) {
+ft_status cuda_synchronize(ft_backend *be) {
     CU(cudaStreamSynchronize(ctx_of(be)->stream), "cudaStreamSynchronize");
     return FT_OK;
 }
@@ -73,8 +71,6 @@ ft_status cuda_copy(ft_backend *be, void *dst, const void *src, size_t bytes) {
     CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx_of(be)->stream), "device copy");
     return FT_OK;
 }
-
-}  // namespace
 
 extern "C" {
 
@@ -141,26 +137,12 @@ __attribute__((visibility("default"))) ft_status ft_cuda_backend_open(const ft_h
     be->device.index = index;
     be->ctx = c;
     be->stream = reinterpret_cast<uintptr_t>(c->stream);
-    be->alloc = cuda_alloc;
-    be->free = cuda_free;
-    be->upload = cuda_upload;
-    be->download = cuda_download;
-    be->synchronize = cuda_sync;
-    be->copy = cuda_copy;
-    be->destroy = cuda_destroy;
-    be->gemm = cuda_gemm;
-    be->embed_ln_forward = cuda_embed_ln;
-    be->broadcast_rows = cuda_broadcast_rows;
-    be->attention_forward = cuda_attention;
-    be->attention_scratch_bytes = cuda_attention_scratch;
-    be->bias_act_forward = cuda_bias_act;
-    be->bias_residual_ln_forward = cuda_bias_residual_ln;
-    be->pool_forward = cuda_pool;
-    be->dropout = cuda_dropout;
-    be->tanh_backward = cuda_tanh_backward;
-    be->softmax_xent = cuda_softmax_xent;
-    be->sum_axis = cuda_sum_axis;
-    be->optim_step = cuda_optim_step;
+#define FT_CUDA_SERVICE_INIT(ret, name, params) be->name = cuda_##name;
+#define FT_CUDA_OP_INIT(name, params) be->name = cuda_##name;
+    FT_BACKEND_SERVICES(FT_CUDA_SERVICE_INIT)
+    FT_BACKEND_OPS(FT_CUDA_OP_INIT)
+#undef FT_CUDA_SERVICE_INIT
+#undef FT_CUDA_OP_INIT
     *out = be;
     return FT_OK;
 }

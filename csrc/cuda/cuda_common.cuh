@@ -56,28 +56,13 @@ template <typename T> __device__ inline T from_f(float x) { return static_cast<T
 
 }  // namespace ftcuda
 
-// encoder ops (rowops.cu, attention.cu)
-ft_status cuda_embed_ln(ft_backend *be, float *out, const int32_t *ids, const int32_t *types, const float *word,
-                        const float *pos, const float *type, const float *gamma, const float *beta, int64_t B,
-                        int64_t T, int64_t C, float eps);
-ft_status cuda_broadcast_rows(ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C);
-ft_status cuda_bias_act(ft_backend *be, float *h, const float *bias, int64_t N, int64_t I, ft_activation act);
-ft_status cuda_bias_residual_ln(ft_backend *be, float *out, const float *residual, const float *y,
-                                const float *bias, const float *gamma, const float *beta, int64_t N, int64_t C,
-                                float eps);
-ft_status cuda_pool(ft_backend *be, float *out, const float *h, const float *keymask, int64_t B, int64_t T,
-                    int64_t C, ft_pooling mode);
-ft_status cuda_attention(ft_backend *be, float *ctx, const float *qkv, const float *keymask, const int32_t *key_len,
-                         int64_t B, int64_t T, int64_t C, int64_t NH, float *scratch);
-size_t cuda_attention_scratch(ft_backend *be, int64_t B, int64_t T, int64_t NH);
-
-// training ops (train_ops.cu, optim.cu)
-ft_status cuda_dropout(ft_backend *be, float *y, const float *x, int64_t n, float p, uint64_t key);
-ft_status cuda_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n);
-ft_status cuda_softmax_xent(ft_backend *be, float *loss, float *dlogits, const float *logits, const float *valid,
-                            int64_t valid_rows, const int32_t *labels, int64_t N, int64_t K, float scale);
-ft_status cuda_sum_axis(ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis);
-ft_status cuda_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_optim_tensor *t, size_t count,
-                          ft_optim_info *info);
+// cuda_<name> for every entry of the op list (backend.h): services in backend_cuda.cu, encoder
+// ops in rowops.cu and attention.cu, training ops in train_ops.cu and optim.cu
+#define FT_CUDA_SERVICE(ret, name, params) ret cuda_##name params;
+#define FT_CUDA_OP(name, params) ft_status cuda_##name params;
+FT_BACKEND_SERVICES(FT_CUDA_SERVICE)
+FT_BACKEND_OPS(FT_CUDA_OP)
+#undef FT_CUDA_SERVICE
+#undef FT_CUDA_OP
 
 #endif

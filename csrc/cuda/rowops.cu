@@ -106,7 +106,7 @@ unsigned grid_for(int64_t total, int threads) {
 
 }  // namespace
 
-ft_status cuda_embed_ln(ft_backend *be, float *out, const int32_t *ids, const int32_t *types, const float *word,
+ft_status cuda_embed_ln_forward(ft_backend *be, float *out, const int32_t *ids, const int32_t *types, const float *word,
                         const float *pos, const float *type, const float *gamma, const float *beta, int64_t B,
                         int64_t T, int64_t C, float eps) {
     embed_ln_kernel<float><<<(unsigned)(B * T), row_threads(C), 0, ctx_of(be)->stream>>>(
@@ -119,12 +119,12 @@ ft_status cuda_broadcast_rows(ft_backend *be, float *dst, const float *bias, int
     return launched("broadcast_rows");
 }
 
-ft_status cuda_bias_act(ft_backend *be, float *h, const float *bias, int64_t N, int64_t I, ft_activation act) {
+ft_status cuda_bias_act_forward(ft_backend *be, float *h, const float *bias, int64_t N, int64_t I, ft_activation act) {
     bias_act_kernel<float><<<grid_for(N * I, 256), 256, 0, ctx_of(be)->stream>>>(h, bias, N * I, I, (int)act);
     return launched("bias_act_forward");
 }
 
-ft_status cuda_bias_residual_ln(ft_backend *be, float *out, const float *residual, const float *y,
+ft_status cuda_bias_residual_ln_forward(ft_backend *be, float *out, const float *residual, const float *y,
                                 const float *bias, const float *gamma, const float *beta, int64_t N, int64_t C,
                                 float eps) {
     bias_residual_ln_kernel<float><<<(unsigned)N, row_threads(C), 0, ctx_of(be)->stream>>>(
@@ -132,7 +132,7 @@ ft_status cuda_bias_residual_ln(ft_backend *be, float *out, const float *residua
     return launched("bias_residual_ln_forward");
 }
 
-ft_status cuda_pool(ft_backend *be, float *out, const float *h, const float *keymask, int64_t B, int64_t T,
+ft_status cuda_pool_forward(ft_backend *be, float *out, const float *h, const float *keymask, int64_t B, int64_t T,
                     int64_t C, ft_pooling mode) {
     dim3 grid((unsigned)((C + 127) / 128), (unsigned)B);
     pool_kernel<float><<<grid, 128, 0, ctx_of(be)->stream>>>(out, h, keymask, T, C, (int)mode);

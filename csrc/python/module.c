@@ -2,6 +2,8 @@
 #define FT_BINDING_MAIN
 #include "binding.h"
 
+#include "backend.h"
+
 ft_py_errors ft_errors;
 
 PyObject *ft_py_fail(PyObject *cls, const char *fmt, ...) {
@@ -92,7 +94,48 @@ static PyObject *py_device_stream(PyObject *self, PyObject *arg) {
     return PyLong_FromSize_t((size_t)stream);
 }
 
+/* _backend_registry() -> [(name, kind, return type, parameters, offset)]: the op list of
+ * backend.h, for tests that call every op of both backends (tests/test_backend_ops.py) */
+static PyObject *py_backend_registry(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    PyObject *list = PyList_New((Py_ssize_t)ft_backend_registry_count);
+    for (size_t k = 0; list && k < ft_backend_registry_count; k++) {
+        const ft_backend_entry *e = &ft_backend_registry[k];
+        PyObject *t = Py_BuildValue("(ssssn)", e->name, e->kind, e->ret, e->params, (Py_ssize_t)e->offset);
+        if (!t) { Py_CLEAR(list); break; }
+        PyList_SET_ITEM(list, (Py_ssize_t)k, t);
+    }
+    return list;
+}
+
+/* _backend_address(index) -> address of the process-wide backend table of CUDA device `index`
+ * (index < 0: the CPU), opened on first use; for the op-by-op tests */
+static PyObject *py_backend_address(PyObject *self, PyObject *arg) {
+    (void)self;
+    int index = (int)PyLong_AsLong(arg);
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    ft_device dev = {index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, index < 0 ? 0 : index};
+    ft_backend *be = NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_backend_for(dev, &be);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    return PyLong_FromVoidPtr(be);
+}
+
+/* _abi_sizes() -> sizes of the structs the op-by-op tests build with ctypes */
+static PyObject *py_abi_sizes(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return Py_BuildValue("{snsnsnsn}", "ft_backend", (Py_ssize_t)sizeof(ft_backend), "ft_optim_config",
+                         (Py_ssize_t)sizeof(ft_optim_config), "ft_optim_tensor", (Py_ssize_t)sizeof(ft_optim_tensor),
+                         "ft_optim_info", (Py_ssize_t)sizeof(ft_optim_info));
+}
+
 static PyMethodDef module_methods[] = {
+    {"_backend_registry", py_backend_registry, METH_NOARGS, "The backend op list: (name, kind, ret, params, offset)."},
+    {"_backend_address", py_backend_address, METH_O, "Address of the backend table of CUDA device N (N < 0: CPU)."},
+    {"_abi_sizes", py_abi_sizes, METH_NOARGS, "sizeof of the backend structs."},
     {"device_stream", py_device_stream, METH_O, "Stream used to read CUDA tensors on device N to the host."},
     {"blas_name", py_blas_name, METH_NOARGS, "The BLAS library and CPU core it selected."},
     {"num_threads", py_num_threads, METH_NOARGS, "Threads used by OpenMP and BLAS."},
