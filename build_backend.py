@@ -17,16 +17,53 @@ from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F401,F403  (re-export the standard hooks)
 
 
+def cuda_settings():
+    """(mode, emulator) from FASTTRAN_CUDA, a comma-separated list:
+    mode 'off', 'on' (nvcc build required) or 'auto' (the default: build with nvcc only when nvcc
+    AND a GPU are present, so a CPU machine with a CUDA toolkit downloads no cuBLAS); 'emu' also
+    builds the emulated CUDA backend (test infrastructure, csrc/cuda_emu)."""
+    words = [w.strip().lower() for w in os.environ.get("FASTTRAN_CUDA", "").split(",") if w.strip()]
+    mode, emu = "auto", False
+    for w in words:
+        if w in ("0", "off", "false", "no"):
+            mode = "off"
+        elif w in ("1", "on", "true", "yes"):
+            mode = "on"
+        elif w == "auto":
+            mode = "auto"
+        elif w == "emu":
+            emu = True
+        else:
+            raise RuntimeError(f"FASTTRAN_CUDA must be a comma-separated list of 0, 1, auto and emu, got {w!r}")
+    if emu and "auto" not in words and "on" not in words and "1" not in words:
+        mode = "off"   # FASTTRAN_CUDA=emu alone: the emulator, no nvcc build
+    return mode, emu
+
+
 def cuda_mode():
-    """'off', 'on' (required) or 'auto', from FASTTRAN_CUDA."""
-    v = os.environ.get("FASTTRAN_CUDA", "").strip().lower()
-    if v in ("0", "off", "false", "no"):
-        return "off"
-    if v in ("1", "on", "true", "yes"):
-        return "on"
-    if v not in ("", "auto"):
-        raise RuntimeError(f"FASTTRAN_CUDA must be 0, 1 or auto, got {v!r}")
-    return "auto"
+    return cuda_settings()[0]
+
+
+def gpu_present():
+    """An NVIDIA GPU is visible to this machine (driver loaded)."""
+    import glob as _glob
+    return bool(_glob.glob("/dev/nvidia[0-9]*") or _glob.glob("/proc/driver/nvidia/gpus/*"))
+
+
+def want_nvcc_build():
+    """(build?, reason): the nvcc build of the CUDA backend happens when asked (FASTTRAN_CUDA=1),
+    or in auto mode when nvcc and a GPU are both present."""
+    mode = cuda_mode()
+    if mode == "off":
+        return False, "FASTTRAN_CUDA=0"
+    nvcc = find_nvcc()
+    if mode == "on":
+        return True, "FASTTRAN_CUDA=1"
+    if not nvcc:
+        return False, "no nvcc found"
+    if not gpu_present():
+        return False, "nvcc found but no GPU on this machine (FASTTRAN_CUDA=1 builds it anyway)"
+    return True, "nvcc and a GPU found"
 
 
 def find_nvcc():
@@ -91,7 +128,7 @@ def cublas_wheel_name(nvcc):
 
 
 def _extra_requires():
-    if cuda_mode() == "off":
+    if not want_nvcc_build()[0]:
         return []
     nvcc = find_nvcc()
     if not nvcc:

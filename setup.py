@@ -2,7 +2,12 @@
 found, the CUDA backend library fasttran/libfasttran_cuda.so (opened at run time by the core).
 
 Environment:
-  FASTTRAN_CUDA=0|1|auto   force the CUDA backend off / on (on without nvcc is an error)
+  FASTTRAN_CUDA=0|1|auto   the nvcc-built CUDA backend: off / on (on without nvcc is an error) /
+                           auto (default: only when nvcc and a GPU are both present)
+  FASTTRAN_CUDA=emu        also (",emu") or only ("emu") the emulated CUDA backend
+                           fasttran/libfasttran_cuda_emu.so: the same .cu sources built with the
+                           host C++ compiler against csrc/cuda_emu, for tests on machines without a
+                           GPU (loaded only when FASTTRAN_CUDA_EMU=1; never a user-facing device)
   FASTTRAN_CUDA_ARCHS      e.g. "80;90" (SASS for each, plus PTX for the lowest)
   FASTTRAN_MARCH           -march for the CPU code (default: native; "" to omit)
   FASTTRAN_SANITIZE=address  build with AddressSanitizer (tests run with LD_PRELOAD=libasan)
@@ -45,16 +50,17 @@ def cpu_flags():
     return flags
 
 
-def cuda_config():
-    """None (CPU-only build) or a dict describing the CUDA toolchain to use."""
-    mode = cuda_env.cuda_mode()
-    if mode == "off":
+def cuda_config(quiet=False):
+    """None (no nvcc build) or a dict describing the CUDA toolchain to use."""
+    build, reason = cuda_env.want_nvcc_build()
+    if not build:
+        if not quiet:
+            print("fasttran: CUDA backend not built: " + reason, file=sys.stderr)
         return None
+    mode = cuda_env.cuda_mode()
     nvcc = cuda_env.find_nvcc()
     if not nvcc:
-        if mode == "on":
-            raise RuntimeError("FASTTRAN_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
-        return None
+        raise RuntimeError("FASTTRAN_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
     home = os.path.dirname(os.path.dirname(nvcc))
     blas = cuda_env.find_cublas(home)
     if not blas:
@@ -67,7 +73,8 @@ def cuda_config():
     archs = os.environ.get("FASTTRAN_CUDA_ARCHS", "80;90")
     archs = [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
     return {"nvcc": nvcc, "home": home, "version": "%d.%d" % cuda_env.nvcc_version(nvcc),
-            "cublas_include": blas[0], "cublas_lib": blas[1], "cublas_source": blas[2], "archs": archs}
+            "cublas_include": blas[0], "cublas_lib": blas[1], "cublas_source": blas[2], "archs": archs,
+            "reason": reason}
 
 
 def link_flag(libdir, name):
@@ -83,18 +90,23 @@ def link_flag(libdir, name):
 class FastTranBuildExt(build_ext):
     def build_extensions(self):
         self.cuda = cuda_config()
-        ext = self.extensions[0]
-        if self.cuda:
-            ext.define_macros.append(("FT_WITH_CUDA", "1"))
+        self.emu = cuda_env.cuda_settings()[1]
         super().build_extensions()
         out_dir = os.path.join(self.build_lib, "fasttran")
+        os.makedirs(out_dir, exist_ok=True)
+        for name, wanted in (("libfasttran_cuda.so", self.cuda), ("libfasttran_cuda_emu.so", self.emu)):
+            if not wanted and os.path.exists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))   # a stale library from an earlier build
         if self.cuda:
             self.build_cuda_library(out_dir)
+        if self.emu:
+            self.build_emulated_cuda_library(out_dir)
         self.write_build_config(out_dir)
 
     def extra_outputs(self):
-        """Files we build beside the extension: the CUDA library and the build record."""
-        names = ["_build_config.py"] + (["libfasttran_cuda.so"] if getattr(self, "cuda", None) else [])
+        """Files we build beside the extension: the CUDA libraries and the build record."""
+        names = ["_build_config.py"] + (["libfasttran_cuda.so"] if getattr(self, "cuda", None) else []) + \
+            (["libfasttran_cuda_emu.so"] if getattr(self, "emu", False) else [])
         return [os.path.join(self.build_lib, "fasttran", n) for n in names]
 
     def get_outputs(self):
@@ -104,8 +116,49 @@ class FastTranBuildExt(build_ext):
         # in-place / editable builds: setuptools copies the extension back; our files too
         super().copy_extensions_to_source()
         src_dir = self.get_finalized_command("build_py").get_package_dir("fasttran")
+        for name in ("libfasttran_cuda.so", "libfasttran_cuda_emu.so"):
+            stale = os.path.join(src_dir, name)
+            if os.path.exists(stale) and not any(p.endswith(name) for p in self.extra_outputs()):
+                os.remove(stale)
         for path in self.extra_outputs():
             self.copy_file(path, os.path.join(src_dir, os.path.basename(path)), level=self.verbose)
+
+    def build_emulated_cuda_library(self, out_dir):
+        """The CUDA backend's .cu sources, unmodified, compiled as C++ with the host compiler against
+        the CUDA emulator (csrc/cuda_emu) and linked with OpenBLAS (its cuBLAS shim)."""
+        import concurrent.futures
+        import scipy_openblas32 as ob
+        cxx = os.environ.get("CXX", "g++")
+        tmp = os.path.join(self.build_temp, "cuda_emu")
+        os.makedirs(tmp, exist_ok=True)
+        flags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-DFT_CUDA_EMU=1", "-Wall", "-Wno-unused-function",
+                 "-Wno-unused-variable", "-Wno-unused-parameter",
+                 "-I" + os.path.join(CSRC, "cuda_emu"), "-I" + CSRC, "-I" + os.path.join(CSRC, "include"),
+                 "-I" + ob.get_include_dir()]
+        flags += ["-O0", "-g"] if os.environ.get("FASTTRAN_DEBUG") == "1" else ["-O2", "-g"]
+        if os.environ.get("FASTTRAN_SANITIZE") == "address":
+            flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+        sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu"))) + \
+            sorted(glob.glob(os.path.join(CSRC, "cuda_emu", "*.cpp"))) + \
+            sorted(glob.glob(os.path.join(CSRC, "cuda_emu", "*.cu")))   # the emulator's self-test kernels
+
+        def compile_one(src):
+            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            cmd = [cxx, "-x", "c++", "-c", src, "-o", obj, *flags]
+            print(" ".join(cmd))
+            subprocess.run(cmd, check=True)
+            return obj
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            objs = list(pool.map(compile_one, sources))
+        target = os.path.join(out_dir, "libfasttran_cuda_emu.so")
+        libdir = ob.get_lib_dir()
+        cmd = [cxx, "-shared", "-o", target, *objs, f"-L{libdir}", f"-l{ob.get_library()}",
+               "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib", f"-Wl,-rpath,{libdir}", "-lpthread"]
+        if os.environ.get("FASTTRAN_SANITIZE") == "address":
+            cmd.append("-fsanitize=address")
+        print(" ".join(cmd))
+        subprocess.run(cmd, check=True)
 
     def build_cuda_library(self, out_dir):
         cu = self.cuda
@@ -149,6 +202,8 @@ class FastTranBuildExt(build_ext):
             "numpy_build_version": __import__("numpy").__version__,
             "openblas_build_version": getattr(__import__("scipy_openblas32"), "__version__", "?"),
             "cuda_compiled": bool(cu),
+            "cuda_build_reason": cu["reason"] if cu else cuda_env.want_nvcc_build()[1],
+            "cuda_emulator": bool(self.emu),
             "cuda_version": cu["version"] if cu else None,
             "cuda_archs": cu["archs"] if cu else [],
             "cublas_source": cu["cublas_source"] if cu else None,
@@ -180,7 +235,7 @@ def make_extension():
 
 def install_requires():
     deps = list(BASE_DEPS)
-    cu = cuda_config()
+    cu = cuda_config(quiet=True)
     if cu and cu["cublas_source"] != "toolkit":
         nvcc = cu["nvcc"]
         deps.append(cuda_env.cublas_wheel_name(nvcc))

@@ -14,9 +14,16 @@ def _cuda_runtime():
     return count, desc, err
 
 
+def _cuda_backend_installed():
+    """The CUDA backend library is installed: the nvcc-built one, or the emulated one when
+    FASTTRAN_CUDA_EMU=1 asks for it (test infrastructure)."""
+    return bool(_C.cuda_compiled or _C.cuda_emulated)
+
+
 def cuda_available():
-    """True when the CUDA backend was built, loads, and sees at least one device."""
-    if not _C.cuda_compiled:
+    """True when the CUDA backend was built, loads, and sees at least one device (with
+    FASTTRAN_CUDA_EMU=1: the CUDA emulator, a test device that runs on the CPU)."""
+    if not _cuda_backend_installed():
         return False
     return _cuda_runtime()[0] > 0
 
@@ -27,7 +34,7 @@ def build_info():
     count, desc, err = _cuda_runtime()
     return {
         "version": _C.version,
-        "backends": ["cpu"] + (["cuda"] if _C.cuda_compiled else []),
+        "backends": ["cpu"] + (["cuda (emulated)" if _C.cuda_emulated else "cuda"] if _cuda_backend_installed() else []),
         "blas": _C.blas_name(),
         "threads": _C.num_threads(),
         "compiler": BUILD.get("compiler"),
@@ -36,6 +43,10 @@ def build_info():
         "python": platform.python_version(),
         "cuda": {
             "compiled": bool(_C.cuda_compiled),
+            # FASTTRAN_CUDA_EMU=1 and a FASTTRAN_CUDA=emu build: "cuda" is the CUDA emulator, which
+            # runs the CUDA kernels on the CPU to test them; it is not a GPU
+            "emulated": bool(_C.cuda_emulated),
+            "build_reason": BUILD.get("cuda_build_reason"),
             "version": BUILD.get("cuda_version"),
             "archs": BUILD.get("cuda_archs", []),
             "cublas": BUILD.get("cublas_source"),

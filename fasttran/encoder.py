@@ -191,7 +191,7 @@ class Encoder:
         return self._core.device
 
     def _make_core(self, device):
-        if device != "cpu" and not _C.cuda_compiled:
+        if device != "cpu" and not (_C.cuda_compiled or _C.cuda_emulated):
             raise UnsupportedError(f"device {device!r}: " + str(_C.cuda_probe()[2]))
         c = self.config
         return _C.EncoderCore(

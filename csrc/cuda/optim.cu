@@ -246,17 +246,17 @@ ft_status cuda_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_o
     int launches = 0;
     const dim3 grid((unsigned)nchunks);
     if (have) {
-        grad_sumsq_kernel<<<grid, OPT_THREADS, 0, c->stream>>>(T, C, reinterpret_cast<float *>(partial));
-        global_norm_kernel<<<1, 1024, 0, c->stream>>>(reinterpret_cast<float *>(partial), nchunks, k.max_norm, sc);
+        FT_LAUNCH(grad_sumsq_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, reinterpret_cast<float *>(partial));
+        FT_LAUNCH(global_norm_kernel, 1, 1024, 0, c->stream)(reinterpret_cast<float *>(partial), nchunks, k.max_norm, sc);
         launches += 2;
     }
     if (cfg->kind == FT_OPT_LAMB) {
-        lamb_moments_kernel<<<grid, OPT_THREADS, 0, c->stream>>>(T, C, k, sc, have, partial);
-        trust_ratio_kernel<<<(unsigned)count, 256, 0, c->stream>>>(T, partial, k.lr, sc, have, step);
-        lamb_apply_kernel<<<grid, OPT_THREADS, 0, c->stream>>>(T, C, k, step, sc, have);
+        FT_LAUNCH(lamb_moments_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, k, sc, have, partial);
+        FT_LAUNCH(trust_ratio_kernel, (unsigned)count, 256, 0, c->stream)(T, partial, k.lr, sc, have, step);
+        FT_LAUNCH(lamb_apply_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, k, step, sc, have);
         launches += 3;
     } else {
-        adamw_kernel<<<grid, OPT_THREADS, 0, c->stream>>>(T, C, k, sc, have);
+        FT_LAUNCH(adamw_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, k, sc, have);
         launches += 1;
     }
     if ((st = launched("optimizer step")) != FT_OK) return st;

@@ -83,9 +83,10 @@ __global__ void broadcast_rows_kernel(T *dst, const T *bias, int64_t total, int6
 }
 
 // out (B, C): CLS row, or sentence-transformers' mean: sum(mask * h) / max(sum(mask), 1e-9)
+// grid (B, column blocks): the batch on x, which has room for any batch size
 template <typename T>
 __global__ void pool_kernel(T *out, const T *h, const float *keymask, int64_t Tn, int64_t C, int mode) {
-    const int64_t b = blockIdx.y, c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t b = blockIdx.x, c = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
     if (c >= C) return;
     const T *hb = h + b * Tn * C;
     if (mode == FT_POOL_CLS) { out[b * C + c] = hb[c]; return; }
@@ -109,32 +110,35 @@ unsigned grid_for(int64_t total, int threads) {
 ft_status cuda_embed_ln_forward(ft_backend *be, float *out, const int32_t *ids, const int32_t *types, const float *word,
                         const float *pos, const float *type, const float *gamma, const float *beta, int64_t B,
                         int64_t T, int64_t C, float eps) {
-    embed_ln_kernel<float><<<(unsigned)(B * T), row_threads(C), 0, ctx_of(be)->stream>>>(
+    if (B * T == 0) return FT_OK;   // a grid of no blocks is not a launch CUDA accepts
+    FT_LAUNCH(embed_ln_kernel<float>, (unsigned)(B * T), row_threads(C), 0, ctx_of(be)->stream)(
         out, ids, types, word, pos, type, gamma, beta, T, C, eps);
     return launched("embed_ln_forward");
 }
 
 ft_status cuda_broadcast_rows(ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C) {
-    broadcast_rows_kernel<float><<<grid_for(N * C, 256), 256, 0, ctx_of(be)->stream>>>(dst, bias, N * C, C);
+    FT_LAUNCH(broadcast_rows_kernel<float>, grid_for(N * C, 256), 256, 0, ctx_of(be)->stream)(dst, bias, N * C, C);
     return launched("broadcast_rows");
 }
 
 ft_status cuda_bias_act_forward(ft_backend *be, float *h, const float *bias, int64_t N, int64_t I, ft_activation act) {
-    bias_act_kernel<float><<<grid_for(N * I, 256), 256, 0, ctx_of(be)->stream>>>(h, bias, N * I, I, (int)act);
+    FT_LAUNCH(bias_act_kernel<float>, grid_for(N * I, 256), 256, 0, ctx_of(be)->stream)(h, bias, N * I, I, (int)act);
     return launched("bias_act_forward");
 }
 
 ft_status cuda_bias_residual_ln_forward(ft_backend *be, float *out, const float *residual, const float *y,
                                 const float *bias, const float *gamma, const float *beta, int64_t N, int64_t C,
                                 float eps) {
-    bias_residual_ln_kernel<float><<<(unsigned)N, row_threads(C), 0, ctx_of(be)->stream>>>(
+    if (N == 0) return FT_OK;
+    FT_LAUNCH(bias_residual_ln_kernel<float>, (unsigned)N, row_threads(C), 0, ctx_of(be)->stream)(
         out, residual, y, bias, gamma, beta, C, eps);
     return launched("bias_residual_ln_forward");
 }
 
 ft_status cuda_pool_forward(ft_backend *be, float *out, const float *h, const float *keymask, int64_t B, int64_t T,
                     int64_t C, ft_pooling mode) {
-    dim3 grid((unsigned)((C + 127) / 128), (unsigned)B);
-    pool_kernel<float><<<grid, 128, 0, ctx_of(be)->stream>>>(out, h, keymask, T, C, (int)mode);
+    if (B == 0 || C == 0) return FT_OK;
+    dim3 grid((unsigned)B, (unsigned)((C + 127) / 128));
+    FT_LAUNCH(pool_kernel<float>, grid, 128, 0, ctx_of(be)->stream)(out, h, keymask, T, C, (int)mode);
     return launched("pool_forward");
 }

@@ -89,26 +89,28 @@ __global__ void sum_cols_kernel(float *out, const float *x, int64_t K) {
 }  // namespace
 
 ft_status cuda_dropout(ft_backend *be, float *y, const float *x, int64_t n, float p, uint64_t key) {
-    dropout_kernel<<<grid_of(n, 256), 256, 0, ctx_of(be)->stream>>>(y, x, n, ft_dropout_threshold(p),
+    FT_LAUNCH(dropout_kernel, grid_of(n, 256), 256, 0, ctx_of(be)->stream)(y, x, n, ft_dropout_threshold(p),
                                                                      1.0f / (1.0f - p), key);
     return launched("dropout");
 }
 
 ft_status cuda_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n) {
-    tanh_backward_kernel<<<grid_of(n, 256), 256, 0, ctx_of(be)->stream>>>(dx, dy, y, n);
+    FT_LAUNCH(tanh_backward_kernel, grid_of(n, 256), 256, 0, ctx_of(be)->stream)(dx, dy, y, n);
     return launched("tanh_backward");
 }
 
 ft_status cuda_softmax_xent(ft_backend *be, float *loss, float *dlogits, const float *logits, const float *valid,
                             int64_t valid_rows, const int32_t *labels, int64_t N, int64_t K, float scale) {
     if (N > 0x7fffffff) return g_host->error(FT_ERR_INVALID_ARGUMENT, "softmax_xent: too many rows (%lld)", (long long)N);
-    softmax_xent_kernel<<<(unsigned)N, 128, 0, ctx_of(be)->stream>>>(loss, dlogits, logits, valid, valid_rows, labels, K,
+    if (N == 0) return FT_OK;
+    FT_LAUNCH(softmax_xent_kernel, (unsigned)N, 128, 0, ctx_of(be)->stream)(loss, dlogits, logits, valid, valid_rows, labels, K,
                                                                        scale);
     return launched("softmax_xent");
 }
 
 ft_status cuda_sum_axis(ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis) {
-    if (axis == 0) sum_rows_kernel<<<grid_of(K, 128), 128, 0, ctx_of(be)->stream>>>(out, x, N, K);
-    else sum_cols_kernel<<<(unsigned)N, 256, 0, ctx_of(be)->stream>>>(out, x, K);
+    if (axis == 1 && N == 0) return FT_OK;
+    if (axis == 0) FT_LAUNCH(sum_rows_kernel, grid_of(K, 128), 128, 0, ctx_of(be)->stream)(out, x, N, K);
+    else FT_LAUNCH(sum_cols_kernel, (unsigned)N, 256, 0, ctx_of(be)->stream)(out, x, K);
     return launched("sum_axis");
 }

@@ -248,7 +248,8 @@ ft_status ft_device_write(ft_device dev, void *dst, const void *host_src, size_t
 const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */
 int ft_num_threads(void);
 void ft_set_num_threads(int n);
-int ft_cuda_compiled(void);              /* CUDA backend library was built */
+int ft_cuda_compiled(void);              /* the CUDA backend library (nvcc) is installed */
+int ft_cuda_emulated(void);              /* FASTTRAN_CUDA_EMU is set and the emulated backend is installed */
 /* Try to load the CUDA backend; returns FT_OK and the device count, or an error saying why. */
 ft_status ft_cuda_probe(int *device_count, char *desc, size_t desc_len);
 

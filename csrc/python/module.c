@@ -132,7 +132,17 @@ static PyObject *py_abi_sizes(PyObject *self, PyObject *unused) {
                          "ft_optim_info", (Py_ssize_t)sizeof(ft_optim_info));
 }
 
+/* _last_error() -> the message of the last failure on this thread (cleared); for tests that call
+ * backend ops directly */
+static PyObject *py_last_error(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    PyObject *r = PyUnicode_FromString(ft_last_error());
+    ft_clear_error();
+    return r;
+}
+
 static PyMethodDef module_methods[] = {
+    {"_last_error", py_last_error, METH_NOARGS, "Message of the last failure on this thread (cleared)."},
     {"_backend_registry", py_backend_registry, METH_NOARGS, "The backend op list: (name, kind, ret, params, offset)."},
     {"_backend_address", py_backend_address, METH_O, "Address of the backend table of CUDA device N (N < 0: CPU)."},
     {"_abi_sizes", py_abi_sizes, METH_NOARGS, "sizeof of the backend structs."},
@@ -171,6 +181,7 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (!m) return NULL;
     if (PyModule_AddStringConstant(m, "version", FT_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "cuda_compiled", ft_cuda_compiled()) < 0 ||
+        PyModule_AddIntConstant(m, "cuda_emulated", ft_cuda_emulated()) < 0 ||
         ft_py_add_encoder_type(m) < 0 || ft_py_add_tensor_type(m) < 0 ||
         ft_py_add_cache_functions(m) < 0 || ft_py_add_train_functions(m) < 0) {
         Py_DECREF(m);

@@ -381,6 +381,8 @@ static PyObject *host_copy(TensorObject *t) {
             Py_BEGIN_ALLOW_THREADS
             st = ft_device_read(t->device, buf, t->data, (size_t)n * esz);
             Py_END_ALLOW_THREADS
+        } else if (is_c_contiguous(t)) {
+            memcpy(buf, t->data, (size_t)n * esz);
         } else {
             /* strided gather, any layout */
             int64_t idx[FT_TENSOR_MAXDIM] = {0};
@@ -399,6 +401,52 @@ static PyObject *host_copy(TensorObject *t) {
     if (st != FT_OK) { free(buf); return ft_py_raise(st); }
     ft_device cpu = {FT_DEVICE_CPU, 0};
     return ft_py_tensor_new(buf, t->ndim, t->shape, NULL, t->dtype, cpu, 0, NULL, release_malloc, buf);
+}
+
+static void release_device_memory(PyObject *owner, void *ctx, void *data) {
+    (void)owner;
+    ft_device dev = {FT_DEVICE_CUDA, (int)(intptr_t)ctx};
+    ft_device_free(dev, data);
+}
+
+/* to(device): a contiguous copy on `device` ('cpu', 'cuda', 'cuda:N'); the tensor itself when it
+ * is already there */
+static PyObject *Tensor_to(TensorObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"device", NULL};
+    const char *spec;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s", kwlist, &spec)) return NULL;
+    ft_device dev = {FT_DEVICE_CPU, 0};
+    int index = 0, used = 0;
+    if (strcmp(spec, "cpu") == 0) {
+        dev.kind = FT_DEVICE_CPU;
+    } else if (strcmp(spec, "cuda") == 0 || (sscanf(spec, "cuda:%d%n", &index, &used) == 1 && spec[used] == '\0' &&
+                                             index >= 0)) {
+        dev.kind = FT_DEVICE_CUDA;
+        dev.index = index;
+    } else {
+        return ft_py_fail(ft_errors.input, "device must be 'cpu', 'cuda' or 'cuda:N', got '%s'", spec);
+    }
+    if (dev.kind == self->device.kind && (dev.kind == FT_DEVICE_CPU || dev.index == self->device.index))
+        return Py_NewRef((PyObject *)self);
+    PyObject *host = host_copy(self);
+    if (!host || dev.kind == FT_DEVICE_CPU) return host;
+    TensorObject *h = (TensorObject *)host;
+    const size_t bytes = (size_t)numel(h) * ft_dtype_size(h->dtype);
+    void *p = NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_device_alloc(dev, bytes ? bytes : 1, &p);
+    if (st == FT_OK && bytes) st = ft_device_write(dev, p, h->data, bytes);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) {
+        if (p) ft_device_free(dev, p);
+        Py_DECREF(host);
+        return ft_py_raise(st);
+    }
+    PyObject *r = ft_py_tensor_new(p, h->ndim, h->shape, NULL, h->dtype, dev, 0, NULL, release_device_memory,
+                                   (void *)(intptr_t)dev.index);
+    Py_DECREF(host);
+    return r;
 }
 
 /* numpy(): a view for CPU tensors (shares memory), a host copy for CUDA tensors */
@@ -492,6 +540,8 @@ static PyMethodDef Tensor_methods[] = {
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None): a DLPack capsule."},
     {"__dlpack_device__", (PyCFunction)Tensor_dlpack_device, METH_NOARGS, "(device_type, device_id)"},
     {"numpy", (PyCFunction)Tensor_numpy, METH_NOARGS, "A NumPy view (CPU) or host copy (CUDA)."},
+    {"to", (PyCFunction)(void (*)(void))Tensor_to, METH_VARARGS | METH_KEYWORDS,
+     "to(device): a contiguous copy on 'cpu', 'cuda' or 'cuda:N' (the tensor itself if already there)."},
     {"__array__", (PyCFunction)(void (*)(void))Tensor_array, METH_VARARGS | METH_KEYWORDS, "NumPy protocol."},
     {"from_dlpack", (PyCFunction)(void (*)(void))Tensor_from_dlpack, METH_VARARGS | METH_KEYWORDS | METH_CLASS,
      "from_dlpack(obj, stream=None): wrap a DLPack producer's memory in place."},

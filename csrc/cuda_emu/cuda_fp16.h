@@ -1,0 +1,4 @@
+// fasttran's CUDA emulator: cuda_fp16.h (see ftemu.h and ftemu_half.h)
+#pragma once
+#include "cuda_runtime.h"
+#include "ftemu_half.h"

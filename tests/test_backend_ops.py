@@ -1,0 +1,483 @@
+"""Every op of the backend op list (csrc/backend.h), CUDA against CPU, op by op (after ggml's
+test-backend-ops).
+
+The ops are called through the backend tables themselves (ctypes over `_C._backend_address`), by
+the parameter names the op list declares (`_C._backend_registry`), so a changed signature breaks
+a case by name. Inputs are random in awkward shapes (odd channel counts, T = 1, 7, 509, heavy and
+total padding, head sizes 1..17); every output buffer is poisoned with NaN (or -1) before the
+op, so an element an op forgets to write fails the comparison. The CPU backend is the reference
+(it is checked against PyTorch / float64 elsewhere); each case states its tolerance.
+
+Without a GPU the CUDA side runs on the CUDA emulator: build with FASTTRAN_CUDA=emu and run with
+FASTTRAN_CUDA_EMU=1 (CI does, in three modes; see docs/architecture.md). On a GPU the same tests
+run unchanged."""
+import ctypes
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+import fasttran
+from fasttran import _C
+
+REGISTRY = {e[0]: e for e in _C._backend_registry()}
+OPS = [name for name, e in REGISTRY.items() if e[1] == "op"]
+SIZES = _C._abi_sizes()
+
+# ---- calling a backend table through ctypes ------------------------------------------------------
+_SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "uint64_t": ctypes.c_uint64,
+            "size_t": ctypes.c_size_t, "ft_activation": ctypes.c_int, "ft_pooling": ctypes.c_int}
+_RETURNS = {"ft_status": ctypes.c_int, "void": None, "size_t": ctypes.c_size_t}
+
+
+def parse_params(params):
+    """'(ft_backend *be, const float *x, int64_t n)' -> [('be', 'ptr'), ('x', 'ptr'), ('n', c_int64)]"""
+    out = []
+    for p in params.strip()[1:-1].split(","):
+        m = re.fullmatch(r"\s*(?:const\s+)?([\w ]+?)\s*(\**)\s*(\w+)\s*", p)
+        assert m, f"cannot parse parameter {p!r}"
+        base, stars, name = m.groups()
+        out.append((name, "ptr" if stars else _SCALARS[base]))
+    return out
+
+
+class OptimConfig(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("lr", ctypes.c_double), ("beta1", ctypes.c_double),
+                ("beta2", ctypes.c_double), ("eps", ctypes.c_double), ("bias_correction", ctypes.c_int),
+                ("max_grad_norm", ctypes.c_double), ("check_finite", ctypes.c_int), ("step", ctypes.c_int64)]
+
+
+class OptimTensor(ctypes.Structure):
+    _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("v", ctypes.c_void_p), ("copy", ctypes.c_void_p), ("copy_dtype", ctypes.c_int),
+                ("n", ctypes.c_int64), ("weight_decay", ctypes.c_float)]
+
+
+class OptimInfo(ctypes.Structure):
+    _fields_ = [("grad_norm", ctypes.c_double), ("clip_scale", ctypes.c_double), ("kernel_launches", ctypes.c_int)]
+
+
+def test_ctypes_structs_match_the_c_abi():
+    assert ctypes.sizeof(OptimConfig) == SIZES["ft_optim_config"]
+    assert ctypes.sizeof(OptimTensor) == SIZES["ft_optim_tensor"]
+    assert ctypes.sizeof(OptimInfo) == SIZES["ft_optim_info"]
+    assert max(e[4] for e in REGISTRY.values()) + 8 <= SIZES["ft_backend"]
+
+
+class Backend:
+    """One backend table: its services and ops as Python callables."""
+
+    def __init__(self, index):
+        self.index = index
+        self.addr = _C._backend_address(index)
+        self.fn, self.params = {}, {}
+        for name, (_, kind, ret, params, offset) in REGISTRY.items():
+            fptr = ctypes.c_void_p.from_address(self.addr + offset).value
+            parsed = parse_params(params)
+            self.params[name] = parsed
+            argtypes = [ctypes.c_void_p if t == "ptr" else t for _, t in parsed]
+            self.fn[name] = ctypes.CFUNCTYPE(_RETURNS[ret], *argtypes)(fptr) if fptr else None
+        self.live = []
+
+    def check(self, status, what):
+        if status != 0:
+            raise AssertionError(f"{what} failed on backend {self.index}: status {status}: {_C._last_error()}")
+
+    def alloc(self, nbytes):
+        out = ctypes.c_void_p()
+        self.check(self.fn["alloc"](self.addr, max(int(nbytes), 1), ctypes.byref(out)), "alloc")
+        self.live.append(out.value)
+        return out.value
+
+    def upload(self, array):
+        a = np.ascontiguousarray(array)
+        ptr = self.alloc(a.nbytes)
+        if a.nbytes:
+            self.check(self.fn["upload"](self.addr, ptr, a.ctypes.data, a.nbytes), "upload")
+        return ptr
+
+    def download(self, ptr, shape, dtype):
+        a = np.empty(shape, dtype)
+        if a.nbytes:
+            self.check(self.fn["download"](self.addr, a.ctypes.data, ptr, a.nbytes), "download")
+        return a
+
+    def sync(self):
+        self.check(self.fn["synchronize"](self.addr), "synchronize")
+
+    def free_all(self):
+        for p in self.live:
+            self.fn["free"](self.addr, p)
+        self.live = []
+
+
+# ---- argument kinds of a case ----------------------------------------------------------------------
+class In:            # an input buffer
+    def __init__(self, a): self.a = np.ascontiguousarray(a)
+
+
+class Out:           # an output buffer, poisoned before the op and compared after
+    def __init__(self, shape, dtype=np.float32, tol=1e-5, init=None):
+        self.shape, self.dtype, self.tol, self.init = shape, np.dtype(dtype), tol, init
+
+
+class Alias:         # the same buffer as another argument
+    def __init__(self, name): self.name = name
+
+
+class Scratch:       # attention scratch, sized by the backend's own attention_scratch_bytes
+    def __init__(self, B, T, NH): self.bt = (B, T, NH)
+
+
+class Struct:        # host memory built from the device addresses of the other arguments
+    def __init__(self, build, compare=None): self.build, self.compare = build, compare
+
+
+def poison(shape, dtype):
+    a = np.empty(shape, dtype)
+    a.view(np.uint8)[...] = 0xFF     # NaN as float, -1 as int
+    return a
+
+
+def run_case(be, op, args):
+    """Run `op` on backend `be` with the case's arguments; returns {name: output array}."""
+    ptrs, outs, structs = {}, {}, {}
+    extra = {k: v for k, v in args.items() if k.startswith("_")}
+    for name, v in list(extra.items()) + list(args.items()):
+        if name in ptrs:
+            continue
+        if isinstance(v, In):
+            ptrs[name] = be.upload(v.a)
+        elif isinstance(v, Out):
+            init = poison(v.shape, v.dtype) if v.init is None else np.asarray(v.init, v.dtype).reshape(v.shape)
+            ptrs[name] = be.upload(init)
+            outs[name] = v
+        elif isinstance(v, Scratch):
+            ptrs[name] = be.alloc(be.fn["attention_scratch_bytes"](be.addr, *v.bt))
+    for name, v in args.items():
+        if isinstance(v, Alias):
+            ptrs[name] = ptrs[v.name]
+    call = []
+    for name, t in be.params[op]:
+        if name == "be":
+            call.append(be.addr)
+            continue
+        assert name in args, f"the case for {op} has no argument {name!r}"
+        v = args[name]
+        if isinstance(v, Struct):
+            structs[name] = v.build(ptrs)
+            call.append(ctypes.addressof(structs[name]))
+        elif v is None:
+            call.append(None)
+        elif name in ptrs:
+            call.append(ptrs[name])
+        else:
+            call.append(v)
+    unknown = set(args) - {n for n, _ in be.params[op]} - set(extra)
+    assert not unknown, f"the case for {op} names arguments the op does not have: {sorted(unknown)}"
+    be.check(be.fn[op](*call), op)
+    be.sync()
+    got = {name: be.download(ptrs[name], v.shape, v.dtype) for name, v in outs.items()}
+    for name, v in args.items():
+        if isinstance(v, Struct) and v.compare:
+            got[name] = v.compare(structs[name])
+    be.free_all()
+    return got
+
+
+def compare(op, args, ref, got):
+    for name, v in args.items():
+        if isinstance(v, Out):
+            a, b = got[name], ref[name]
+            assert a.shape == b.shape
+            if v.dtype.kind == "f":
+                bad = ~np.isclose(a, b, rtol=v.tol, atol=v.tol, equal_nan=False)
+                assert np.isfinite(b).all(), f"{op}: the CPU reference wrote non-finite values into {name}"
+            else:
+                bad = a != b
+            assert not bad.any(), (f"{op}: {name} differs at {int(bad.sum())} of {a.size} elements "
+                                   f"(first at {np.argwhere(bad)[0].tolist()}: cuda {a[bad][0]!r}, cpu {b[bad][0]!r}; "
+                                   f"max abs diff {np.nanmax(np.abs(a.astype(np.float64) - b)) if a.size else 0:.3g})")
+        elif isinstance(v, Struct) and v.compare:
+            for key, (x, y, tol) in _pairs(got[name], ref[name]).items():
+                assert abs(x - y) <= tol * (1 + abs(y)), f"{op}: {name}.{key} cuda {x} cpu {y}"
+
+
+def _pairs(a, b):
+    return {k: (a[k][0], b[k][0], a[k][1]) for k in a}
+
+
+# ---- the cases: op -> list of (id, builder(rng) -> args) ---------------------------------------------
+CASES = {op: [] for op in OPS}
+
+
+def case(op, ident):
+    def deco(fn):
+        CASES[op].append((f"{op}-{ident}", fn))
+        return fn
+    return deco
+
+
+def f32(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _gemm(ta, tb, M, N, K, alpha=1.0, beta=0.0, pad=0):
+    def build(rng):
+        ar, ac = (K, M) if ta else (M, K)
+        br, bc = (N, K) if tb else (K, N)
+        lda, ldb, ldc = ac + pad, bc + pad, N + pad
+        A = np.zeros((ar, lda), np.float32); A[:, :ac] = f32(rng, ar, ac)
+        B = np.zeros((br, ldb), np.float32); B[:, :bc] = f32(rng, br, bc)
+        C0 = f32(rng, M, ldc) if beta else None
+        tol = 2e-5 * max(1.0, np.sqrt(K))
+        return dict(trans_a=int(ta), trans_b=int(tb), M=M, N=N, K=K, alpha=alpha, A=In(A), lda=lda, B=In(B), ldb=ldb,
+                    beta=beta, C=Out((M, ldc), tol=tol, init=C0), ldc=ldc)   # beta = 0: C is not read (poisoned)
+    return build
+
+
+for (ta, tb, M, N, K, al, bt, pad) in [(0, 0, 1, 1, 1, 1.0, 0.0, 0), (0, 1, 7, 509, 17, 1.0, 0.0, 0),
+                                       (1, 0, 33, 5, 64, 0.5, 1.0, 3), (1, 1, 3, 129, 130, 1.0, 0.0, 0),
+                                       (0, 1, 130, 96, 1, 2.0, 1.0, 1), (0, 0, 64, 64, 768, 1.0, 0.0, 0)]:
+    case("gemm", f"{'NT'[ta]}{'NT'[tb]}-{M}x{N}x{K}" + ("-beta" if bt else "") + ("-ld" if pad else ""))(
+        _gemm(ta, tb, M, N, K, al, bt, pad))
+
+
+def _embed(B, T, C, V=50, P=520, TV=3, types=True):
+    def build(rng):
+        return dict(out=Out((B * T, C)), ids=In(rng.integers(0, V, (B, T)).astype(np.int32)),
+                    types=In(rng.integers(0, TV, (B, T)).astype(np.int32)) if types else None,
+                    word=In(f32(rng, V, C)), pos=In(f32(rng, P, C)), type=In(f32(rng, TV, C)),
+                    gamma=In(1 + 0.1 * f32(rng, C)), beta=In(0.1 * f32(rng, C)), B=B, T=T, C=C, eps=1e-12)
+    return build
+
+
+for B, T, C, ty in [(1, 1, 1, True), (2, 7, 33, True), (1, 509, 72, False), (3, 5, 384, True), (2, 3, 1025, True),
+                    (0, 7, 16, True)]:
+    case("embed_ln_forward", f"{B}x{T}x{C}" + ("" if ty else "-notypes"))(_embed(B, T, C, types=ty))
+
+
+def _broadcast(N, C):
+    return lambda rng: dict(dst=Out((N, C), tol=0), bias=In(f32(rng, C)), N=N, C=C)
+
+
+for N, C in [(1, 1), (7, 33), (509, 1), (3, 2305)]:
+    case("broadcast_rows", f"{N}x{C}")(_broadcast(N, C))
+
+
+def _lengths(rng, B, T, padding):
+    if padding == "none":
+        return np.full(B, T)
+    if padding == "heavy":
+        return np.maximum(1, (rng.random(B) * 0.2 * T).astype(int))
+    if padding == "total":
+        lens = rng.integers(0, T + 1, B)
+        lens[0] = 0
+        return lens
+    return rng.integers(1, T + 1, B)     # "ragged"
+
+
+def _attention(B, T, NH, hs, padding, holes=False):
+    def build(rng):
+        C = NH * hs
+        lens = _lengths(rng, B, T, padding)
+        mask = (np.arange(T)[None, :] < lens[:, None]).astype(np.float32)
+        if holes:   # zeros inside the real span too (a mask that is not right padding)
+            mask *= (rng.random((B, T)) > 0.3)
+        key_len = np.array([int(np.nonzero(m)[0].max()) + 1 if m.any() else 0 for m in mask], np.int32)
+        return dict(ctx=Out((B, T, C), tol=2e-5), qkv=In(f32(rng, B, T, 3 * C)), keymask=In(mask), key_len=In(key_len),
+                    B=B, T=T, C=C, NH=NH, scratch=Scratch(B, T, NH))
+    return build
+
+
+for B, T, NH, hs, pad, holes in [(1, 1, 1, 1, "none", False), (2, 7, 3, 5, "ragged", False),
+                                 (3, 7, 2, 17, "total", False), (2, 509, 3, 8, "heavy", False),
+                                 (4, 33, 4, 16, "ragged", True), (1, 64, 12, 3, "none", False),
+                                 (5, 12, 1, 13, "total", True)]:
+    case("attention_forward", f"{B}x{T}-{NH}h{hs}-{pad}" + ("-holes" if holes else ""))(
+        _attention(B, T, NH, hs, pad, holes))
+
+
+def _bias_act(N, K, act):
+    return lambda rng: dict(h=Out((N, K), init=f32(rng, N, K, scale=2.0), tol=1e-5), bias=In(f32(rng, K)), N=N, K=K,
+                            act=act)
+
+
+for N, K, act in [(1, 1, 0), (7, 150, 0), (33, 37, 1), (509, 3, 2), (5, 1537, 3)]:
+    case("bias_act_forward", f"{N}x{K}-act{act}")(_bias_act(N, K, act))
+
+
+def _bias_res_ln(N, C, alias):
+    def build(rng):
+        res, y = f32(rng, N, C), f32(rng, N, C)
+        args = dict(out=Out((N, C), tol=1e-5), residual=In(res), y=In(y), bias=In(f32(rng, C)),
+                    gamma=In(1 + 0.1 * f32(rng, C)), beta=In(0.1 * f32(rng, C)), N=N, C=C, eps=1e-12)
+        if alias:   # out written over one of its inputs
+            args["out"] = Out((N, C), tol=1e-5, init=res if alias == "residual" else y)
+            args[alias] = Alias("out")
+        return args
+    return build
+
+
+for N, C, alias in [(1, 1, None), (7, 33, None), (509, 72, "residual"), (3, 384, "y"), (2, 1025, None), (0, 8, None)]:
+    case("bias_residual_ln_forward", f"{N}x{C}" + (f"-alias-{alias}" if alias else ""))(_bias_res_ln(N, C, alias))
+
+
+def _pool(B, T, C, mode, padding):
+    def build(rng):
+        lens = _lengths(rng, B, T, padding)
+        mask = (np.arange(T)[None, :] < lens[:, None]).astype(np.float32)
+        return dict(out=Out((B, C)), h=In(f32(rng, B, T, C)), keymask=In(mask), B=B, T=T, C=C, mode=mode)
+    return build
+
+
+for B, T, C, mode, pad in [(1, 1, 1, 1, "none"), (3, 7, 33, 2, "total"), (2, 509, 72, 2, "heavy"),
+                           (4, 5, 130, 1, "ragged"), (2, 9, 257, 2, "ragged"), (70000, 2, 3, 2, "ragged"),
+                           (70000, 1, 2, 1, "none")]:
+    case("pool_forward", f"{B}x{T}x{C}-{'cls' if mode == 1 else 'mean'}-{pad}")(_pool(B, T, C, mode, pad))
+
+
+def _dropout(n, p, alias):
+    def build(rng):
+        x = f32(rng, n)
+        args = dict(y=Out((n,), tol=0), x=In(x), n=n, p=p, key=int(rng.integers(0, 2**63)))
+        if alias:
+            args["y"] = Out((n,), tol=0, init=x)
+            args["x"] = Alias("y")
+        return args
+    return build
+
+
+for n, p, alias in [(1, 0.5, False), (1000, 0.0, False), (4099, 0.1, True), (70001, 0.5, False), (33, 0.99, False)]:
+    case("dropout", f"{n}-p{p}" + ("-inplace" if alias else ""))(_dropout(n, p, alias))
+
+
+def _tanh_bwd(n, alias):
+    def build(rng):
+        dy = f32(rng, n)
+        args = dict(dx=Out((n,)), dy=In(dy), y=In(np.tanh(f32(rng, n)).astype(np.float32)), n=n)
+        if alias:
+            args["dx"] = Out((n,), init=dy)
+            args["dy"] = Alias("dx")
+        return args
+    return build
+
+
+for n, alias in [(1, False), (999, True), (65537, False)]:
+    case("tanh_backward", f"{n}" + ("-inplace" if alias else ""))(_tanh_bwd(n, alias))
+
+
+def _xent(N, K, valid_rows, grads, empty_row=False):
+    def build(rng):
+        logits = f32(rng, N, K, scale=3.0)
+        valid = None
+        if valid_rows:
+            valid = (rng.random((valid_rows, K)) > 0.4).astype(np.float32)
+            valid[:, 0] = 1
+            if empty_row:
+                valid[-1] = 0
+        labels = np.empty(N, np.int32)
+        for r in range(N):
+            ok = np.nonzero(valid[r % valid_rows])[0] if valid is not None else np.arange(K)
+            labels[r] = rng.choice(ok) if len(ok) else 0
+        return dict(loss=Out((N,)), dlogits=Out((N, K)) if grads else None, logits=In(logits),
+                    valid=In(valid) if valid is not None else None, valid_rows=valid_rows or 1, labels=In(labels),
+                    N=N, K=K, scale=1.0 / max(N, 1))
+    return build
+
+
+for N, K, vr, g, empty in [(1, 1, 0, True, False), (9, 3, 0, True, False), (6, 384, 3, True, True),
+                           (4, 509, 2, False, False), (33, 2, 0, True, False), (2, 1030, 1, True, False),
+                           (0, 5, 0, True, False)]:
+    case("softmax_xent", f"{N}x{K}" + (f"-valid{vr}" if vr else "") + ("" if g else "-nograd") +
+         ("-emptyrow" if empty else ""))(_xent(N, K, vr, g, empty))
+
+
+def _sum(N, K, axis):
+    return lambda rng: dict(out=Out((K,) if axis == 0 else (N,), tol=1e-5), x=In(f32(rng, N, K)), N=N, K=K, axis=axis)
+
+
+for N, K, axis in [(1, 1, 0), (509, 7, 0), (3, 2049, 0), (1, 1, 1), (7, 509, 1), (2049, 3, 1), (0, 5, 0), (0, 5, 1),
+                   (4, 0, 1)]:
+    case("sum_axis", f"{N}x{K}-axis{axis}")(_sum(N, K, axis))
+
+
+def _optim(kind, sizes, clip, copy, bias_correction=True, step=3):
+    FT_F16, FT_BF16 = 1, 2
+
+    def build(rng):
+        args = {}
+        for i, n in enumerate(sizes):
+            args[f"_p{i}"] = Out((n,), tol=2e-6, init=f32(rng, n))
+            args[f"_g{i}"] = In(f32(rng, n, scale=0.5 + i))
+            args[f"_m{i}"] = Out((n,), tol=2e-6, init=f32(rng, n, scale=0.01))
+            args[f"_v{i}"] = Out((n,), tol=2e-6, init=np.abs(f32(rng, n, scale=0.01)))
+            if copy:
+                args[f"_c{i}"] = Out((n,), np.uint16, tol=0)
+        cfg = OptimConfig(kind=kind, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, bias_correction=int(bias_correction),
+                          max_grad_norm=clip, check_finite=1, step=step)
+
+        def tensors(ptrs):
+            arr = (OptimTensor * len(sizes))()
+            for i, n in enumerate(sizes):
+                arr[i] = OptimTensor(ptrs[f"_p{i}"], ptrs[f"_g{i}"], ptrs[f"_m{i}"], ptrs[f"_v{i}"],
+                                     ptrs.get(f"_c{i}"), (FT_BF16 if copy == "bf16" else FT_F16), n,
+                                     0.0 if i % 3 == 2 else 0.01)
+            return arr
+
+        return dict(cfg=Struct(lambda ptrs: cfg), t=Struct(tensors), count=len(sizes),
+                    info=Struct(lambda ptrs: OptimInfo(),
+                                lambda s: {"grad_norm": (s.grad_norm, 1e-5), "clip_scale": (s.clip_scale, 1e-5)}),
+                    **args)
+    return build
+
+
+for kind, sizes, clip, copy in [(1, [1], 0.0, None), (1, [7, 16385, 3, 100], 5.0, "bf16"),
+                                (0, [1, 2, 16384 * 2 + 5], 0.0, None), (0, [64, 33], 1.0, "f16"),
+                                (1, [13] * 40, 0.5, None)]:
+    case("optim_step", f"{'lamb' if kind else 'adamw'}-{len(sizes)}t" + (f"-clip{clip}" if clip else "") +
+         (f"-{copy}" if copy else ""))(_optim(kind, sizes, clip, copy))
+
+
+# ---- the tests ---------------------------------------------------------------------------------------
+def test_every_op_has_cases_and_a_cpu_implementation():
+    cpu = Backend(-1)
+    missing = [op for op in OPS if not CASES[op]]
+    assert not missing, f"ops without a case in tests/test_backend_ops.py: {missing}"
+    absent = [op for op in OPS if cpu.fn[op] is None]
+    assert not absent, f"ops the CPU backend does not implement: {absent}"
+
+
+ALL_CASES = [pytest.param(op, ident, build, id=ident) for op in OPS for ident, build in CASES[op]]
+
+
+@pytest.mark.parametrize("op,ident,build", ALL_CASES)
+def test_cpu_op_writes_every_output(op, ident, build):
+    """The reference itself: runs, finite, every output element written (poisoned before)."""
+    args = build(np.random.default_rng(zlib.crc32(ident.encode())))
+    got = run_case(Backend(-1), op, args)
+    for name, v in args.items():
+        if isinstance(v, Out) and v.dtype.kind == "f":
+            assert np.isfinite(got[name]).all(), f"{op}: {name} has unwritten (NaN) or non-finite elements"
+
+
+cuda = pytest.mark.skipif(not fasttran.cuda_available(),
+                          reason="no CUDA device and no emulator (build with FASTTRAN_CUDA=emu, run with "
+                                 "FASTTRAN_CUDA_EMU=1): " + str(fasttran.build_info()["cuda"]["unavailable_reason"]))
+
+
+@cuda
+def test_every_op_has_a_cuda_implementation():
+    gpu = Backend(0)
+    absent = [op for op in OPS if gpu.fn[op] is None]
+    assert not absent, f"ops the CUDA backend does not implement: {absent}"
+
+
+@cuda
+@pytest.mark.parametrize("op,ident,build", ALL_CASES)
+def test_cuda_op_matches_cpu(op, ident, build):
+    args = build(np.random.default_rng(zlib.crc32(ident.encode())))
+    ref = run_case(Backend(-1), op, args)
+    got = run_case(Backend(0), op, args)
+    compare(op, args, ref, got)
