@@ -15,9 +15,10 @@
 //     every live lane named in the mask has arrived; all lanes' results are computed at once;
 //   - a block in which no thread can make progress is a deadlock: the launch fails with a message
 //     naming the kernel, the block and where each thread waits (never a hang);
-//   - FASTTRAN_EMU_CHECK=barriers additionally fails a launch when the threads released by one
-//     __syncthreads() waited at different call sites (a barrier inside a branch taken by part of
-//     the block), when the lanes of one warp operation disagree on the operation, the call site
+//   - FASTTRAN_EMU_CHECK=barriers additionally fails a launch when a __syncthreads() is not
+//     reached by every thread of the block (the programming guide's rule: a barrier inside a
+//     branch taken by part of the block, or after some threads returned) or the threads released
+//     by one wait at different call sites, when the lanes of one warp operation disagree on the operation, the call site
 //     or the mask, when a mask names a lane that has exited, or when a shuffle reads a lane that
 //     takes no part in it; FASTTRAN_EMU_CHECK=memory puts device allocations right before an
 //     inaccessible page (out-of-bounds accesses fault and are reported as cudaErrorIllegalAddress

@@ -400,6 +400,15 @@ void resume(block_state *b, int k) {
 void release_sync(block_state *b) {
     const thread_state *first = nullptr;
     int count = 0, all = 1, any = 0;
+    if (config().check_barriers && b->nlive < b->n) {
+        // the programming guide's rule: a __syncthreads() must be reached by every thread of the
+        // block (plain mode lets returned threads leave barriers, as the hardware does)
+        block_fail(b, cudaErrorLaunchFailure,
+                   "a __syncthreads() reached by only " + std::to_string(b->nlive) + " of the block's " +
+                       std::to_string(b->n) + " threads (inside a branch, or after some threads returned): " +
+                       where_threads_are(b));
+        return;
+    }
     for (unsigned k = 0; k < b->n; k++) {
         thread_state &t = b->threads[k];
         if (t.state != T_SYNC) continue;

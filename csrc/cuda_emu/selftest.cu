@@ -22,8 +22,11 @@ namespace {
 
 char g_message[4096];
 
+// the result of a self-test: 0, or the error with its message; the pending error is cleared so
+// that a deliberate failure does not surface in a later, unrelated call
 int report(cudaError_t e) {
     snprintf(g_message, sizeof g_message, "%s: %s", cudaGetErrorName(e), cudaGetErrorString(e));
+    cudaGetLastError();
     return (int)e;
 }
 
@@ -162,6 +165,15 @@ template <typename T> T *to_device(const T *host, size_t n) {
 
 EXPORT const char *ftemu_selftest_message(void) { return g_message; }
 
+// 1 when built with AddressSanitizer, which reports faults itself (no guard-page recovery then)
+EXPORT int ftemu_selftest_sanitized(void) {
+#if defined(__SANITIZE_ADDRESS__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // out[b] = sum of x[b * n .. b * n + n), nblocks blocks of `threads` threads
 EXPORT int ftemu_selftest_block_sum(const float *x, float *out, int nblocks, int threads, int n) {
     cudaGetLastError();
@@ -171,7 +183,7 @@ EXPORT int ftemu_selftest_block_sum(const float *x, float *out, int nblocks, int
     cudaMemcpy(out, dout, nblocks * sizeof(float), cudaMemcpyDeviceToHost);
     cudaFree(dx);
     cudaFree(dout);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 EXPORT int ftemu_selftest_shuffles(const int *x, int *out, int threads, int width) {
@@ -182,7 +194,7 @@ EXPORT int ftemu_selftest_shuffles(const int *x, int *out, int threads, int widt
     cudaMemcpy(out, dout, (size_t)threads * 8 * sizeof(int), cudaMemcpyDeviceToHost);
     cudaFree(dx);
     cudaFree(dout);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 EXPORT int ftemu_selftest_half_warp(const float *x, float *out) {
@@ -193,7 +205,7 @@ EXPORT int ftemu_selftest_half_warp(const float *x, float *out) {
     cudaMemcpy(out, dout, 32 * sizeof(float), cudaMemcpyDeviceToHost);
     cudaFree(dx);
     cudaFree(dout);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 EXPORT int ftemu_selftest_early_exit(float *x, int threads, int n) {
@@ -203,7 +215,7 @@ EXPORT int ftemu_selftest_early_exit(float *x, int threads, int n) {
     cudaError_t e = cudaGetLastError();
     cudaMemcpy(x, dx, threads * sizeof(float), cudaMemcpyDeviceToHost);
     cudaFree(dx);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 // kind: 0 deadlock, 1 divergent barrier, 2 missing barrier; returns the launch's error
@@ -217,7 +229,7 @@ EXPORT int ftemu_selftest_broken(int kind, float *x) {
     cudaError_t e = cudaGetLastError();
     cudaMemcpy(x, dx, n * sizeof(float), cudaMemcpyDeviceToHost);
     cudaFree(dx);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 // kind: 0 read past the end, 1 write past the end; the error of the launch or the next sync
@@ -233,7 +245,7 @@ EXPORT int ftemu_selftest_out_of_bounds(int kind, int n) {
     if (e == cudaSuccess) e = cudaDeviceSynchronize();
     cudaFree(dx);
     cudaFree(out);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 EXPORT int ftemu_selftest_bad_launch(void) {
@@ -242,7 +254,7 @@ EXPORT int ftemu_selftest_bad_launch(void) {
     FT_LAUNCH(block_sum_kernel, 1, 2048, 0, 0)(dx, dx, 1);   // more than 1024 threads
     cudaError_t e = cudaGetLastError();
     cudaFree(dx);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 EXPORT int ftemu_selftest_convert(const float *x, unsigned short *h, unsigned short *b, float *hf, float *bf, int n) {
@@ -256,7 +268,7 @@ EXPORT int ftemu_selftest_convert(const float *x, unsigned short *h, unsigned sh
     cudaMemcpy(hf, dhf, 65536 * 4, cudaMemcpyDeviceToHost);
     cudaMemcpy(bf, dbf, 65536 * 4, cudaMemcpyDeviceToHost);
     cudaFree(dx); cudaFree(dh); cudaFree(db); cudaFree(dhf); cudaFree(dbf);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 EXPORT int ftemu_selftest_wmma_half(const unsigned short *A, const unsigned short *B, float *C) {
@@ -267,7 +279,7 @@ EXPORT int ftemu_selftest_wmma_half(const unsigned short *A, const unsigned shor
     cudaError_t e = cudaGetLastError();
     cudaMemcpy(C, dC, 256 * 4, cudaMemcpyDeviceToHost);
     cudaFree(dA); cudaFree(dB); cudaFree(dC);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 EXPORT int ftemu_selftest_wmma_tf32(const float *A, const float *B, float *C) {
@@ -277,7 +289,7 @@ EXPORT int ftemu_selftest_wmma_tf32(const float *A, const float *B, float *C) {
     cudaError_t e = cudaGetLastError();
     cudaMemcpy(C, dC, 256 * 4, cudaMemcpyDeviceToHost);
     cudaFree(dA); cudaFree(dB); cudaFree(dC);
-    return e == cudaSuccess ? 0 : report(e);
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 // row-major D (M x N, bf16) = gelu(A (M x K, bf16) B^T (B: N x K, bf16) + bias (N, bf16)) through
@@ -323,8 +335,8 @@ EXPORT int ftemu_selftest_lt_gelu_bias(const unsigned short *A, const unsigned s
     cublasLtMatmulDescDestroy(desc);
     cublasLtDestroy(h);
     cudaFree(dA); cudaFree(dB); cudaFree(dbias); cudaFree(dD); cudaFree(daux);
-    if (st != CUBLAS_STATUS_SUCCESS) { snprintf(g_message, sizeof g_message, "cuBLASLt status %d", (int)st); return 1000 + st; }
-    return e == cudaSuccess ? 0 : report(e);
+    if (st != CUBLAS_STATUS_SUCCESS) { snprintf(g_message, sizeof g_message, "cuBLASLt status %d", (int)st); cudaGetLastError(); return 1000 + st; }
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
 
 // column-major C (m x n, fp16) = A (m x k, fp16) B (k x n, fp16) with fp32 compute (GemmEx), and a
@@ -345,6 +357,6 @@ EXPORT int ftemu_selftest_gemm_ex(const unsigned short *A, const unsigned short 
     cudaMemcpy(C, dC, (size_t)m * n * 2, cudaMemcpyDeviceToHost);
     cublasDestroy(h);
     cudaFree(dA); cudaFree(dB); cudaFree(dC);
-    if (st != CUBLAS_STATUS_SUCCESS) { snprintf(g_message, sizeof g_message, "cuBLAS status %d", (int)st); return 1000 + st; }
-    return e == cudaSuccess ? 0 : report(e);
+    if (st != CUBLAS_STATUS_SUCCESS) { snprintf(g_message, sizeof g_message, "cuBLAS status %d", (int)st); cudaGetLastError(); return 1000 + st; }
+    return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
 }
