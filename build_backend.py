@@ -53,9 +53,9 @@ def gpu_present():
 def want_nvcc_build():
     """(build?, reason): the nvcc build of the CUDA backend happens when asked (FASTTRAN_CUDA=1),
     or in auto mode when nvcc and a GPU are both present."""
-    mode = cuda_mode()
+    mode, emu = cuda_settings()
     if mode == "off":
-        return False, "FASTTRAN_CUDA=0"
+        return False, "FASTTRAN_CUDA=emu: the CUDA emulator only" if emu else "FASTTRAN_CUDA=0"
     nvcc = find_nvcc()
     if mode == "on":
         return True, "FASTTRAN_CUDA=1"

@@ -50,12 +50,11 @@ def cpu_flags():
     return flags
 
 
-def cuda_config(quiet=False):
+def cuda_config():
     """None (no nvcc build) or a dict describing the CUDA toolchain to use."""
     build, reason = cuda_env.want_nvcc_build()
     if not build:
-        if not quiet:
-            print("fasttran: CUDA backend not built: " + reason, file=sys.stderr)
+        print("fasttran: CUDA backend not built: " + reason, file=sys.stderr)
         return None
     mode = cuda_env.cuda_mode()
     nvcc = cuda_env.find_nvcc()
@@ -234,11 +233,13 @@ def make_extension():
 
 
 def install_requires():
+    """Runtime dependencies: the nvidia-cublas wheel when the nvcc build links the wheel's cuBLAS
+    (decided without failing: pip calls this before it has installed the build requirements)."""
     deps = list(BASE_DEPS)
-    cu = cuda_config(quiet=True)
-    if cu and cu["cublas_source"] != "toolkit":
-        nvcc = cu["nvcc"]
-        deps.append(cuda_env.cublas_wheel_name(nvcc))
+    if cuda_env.want_nvcc_build()[0]:
+        nvcc = cuda_env.find_nvcc()
+        if nvcc and (cuda_env.find_cublas(os.path.dirname(os.path.dirname(nvcc))) or ("", "", ""))[2] != "toolkit":
+            deps.append(cuda_env.cublas_wheel_name(nvcc))
     return deps
 
 
