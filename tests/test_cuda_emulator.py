@@ -205,7 +205,7 @@ def test_cublas_gemm_ex_fp16_and_an_operand_out_of_bounds(emu):
 
 def run_mode(env_extra, code):
     env = dict(os.environ, FASTTRAN_CUDA_EMU="1", **env_extra)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
 OOB = """
