@@ -39,7 +39,10 @@ typedef struct {
     S(ft_status, synchronize, (ft_backend *be))                                                    \
     S(void, destroy, (ft_backend *be))                                                             \
     /* bytes of `scratch` attention_forward needs for (B, T, NH) */                                \
-    S(size_t, attention_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))
+    S(size_t, attention_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))         \
+    /* bytes of `scratch` attention_train_forward / attention_backward need for B sequences of at  \
+     * most T rows, NH heads */                                                                    \
+    S(size_t, attention_train_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))
 
 #define FT_BACKEND_OPS(X)                                                                           \
     /* C (M, N) = alpha * op(A) op(B) + beta * C, row-major, op = transpose when trans_* */        \
@@ -88,7 +91,44 @@ typedef struct {
     X(sum_axis, (ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis))     \
     /* One fused LAMB / AdamW step over `count` tensors (see ft_optimizer_step). */                \
     X(optim_step, (ft_backend *be, const ft_optim_config *cfg, const ft_optim_tensor *t,          \
-                   size_t count, ft_optim_info *info))
+                   size_t count, ft_optim_info *info))                                             \
+    /* ---- training of encoder layers (model/layer.c). Rows are packed: sequence b is rows       \
+     * [first, first + n) of seqs (HOST memory, (B, 3) int32: first row, n, n), every row real.  \
+     * Dropout masks come from core/rng.h, keyed by the element's index (p = 0: none). ---- */    \
+    /* out (N, C) = LayerNorm(residual + dropout(y + bias)); stats (N, 2) = (mean, rstd); ln_in   \
+     * (N, C) or NULL: the LayerNorm input, kept for a backward that reads it. out may alias      \
+     * residual or y. Dropout index: r C + c. */                                                   \
+    X(residual_ln_train_forward, (ft_backend *be, float *out, float *ln_in, float *stats,          \
+                                  const float *residual, const float *y, const float *bias,         \
+                                  const float *gamma, const float *beta, int64_t N, int64_t C,      \
+                                  float eps, float p, uint64_t key))                                \
+    /* dx (N, C) = the LayerNorm backward of dy; dgamma, dbeta (C) overwritten. saved: the        \
+     * LayerNorm input (saved_is_output = 0), or its output (1: Tempo's in-place LayerNorm, the   \
+     * normalised input recovered as (out - beta) / gamma). dx may alias dy. */                   \
+    X(layernorm_backward, (ft_backend *be, float *dx, float *dgamma, float *dbeta, const float *dy, \
+                           const float *saved, const float *stats, const float *gamma,              \
+                           const float *beta, int64_t N, int64_t C, int saved_is_output))           \
+    /* f (N, K) = act(h + bias); pre (N, K) or NULL: h + bias, kept for the backward; bits        \
+     * ((N K + 7) / 8 bytes) or NULL: bit i set when element i lies left of GELU's minimum        \
+     * (Tempo's in-place GELU keeps f and these bits). f may alias h. */                           \
+    X(bias_act_train_forward, (ft_backend *be, float *f, float *pre, uint8_t *bits, const float *h, \
+                               const float *bias, int64_t N, int64_t K, ft_activation act))        \
+    /* dh (N, K) = df act'(x): x = saved (the pre-activation) when bits is NULL, else recovered   \
+     * from the output saved = f and its branch bits. dh may alias df. */                          \
+    X(bias_act_backward, (ft_backend *be, float *dh, const float *df, const float *saved,          \
+                          const uint8_t *bits, int64_t N, int64_t K, ft_activation act))           \
+    /* probs (sum over b of NH n_b^2, sequence after sequence, (NH, n, n) each) = softmax(Q K^T / \
+     * sqrt(C/NH)) per (b, h); ctx (N, C) = dropout(probs) V, dropout index = index in probs;     \
+     * dmask (like probs, bytes) or NULL: the dropout mask kept (else the backward recomputes it).\
+     * qkv (N, 3C): Q, K, V at column offsets 0, C, 2C. */                                         \
+    X(attention_train_forward, (ft_backend *be, float *ctx, float *probs, uint8_t *dmask,          \
+                                const float *qkv, const int32_t *seqs, int64_t B, int64_t C,        \
+                                int64_t NH, float p, uint64_t key, float *scratch))                 \
+    /* dqkv (N, 3C) = the gradients of Q, K and V from dctx (N, C), with the forward's probs and  \
+     * dmask (or the same p and key) */                                                            \
+    X(attention_backward, (ft_backend *be, float *dqkv, const float *dctx, const float *qkv,       \
+                           const float *probs, const uint8_t *dmask, const int32_t *seqs, int64_t B, \
+                           int64_t C, int64_t NH, float p, uint64_t key, float *scratch))
 
 struct ft_backend {
     int abi;

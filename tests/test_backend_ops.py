@@ -126,8 +126,12 @@ class Alias:         # the same buffer as another argument
     def __init__(self, name): self.name = name
 
 
-class Scratch:       # attention scratch, sized by the backend's own attention_scratch_bytes
-    def __init__(self, B, T, NH): self.bt = (B, T, NH)
+class Scratch:       # scratch sized by one of the backend's own *_scratch_bytes services
+    def __init__(self, B, T, NH, service="attention_scratch_bytes"): self.bt, self.service = (B, T, NH), service
+
+
+class Host:          # an argument the op reads from host memory (attention's sequence table)
+    def __init__(self, a): self.a = np.ascontiguousarray(a)
 
 
 class Struct:        # host memory built from the device addresses of the other arguments
@@ -154,7 +158,9 @@ def run_case(be, op, args):
             ptrs[name] = be.upload(init)
             outs[name] = v
         elif isinstance(v, Scratch):
-            ptrs[name] = be.alloc(be.fn["attention_scratch_bytes"](be.addr, *v.bt))
+            ptrs[name] = be.alloc(be.fn[v.service](be.addr, *v.bt))
+        elif isinstance(v, Host):
+            ptrs[name] = v.a.ctypes.data
     for name, v in args.items():
         if isinstance(v, Alias):
             ptrs[name] = ptrs[v.name]
@@ -438,6 +444,152 @@ for kind, sizes, clip, copy in [(1, [1], 0.0, None), (1, [7, 16385, 3, 100], 5.0
                                 (1, [13] * 40, 0.5, None)]:
     case("optim_step", f"{'lamb' if kind else 'adamw'}-{len(sizes)}t" + (f"-clip{clip}" if clip else "") +
          (f"-{copy}" if copy else ""))(_optim(kind, sizes, clip, copy))
+
+
+# ---- training of encoder layers --------------------------------------------------------------------
+def _res_ln_train(N, C, p, keep_in, alias):
+    def build(rng):
+        res, y = f32(rng, N, C), f32(rng, N, C)
+        args = dict(out=Out((N, C)), ln_in=Out((N, C)) if keep_in else None, stats=Out((N, 2), tol=2e-5),
+                    residual=In(res), y=In(y), bias=In(f32(rng, C)), gamma=In(1 + 0.1 * f32(rng, C)),
+                    beta=In(0.1 * f32(rng, C)), N=N, C=C, eps=1e-12, p=p, key=int(rng.integers(0, 2**63)))
+        if alias:
+            args["out"] = Out((N, C), init=res if alias == "residual" else y)
+            args[alias] = Alias("out")
+        return args
+    return build
+
+
+for N, C, p, keep_in, alias in [(1, 1, 0.0, True, None), (7, 33, 0.1, True, None), (509, 72, 0.5, False, "y"),
+                                (3, 384, 0.0, False, "residual"), (0, 8, 0.1, True, None)]:
+    case("residual_ln_train_forward", f"{N}x{C}-p{p}" + ("-keep" if keep_in else "") + (f"-alias-{alias}" if alias else ""))(
+        _res_ln_train(N, C, p, keep_in, alias))
+
+
+def _ln_backward(N, C, from_output, alias):
+    def build(rng):
+        x = f32(rng, N, C, scale=2.0) + f32(rng, N, 1)
+        gamma, beta = 1 + 0.3 * f32(rng, C), 0.1 * f32(rng, C)
+        mean = x.mean(axis=1, dtype=np.float64)
+        rstd = 1 / np.sqrt(x.var(axis=1, dtype=np.float64) + 1e-12)
+        stats = np.stack([mean, rstd], axis=1).astype(np.float32)
+        out = ((x - mean[:, None]) * rstd[:, None] * gamma + beta).astype(np.float32)
+        dy = f32(rng, N, C)
+        tol = 5e-5 * max(1.0, np.sqrt(N) / 8)
+        args = dict(dx=Out((N, C), tol=5e-5), dgamma=Out((C,), tol=tol), dbeta=Out((C,), tol=tol), dy=In(dy),
+                    saved=In(out if from_output else x), stats=In(stats), gamma=In(gamma), beta=In(beta), N=N, C=C,
+                    saved_is_output=int(from_output))
+        if alias:
+            args["dx"] = Out((N, C), tol=5e-5, init=dy)
+            args["dy"] = Alias("dx")
+        return args
+    return build
+
+
+for N, C, fo, alias in [(1, 1, False, False), (7, 33, True, False), (509, 72, False, True), (130, 384, True, True),
+                        (65, 3, False, False), (0, 4, True, False)]:
+    case("layernorm_backward", f"{N}x{C}" + ("-from-output" if fo else "") + ("-inplace" if alias else ""))(
+        _ln_backward(N, C, fo, alias))
+
+
+def _act_train(N, K, act, keep_pre, bits, alias):
+    def build(rng):
+        h = f32(rng, N, K, scale=2.0)
+        nbits = (N * K + 7) // 8
+        args = dict(f=Out((N, K)), pre=Out((N, K)) if keep_pre else None, bits=Out((nbits,), np.uint8) if bits else None,
+                    h=In(h), bias=In(f32(rng, K)), N=N, K=K, act=act)
+        if alias:
+            args["f"] = Out((N, K), init=h)
+            args["h"] = Alias("f")
+        return args
+    return build
+
+
+for N, K, act, pre, bits, alias in [(1, 1, 0, True, True, False), (7, 150, 0, True, False, False),
+                                    (33, 37, 1, False, True, True), (5, 19, 2, True, True, False),
+                                    (3, 1537, 3, False, False, True)]:
+    case("bias_act_train_forward", f"{N}x{K}-act{act}" + ("-pre" if pre else "") + ("-bits" if bits else "") +
+         ("-inplace" if alias else ""))(_act_train(N, K, act, pre, bits, alias))
+
+
+def _act_backward(N, K, act, from_output, alias):
+    def build(rng):
+        x = f32(rng, N, K, scale=2.0)
+        xmin = -0.7524614220710163 if act == 1 else -0.7517915246935645
+        if act == 0:
+            from math import erf
+            f = np.vectorize(lambda v: 0.5 * v * (1 + erf(v / np.sqrt(2))))(x.astype(np.float64)).astype(np.float32)
+        elif act == 1:
+            v = x.astype(np.float64)
+            f = (0.5 * v * (1 + np.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))).astype(np.float32)
+        elif act == 2:
+            f = np.maximum(x, 0)
+        else:
+            f = np.tanh(x)
+        bits = np.packbits((x < xmin).ravel(), bitorder="little")
+        df = f32(rng, N, K)
+        args = dict(dh=Out((N, K), tol=2e-5), df=In(df), saved=In(f if from_output else x),
+                    bits=In(bits) if from_output else None, N=N, K=K, act=act)
+        if alias:
+            args["dh"] = Out((N, K), tol=2e-5, init=df)
+            args["df"] = Alias("dh")
+        return args
+    return build
+
+
+for N, K, act, fo, alias in [(1, 1, 0, False, False), (7, 150, 0, True, False), (33, 37, 1, True, True),
+                             (5, 19, 2, True, False), (3, 1537, 3, False, True), (64, 64, 1, False, False),
+                             (9, 77, 3, True, False)]:
+    case("bias_act_backward", f"{N}x{K}-act{act}" + ("-from-output" if fo else "") + ("-inplace" if alias else ""))(
+        _act_backward(N, K, act, fo, alias))
+
+
+def _packed(rng, lengths):
+    first = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
+    seqs = np.stack([first, lengths, lengths], axis=1).astype(np.int32)
+    return seqs, int(np.sum(lengths)), int(max(lengths) if len(lengths) else 0)
+
+
+def _attn_train(lengths, NH, hs, p, keep_mask):
+    def build(rng):
+        lens = np.asarray(lengths, np.int32)
+        seqs, N, T = _packed(rng, lens)
+        C = NH * hs
+        total = int(NH * np.sum(lens.astype(np.int64) ** 2))
+        return dict(ctx=Out((N, C), tol=2e-5), probs=Out((total,), tol=2e-6),
+                    dmask=Out((total,), np.uint8) if keep_mask else None, qkv=In(f32(rng, N, 3 * C)), seqs=Host(seqs),
+                    B=len(lens), C=C, NH=NH, p=p, key=int(rng.integers(0, 2**63)),
+                    scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"))
+    return build
+
+
+for lens, NH, hs, p, keep in [([1], 1, 1, 0.0, False), ([7, 3, 5], 3, 5, 0.1, True), ([33, 1, 17], 2, 17, 0.5, False),
+                              ([128, 64], 4, 16, 0.1, False), ([9, 0, 12], 12, 3, 0.0, False)]:
+    case("attention_train_forward", "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}" + ("-mask" if keep else ""))(
+        _attn_train(lens, NH, hs, p, keep))
+
+
+def _attn_backward(lengths, NH, hs, p, keep_mask):
+    def build(rng):
+        lens = np.asarray(lengths, np.int32)
+        seqs, N, T = _packed(rng, lens)
+        C = NH * hs
+        probs = []
+        for n in lens:
+            e = np.exp(rng.standard_normal((NH, n, n)) * 2)
+            probs.append((e / e.sum(axis=-1, keepdims=True)).ravel())
+        probs = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
+        dmask = (rng.random(probs.size) > p).astype(np.uint8)
+        return dict(dqkv=Out((N, 3 * C), tol=5e-5), dctx=In(f32(rng, N, C)), qkv=In(f32(rng, N, 3 * C)),
+                    probs=In(probs), dmask=In(dmask) if keep_mask else None, seqs=Host(seqs), B=len(lens), C=C, NH=NH,
+                    p=p, key=int(rng.integers(0, 2**63)), scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"))
+    return build
+
+
+for lens, NH, hs, p, keep in [([1], 1, 1, 0.0, False), ([7, 3, 5], 3, 5, 0.1, True), ([33, 1, 17], 2, 17, 0.5, False),
+                              ([128, 64], 4, 16, 0.1, False), ([9, 0, 12], 12, 3, 0.2, True)]:
+    case("attention_backward", "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}" + ("-mask" if keep else ""))(
+        _attn_backward(lens, NH, hs, p, keep))
 
 
 # ---- the tests ---------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ void cuda_destroy(ft_backend *be) {
     cuda_ctx *c = ctx_of(be);
     cudaSetDevice(c->device);
     if (c->opt_ws) cudaFree(c->opt_ws);
+    if (c->train_ws) cudaFree(c->train_ws);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);

@@ -23,6 +23,8 @@ struct cuda_ctx {
     char name[32];
     void *opt_ws;          // optimizer tables and partial sums (optim.cu), grown as needed
     size_t opt_ws_bytes;
+    void *train_ws;        // partial sums of the training ops (train_layer.cu), grown as needed
+    size_t train_ws_bytes;
 };
 
 inline cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
@@ -41,6 +43,9 @@ inline ft_status launched(const char *what) {
     return e == cudaSuccess ? FT_OK : cuda_fail(e, what);
 }
 
+#ifndef FT_TRY
+#define FT_TRY(expr) do { ft_status _t = (expr); if (_t != FT_OK) return _t; } while (0)
+#endif
 #define FT_CU(call, what) do { cudaError_t _e = (call); if (_e != cudaSuccess) return ftcuda::cuda_fail(_e, what); } while (0)
 #define FT_CUBLAS(call, what) do { cublasStatus_t _s = (call); if (_s != CUBLAS_STATUS_SUCCESS) return ftcuda::blas_fail(_s, what); } while (0)
 

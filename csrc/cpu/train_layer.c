@@ -1,0 +1,269 @@
+/* Training ops of an encoder layer on the CPU (backend.h, "training of encoder layers"): the
+ * LayerNorm forward that keeps its statistics and its backward, the activation forward that keeps
+ * what its backward needs and its backward, attention over packed sequences with its backward.
+ * Activations and their derivatives come from core/activation.h (double precision, the same source
+ * as the CUDA ops); dropout masks from core/rng.h. Row loops are independent and column sums
+ * (dgamma, dbeta) run over fixed row chunks reduced in order, so results do not depend on the
+ * thread count. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "blas.h"
+#include "core/activation.h"
+#include "core/rng.h"
+#include "core/status.h"
+#include "cpu_ops.h"
+
+#define LN_CHUNK 64   /* rows per partial column sum */
+
+ft_status cpu_residual_ln_train_forward(ft_backend *be, float *out, float *ln_in, float *stats, const float *residual,
+                                        const float *y, const float *bias, const float *gamma, const float *beta,
+                                        int64_t N, int64_t C, float eps, float p, uint64_t key) {
+    (void)be;
+    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
+    const float scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+#pragma omp parallel for schedule(static) if (N * C > 32768)
+    for (int64_t r = 0; r < N; r++) {
+        const float *a = residual + r * C, *b = y + r * C;
+        float *o = out + r * C;
+        double sum = 0.0;
+        for (int64_t c = 0; c < C; c++) {
+            float v = b[c] + bias[c];
+            if (thr) v = ft_dropout_keep(key, (uint64_t)(r * C + c), thr) ? v * scale : 0.0f;
+            v += a[c];
+            o[c] = v;
+            sum += v;
+        }
+        if (ln_in) memcpy(ln_in + r * C, o, (size_t)C * sizeof(float));
+        const float mean = (float)(sum / (double)C);
+        double var = 0.0;
+        for (int64_t c = 0; c < C; c++) { double d = (double)o[c] - mean; var += d * d; }
+        const float rstd = 1.0f / sqrtf((float)(var / (double)C) + eps);
+        for (int64_t c = 0; c < C; c++) o[c] = (o[c] - mean) * rstd * gamma[c] + beta[c];
+        stats[2 * r] = mean;
+        stats[2 * r + 1] = rstd;
+    }
+    return FT_OK;
+}
+
+static inline float ln_xhat(const float *saved, const float *stats, const float *gamma, const float *beta, int64_t r,
+                            int64_t c, int64_t C, int from_output) {
+    const float s = saved[r * C + c];
+    return from_output ? (s - beta[c]) / gamma[c] : (s - stats[2 * r]) * stats[2 * r + 1];
+}
+
+ft_status cpu_layernorm_backward(ft_backend *be, float *dx, float *dgamma, float *dbeta, const float *dy,
+                                 const float *saved, const float *stats, const float *gamma, const float *beta,
+                                 int64_t N, int64_t C, int saved_is_output) {
+    (void)be;
+    const int64_t chunks = (N + LN_CHUNK - 1) / LN_CHUNK;
+    double *partial = calloc((size_t)(chunks ? chunks : 1) * 2 * (size_t)C, sizeof(double));
+    if (!partial) return ft_error(FT_ERR_NOMEM, "layernorm_backward: out of memory for %lld partial sums", (long long)chunks);
+    /* the column sums read dy and the saved input before dx (which may alias dy) is written */
+#pragma omp parallel for schedule(static) if (N * C > 32768)
+    for (int64_t k = 0; k < chunks; k++) {
+        double *sg = partial + k * 2 * C, *sb = sg + C;
+        const int64_t r1 = (k + 1) * LN_CHUNK < N ? (k + 1) * LN_CHUNK : N;
+        for (int64_t r = k * LN_CHUNK; r < r1; r++)
+            for (int64_t c = 0; c < C; c++) {
+                const float d = dy[r * C + c];
+                sg[c] += (double)d * ln_xhat(saved, stats, gamma, beta, r, c, C, saved_is_output);
+                sb[c] += d;
+            }
+    }
+    for (int64_t c = 0; c < C; c++) {
+        double g = 0.0, b = 0.0;
+        for (int64_t k = 0; k < chunks; k++) { g += partial[k * 2 * C + c]; b += partial[k * 2 * C + C + c]; }
+        dgamma[c] = (float)g;
+        dbeta[c] = (float)b;
+    }
+    free(partial);
+#pragma omp parallel for schedule(static) if (N * C > 32768)
+    for (int64_t r = 0; r < N; r++) {
+        double s1 = 0.0, s2 = 0.0;
+        for (int64_t c = 0; c < C; c++) {
+            const float g = dy[r * C + c] * gamma[c];
+            s1 += g;
+            s2 += (double)g * ln_xhat(saved, stats, gamma, beta, r, c, C, saved_is_output);
+        }
+        const float m1 = (float)(s1 / (double)C), m2 = (float)(s2 / (double)C), rstd = stats[2 * r + 1];
+        for (int64_t c = 0; c < C; c++) {
+            const float g = dy[r * C + c] * gamma[c];
+            dx[r * C + c] = rstd * (g - m1 - ln_xhat(saved, stats, gamma, beta, r, c, C, saved_is_output) * m2);
+        }
+    }
+    return FT_OK;
+}
+
+ft_status cpu_bias_act_train_forward(ft_backend *be, float *f, float *pre, uint8_t *bits, const float *h,
+                                     const float *bias, int64_t N, int64_t K, ft_activation act) {
+    (void)be;
+    const int64_t total = N * K, bytes = (total + 7) / 8;
+#pragma omp parallel for schedule(static) if (total > 65536)
+    for (int64_t t = 0; t < bytes; t++) {
+        uint8_t byte = 0;
+        for (int j = 0; j < 8 && t * 8 + j < total; j++) {
+            const int64_t i = t * 8 + j;
+            const float x = h[i] + bias[i % K];
+            if (pre) pre[i] = x;
+            f[i] = (float)ft_act_value((double)x, (int)act);
+            byte |= (uint8_t)(ft_gelu_left((double)x, (int)act) << j);
+        }
+        if (bits) bits[t] = byte;
+    }
+    return FT_OK;
+}
+
+ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, const float *saved, const uint8_t *bits,
+                                int64_t N, int64_t K, ft_activation act) {
+    (void)be;
+    const int64_t total = N * K;
+#pragma omp parallel for schedule(static) if (total > 16384)
+    for (int64_t i = 0; i < total; i++) {
+        double x = saved[i];
+        if (bits) {   /* saved is the output: recover the input on its side of the minimum */
+            if (act == FT_ACT_RELU) x = saved[i] > 0.0f ? 1.0 : -1.0;
+            else if (act == FT_ACT_TANH) x = atanh(fmin(fmax((double)saved[i], -1.0 + 1e-16), 1.0 - 1e-16));
+            else x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, (int)act);
+        }
+        dh[i] = (float)((double)df[i] * ft_act_grad(x, (int)act));
+    }
+    return FT_OK;
+}
+
+size_t cpu_attention_train_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t NH) {
+    (void)be; (void)B; (void)NH;   /* one (T, T) pair of score blocks per thread */
+    return (size_t)omp_get_max_threads() * 2 * (size_t)T * (size_t)T * sizeof(float);
+}
+
+/* (sequence, head) tasks: the sequence of task j, its first row, length and probs offset */
+typedef struct { int64_t first, n, base; } seq_task;
+
+static seq_task *make_tasks(const int32_t *seqs, int64_t B, int64_t NH, int64_t *ntasks) {
+    seq_task *t = malloc((size_t)(B > 0 ? B : 1) * (size_t)NH * sizeof *t);
+    if (!t) return NULL;
+    int64_t base = 0, k = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = seqs[3 * b + 1];
+        for (int64_t h = 0; h < NH; h++) t[k++] = (seq_task){seqs[3 * b], n, base + h * n * n};
+        base += NH * n * n;
+    }
+    *ntasks = k;
+    return t;
+}
+
+ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+                                      const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
+                                      float *scratch) {
+    (void)be;
+    const int64_t hs = C / NH, ld = 3 * C;
+    const float scale = 1.0f / sqrtf((float)hs);
+    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
+    const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+    int64_t ntasks = 0, tmax = 0;
+    seq_task *tasks = make_tasks(seqs, B, NH, &ntasks);
+    if (!tasks) return ft_error(FT_ERR_NOMEM, "attention_train_forward: out of memory");
+    for (int64_t b = 0; b < B; b++) tmax = seqs[3 * b + 1] > tmax ? seqs[3 * b + 1] : tmax;
+    const int blas_threads = ft_blas_get_threads();
+    ft_blas_set_threads(1);   /* each worker runs whole tasks */
+#pragma omp parallel
+    {
+        float *Pd = scratch + (size_t)omp_get_thread_num() * 2 * (size_t)tmax * (size_t)tmax;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < ntasks; j++) {
+            const int64_t n = tasks[j].n, h = j % NH;
+            if (n == 0) continue;
+            const float *q = qkv + tasks[j].first * ld + h * hs, *k = q + C, *v = q + 2 * C;
+            float *P = probs + tasks[j].base;
+            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)n, (blasint)hs, scale, q,
+                          (blasint)ld, k, (blasint)ld, 0.0f, P, (blasint)n);
+            for (int64_t i = 0; i < n; i++) {
+                float *s = P + i * n, mx = -INFINITY, sum = 0.0f;
+                for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
+                for (int64_t c = 0; c < n; c++) { s[c] = expf(s[c] - mx); sum += s[c]; }
+                const float inv = 1.0f / sum;
+                for (int64_t c = 0; c < n; c++) s[c] *= inv;
+            }
+            const float *pd = P;
+            if (thr) {
+                for (int64_t i = 0; i < n * n; i++) {
+                    const int keep = ft_dropout_keep(key, (uint64_t)(tasks[j].base + i), thr);
+                    if (dmask) dmask[tasks[j].base + i] = (uint8_t)keep;
+                    Pd[i] = keep ? P[i] * keep_scale : 0.0f;
+                }
+                pd = Pd;
+            }
+            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, 1.0f, pd,
+                          (blasint)n, v, (blasint)ld, 0.0f, ctx + tasks[j].first * C + h * hs, (blasint)C);
+        }
+    }
+    ft_blas_set_threads(blas_threads);
+    free(tasks);
+    return FT_OK;
+}
+
+ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
+                                 const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
+                                 uint64_t key, float *scratch) {
+    (void)be;
+    const int64_t hs = C / NH, ld = 3 * C;
+    const float scale = 1.0f / sqrtf((float)hs);
+    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
+    const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+    int64_t ntasks = 0, tmax = 0;
+    seq_task *tasks = make_tasks(seqs, B, NH, &ntasks);
+    if (!tasks) return ft_error(FT_ERR_NOMEM, "attention_backward: out of memory");
+    for (int64_t b = 0; b < B; b++) tmax = seqs[3 * b + 1] > tmax ? seqs[3 * b + 1] : tmax;
+    const int blas_threads = ft_blas_get_threads();
+    ft_blas_set_threads(1);
+#pragma omp parallel
+    {
+        float *Pd = scratch + (size_t)omp_get_thread_num() * 2 * (size_t)tmax * (size_t)tmax;
+        float *dS = Pd + (size_t)tmax * (size_t)tmax;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < ntasks; j++) {
+            const int64_t n = tasks[j].n, h = j % NH, base = tasks[j].base;
+            if (n == 0) continue;
+            const float *q = qkv + tasks[j].first * ld + h * hs, *k = q + C, *v = q + 2 * C;
+            const float *dout = dctx + tasks[j].first * C + h * hs;
+            float *dq = dqkv + tasks[j].first * ld + h * hs, *dk = dq + C, *dv = dq + 2 * C;
+            const float *P = probs + base, *pd = P;
+            if (thr) {
+                for (int64_t i = 0; i < n * n; i++) {
+                    const int keep = dmask ? dmask[base + i] : ft_dropout_keep(key, (uint64_t)(base + i), thr);
+                    Pd[i] = keep ? P[i] * keep_scale : 0.0f;
+                }
+                pd = Pd;
+            }
+            /* dV (n, hs) = Pd^T dctx;  dPd (n, n) = dctx V^T */
+            ft_blas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, 1.0f, pd,
+                          (blasint)n, dout, (blasint)C, 0.0f, dv, (blasint)ld);
+            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)n, (blasint)hs, 1.0f, dout,
+                          (blasint)C, v, (blasint)ld, 0.0f, dS, (blasint)n);
+            /* dP = dropout backward of dPd; dS = P (dP - sum_j dP P) per row */
+            for (int64_t i = 0; i < n; i++) {
+                float *d = dS + i * n;
+                const float *pr = P + i * n;
+                float dot = 0.0f;
+                for (int64_t c = 0; c < n; c++) {
+                    if (thr) {
+                        const int64_t e = base + i * n + c;
+                        const int keep = dmask ? dmask[e] : ft_dropout_keep(key, (uint64_t)e, thr);
+                        d[c] = keep ? d[c] * keep_scale : 0.0f;
+                    }
+                    dot += d[c] * pr[c];
+                }
+                for (int64_t c = 0; c < n; c++) d[c] = pr[c] * (d[c] - dot);
+            }
+            /* dQ (n, hs) = dS K scale;  dK (n, hs) = dS^T Q scale */
+            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, scale, dS,
+                          (blasint)n, k, (blasint)ld, 0.0f, dq, (blasint)ld);
+            ft_blas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, scale, dS,
+                          (blasint)n, q, (blasint)ld, 0.0f, dk, (blasint)ld);
+        }
+    }
+    ft_blas_set_threads(blas_threads);
+    free(tasks);
+    return FT_OK;
+}
