@@ -244,6 +244,56 @@ ft_status ft_device_alloc(ft_device dev, size_t bytes, void **out);
 void ft_device_free(ft_device dev, void *p);
 ft_status ft_device_write(ft_device dev, void *dst, const void *host_src, size_t bytes);
 
+/* ---- fine-tuning the top layers of an encoder ------------------------------------------------ */
+/* Training options of encoder layers: dropout, and Tempo's three memory savings (Andoorveedu et al.
+ * 2022), each switchable and each leaving the gradients unchanged up to fp32 rounding:
+ *   inplace_gelu: keep the GELU output and one branch bit per element, not its input;
+ *   inplace_layernorm: the LayerNorm backward works from its output and statistics, not its input;
+ *   recompute_attention_dropout: the attention-dropout mask is regenerated in the backward pass from
+ *   the counter-based generator, never stored. */
+typedef struct {
+    float hidden_dropout, attention_dropout;
+    int inplace_gelu, inplace_layernorm, recompute_attention_dropout;
+} ft_layer_options;
+
+/* kinds of saved activations (ft_layer_memory.activations), names in ft_layer_act_kind_names */
+#define FT_LAYER_ACT_KINDS 11
+extern const char *const ft_layer_act_kind_names[FT_LAYER_ACT_KINDS];
+
+typedef struct {
+    size_t weights, gradients;                   /* the trained layers' parameters and gradients */
+    size_t activations[FT_LAYER_ACT_KINDS];      /* kept from forward to backward, all layers */
+    size_t workspace;                            /* per-step buffers */
+} ft_layer_memory;
+
+typedef struct ft_layer_stack ft_layer_stack;
+
+/* A trainable copy of encoder layers [first, first + count) (fp32 master weights) on `dev`, with
+ * their gradients and the activation arena, each one allocation. */
+ft_status ft_layer_stack_create(const ft_encoder *enc, int64_t first, int64_t count, ft_device dev,
+                                const ft_layer_options *opt, ft_layer_stack **out);
+void ft_layer_stack_free(ft_layer_stack *s);
+size_t ft_layer_stack_param_count(const ft_layer_stack *s);            /* floats */
+size_t ft_layer_stack_num_tensors(const ft_layer_stack *s);
+ft_status ft_layer_stack_tensor_info(const ft_layer_stack *s, size_t i, const char **name, int *ndim,
+                                     int64_t shape[2], size_t *offset); /* offset in floats */
+float *ft_layer_stack_params(ft_layer_stack *s);                       /* device memory */
+float *ft_layer_stack_grads(ft_layer_stack *s);                        /* device memory */
+/* out (N, C) = the layers applied to x (N, C): B sequences of lengths[b] rows packed one after
+ * another (lengths: host memory), x and out in the stack's device memory. training != 0 keeps what
+ * the backward needs (x must stay valid until then) and applies dropout with masks from (seed,
+ * step, layer, site). */
+ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_t *lengths, int64_t B, float *out,
+                                 int training, uint64_t seed, uint64_t step);
+/* After a training forward: the gradients (overwritten) from dout (N, C); dx (N, C) or NULL */
+ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx);
+/* what a training step over B sequences of T tokens holds (bytes), and the bytes the stack has
+ * allocated now and at most so far */
+ft_status ft_layer_stack_memory(const ft_layer_stack *s, int64_t B, int64_t T, ft_layer_memory *m);
+void ft_layer_stack_allocated(const ft_layer_stack *s, size_t *now, size_t *peak);
+/* the stack's weights written back into the encoder's layers [first, first + count) (same config) */
+ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *enc);
+
 /* ---- build and runtime information ------------------------------------------------------ */
 const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */
 int ft_num_threads(void);

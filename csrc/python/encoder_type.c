@@ -360,9 +360,20 @@ static PyType_Slot EncoderCore_slots[] = {
 static PyType_Spec EncoderCore_spec = {"fasttran._C.EncoderCore", sizeof(EncoderCore), 0, Py_TPFLAGS_DEFAULT,
                                        EncoderCore_slots};
 
+static PyTypeObject *encoder_core_type;
+
+ft_encoder *ft_py_encoder_of(PyObject *obj) {
+    if (!encoder_core_type || !PyObject_TypeCheck(obj, encoder_core_type) || !((EncoderCore *)obj)->enc) {
+        ft_py_fail(ft_errors.input_type, "expected an initialised fasttran._C.EncoderCore, got %s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return ((EncoderCore *)obj)->enc;
+}
+
 int ft_py_add_encoder_type(PyObject *m) {
     PyObject *tp = PyType_FromModuleAndSpec(m, &EncoderCore_spec, NULL);
     if (!tp) return -1;
+    encoder_core_type = (PyTypeObject *)tp;   /* the module keeps it alive */
     int r = PyModule_AddObjectRef(m, "EncoderCore", tp);
     Py_DECREF(tp);
     return r;

@@ -1,0 +1,420 @@
+/* Encoder layers for fine-tuning: the layer as a training forward / backward pair over the backend
+ * table, and the stack of the top layers (ft_layer_stack): parameters and gradients one allocation
+ * each with a table of named views, the saved activations one arena, per-step buffers one more.
+ *
+ * Training forward of one layer (N packed rows, C hidden, I intermediate):
+ *   qkv   (N, 3C) = x Wqkv^T + bqkv                                    broadcast_rows + gemm
+ *   ctx   (N, C)  = attention(qkv), probs kept, dropout on probs       attention_train_forward
+ *   h1    (N, C)  = LN(x + dropout(ctx Wo^T + bo))                     gemm + residual_ln_train_forward
+ *   act   (N, I)  = GELU(h1 W1^T + b1)                                 gemm + bias_act_train_forward
+ *   out   (N, C)  = LN(h1 + dropout(act W2^T + b2))                    gemm + residual_ln_train_forward
+ * and its backward, in reverse (see ft_layer_backward). Dropout keys: (seed, step, layer, site). */
+#include "model/layer.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/rng.h"
+#include "core/status.h"
+#include "model/encoder.h"
+
+enum { SITE_ATTN_PROBS = 0, SITE_ATTN_OUT = 1, SITE_FFN_OUT = 2, SITES = 3 };
+enum {
+    ACT_INPUT, ACT_QKV, ACT_PROBS, ACT_ATTN_MASK, ACT_CTX, ACT_LN_IN, ACT_LN_STATS, ACT_LN_OUT, ACT_GELU_IN,
+    ACT_GELU_BITS, ACT_GELU_OUT
+};
+const char *const ft_layer_act_kind_names[FT_LAYER_ACT_KINDS] = {
+    "input", "qkv", "attention_probs", "attention_dropout_mask", "attention_context", "layernorm_inputs",
+    "layernorm_stats", "layernorm_outputs", "gelu_inputs", "gelu_branch_bits", "gelu_outputs"};
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static uint64_t site_key(const ft_layer_batch *bt, int64_t layer, int site) {
+    return ft_dropout_key(bt->seed, bt->step, (uint64_t)layer * SITES + (uint64_t)site);
+}
+
+void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, int64_t N, int64_t P,
+                         size_t sizes[FT_LAYER_ACT_KINDS]) {
+    const size_t C = (size_t)cfg->hidden_size, I = (size_t)cfg->intermediate_size, n = (size_t)N, f = sizeof(float);
+    memset(sizes, 0, FT_LAYER_ACT_KINDS * sizeof(size_t));
+    sizes[ACT_QKV] = n * 3 * C * f;
+    sizes[ACT_PROBS] = (size_t)P * f;
+    sizes[ACT_ATTN_MASK] = !opt->recompute_attention_dropout && opt->attention_dropout > 0.0f ? (size_t)P : 0;
+    sizes[ACT_CTX] = n * C * f;
+    sizes[ACT_LN_IN] = opt->inplace_layernorm ? 0 : 2 * n * C * f;
+    sizes[ACT_LN_STATS] = 2 * n * 2 * f;
+    sizes[ACT_LN_OUT] = 2 * n * C * f;   /* h1 and out (the next layer's input) */
+    sizes[ACT_GELU_IN] = opt->inplace_gelu ? 0 : n * I * f;
+    sizes[ACT_GELU_BITS] = opt->inplace_gelu ? (n * I + 7) / 8 : 0;
+    sizes[ACT_GELU_OUT] = n * I * f;
+}
+
+ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
+                                 ft_layer_acts *a, const ft_layer_work *wk) {
+    const ft_bert_config *c = bt->cfg;
+    const ft_layer_options *o = bt->opt;
+    const int64_t N = bt->N, C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads;
+    const float eps = c->layer_norm_eps;
+    /* qkv (N, 3C) = x Wqkv^T + bqkv */
+    FT_TRY(be->broadcast_rows(be, a->qkv, w->bqkv, N, 3 * C));
+    FT_TRY(be->gemm(be, 0, 1, N, 3 * C, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * C));
+    FT_TRY(be->attention_train_forward(be, a->ctx, a->probs, a->attn_mask, a->qkv, bt->seqs, bt->B, C, NH,
+                                       o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch));
+    /* h1 = LN(x + dropout(ctx Wo^T + bo)) */
+    FT_TRY(be->gemm(be, 0, 1, N, C, C, 1.0f, a->ctx, C, w->wo, C, 0.0f, wk->tmp, C));
+    FT_TRY(be->residual_ln_train_forward(be, a->h1, a->ln1_in, a->ln1_stats, a->x, wk->tmp, w->bo, w->ln1_g, w->ln1_b,
+                                         N, C, eps, o->hidden_dropout, site_key(bt, layer, SITE_ATTN_OUT)));
+    /* act = GELU(h1 W1^T + b1), in place over the GEMM output */
+    FT_TRY(be->gemm(be, 0, 1, N, I, C, 1.0f, a->h1, C, w->w1, C, 0.0f, a->ffn_act, I));
+    FT_TRY(be->bias_act_train_forward(be, a->ffn_act, a->ffn_pre, a->gelu_bits, a->ffn_act, w->b1, N, I, c->activation));
+    /* out = LN(h1 + dropout(act W2^T + b2)) */
+    FT_TRY(be->gemm(be, 0, 1, N, C, I, 1.0f, a->ffn_act, I, w->w2, I, 0.0f, wk->tmp, C));
+    return be->residual_ln_train_forward(be, a->out, a->ln2_in, a->ln2_stats, a->h1, wk->tmp, w->b2, w->ln2_g, w->ln2_b,
+                                         N, C, eps, o->hidden_dropout, site_key(bt, layer, SITE_FFN_OUT));
+}
+
+/* Backward of one layer. On entry wk->g = d out; on exit wk->g = d x.
+ *   g     = d ln2_in                 LN2 backward (from ln2_in, or from out: Tempo)  -> dln2_g, dln2_b
+ *   tmp   = dropout(g)               d(act W2^T + b2)                                -> db2, dW2 = tmp^T act
+ *   dbig  = GELU'(.) * (tmp W2)      from ffn_pre, or from act + branch bits (Tempo) -> db1, dW1 = dbig^T h1
+ *   g    += dbig W1                  d h1 (its residual path and the FFN)
+ *   g     = d ln1_in                 LN1 backward                                    -> dln1_g, dln1_b
+ *   tmp   = dropout(g)               d(ctx Wo^T + bo)                                -> dbo, dWo = tmp^T ctx
+ *   dctx  = tmp Wo
+ *   dbig  = d qkv                    attention backward (probs kept, dropout mask kept or recomputed)
+ *                                                                                    -> dbqkv, dWqkv = dbig^T x
+ *   g    += dbig Wqkv                d x (its residual path and the attention) */
+ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
+                            const ft_layer_acts *a, const ft_layer_work *wk, const ft_layer_weights *gw) {
+    const ft_bert_config *c = bt->cfg;
+    const ft_layer_options *o = bt->opt;
+    const int64_t N = bt->N, C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads;
+    const int ln_out = o->inplace_layernorm;
+    FT_TRY(be->layernorm_backward(be, wk->g, gw->ln2_g, gw->ln2_b, wk->g, ln_out ? a->out : a->ln2_in, a->ln2_stats,
+                                  w->ln2_g, w->ln2_b, N, C, ln_out));
+    const float *dy = wk->g;
+    if (o->hidden_dropout > 0.0f) {
+        FT_TRY(be->dropout(be, wk->tmp, wk->g, N * C, o->hidden_dropout, site_key(bt, layer, SITE_FFN_OUT)));
+        dy = wk->tmp;
+    }
+    FT_TRY(be->sum_axis(be, gw->b2, dy, N, C, 0));
+    FT_TRY(be->gemm(be, 1, 0, C, I, N, 1.0f, dy, C, a->ffn_act, I, 0.0f, gw->w2, I));
+    FT_TRY(be->gemm(be, 0, 0, N, I, C, 1.0f, dy, C, w->w2, I, 0.0f, wk->dbig, I));
+    FT_TRY(be->bias_act_backward(be, wk->dbig, wk->dbig, o->inplace_gelu ? a->ffn_act : a->ffn_pre,
+                                 o->inplace_gelu ? a->gelu_bits : NULL, N, I, c->activation));
+    FT_TRY(be->sum_axis(be, gw->b1, wk->dbig, N, I, 0));
+    FT_TRY(be->gemm(be, 1, 0, I, C, N, 1.0f, wk->dbig, I, a->h1, C, 0.0f, gw->w1, C));
+    FT_TRY(be->gemm(be, 0, 0, N, C, I, 1.0f, wk->dbig, I, w->w1, C, 1.0f, wk->g, C));
+    FT_TRY(be->layernorm_backward(be, wk->g, gw->ln1_g, gw->ln1_b, wk->g, ln_out ? a->h1 : a->ln1_in, a->ln1_stats,
+                                  w->ln1_g, w->ln1_b, N, C, ln_out));
+    const float *da = wk->g;
+    if (o->hidden_dropout > 0.0f) {
+        FT_TRY(be->dropout(be, wk->tmp, wk->g, N * C, o->hidden_dropout, site_key(bt, layer, SITE_ATTN_OUT)));
+        da = wk->tmp;
+    }
+    FT_TRY(be->sum_axis(be, gw->bo, da, N, C, 0));
+    FT_TRY(be->gemm(be, 1, 0, C, C, N, 1.0f, da, C, a->ctx, C, 0.0f, gw->wo, C));
+    FT_TRY(be->gemm(be, 0, 0, N, C, C, 1.0f, da, C, w->wo, C, 0.0f, wk->dctx, C));
+    FT_TRY(be->attention_backward(be, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_mask, bt->seqs, bt->B, C, NH,
+                                  o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch));
+    FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * C, 0));
+    FT_TRY(be->gemm(be, 1, 0, 3 * C, C, N, 1.0f, wk->dbig, 3 * C, a->x, C, 0.0f, gw->wqkv, C));
+    return be->gemm(be, 0, 0, N, C, 3 * C, 1.0f, wk->dbig, 3 * C, w->wqkv, C, 1.0f, wk->g, C);
+}
+
+/* ---- the stack ------------------------------------------------------------------------------ */
+
+typedef struct {
+    char name[96];
+    int ndim;
+    int64_t shape[2];
+    size_t offset;   /* floats from the start of the stack's buffer */
+} stack_view;
+
+struct ft_layer_stack {
+    ft_backend *be;
+    ft_bert_config cfg;
+    ft_layer_options opt;
+    int64_t first, count;
+    size_t layer_floats, n_params;
+    float *params, *grads;              /* count * layer_floats each, backend memory */
+    stack_view *views;
+    size_t n_views;
+    ft_layer_weights *w, *gw;           /* per layer */
+    ft_layer_acts *acts;                /* per layer, views into the arena */
+    ft_layer_work work;
+    void *arena, *ws;                   /* saved activations; per-step buffers */
+    size_t arena_bytes, ws_bytes, peak;
+    int32_t *seqs;                      /* host (B, 3) of the last forward */
+    int64_t seqs_cap;
+    ft_layer_batch batch;
+    int ready;                          /* a training forward is waiting for its backward */
+};
+
+/* the offsets (floats, from the layer's start) of the 12 tensors, in the encoder's order */
+static void layer_offsets(const ft_bert_config *c, size_t off[12], size_t *total) {
+    const size_t C = (size_t)c->hidden_size, I = (size_t)c->intermediate_size;
+    const size_t sizes[12] = {3 * C * C, 3 * C, C * C, C, C, C, I * C, I, C * I, C, C, C};
+    size_t o = 0;
+    for (int k = 0; k < 12; k++) { off[k] = o; o += sizes[k]; }
+    *total = o;
+}
+
+static void bind_weights(ft_layer_weights *w, float *base, const size_t off[12]) {
+    float **slots[12] = {&w->wqkv, &w->bqkv, &w->wo, &w->bo, &w->ln1_g, &w->ln1_b,
+                         &w->w1,   &w->b1,   &w->w2, &w->b2, &w->ln2_g, &w->ln2_b};
+    for (int k = 0; k < 12; k++) *slots[k] = base + off[k];
+}
+
+static size_t stack_bytes_now(const ft_layer_stack *s) {
+    return 2 * s->n_params * sizeof(float) + s->arena_bytes + s->ws_bytes;
+}
+
+void ft_layer_stack_free(ft_layer_stack *s) {
+    if (!s) return;
+    if (s->be) {
+        if (s->params) s->be->free(s->be, s->params);
+        if (s->grads) s->be->free(s->be, s->grads);
+        if (s->arena) s->be->free(s->be, s->arena);
+        if (s->ws) s->be->free(s->be, s->ws);
+    }
+    free(s->views);
+    free(s->w);
+    free(s->gw);
+    free(s->acts);
+    free(s->seqs);
+    free(s);
+}
+
+ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t count, ft_device dev,
+                                const ft_layer_options *opt, ft_layer_stack **out) {
+    *out = NULL;
+    const int64_t L = e->cfg.num_layers;
+    if (count < 1 || first < 0 || first + count > L)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "layers [%lld, %lld) are not layers of this %lld-layer encoder",
+                        (long long)first, (long long)(first + count), (long long)L);
+    if (!opt) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack: no options");
+    if (!(opt->hidden_dropout >= 0.0f && opt->hidden_dropout < 1.0f) ||
+        !(opt->attention_dropout >= 0.0f && opt->attention_dropout < 1.0f))
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "dropout probabilities must be in [0, 1), got %g and %g",
+                        (double)opt->hidden_dropout, (double)opt->attention_dropout);
+    if (opt->inplace_gelu && e->cfg.activation != FT_ACT_GELU_ERF && e->cfg.activation != FT_ACT_GELU_TANH &&
+        e->cfg.activation != FT_ACT_RELU)
+        return ft_error(FT_ERR_UNSUPPORTED, "in-place activation needs GELU or ReLU");
+    ft_layer_stack *s = calloc(1, sizeof *s);
+    if (!s) return ft_error(FT_ERR_NOMEM, "out of memory");
+    s->cfg = e->cfg;
+    s->opt = *opt;
+    s->first = first;
+    s->count = count;
+    ft_status st = ft_backend_for(dev, &s->be);
+    size_t off[12];
+    layer_offsets(&s->cfg, off, &s->layer_floats);
+    s->n_params = s->layer_floats * (size_t)count;
+    if (st == FT_OK && opt->inplace_layernorm) {
+        /* the backward divides by gamma: a zero would lose the normalised input */
+        for (int64_t l = first; l < first + count && st == FT_OK; l++)
+            for (int k = 0; k < 2; k++) {
+                const float *g = e->host_params + (k ? e->layers[l].ln2_g : e->layers[l].ln1_g);
+                for (int64_t c = 0; c < s->cfg.hidden_size; c++)
+                    if (g[c] == 0.0f) {
+                        st = ft_error(FT_ERR_UNSUPPORTED, "layer %lld: LayerNorm %d has a zero weight at column %lld, "
+                                      "which in-place LayerNorm cannot invert; train with inplace_layernorm off",
+                                      (long long)l, k + 1, (long long)c);
+                        break;
+                    }
+            }
+    }
+    /* the named views: the encoder's, for these layers, offsets relative to the stack */
+    if (st == FT_OK) {
+        s->views = calloc((size_t)count * 16, sizeof *s->views);
+        s->w = calloc((size_t)count, sizeof *s->w);
+        s->gw = calloc((size_t)count, sizeof *s->gw);
+        s->acts = calloc((size_t)count, sizeof *s->acts);
+        if (!s->views || !s->w || !s->gw || !s->acts) st = ft_error(FT_ERR_NOMEM, "out of memory");
+    }
+    for (size_t k = 0; st == FT_OK && k < e->n_views; k++) {
+        long long l;
+        if (sscanf(e->views[k].name, "encoder.layer.%lld.", &l) != 1 || l < first || l >= first + count) continue;
+        stack_view *v = &s->views[s->n_views++];
+        snprintf(v->name, sizeof v->name, "%s", e->views[k].name);
+        v->ndim = e->views[k].ndim;
+        v->shape[0] = e->views[k].shape[0];
+        v->shape[1] = e->views[k].shape[1];
+        v->offset = (size_t)(l - first) * s->layer_floats + (e->views[k].offset - e->layers[l].wqkv);
+    }
+    if (st == FT_OK) st = s->be->alloc(s->be, s->n_params * sizeof(float), (void **)&s->params);
+    if (st == FT_OK) st = s->be->alloc(s->be, s->n_params * sizeof(float), (void **)&s->grads);
+    for (int64_t l = 0; st == FT_OK && l < count; l++) {
+        /* the encoder's layer block is contiguous in the same order (model/encoder.c's layout) */
+        st = s->be->upload(s->be, s->params + (size_t)l * s->layer_floats, e->host_params + e->layers[first + l].wqkv,
+                           s->layer_floats * sizeof(float));
+        bind_weights(&s->w[l], s->params + (size_t)l * s->layer_floats, off);
+        bind_weights(&s->gw[l], s->grads + (size_t)l * s->layer_floats, off);
+    }
+    if (st == FT_OK) st = s->be->synchronize(s->be);
+    if (st != FT_OK) { ft_layer_stack_free(s); return st; }
+    s->peak = stack_bytes_now(s);
+    *out = s;
+    return FT_OK;
+}
+
+size_t ft_layer_stack_param_count(const ft_layer_stack *s) { return s->n_params; }
+size_t ft_layer_stack_num_tensors(const ft_layer_stack *s) { return s->n_views; }
+float *ft_layer_stack_params(ft_layer_stack *s) { return s->params; }
+float *ft_layer_stack_grads(ft_layer_stack *s) { return s->grads; }
+
+ft_status ft_layer_stack_tensor_info(const ft_layer_stack *s, size_t i, const char **name, int *ndim, int64_t shape[2],
+                                     size_t *offset) {
+    if (i >= s->n_views) return ft_error(FT_ERR_OUT_OF_RANGE, "tensor index %zu out of range", i);
+    *name = s->views[i].name;
+    *ndim = s->views[i].ndim;
+    shape[0] = s->views[i].shape[0];
+    shape[1] = s->views[i].shape[1];
+    *offset = s->views[i].offset;
+    return FT_OK;
+}
+
+/* per-step buffers for N rows of sequences of at most T rows */
+static size_t work_layout(const ft_layer_stack *s, int64_t B, int64_t N, int64_t T, ft_layer_work *wk, char *base) {
+    const size_t C = (size_t)s->cfg.hidden_size, I = (size_t)s->cfg.intermediate_size, n = (size_t)N;
+    const size_t wide = I > 3 * C ? I : 3 * C;
+    const size_t sizes[5] = {align64(n * C * 4), align64(n * C * 4), align64(n * C * 4), align64(n * wide * 4),
+                             align64(s->be->attention_train_scratch_bytes(s->be, B, T, s->cfg.num_heads))};
+    float **slots[5] = {&wk->tmp, &wk->g, &wk->dctx, &wk->dbig, &wk->attn_scratch};
+    size_t o = 0;
+    for (int k = 0; k < 5; k++) {
+        if (base) *slots[k] = (float *)(base + o);
+        o += sizes[k];
+    }
+    return o;
+}
+
+/* saved activations of every layer for N rows and P probabilities */
+static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, char *base) {
+    size_t sizes[FT_LAYER_ACT_KINDS];
+    ft_layer_acts_sizes(&s->cfg, &s->opt, N, P, sizes);
+    const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4;
+    size_t o = 0;
+#define TAKE(ptr, type, bytes)                                              \
+    do {                                                                     \
+        size_t b_ = (bytes);                                                 \
+        if (base) (ptr) = b_ ? (type)(base + o) : NULL;                      \
+        o += align64(b_);                                                    \
+    } while (0)
+    for (int64_t l = 0; l < s->count; l++) {
+        ft_layer_acts *a = &s->acts[l];
+        TAKE(a->qkv, float *, sizes[ACT_QKV]);
+        TAKE(a->probs, float *, sizes[ACT_PROBS]);
+        TAKE(a->attn_mask, uint8_t *, sizes[ACT_ATTN_MASK]);
+        TAKE(a->ctx, float *, sizes[ACT_CTX]);
+        TAKE(a->ln1_in, float *, sizes[ACT_LN_IN] / 2);
+        TAKE(a->ln2_in, float *, sizes[ACT_LN_IN] / 2);
+        TAKE(a->ln1_stats, float *, sizes[ACT_LN_STATS] / 2);
+        TAKE(a->ln2_stats, float *, sizes[ACT_LN_STATS] / 2);
+        TAKE(a->h1, float *, nc);
+        TAKE(a->out, float *, nc);
+        TAKE(a->ffn_pre, float *, sizes[ACT_GELU_IN]);
+        TAKE(a->gelu_bits, uint8_t *, sizes[ACT_GELU_BITS]);
+        TAKE(a->ffn_act, float *, sizes[ACT_GELU_OUT]);
+    }
+#undef TAKE
+    return o;
+}
+
+static ft_status grow(ft_layer_stack *s, void **buf, size_t *have, size_t need) {
+    if (need <= *have) return FT_OK;
+    if (*buf) s->be->free(s->be, *buf);
+    *buf = NULL;
+    *have = 0;
+    FT_TRY(s->be->alloc(s->be, need, buf));
+    *have = need;
+    const size_t now = stack_bytes_now(s);
+    if (now > s->peak) s->peak = now;
+    return FT_OK;
+}
+
+ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_t *lengths, int64_t B, float *out,
+                                 int training, uint64_t seed, uint64_t step) {
+    if (B < 1 || !x || !out || !lengths) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack forward: empty batch");
+    const int64_t NH = s->cfg.num_heads, C = s->cfg.hidden_size;
+    if (B > s->seqs_cap) {
+        int32_t *ns = realloc(s->seqs, (size_t)B * 3 * sizeof *ns);
+        if (!ns) return ft_error(FT_ERR_NOMEM, "out of memory");
+        s->seqs = ns;
+        s->seqs_cap = B;
+    }
+    int64_t N = 0, P = 0, T = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = lengths[b];
+        if (n < 1 || n > s->cfg.max_position_embeddings)
+            return ft_error(FT_ERR_INVALID_ARGUMENT, "sequence %lld has %lld tokens; expected 1 to %lld", (long long)b,
+                            (long long)n, (long long)s->cfg.max_position_embeddings);
+        s->seqs[3 * b] = (int32_t)N;
+        s->seqs[3 * b + 1] = s->seqs[3 * b + 2] = (int32_t)n;
+        N += n;
+        P += NH * n * n;
+        T = n > T ? n : T;
+    }
+    s->ready = 0;
+    FT_TRY(grow(s, &s->arena, &s->arena_bytes, arena_layout(s, N, P, NULL)));
+    FT_TRY(grow(s, &s->ws, &s->ws_bytes, work_layout(s, B, N, T, NULL, NULL)));
+    arena_layout(s, N, P, s->arena);
+    work_layout(s, B, N, T, &s->work, s->ws);
+    ft_layer_options inference = s->opt;
+    if (!training) inference.hidden_dropout = inference.attention_dropout = 0.0f;
+    s->batch = (ft_layer_batch){&s->cfg, training ? &s->opt : NULL, N, B, P, s->seqs, seed, step};
+    ft_layer_batch bt = s->batch;
+    bt.opt = training ? &s->opt : &inference;
+    for (int64_t l = 0; l < s->count; l++) {
+        s->acts[l].x = l ? s->acts[l - 1].out : x;
+        FT_TRY(ft_layer_forward_train(s->be, &bt, s->first + l, &s->w[l], &s->acts[l], &s->work));
+    }
+    FT_TRY(s->be->copy(s->be, out, s->acts[s->count - 1].out, (size_t)N * (size_t)C * sizeof(float)));
+    FT_TRY(s->be->synchronize(s->be));
+    s->ready = training != 0;
+    return FT_OK;
+}
+
+ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx) {
+    if (!s->ready) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack backward: no training forward to go back through");
+    const int64_t N = s->batch.N, C = s->cfg.hidden_size;
+    FT_TRY(s->be->copy(s->be, s->work.g, dout, (size_t)N * (size_t)C * sizeof(float)));
+    for (int64_t l = s->count - 1; l >= 0; l--)
+        FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->w[l], &s->acts[l], &s->work, &s->gw[l]));
+    if (dx) FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
+    s->ready = 0;
+    return s->be->synchronize(s->be);
+}
+
+ft_status ft_layer_stack_memory(const ft_layer_stack *s, int64_t B, int64_t T, ft_layer_memory *m) {
+    if (B < 1 || T < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "memory report: batch %lld x %lld", (long long)B,
+                                        (long long)T);
+    memset(m, 0, sizeof *m);
+    const int64_t N = B * T, P = B * s->cfg.num_heads * T * T;
+    size_t sizes[FT_LAYER_ACT_KINDS];
+    ft_layer_acts_sizes(&s->cfg, &s->opt, N, P, sizes);
+    for (int k = 0; k < FT_LAYER_ACT_KINDS; k++) m->activations[k] = sizes[k] * (size_t)s->count;
+    m->activations[ACT_INPUT] = (size_t)N * (size_t)s->cfg.hidden_size * sizeof(float);
+    m->weights = m->gradients = s->n_params * sizeof(float);
+    ft_layer_work wk;
+    m->workspace = work_layout(s, B, N, T, &wk, NULL);
+    return FT_OK;
+}
+
+void ft_layer_stack_allocated(const ft_layer_stack *s, size_t *now, size_t *peak) {
+    *now = stack_bytes_now(s);
+    *peak = s->peak;
+}
+
+ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *e) {
+    if (memcmp(&e->cfg, &s->cfg, sizeof e->cfg) != 0)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "export: the encoder has another configuration");
+    for (int64_t l = 0; l < s->count; l++)
+        FT_TRY(s->be->download(s->be, e->host_params + e->layers[s->first + l].wqkv,
+                               s->params + (size_t)l * s->layer_floats, s->layer_floats * sizeof(float)));
+    if (e->params != e->host_params)
+        FT_TRY(e->be->upload(e->be, e->params, e->host_params, e->n_params * sizeof(float)));
+    return e->be->synchronize(e->be);
+}

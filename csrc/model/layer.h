@@ -1,0 +1,62 @@
+/* One BERT encoder layer as a forward / backward pair over the backend table (llm.c's shape), and
+ * the stack of the top layers that fine-tuning trains (ft_layer_stack in fasttran.h).
+ *
+ * Rows are packed: the N rows of a batch are its sequences' real tokens one after another
+ * (sequence b: rows [first_b, first_b + n_b)); C hidden, I intermediate, NH heads, P = sum over b
+ * of NH n_b^2 attention probabilities. */
+#ifndef FT_MODEL_LAYER_H
+#define FT_MODEL_LAYER_H
+#include "backend.h"
+
+/* a layer's parameters, or their gradients: views into one flat buffer, in the encoder's order */
+typedef struct {
+    float *wqkv, *bqkv, *wo, *bo, *ln1_g, *ln1_b, *w1, *b1, *w2, *b2, *ln2_g, *ln2_b;
+} ft_layer_weights;
+
+/* What a layer's backward needs, kept by its training forward: views into one arena. NULL views
+ * are not kept under the options in force (see ft_layer_acts_layout). */
+typedef struct {
+    const float *x;      /* (N, C)   the layer input: the previous layer's `out`, or the batch */
+    float *qkv;          /* (N, 3C)  Q, K, V */
+    float *probs;        /* (P)      attention probabilities before dropout */
+    uint8_t *attn_mask;  /* (P)      attention dropout mask, unless it is recomputed (Tempo) */
+    float *ctx;          /* (N, C)   attention output */
+    float *ln1_in;       /* (N, C)   LayerNorm 1 input, unless the backward uses its output (Tempo) */
+    float *ln1_stats;    /* (N, 2)   its mean and 1/std */
+    float *h1;           /* (N, C)   LayerNorm 1 output */
+    float *ffn_pre;      /* (N, I)   GELU input, unless the backward uses its output (Tempo) */
+    uint8_t *gelu_bits;  /* (N I/8)  GELU branch bits (Tempo's in-place GELU) */
+    float *ffn_act;      /* (N, I)   GELU output */
+    float *ln2_in;       /* (N, C)   LayerNorm 2 input, unless the backward uses its output (Tempo) */
+    float *ln2_stats;    /* (N, 2) */
+    float *out;          /* (N, C)   the layer output */
+} ft_layer_acts;
+
+/* the per-step buffers that nothing keeps between forward and backward */
+typedef struct {
+    float *tmp;          /* (N, C)   projection outputs before their LayerNorm; dropout gradients */
+    float *g;            /* (N, C)   the running gradient of the layer output / input */
+    float *dctx;         /* (N, C) */
+    float *dbig;         /* (N, max(I, 3C))  GELU / QKV gradients */
+    float *attn_scratch; /* attention_train_scratch_bytes */
+} ft_layer_work;
+
+typedef struct {
+    const ft_bert_config *cfg;
+    const ft_layer_options *opt;
+    int64_t N, B, P;     /* rows, sequences, attention probabilities */
+    const int32_t *seqs; /* HOST (B, 3): first row, n, n */
+    uint64_t seed, step; /* dropout keys: (seed, step, layer, site) */
+} ft_layer_batch;
+
+/* bytes of each saved activation kind for one layer (index: ft_layer_memory's order) */
+void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, int64_t N, int64_t P,
+                         size_t sizes[FT_LAYER_ACT_KINDS]);
+
+/* out = layer(x): keeps what the backward needs in `acts` (x is acts->x) */
+ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
+                                 ft_layer_acts *acts, const ft_layer_work *work);
+/* work->g holds d out on entry and d x on exit; grads overwritten */
+ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
+                            const ft_layer_acts *acts, const ft_layer_work *work, const ft_layer_weights *grads);
+#endif

@@ -1,0 +1,264 @@
+/* fasttran._C.LayerStack: the trainable top layers of an encoder (ft_layer_stack), behind
+ * fasttran/finetune.py. Buffers are NumPy arrays (CPU) or fasttran.Tensor (any device), checked
+ * here once; the work runs in C with the GIL released. */
+#include "binding.h"
+
+typedef struct {
+    PyObject_HEAD
+    ft_layer_stack *stack;
+    ft_device device;
+} LayerStack;
+
+static PyTypeObject *layer_stack_type;
+
+static void LayerStack_dealloc(LayerStack *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    ft_layer_stack_free(self->stack);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* a contiguous float32 / int32 buffer on the stack's device (NumPy: host) */
+static void *buffer(LayerStack *self, PyObject *o, const char *what, ft_dtype dtype, int64_t numel, int optional) {
+    if (o == Py_None && optional) return NULL;
+    void *data = NULL;
+    int64_t n = 0;
+    ft_device dev = {FT_DEVICE_CPU, 0};
+    if (PyArray_Check(o)) {
+        PyArrayObject *a = (PyArrayObject *)o;
+        if (PyArray_TYPE(a) != (dtype == FT_F32 ? NPY_FLOAT32 : NPY_INT32) || !PyArray_IS_C_CONTIGUOUS(a)) {
+            ft_py_fail(ft_errors.input_type, "%s must be a C-contiguous %s array", what, ft_dtype_name(dtype));
+            return NULL;
+        }
+        data = PyArray_DATA(a);
+        n = (int64_t)PyArray_SIZE(a);
+    } else if (ft_py_tensor_check(o)) {
+        int ndim;
+        const int64_t *shape, *strides;
+        ft_dtype dt;
+        data = ft_py_tensor_data(o, &ndim, &shape, &strides, &dt, &dev);
+        n = 1;
+        int64_t expect = 1;
+        for (int d = ndim - 1; d >= 0; d--) {
+            if (strides && shape[d] > 1 && strides[d] != expect) {
+                ft_py_fail(ft_errors.input_type, "%s must be contiguous", what);
+                return NULL;
+            }
+            expect *= shape[d];
+            n *= shape[d];
+        }
+        if (dt != dtype) {
+            ft_py_fail(ft_errors.input_type, "%s must be %s, got %s", what, ft_dtype_name(dtype), ft_dtype_name(dt));
+            return NULL;
+        }
+    } else {
+        ft_py_fail(ft_errors.input_type, "%s must be a NumPy array or a fasttran.Tensor, got %s", what,
+                   Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    if (dev.kind != self->device.kind || (dev.kind == FT_DEVICE_CUDA && dev.index != self->device.index)) {
+        ft_py_fail(ft_errors.input, "%s is on %s but the layers are on %s", what,
+                   dev.kind == FT_DEVICE_CPU ? "the CPU" : "a CUDA device",
+                   self->device.kind == FT_DEVICE_CPU ? "the CPU" : "a CUDA device");
+        return NULL;
+    }
+    if (numel >= 0 && n != numel) {
+        ft_py_fail(ft_errors.input, "%s has %lld elements, expected %lld", what, (long long)n, (long long)numel);
+        return NULL;
+    }
+    return data;
+}
+
+static int LayerStack_init(LayerStack *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"encoder", "first", "count", "device_index", "hidden_dropout", "attention_dropout",
+                             "inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", NULL};
+    PyObject *enc_o;
+    long long first, count;
+    int device_index = -1, ig = 0, il = 0, rd = 1;
+    float hp = 0.0f, ap = 0.0f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffppp", kwlist, &enc_o, &first, &count, &device_index, &hp, &ap,
+                                     &ig, &il, &rd))
+        return -1;
+    ft_encoder *enc = ft_py_encoder_of(enc_o);
+    if (!enc) return -1;
+    if (self->stack) { ft_py_fail(ft_errors.base, "LayerStack is already initialised"); return -1; }
+    ft_layer_options opt = {hp, ap, ig, il, rd};
+    ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
+    ft_status st;
+    ft_layer_stack *s = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_layer_stack_create(enc, first, count, dev, &opt, &s);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { ft_py_raise(st); return -1; }
+    self->stack = s;
+    self->device = dev;
+    return 0;
+}
+
+static int ready(LayerStack *self) {
+    if (!self->stack) { ft_py_fail(ft_errors.base, "LayerStack is not initialised"); return 0; }
+    return 1;
+}
+
+/* tensors() -> [(name, shape, offset)], total floats */
+static PyObject *LayerStack_tensors(LayerStack *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self)) return NULL;
+    const size_t n = ft_layer_stack_num_tensors(self->stack);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        const char *name;
+        int ndim;
+        int64_t shape[2];
+        size_t off;
+        ft_layer_stack_tensor_info(self->stack, i, &name, &ndim, shape, &off);
+        PyObject *t = ndim == 2 ? Py_BuildValue("(s(LL)n)", name, (long long)shape[0], (long long)shape[1], (Py_ssize_t)off)
+                                : Py_BuildValue("(s(L)n)", name, (long long)shape[0], (Py_ssize_t)off);
+        if (!t) { Py_CLEAR(list); break; }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    if (!list) return NULL;
+    return Py_BuildValue("(Nn)", list, (Py_ssize_t)ft_layer_stack_param_count(self->stack));
+}
+
+/* params / grads: flat float32 Tensors over the stack's memory (they keep the stack alive) */
+static PyObject *flat(LayerStack *self, float *data) {
+    int64_t shape[1] = {(int64_t)ft_layer_stack_param_count(self->stack)};
+    return ft_py_tensor_new(data, 1, shape, NULL, FT_F32, self->device, 0, (PyObject *)self, NULL, NULL);
+}
+static PyObject *LayerStack_params(LayerStack *self, void *c) {
+    (void)c;
+    return ready(self) ? flat(self, ft_layer_stack_params(self->stack)) : NULL;
+}
+static PyObject *LayerStack_grads(LayerStack *self, void *c) {
+    (void)c;
+    return ready(self) ? flat(self, ft_layer_stack_grads(self->stack)) : NULL;
+}
+
+/* forward(x, lengths, out, training=False, seed=0, step=0): x, out (N, C) packed rows */
+static PyObject *LayerStack_forward(LayerStack *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"x", "lengths", "out", "training", "seed", "step", NULL};
+    PyObject *xo, *lo, *oo;
+    int training = 0;
+    unsigned long long seed = 0, step = 0;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OOO|pKK", kwlist, &xo, &lo, &oo, &training, &seed, &step))
+        return NULL;
+    if (!PyArray_Check(lo) || PyArray_TYPE((PyArrayObject *)lo) != NPY_INT32 || PyArray_NDIM((PyArrayObject *)lo) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)lo))
+        return ft_py_fail(ft_errors.input_type, "lengths must be a 1-d int32 NumPy array (host memory)");
+    const int32_t *lengths = PyArray_DATA((PyArrayObject *)lo);
+    const int64_t B = (int64_t)PyArray_SIZE((PyArrayObject *)lo);
+    int64_t N = 0;
+    for (int64_t b = 0; b < B; b++) N += lengths[b];
+    int64_t C = 0;
+    {
+        const char *name;
+        int ndim;
+        int64_t shape[2];
+        size_t off;
+        ft_layer_stack_tensor_info(self->stack, 0, &name, &ndim, shape, &off);
+        C = shape[1];
+    }
+    const float *x = buffer(self, xo, "x", FT_F32, N * C, 0);
+    if (!x) return NULL;
+    float *out = buffer(self, oo, "out", FT_F32, N * C, 0);
+    if (!out) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_layer_stack_forward(self->stack, x, lengths, B, out, training, seed, step);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* backward(dout, dx=None): gradients into grads */
+static PyObject *LayerStack_backward(LayerStack *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"dout", "dx", NULL};
+    PyObject *dout_o, *dx_o = Py_None;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwlist, &dout_o, &dx_o)) return NULL;
+    const float *dout = buffer(self, dout_o, "dout", FT_F32, -1, 0);
+    if (!dout) return NULL;
+    float *dx = buffer(self, dx_o, "dx", FT_F32, -1, 1);
+    if (!dx && PyErr_Occurred()) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_layer_stack_backward(self->stack, dout, dx);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* memory(B, T) -> {"weights", "gradients", "activations": {kind: bytes}, "workspace"} */
+static PyObject *LayerStack_memory(LayerStack *self, PyObject *args) {
+    long long B, T;
+    if (!ready(self) || !PyArg_ParseTuple(args, "LL", &B, &T)) return NULL;
+    ft_layer_memory m;
+    ft_status st = ft_layer_stack_memory(self->stack, B, T, &m);
+    if (st != FT_OK) return ft_py_raise(st);
+    PyObject *acts = PyDict_New();
+    for (int k = 0; acts && k < FT_LAYER_ACT_KINDS; k++) {
+        PyObject *v = PyLong_FromSize_t(m.activations[k]);
+        if (!v || PyDict_SetItemString(acts, ft_layer_act_kind_names[k], v) < 0) { Py_XDECREF(v); Py_CLEAR(acts); break; }
+        Py_DECREF(v);
+    }
+    if (!acts) return NULL;
+    return Py_BuildValue("{snsnsNsn}", "weights", (Py_ssize_t)m.weights, "gradients", (Py_ssize_t)m.gradients,
+                         "activations", acts, "workspace", (Py_ssize_t)m.workspace);
+}
+
+/* allocated() -> (bytes now, peak bytes) */
+static PyObject *LayerStack_allocated(LayerStack *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self)) return NULL;
+    size_t now, peak;
+    ft_layer_stack_allocated(self->stack, &now, &peak);
+    return Py_BuildValue("(nn)", (Py_ssize_t)now, (Py_ssize_t)peak);
+}
+
+/* export(encoder): the trained weights written into that EncoderCore's layers */
+static PyObject *LayerStack_export(LayerStack *self, PyObject *enc_o) {
+    if (!ready(self)) return NULL;
+    ft_encoder *enc = ft_py_encoder_of(enc_o);
+    if (!enc) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_layer_stack_export(self->stack, enc);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef LayerStack_methods[] = {
+    {"tensors", (PyCFunction)LayerStack_tensors, METH_NOARGS, "[(name, shape, offset)], total floats."},
+    {"forward", (PyCFunction)(void (*)(void))LayerStack_forward, METH_VARARGS | METH_KEYWORDS,
+     "forward(x, lengths, out, training=False, seed=0, step=0) over packed rows."},
+    {"backward", (PyCFunction)(void (*)(void))LayerStack_backward, METH_VARARGS | METH_KEYWORDS,
+     "backward(dout, dx=None): gradients of the last training forward into grads."},
+    {"memory", (PyCFunction)LayerStack_memory, METH_VARARGS, "Bytes a training step over (B, T) holds, by category."},
+    {"allocated", (PyCFunction)LayerStack_allocated, METH_NOARGS, "(bytes allocated now, peak)."},
+    {"export", (PyCFunction)LayerStack_export, METH_O, "Write the trained weights into an EncoderCore."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef LayerStack_getset[] = {
+    {"params", (getter)LayerStack_params, NULL, "the layers' parameters, one flat float32 Tensor", NULL},
+    {"grads", (getter)LayerStack_grads, NULL, "their gradients, one flat float32 Tensor", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot LayerStack_slots[] = {
+    {Py_tp_dealloc, LayerStack_dealloc}, {Py_tp_init, LayerStack_init}, {Py_tp_new, PyType_GenericNew},
+    {Py_tp_methods, LayerStack_methods}, {Py_tp_getset, LayerStack_getset},
+    {Py_tp_doc, "LayerStack(encoder, first, count, device_index=-1, hidden_dropout=0, attention_dropout=0, "
+                "inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=True)"},
+    {0, NULL}};
+
+static PyType_Spec LayerStack_spec = {"fasttran._C.LayerStack", sizeof(LayerStack), 0, Py_TPFLAGS_DEFAULT,
+                                      LayerStack_slots};
+
+int ft_py_add_layer_type(PyObject *m) {
+    PyObject *tp = PyType_FromModuleAndSpec(m, &LayerStack_spec, NULL);
+    if (!tp) return -1;
+    layer_stack_type = (PyTypeObject *)tp;
+    int r = PyModule_AddObjectRef(m, "LayerStack", tp);
+    Py_DECREF(tp);
+    return r;
+}

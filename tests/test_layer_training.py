@@ -1,0 +1,223 @@
+"""Training the top encoder layers (csrc/model/layer.c over the backend's training ops): outputs,
+gradients of every parameter and of the layer input against torch autograd in float64 on MiniLM's
+real layer weights; dropout masks reproduced in torch; each of Tempo's options on and off giving
+the same gradients and the activation bytes its design predicts. The CUDA backend runs the same
+tests on a GPU or the CUDA emulator."""
+import numpy as np
+import pytest
+
+import fasttran
+from fasttran import _C
+
+torch = pytest.importorskip("torch")
+
+M64 = (1 << 64) - 1
+LENGTHS = [5, 1, 9, 4]   # packed sequences of a batch (one of length 1)
+
+
+def mix64(z):
+    z = (z + np.uint64(0x9E3779B97F4A7C15))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def keep_mask(seed, step, site, n, p):
+    """core/rng.h, vectorised: element i is kept when mix64(key + i) >> 32 >= p 2^32."""
+    with np.errstate(over="ignore"):
+        key = mix64(mix64(np.uint64(seed ^ 0x5851F42D4C957F2D)) ^ mix64(np.uint64((step * 0x2545F4914F6CDD1D + site) & M64)))
+        thr = np.uint64(min(int(p * 4294967296.0), 0xFFFFFFFF))
+        return (mix64(key + np.arange(n, dtype=np.uint64)) >> np.uint64(32)) >= thr
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_dir):
+    from transformers import BertModel
+    enc = fasttran.Encoder.from_pretrained(minilm_dir)
+    ref = BertModel.from_pretrained(minilm_dir, torch_dtype=torch.float64).eval()
+    return enc, ref
+
+
+def torch_layers(ref, first, count, x, lengths, p_hidden=0.0, p_attn=0.0, seed=0, step=0):
+    """The layers in float64 autograd, written out so fasttran's dropout masks can be applied."""
+    cfg = ref.config
+    C, NH = cfg.hidden_size, cfg.num_attention_heads
+    hs = C // NH
+    N = x.shape[0]
+    P = NH * sum(n * n for n in lengths)
+    h = x
+    for layer in range(first, first + count):
+        L = ref.encoder.layer[layer]
+        sites = [layer * 3 + s for s in range(3)]
+        pm = torch.from_numpy(keep_mask(seed, step, sites[0], P, p_attn)) if p_attn else None
+        m1 = torch.from_numpy(keep_mask(seed, step, sites[1], N * C, p_hidden)).reshape(N, C) if p_hidden else None
+        m2 = torch.from_numpy(keep_mask(seed, step, sites[2], N * C, p_hidden)).reshape(N, C) if p_hidden else None
+        q, k, v = L.attention.self.query(h), L.attention.self.key(h), L.attention.self.value(h)
+        ctx, base, first_row = [], 0, 0
+        for n in lengths:
+            qb = q[first_row:first_row + n].reshape(n, NH, hs).transpose(0, 1)
+            kb = k[first_row:first_row + n].reshape(n, NH, hs).transpose(0, 1)
+            vb = v[first_row:first_row + n].reshape(n, NH, hs).transpose(0, 1)
+            probs = torch.softmax(qb @ kb.transpose(1, 2) / hs ** 0.5, dim=-1)
+            if pm is not None:
+                probs = probs * pm[base:base + NH * n * n].reshape(NH, n, n) / (1 - p_attn)
+            ctx.append((probs @ vb).transpose(0, 1).reshape(n, C))
+            base += NH * n * n
+            first_row += n
+        a = L.attention.output.dense(torch.cat(ctx))
+        if m1 is not None:
+            a = a * m1 / (1 - p_hidden)
+        h1 = L.attention.output.LayerNorm(a + h)
+        f = L.intermediate.intermediate_act_fn(L.intermediate.dense(h1))
+        y = L.output.dense(f)
+        if m2 is not None:
+            y = y * m2 / (1 - p_hidden)
+        h = L.output.LayerNorm(y + h1)
+    return h
+
+
+def run_fasttran(enc, first, count, x, lengths, dout, device=-1, **opt):
+    st = _C.LayerStack(enc._core, first, count, device, **opt)
+    lens = np.asarray(lengths, np.int32)
+    to = (lambda a: fasttran.from_dlpack(a).to("cuda")) if device >= 0 else (lambda a: a)
+    xd, out = to(x), to(np.zeros_like(x))
+    training = dict(training=True, seed=11, step=3)
+    st.forward(xd, lens, out, **training)
+    dx = to(np.zeros_like(x))
+    st.backward(to(dout), dx)
+    names, total = st.tensors()
+    grads = np.asarray(st.grads.numpy() if device >= 0 else st.grads)
+    g = {n: grads[o:o + int(np.prod(s))].reshape(s) for n, s, o in names}
+    as_np = (lambda t: t.numpy()) if device >= 0 else np.asarray
+    return as_np(out), g, as_np(dx), st
+
+
+def reference(ref, first, count, x, lengths, dout, **drop):
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    ref.zero_grad()
+    out = torch_layers(ref, first, count, xt, lengths, seed=11, step=3, **drop)
+    (out * torch.from_numpy(dout).double()).sum().backward()
+    grads = {n: p.grad.numpy() for n, p in ref.named_parameters() if p.grad is not None}
+    return out.detach().numpy(), grads, xt.grad.numpy()
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def check_grads(g, g_r, tol):
+    """Relative error per tensor. The key bias is the exception: adding a constant to every key
+    shifts each score row by a constant, which softmax ignores, so its exact gradient is zero;
+    what fp32 leaves there is compared with the scale of the key weight's gradient instead."""
+    for name, grad in g.items():
+        if name.endswith("attention.self.key.bias"):
+            scale = np.abs(g_r[name.replace(".bias", ".weight")]).max()
+            assert np.abs(g_r[name]).max() <= 1e-5 * scale
+            err = float(np.abs(grad - g_r[name]).max() / scale)
+        else:
+            err = rel(grad, g_r[name])
+        assert err <= tol, f"{name}: relative error {err:.2e}"
+
+
+def inputs(enc, first, seed=0):
+    """Real hidden states at layer `first` for random token ids, packed; a random output gradient."""
+    rng = np.random.default_rng(seed)
+    xs = []
+    for n in LENGTHS:
+        ids = np.concatenate([[101], rng.integers(1000, 20000, n - 1)])[:n][None]
+        xs.append(enc.forward(ids, output_layers=[first])[0][0])
+    x = np.ascontiguousarray(np.concatenate(xs)).astype(np.float32)
+    return x, rng.standard_normal(x.shape).astype(np.float32)
+
+
+DEVICES = [pytest.param(-1, id="cpu"),
+           pytest.param(0, id="cuda", marks=pytest.mark.skipif(not fasttran.cuda_available(), reason="no CUDA device "
+                                                                   "or emulator (FASTTRAN_CUDA_EMU=1)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [1, 2])
+def test_gradients_match_autograd_on_minilm(minilm, device, k):
+    enc, ref = minilm
+    L = enc.num_layers
+    x, dout = inputs(enc, L - k)
+    out, g, dx, _ = run_fasttran(enc, L - k, k, x, LENGTHS, dout, device)
+    out_r, g_r, dx_r = reference(ref, L - k, k, x, LENGTHS, dout)
+    assert np.abs(out - out_r).max() <= 1e-4
+    # the top layer's output is the encoder's own forward, bit for bit on the CPU
+    assert len(g) == 16 * k
+    check_grads(g, g_r, 1e-4)
+    assert rel(dx, dx_r) <= 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_masks_reproduced_in_torch_give_the_same_gradients(minilm, device):
+    enc, ref = minilm
+    L = enc.num_layers
+    x, dout = inputs(enc, L - 2, seed=1)
+    out, g, dx, _ = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device, hidden_dropout=0.1, attention_dropout=0.2)
+    out_r, g_r, dx_r = reference(ref, L - 2, 2, x, LENGTHS, dout, p_hidden=0.1, p_attn=0.2)
+    assert np.abs(out - out_r).max() <= 1e-4
+    check_grads(g, g_r, 1e-4)
+    assert rel(dx, dx_r) <= 1e-4
+    # the masks really dropped something: without dropout the output differs
+    out0, _, _, _ = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device)
+    assert np.abs(out - out0).max() > 1e-2
+
+
+TEMPO = ["inplace_gelu", "inplace_layernorm", "recompute_attention_dropout"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("option", TEMPO)
+def test_each_tempo_option_keeps_the_gradients_and_saves_what_it_predicts(minilm, device, option):
+    enc, _ = minilm
+    L = enc.num_layers
+    x, dout = inputs(enc, L - 2, seed=2)
+    drop = dict(hidden_dropout=0.1, attention_dropout=0.1)
+    base = dict(drop, inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=False)
+    off = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device, **base)
+    on = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device, **dict(base, **{option: True}))
+    assert np.array_equal(off[0], on[0])   # the forward is the same
+    check_grads(on[1], {n: v.astype(np.float64) for n, v in off[1].items()}, 2e-5)
+    assert rel(on[2], off[2]) <= 2e-5
+    # saved bytes: what the design predicts, per layer (2 layers, B sequences of T tokens)
+    B, T = 8, 128
+    N, C, I, NH = B * T, enc.config["hidden_size"], enc.config["intermediate_size"], enc.config["num_attention_heads"]
+    m_off, m_on = off[3].memory(B, T)["activations"], on[3].memory(B, T)["activations"]
+    saved = sum(m_off.values()) - sum(m_on.values())
+    predicted = {"inplace_gelu": N * I * 4 - (N * I + 7) // 8,          # GELU input -> one bit per element
+                 "inplace_layernorm": 2 * N * C * 4,                    # both LayerNorm inputs
+                 "recompute_attention_dropout": B * NH * T * T}[option]  # the byte mask of the probabilities
+    assert saved == 2 * predicted, (option, saved, 2 * predicted)
+
+
+def test_memory_report_agrees_with_what_is_allocated(minilm):
+    enc, _ = minilm
+    L = enc.num_layers
+    st = _C.LayerStack(enc._core, L - 2, 2, -1, hidden_dropout=0.1, attention_dropout=0.1)
+    B, T = 4, 16
+    x = np.random.default_rng(0).standard_normal((B * T, enc.config["hidden_size"])).astype(np.float32)
+    st.forward(x, np.full(B, T, np.int32), np.zeros_like(x), training=True)
+    m = st.memory(B, T)
+    now, peak = st.allocated()
+    held = m["weights"] + m["gradients"] + sum(v for k, v in m["activations"].items() if k != "input") + m["workspace"]
+    # the arena and workspace are 64-byte aligned views: the report is exact to that alignment
+    assert 0 <= now - held <= 64 * 32 * 2 and peak == now
+
+
+def test_bad_input(minilm):
+    enc, _ = minilm
+    L = enc.num_layers
+    with pytest.raises(fasttran.InputError, match="not layers of this 6-layer encoder"):
+        _C.LayerStack(enc._core, L - 7, 7, -1)
+    with pytest.raises(fasttran.InputError, match="dropout"):
+        _C.LayerStack(enc._core, L - 1, 1, -1, hidden_dropout=1.0)
+    st = _C.LayerStack(enc._core, L - 1, 1, -1)
+    x = np.zeros((5, enc.config["hidden_size"]), np.float32)
+    with pytest.raises(fasttran.InputError, match="x has 1920 elements, expected 2304"):
+        st.forward(x, np.array([6], np.int32), np.zeros((6, 384), np.float32))
+    with pytest.raises(fasttran.InputError, match="no training forward"):
+        st.backward(x)
+    with pytest.raises(fasttran.InputError, match="sequence 0 has 0 tokens"):
+        st.forward(x[:0], np.array([0], np.int32), x[:0])
