@@ -114,9 +114,12 @@ typedef struct {
     X(bias_act_train_forward, (ft_backend *be, float *f, float *pre, uint8_t *bits, const float *h, \
                                const float *bias, int64_t N, int64_t K, ft_activation act))        \
     /* dh (N, K) = df act'(x): x = saved (the pre-activation) when bits is NULL, else recovered   \
-     * from the output saved = f and its branch bits. dh may alias df. */                          \
+     * from the output saved = f and its branch bits; where GELU is too flat for that (outputs     \
+     * within FT_GELU_BAND of its minimum) x is recomputed as in (N, C) w (K, C)^T + bias, the     \
+     * forward's GEMM, which the caller keeps anyway. dh may alias df. */                          \
     X(bias_act_backward, (ft_backend *be, float *dh, const float *df, const float *saved,          \
-                          const uint8_t *bits, int64_t N, int64_t K, ft_activation act))           \
+                          const uint8_t *bits, const float *in, const float *w, const float *bias,  \
+                          int64_t N, int64_t K, int64_t C, ft_activation act))                     \
     /* probs (sum over b of NH n_b^2, sequence after sequence, (NH, n, n) each) = softmax(Q K^T / \
      * sqrt(C/NH)) per (b, h); ctx (N, C) = dropout(probs) V, dropout index = index in probs;     \
      * dmask (like probs, bytes) or NULL: the dropout mask kept (else the backward recomputes it).\

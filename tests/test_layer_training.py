@@ -179,8 +179,13 @@ def test_each_tempo_option_keeps_the_gradients_and_saves_what_it_predicts(minilm
     off = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device, **base)
     on = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device, **dict(base, **{option: True}))
     assert np.array_equal(off[0], on[0])   # the forward is the same
-    check_grads(on[1], {n: v.astype(np.float64) for n, v in off[1].items()}, 2e-5)
-    assert rel(on[2], off[2]) <= 2e-5
+    if option == "recompute_attention_dropout":   # the same mask, regenerated: the same bits
+        assert all(np.array_equal(on[1][n], off[1][n]) for n in off[1]) and np.array_equal(on[2], off[2])
+    # fp32 rounding: the backward reads the activations back in another form (the LayerNorm's
+    # normalised input from its output; GELU's input from its output, its branch bit and, near the
+    # minimum, the GEMM it came from)
+    check_grads(on[1], {n: v.astype(np.float64) for n, v in off[1].items()}, 2e-6)
+    assert rel(on[2], off[2]) <= 2e-6
     # saved bytes: what the design predicts, per layer (2 layers, B sequences of T tokens)
     B, T = 8, 128
     N, C, I, NH = B * T, enc.config["hidden_size"], enc.config["intermediate_size"], enc.config["num_attention_heads"]

@@ -50,9 +50,21 @@ FT_AHD double ft_act_grad(double x, int act) {
     }
 }
 
+/* Outputs closer than this to GELU's minimum value do not pin the input down in fp32 (GELU' ~ 0
+ * there: an output rounded by 1e-8 moves the recovered input by up to 2e-4); the in-place GELU's
+ * backward recomputes those inputs from the layer's GEMM instead (about 5% of the elements of a
+ * BERT FFN). Beyond it the recovery is accurate to fp32 rounding. */
+#define FT_GELU_BAND 1e-3
+
 /* 1 when x lies left of GELU's minimum (the branch bit of the in-place GELU) */
 FT_AHD int ft_gelu_left(double x, int act) {
     return x < (act == FT_ACT_GELU_TANH ? FT_GELU_TANH_XMIN : FT_GELU_ERF_XMIN);
+}
+
+/* 1 when an output y of the activation needs its input recomputed (see FT_GELU_BAND) */
+FT_AHD int ft_gelu_flat(double y, int act) {
+    return (act == FT_ACT_GELU_ERF || act == FT_ACT_GELU_TANH) &&
+           y - (act == FT_ACT_GELU_TANH ? FT_GELU_TANH_YMIN : FT_GELU_ERF_YMIN) < FT_GELU_BAND;
 }
 
 /* The x with GELU(x) = y on the given side of the minimum: safeguarded Newton from the quadratic

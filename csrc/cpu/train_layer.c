@@ -14,8 +14,39 @@
 #include "core/rng.h"
 #include "core/status.h"
 #include "cpu_ops.h"
+#include "mathfun.h"
 
 #define LN_CHUNK 64   /* rows per partial column sum */
+
+/* The activations and their derivatives in float with the vectorisable exp / erfc of mathfun.h
+ * (core/activation.h's double versions are the reference; these agree to ~1e-7 relative) */
+static inline float act_value(float x, ft_activation act) {
+    switch (act) {
+    case FT_ACT_GELU_ERF: return ft_gelu_erf(x);
+    case FT_ACT_GELU_TANH: return ft_gelu_tanh(x);
+    case FT_ACT_RELU: return x > 0.0f ? x : 0.0f;
+    default: return 1.0f - 2.0f / (ft_expf(2.0f * x) + 1.0f);
+    }
+}
+
+static inline float act_grad(float x, ft_activation act) {
+    switch (act) {
+    case FT_ACT_GELU_ERF: {   /* Phi(x) + x phi(x), Phi(x) = erfc(-x / sqrt 2) / 2 */
+        const float z = (x < 0 ? -x : x) * 0.70710678118654752f, c = ft_erfcf_pos(z);
+        return 0.5f * (x < 0 ? c : 2.0f - c) + x * ft_expf(-0.5f * x * x) * 0.39894228040143268f;
+    }
+    case FT_ACT_GELU_TANH: {
+        const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        const float t = 1.0f - 2.0f / (ft_expf(2.0f * u) + 1.0f);
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * x * x);
+    }
+    case FT_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    default: {
+        const float t = 1.0f - 2.0f / (ft_expf(2.0f * x) + 1.0f);
+        return 1.0f - t * t;
+    }
+    }
+}
 
 ft_status cpu_residual_ln_train_forward(ft_backend *be, float *out, float *ln_in, float *stats, const float *residual,
                                         const float *y, const float *bias, const float *gamma, const float *beta,
@@ -99,35 +130,87 @@ ft_status cpu_layernorm_backward(ft_backend *be, float *dx, float *dgamma, float
 ft_status cpu_bias_act_train_forward(ft_backend *be, float *f, float *pre, uint8_t *bits, const float *h,
                                      const float *bias, int64_t N, int64_t K, ft_activation act) {
     (void)be;
-    const int64_t total = N * K, bytes = (total + 7) / 8;
+    const int64_t total = N * K, nbytes = (total + 7) / 8;
+    if (bits) {   /* before f, which may overwrite h */
 #pragma omp parallel for schedule(static) if (total > 65536)
-    for (int64_t t = 0; t < bytes; t++) {
-        uint8_t byte = 0;
-        for (int j = 0; j < 8 && t * 8 + j < total; j++) {
-            const int64_t i = t * 8 + j;
-            const float x = h[i] + bias[i % K];
-            if (pre) pre[i] = x;
-            f[i] = (float)ft_act_value((double)x, (int)act);
-            byte |= (uint8_t)(ft_gelu_left((double)x, (int)act) << j);
+        for (int64_t t = 0; t < nbytes; t++) {
+            uint8_t byte = 0;
+            for (int j = 0; j < 8 && t * 8 + j < total; j++) {
+                const int64_t i = t * 8 + j;
+                byte |= (uint8_t)(ft_gelu_left((double)(h[i] + bias[i % K]), (int)act) << j);
+            }
+            bits[t] = byte;
         }
-        if (bits) bits[t] = byte;
+    }
+#pragma omp parallel for schedule(static) if (total > 65536)
+    for (int64_t r = 0; r < N; r++) {
+        float *fr = f + r * K;
+        const float *hr = h + r * K;
+        if (pre) {
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) pre[r * K + c] = hr[c] + bias[c];
+        }
+        switch (act) {   /* one loop per activation, so each vectorises */
+        case FT_ACT_GELU_ERF:
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) fr[c] = act_value(hr[c] + bias[c], FT_ACT_GELU_ERF);
+            break;
+        case FT_ACT_GELU_TANH:
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) fr[c] = act_value(hr[c] + bias[c], FT_ACT_GELU_TANH);
+            break;
+        default:
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) fr[c] = act_value(hr[c] + bias[c], act);
+            break;
+        }
     }
     return FT_OK;
 }
 
 ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, const float *saved, const uint8_t *bits,
-                                int64_t N, int64_t K, ft_activation act) {
+                                const float *in, const float *w, const float *bias, int64_t N, int64_t K, int64_t C,
+                                ft_activation act) {
     (void)be;
     const int64_t total = N * K;
+    if (bits) {   /* saved is the output: recover the input on its side of the minimum */
 #pragma omp parallel for schedule(static) if (total > 16384)
-    for (int64_t i = 0; i < total; i++) {
-        double x = saved[i];
-        if (bits) {   /* saved is the output: recover the input on its side of the minimum */
-            if (act == FT_ACT_RELU) x = saved[i] > 0.0f ? 1.0 : -1.0;
-            else if (act == FT_ACT_TANH) x = atanh(fmin(fmax((double)saved[i], -1.0 + 1e-16), 1.0 - 1e-16));
-            else x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, (int)act);
+        for (int64_t i = 0; i < total; i++) {
+            double x;
+            if (act == FT_ACT_RELU) {
+                x = saved[i] > 0.0f ? 1.0 : -1.0;
+            } else if (act == FT_ACT_TANH) {
+                x = atanh(fmin(fmax((double)saved[i], -1.0 + 1e-16), 1.0 - 1e-16));
+            } else if (ft_gelu_flat(saved[i], (int)act)) {   /* recompute the GEMM's element */
+                const float *a = in + (i / K) * C, *b = w + (i % K) * C;
+                float s = 0.0f;
+                for (int64_t c = 0; c < C; c++) s += a[c] * b[c];
+                x = s + bias[i % K];
+            } else {
+                x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, (int)act);
+            }
+            dh[i] = df[i] * act_grad((float)x, act);
         }
-        dh[i] = (float)((double)df[i] * ft_act_grad(x, (int)act));
+        return FT_OK;
+    }
+#pragma omp parallel for schedule(static) if (total > 16384)
+    for (int64_t r = 0; r < N; r++) {
+        const float *x = saved + r * K, *d = df + r * K;
+        float *o = dh + r * K;
+        switch (act) {
+        case FT_ACT_GELU_ERF:
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) o[c] = d[c] * act_grad(x[c], FT_ACT_GELU_ERF);
+            break;
+        case FT_ACT_GELU_TANH:
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) o[c] = d[c] * act_grad(x[c], FT_ACT_GELU_TANH);
+            break;
+        default:
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) o[c] = d[c] * act_grad(x[c], act);
+            break;
+        }
     }
     return FT_OK;
 }

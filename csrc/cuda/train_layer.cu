@@ -125,13 +125,23 @@ __global__ void bias_act_train_kernel(float *f, float *pre, uint8_t *bits, const
 }
 
 __global__ void bias_act_backward_kernel(float *dh, const float *df, const float *saved, const uint8_t *bits,
-                                         int64_t total, int act) {
+                                         const float *in, const float *w, const float *bias, int64_t total, int64_t K,
+                                         int64_t C, int act) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
         double x = saved[i];
         if (bits) {   // saved is the output: recover the input on its side of the minimum
-            if (act == FT_ACT_RELU) x = saved[i] > 0.0f ? 1.0 : -1.0;
-            else if (act == FT_ACT_TANH) x = atanh(fmin(fmax((double)saved[i], -1.0 + 1e-16), 1.0 - 1e-16));
-            else x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, act);
+            if (act == FT_ACT_RELU) {
+                x = saved[i] > 0.0f ? 1.0 : -1.0;
+            } else if (act == FT_ACT_TANH) {
+                x = atanh(fmin(fmax((double)saved[i], -1.0 + 1e-16), 1.0 - 1e-16));
+            } else if (ft_gelu_flat(saved[i], act)) {   // too flat to invert: recompute the GEMM's element
+                const float *a = in + (i / K) * C, *b = w + (i % K) * C;
+                float s = 0.0f;
+                for (int64_t c = 0; c < C; c++) s += a[c] * b[c];
+                x = s + bias[i % K];
+            } else {
+                x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, act);
+            }
         }
         dh[i] = (float)((double)df[i] * ft_act_grad(x, act));
     }
@@ -243,11 +253,12 @@ ft_status cuda_bias_act_train_forward(ft_backend *be, float *f, float *pre, uint
 }
 
 ft_status cuda_bias_act_backward(ft_backend *be, float *dh, const float *df, const float *saved, const uint8_t *bits,
-                                 int64_t N, int64_t K, ft_activation act) {
+                                 const float *in, const float *w, const float *bias, int64_t N, int64_t K, int64_t C,
+                                 ft_activation act) {
     const int64_t total = N * K;
     if (total == 0) return FT_OK;
-    FT_LAUNCH(bias_act_backward_kernel, grid_of(total, 256), 256, 0, ctx_of(be)->stream)(dh, df, saved, bits, total,
-                                                                                          (int)act);
+    FT_LAUNCH(bias_act_backward_kernel, grid_of(total, 256), 256, 0, ctx_of(be)->stream)(dh, df, saved, bits, in, w, bias,
+                                                                                          total, K, C, (int)act);
     return launched("bias_act_backward");
 }
 

@@ -77,7 +77,8 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
 /* Backward of one layer. On entry wk->g = d out; on exit wk->g = d x.
  *   g     = d ln2_in                 LN2 backward (from ln2_in, or from out: Tempo)  -> dln2_g, dln2_b
  *   tmp   = dropout(g)               d(act W2^T + b2)                                -> db2, dW2 = tmp^T act
- *   dbig  = GELU'(.) * (tmp W2)      from ffn_pre, or from act + branch bits (Tempo) -> db1, dW1 = dbig^T h1
+ *   dbig  = GELU'(.) * (tmp W2)      from ffn_pre, or from act + branch bits (Tempo; near GELU's
+ *                                    minimum the input is recomputed from h1 W1^T + b1) -> db1, dW1 = dbig^T h1
  *   g    += dbig W1                  d h1 (its residual path and the FFN)
  *   g     = d ln1_in                 LN1 backward                                    -> dln1_g, dln1_b
  *   tmp   = dropout(g)               d(ctx Wo^T + bo)                                -> dbo, dWo = tmp^T ctx
@@ -102,7 +103,7 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->gemm(be, 1, 0, C, I, N, 1.0f, dy, C, a->ffn_act, I, 0.0f, gw->w2, I));
     FT_TRY(be->gemm(be, 0, 0, N, I, C, 1.0f, dy, C, w->w2, I, 0.0f, wk->dbig, I));
     FT_TRY(be->bias_act_backward(be, wk->dbig, wk->dbig, o->inplace_gelu ? a->ffn_act : a->ffn_pre,
-                                 o->inplace_gelu ? a->gelu_bits : NULL, N, I, c->activation));
+                                 o->inplace_gelu ? a->gelu_bits : NULL, a->h1, w->w1, w->b1, N, I, C, c->activation));
     FT_TRY(be->sum_axis(be, gw->b1, wk->dbig, N, I, 0));
     FT_TRY(be->gemm(be, 1, 0, I, C, N, 1.0f, wk->dbig, I, a->h1, C, 0.0f, gw->w1, C));
     FT_TRY(be->gemm(be, 0, 0, N, C, I, 1.0f, wk->dbig, I, w->w1, C, 1.0f, wk->g, C));
