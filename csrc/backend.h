@@ -131,7 +131,12 @@ typedef struct {
      * dmask (or the same p and key) */                                                            \
     X(attention_backward, (ft_backend *be, float *dqkv, const float *dctx, const float *qkv,       \
                            const float *probs, const uint8_t *dmask, const int32_t *seqs, int64_t B, \
-                           int64_t C, int64_t NH, float p, uint64_t key, float *scratch))
+                           int64_t C, int64_t NH, float p, uint64_t key, float *scratch))                \
+    /* dh (N, C) = the backward of mean pooling: row r of sequence b (rows [first[b], first[b] +  \
+     * count[b]), device int32) gets dout[b] / count[b] (CLS pooling: count 1); rows of no        \
+     * sequence get 0 */                                                                           \
+    X(pool_backward, (ft_backend *be, float *dh, const float *dout, const int32_t *first,          \
+                      const int32_t *count, int64_t B, int64_t N, int64_t C))
 
 struct ft_backend {
     int abi;

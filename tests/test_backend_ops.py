@@ -597,6 +597,21 @@ for lens, NH, hs, p, keep in [([1], 1, 1, 0.0, False), ([7, 3, 5], 3, 5, 0.1, Tr
         _attn_backward(lens, NH, hs, p, keep))
 
 
+def _pool_backward(lengths, C, cls):
+    def build(rng):
+        lens = np.asarray(lengths, np.int32)
+        first = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+        N = int(lens.sum()) + 3   # three rows that belong to no sequence
+        count = np.minimum(lens, 1) if cls else lens
+        return dict(dh=Out((N, C)), dout=In(f32(rng, len(lens), C)), first=In(first), count=In(count.astype(np.int32)),
+                    B=len(lens), N=N, C=C)
+    return build
+
+
+for lens, C, cls in [([1], 1, False), ([5, 1, 0, 9], 33, False), ([7, 3], 384, True), ([2] * 70000, 2, False)]:
+    case("pool_backward", f"{len(lens)}seq-{C}" + ("-cls" if cls else ""))(_pool_backward(lens, C, cls))
+
+
 # ---- the tests ---------------------------------------------------------------------------------------
 def test_every_op_has_cases_and_a_cpu_implementation():
     cpu = Backend(-1)

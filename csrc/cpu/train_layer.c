@@ -350,3 +350,19 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
     free(tasks);
     return FT_OK;
 }
+
+ft_status cpu_pool_backward(ft_backend *be, float *dh, const float *dout, const int32_t *first, const int32_t *count,
+                            int64_t B, int64_t N, int64_t C) {
+    (void)be;
+    memset(dh, 0, (size_t)N * (size_t)C * sizeof(float));
+#pragma omp parallel for schedule(static) if (N * C > 65536)
+    for (int64_t b = 0; b < B; b++) {
+        const float n = (float)count[b], inv = 1.0f / (n > 1e-9f ? n : 1e-9f);
+        for (int64_t t = 0; t < count[b]; t++) {
+            float *row = dh + ((int64_t)first[b] + t) * C;
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) row[c] = dout[b * C + c] * inv;
+        }
+    }
+    return FT_OK;
+}

@@ -195,6 +195,16 @@ __global__ void softmax_dropout_backward_kernel(float *dpd, const float *P, cons
     for (int64_t j = lane; j < n; j += 32) d[j] = p[j] * (d[j] - dot);
 }
 
+// grid (B, column blocks): sequence b's rows get dout[b] / count[b]
+__global__ void pool_backward_kernel(float *dh, const float *dout, const int32_t *first, const int32_t *count,
+                                     int64_t C) {
+    const int64_t b = blockIdx.x, c = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const float g = dout[b * C + c] / fmaxf((float)count[b], 1e-9f);
+    float *rows = dh + (int64_t)first[b] * C;
+    for (int64_t t = 0; t < count[b]; t++) rows[t * C + c] = g;
+}
+
 // the device workspace of the training ops (grown as needed, kept in the context)
 ft_status train_workspace(ft_backend *be, size_t bytes, float **out) {
     cuda_ctx *c = ctx_of(be);
@@ -351,4 +361,14 @@ ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx
         base += NH * n * n;
     }
     return FT_OK;
+}
+
+ft_status cuda_pool_backward(ft_backend *be, float *dh, const float *dout, const int32_t *first, const int32_t *count,
+                             int64_t B, int64_t N, int64_t C) {
+    cudaStream_t s = ctx_of(be)->stream;
+    if (N * C == 0) return FT_OK;
+    FT_CU(cudaMemsetAsync(dh, 0, (size_t)(N * C) * sizeof(float), s), "pool_backward");
+    if (B == 0) return FT_OK;
+    FT_LAUNCH(pool_backward_kernel, dim3((unsigned)B, (unsigned)((C + 127) / 128)), 128, 0, s)(dh, dout, first, count, C);
+    return launched("pool_backward");
 }
