@@ -449,6 +449,39 @@ static PyObject *Tensor_to(TensorObject *self, PyObject *args, PyObject *kw) {
     return r;
 }
 
+/* view(offset, shape): a C-contiguous view of `shape` starting `offset` elements into a contiguous
+ * tensor (its memory stays alive with the view); for the named parameters of a flat buffer */
+static PyObject *Tensor_view(TensorObject *self, PyObject *args) {
+    long long offset;
+    PyObject *shape_o;
+    if (!PyArg_ParseTuple(args, "LO", &offset, &shape_o)) return NULL;
+    if (!is_c_contiguous(self)) return ft_py_fail(ft_errors.input, "view() needs a contiguous tensor");
+    PyObject *seq = PySequence_Fast(shape_o, "view(): shape must be a sequence of sizes");
+    if (!seq) return NULL;
+    const Py_ssize_t nd = PySequence_Fast_GET_SIZE(seq);
+    int64_t shape[FT_TENSOR_MAXDIM], n = 1;
+    if (nd < 1 || nd > FT_TENSOR_MAXDIM) {
+        Py_DECREF(seq);
+        return ft_py_fail(ft_errors.input, "view(): 1 to %d dimensions, got %zd", FT_TENSOR_MAXDIM, nd);
+    }
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
+        if (shape[d] < 0) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred()) ft_py_fail(ft_errors.input, "view(): negative size");
+            return NULL;
+        }
+        n *= shape[d];
+    }
+    Py_DECREF(seq);
+    if (offset < 0 || offset + n > numel(self))
+        return ft_py_fail(ft_errors.input, "view(): elements [%lld, %lld) are outside this tensor's %lld", offset,
+                          (long long)(offset + n), (long long)numel(self));
+    char *data = (char *)self->data + offset * (int64_t)ft_dtype_size(self->dtype);
+    return ft_py_tensor_new(data, (int)nd, shape, NULL, self->dtype, self->device, self->readonly, (PyObject *)self,
+                            NULL, NULL);
+}
+
 /* numpy(): a view for CPU tensors (shares memory), a host copy for CUDA tensors */
 static PyObject *Tensor_numpy(TensorObject *self, PyObject *unused) {
     (void)unused;
@@ -540,6 +573,7 @@ static PyMethodDef Tensor_methods[] = {
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None): a DLPack capsule."},
     {"__dlpack_device__", (PyCFunction)Tensor_dlpack_device, METH_NOARGS, "(device_type, device_id)"},
     {"numpy", (PyCFunction)Tensor_numpy, METH_NOARGS, "A NumPy view (CPU) or host copy (CUDA)."},
+    {"view", (PyCFunction)Tensor_view, METH_VARARGS, "view(offset, shape): a contiguous view into this tensor."},
     {"to", (PyCFunction)(void (*)(void))Tensor_to, METH_VARARGS | METH_KEYWORDS,
      "to(device): a contiguous copy on 'cpu', 'cuda' or 'cuda:N' (the tensor itself if already there)."},
     {"__array__", (PyCFunction)(void (*)(void))Tensor_array, METH_VARARGS | METH_KEYWORDS, "NumPy protocol."},

@@ -1,0 +1,140 @@
+"""The top layers of an encoder as trainable weights: the part of the model that fine-tuning with
+the activation cache trains (the layers below run once, into the cache).
+
+    >>> top = TopLayers(encoder, k=2)                     # encoder layers L-2 and L-1, fp32 master copy
+    >>> out = top.forward(x, lengths, training=True, seed=0, step=7)   # x: packed rows (N, C)
+    >>> top.backward(d_out)                               # gradients into top.grads
+    >>> top.memory_report(batch_size=32, seq_len=128)     # bytes by category, and what fits
+
+The work runs in C (csrc/model/layer.c) on the encoder's backend; Tempo's three memory savings are
+options (see `TopLayers.__init__`)."""
+import numpy as np
+
+from . import _C
+from .errors import InputError
+
+_MiB = 1 << 20
+
+
+class TopLayers:
+    """Encoder layers [L - k, L) as one trainable stack: parameters and gradients in one flat buffer
+    each, with named views (`named_parameters()`, `named_gradients()`)."""
+
+    def __init__(self, encoder, k, device=None, hidden_dropout=None, attention_dropout=None, inplace_gelu=None,
+                 inplace_layernorm=True, recompute_attention_dropout=True):
+        """k: how many of the top layers to train (1..L). device: where to train ('cpu', 'cuda:N';
+        default the encoder's). Dropout defaults to the checkpoint's (hidden_dropout_prob,
+        attention_probs_dropout_prob). Tempo's options (each leaves the gradients unchanged up to fp32
+        rounding): inplace_layernorm (LayerNorm backward from its output: saves 2 N C floats per layer),
+        recompute_attention_dropout (the attention-dropout mask regenerated, never stored: saves one
+        byte per attention probability), inplace_gelu (keep GELU's output and one bit per element,
+        not its input: saves about N I floats per layer; default on for CUDA only, because inverting
+        GELU costs more CPU time than the memory is worth there)."""
+        L = encoder.num_layers
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= L:
+            raise InputError(f"k (the number of top layers to train) must be an integer in [1, {L}], got {k!r}")
+        device = encoder.device if device is None else device
+        if device not in ("cpu",) and not str(device).startswith("cuda"):
+            raise InputError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        index = -1 if device == "cpu" else int(str(device).partition(":")[2] or 0)
+        raw = getattr(encoder, "_raw_config", {}) or {}
+        hidden_dropout = float(raw.get("hidden_dropout_prob", 0.1) if hidden_dropout is None else hidden_dropout)
+        attention_dropout = float(raw.get("attention_probs_dropout_prob", 0.1) if attention_dropout is None
+                                  else attention_dropout)
+        if inplace_gelu is None:
+            inplace_gelu = index >= 0
+        self.k, self.first_layer, self.num_layers = int(k), L - int(k), L
+        self.device = "cpu" if index < 0 else f"cuda:{index}"
+        self.options = dict(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+                            inplace_gelu=bool(inplace_gelu), inplace_layernorm=bool(inplace_layernorm),
+                            recompute_attention_dropout=bool(recompute_attention_dropout))
+        self.hidden_size = encoder.config["hidden_size"]
+        self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, index, **self.options)
+        self._table, self.num_params = self._stack.tensors()
+        self.params = self._stack.params   # flat Tensors over the stack's memory
+        self.grads = self._stack.grads
+
+    def _views(self, flat):
+        if self.device == "cpu":
+            a = np.asarray(flat)
+            return [(n, a[o:o + int(np.prod(s))].reshape(s)) for n, s, o in self._table]
+        return [(n, flat.view(o, s)) for n, s, o in self._table]
+
+    def named_parameters(self):
+        """[(Hugging Face name, view)]: NumPy views on the CPU, fasttran Tensors on CUDA."""
+        return self._views(self.params)
+
+    def named_gradients(self):
+        return self._views(self.grads)
+
+    def _buffer(self, a, what):
+        if self.device == "cpu":
+            return np.ascontiguousarray(a, dtype=np.float32)
+        return a if isinstance(a, _C.Tensor) and a.device == self.device else _C.Tensor.from_dlpack(
+            np.ascontiguousarray(a, dtype=np.float32)).to(self.device)
+
+    def forward(self, x, lengths, training=False, seed=0, step=0):
+        """out (N, C) = the layers on x (N, C): the rows of len(lengths) sequences packed one after
+        another (lengths[b] rows each). training=True keeps what backward() needs (x must not change
+        until then) and applies dropout with masks from (seed, step, layer, site)."""
+        lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+        if lengths.ndim != 1 or len(lengths) == 0:
+            raise InputError("lengths must be a non-empty 1-d array of sequence lengths")
+        x = self._buffer(x, "x")
+        N = int(lengths.sum())
+        out = np.empty((N, self.hidden_size), np.float32) if self.device == "cpu" else \
+            _C.Tensor.from_dlpack(np.empty((N, self.hidden_size), np.float32)).to(self.device)
+        self._stack.forward(x, lengths, out, training=bool(training), seed=int(seed), step=int(step))
+        return out
+
+    def backward(self, d_out, want_dx=False):
+        """Gradients of the last training forward into `grads` from d_out (N, C); returns d x when
+        asked."""
+        d_out = self._buffer(d_out, "d_out")
+        dx = None
+        if want_dx:
+            shape = d_out.shape
+            dx = np.empty(shape, np.float32) if self.device == "cpu" else \
+                _C.Tensor.from_dlpack(np.empty(shape, np.float32)).to(self.device)
+        self._stack.backward(d_out, dx)
+        return dx
+
+    def memory_report(self, batch_size, seq_len, optimizer_states=2):
+        """Bytes a training step over `batch_size` sequences of `seq_len` tokens holds, by category:
+        weights, gradients, optimizer state (`optimizer_states` floats per parameter: 2 for Adam
+        and LAMB), saved activations by kind, workspace, and the total."""
+        m = self._stack.memory(int(batch_size), int(seq_len))
+        m["optimizer_state"] = optimizer_states * m["weights"]
+        m["total"] = (m["weights"] + m["gradients"] + m["optimizer_state"] + sum(m["activations"].values()) +
+                      m["workspace"])
+        return m
+
+    def largest_batch(self, seq_len, budget_bytes, optimizer_states=2):
+        """The largest batch of `seq_len`-token sequences whose training step fits `budget_bytes`."""
+        lo, hi = 0, 1
+        while self.memory_report(hi, seq_len, optimizer_states)["total"] <= budget_bytes:
+            lo, hi = hi, hi * 2
+            if hi > 1 << 24:
+                return lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.memory_report(mid, seq_len, optimizer_states)["total"] <= budget_bytes:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def allocated(self):
+        """(bytes the stack holds now, its peak)"""
+        return self._stack.allocated()
+
+    def export_to(self, encoder):
+        """Write the trained weights into `encoder`'s layers [L - k, L) (same configuration)."""
+        self._stack.export(encoder._core)
+
+    def __repr__(self):
+        opts = ", ".join(k for k in ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout")
+                         if self.options[k])
+        return (f"TopLayers(layers {self.first_layer}..{self.num_layers - 1} of {self.num_layers}, "
+                f"{self.num_params / 1e6:.1f}M params, {self.device}, dropout {self.options['hidden_dropout']}/"
+                f"{self.options['attention_dropout']}, tempo: {opts or 'off'})")
