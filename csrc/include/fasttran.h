@@ -246,8 +246,10 @@ ft_status ft_device_write(ft_device dev, void *dst, const void *host_src, size_t
 
 /* ---- build and runtime information ------------------------------------------------------ */
 const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */
-int ft_num_threads(void);
+int ft_num_threads(void);               /* threads of the CPU backend (see core/threads.c) */
 void ft_set_num_threads(int n);
+int ft_default_threads(void);           /* FASTTRAN_NUM_THREADS, OMP_NUM_THREADS, else CPUs this process may use */
+const char *ft_cpu_isa(void);           /* CPU kernels in use: "avx512", "avx2" or "generic" */
 int ft_cuda_compiled(void);              /* CUDA backend library was built */
 /* Try to load the CUDA backend; returns FT_OK and the device count, or an error saying why. */
 ft_status ft_cuda_probe(int *device_count, char *desc, size_t desc_len);
