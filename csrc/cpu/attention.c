@@ -4,9 +4,9 @@
  * is computed for a padded key.
  *
  * One task per (sequence, head), run by any thread: K^T is packed into key panels once, then
- * per block of MR query rows: S = Q K^T (the micro-kernel, K = head size), softmax with the
- * scale (written straight into the packed-A layout of P), then P V into the head's columns of
- * ctx (the micro-kernel, K = keys). Every score and every output element is one chain in a
+ * per block of MR query rows: S = Q K^T (the micro-kernel, K = head size, Q read in place),
+ * softmax with the scale in place, then P V into the head's columns of ctx (the micro-kernel,
+ * K = keys, P read in place). Every score and every output element is one chain in a
  * fixed order (kernels.h, rowfun.h), so a query row's result depends on its own sequence only,
  * not on the rows computed beside it or on the thread count. A sequence with no real key gets a
  * zero output, as transformers' default (SDPA) path and torch's SDPA give. */
@@ -24,29 +24,34 @@ size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t
     return 0;   /* per-thread scratch is allocated by the op for the longest sequence */
 }
 
-/* softmax(scale * s[0..n)) into column i of the packed P (n x mr) */
-static void softmax_to_packed(const float *s, int64_t n, float scale, float *p, int mr, int i) {
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) mx = scale * s[j] > mx ? scale * s[j] : mx;
-    float lane[FT_LANES] = {0};
+/* s[0..n) = softmax(scale * s) in place (max and sum in fixed lanes, rowfun.h) */
+static void softmax_row(float *s, int64_t n, float scale) {
+    float lane[FT_LANES];
+    for (int l = 0; l < FT_LANES; l++) lane[l] = -INFINITY;
     int64_t j = 0;
     for (; j + FT_LANES <= n; j += FT_LANES)
         for (int l = 0; l < FT_LANES; l++) {
-            float e = ft_expf(scale * s[j + l] - mx);
-            p[(j + l) * mr + i] = e;
-            lane[l] += e;
+            float v = scale * s[j + l];
+            s[j + l] = v;
+            lane[l] = v > lane[l] ? v : lane[l];
         }
     for (int l = 0; j + l < n; l++) {
-        float e = ft_expf(scale * s[j + l] - mx);
-        p[(j + l) * mr + i] = e;
-        lane[l] += e;
+        float v = scale * s[j + l];
+        s[j + l] = v;
+        lane[l] = v > lane[l] ? v : lane[l];
     }
-    const float inv = 1.0f / ft_fold_lanes(lane);
-    for (j = 0; j < n; j++) p[j * mr + i] *= inv;
+    float mx = lane[0];
+    for (int l = 1; l < FT_LANES; l++) mx = lane[l] > mx ? lane[l] : mx;   /* max: exact in any order */
+#pragma omp simd
+    for (j = 0; j < n; j++) s[j] = ft_expf(s[j] - mx);
+    const float inv = 1.0f / ft_row_sum(s, n);
+#pragma omp simd
+    for (j = 0; j < n; j++) s[j] *= inv;
 }
 
+/* one (sequence, head): q points at the head's columns of the sequence's first row */
 static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, int64_t nq, int64_t nk, int64_t hs,
-                         int64_t ld, int64_t C, float scale, float *kp, float *S, float *aq, float *pp) {
+                         int64_t ld, int64_t C, float scale, float *kp, float *S, float *qpad) {
     const int mr = kr->mr, nr = kr->nr;
     const float *k = q + C, *v = q + 2 * C;
     const int64_t kpanels = (nk + nr - 1) / nr, lds = kpanels * nr;
@@ -59,18 +64,24 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
             }
     for (int64_t i0 = 0; i0 < nq; i0 += mr) {
         const int m = (int)(nq - i0 < mr ? nq - i0 : mr);
-        ft_pack_a(aq, q + i0 * ld, ld, m, hs, mr);
+        const float *qa = q + i0 * ld;
+        int64_t lda = ld;
+        if (m < mr) {   /* a short block: zero-padded copy of its rows, and no stale scores */
+            ft_copy_rows(qpad, qa, ld, m, hs, mr);
+            qa = qpad;
+            lda = hs;
+            for (int i = m; i < mr; i++) memset(S + i * lds, 0, (size_t)nk * sizeof(float));
+        }
+        /* S (m x nk) = Q K^T, unscaled */
         for (int64_t p = 0; p < kpanels; p++) {
             const int n = (int)(nk - p * nr < nr ? nk - p * nr : nr);
-            kr->tile(hs, aq, kp + p * hs * nr, nr, S + p * nr, lds, m, n, 0);
+            kr->tile(hs, qa, lda, kp + p * hs * nr, nr, S + p * nr, lds, m, n, 0);
         }
-        for (int i = 0; i < mr; i++) {
-            if (i < m) softmax_to_packed(S + i * lds, nk, scale, pp, mr, i);
-            else for (int64_t j = 0; j < nk; j++) pp[j * mr + i] = 0.0f;
-        }
+        for (int i = 0; i < m; i++) softmax_row(S + i * lds, nk, scale);
+        /* out (m x hs) = P V, P read in place from S */
         for (int64_t d0 = 0; d0 < hs; d0 += nr) {
             const int n = (int)(hs - d0 < nr ? hs - d0 : nr);
-            kr->tile(nk, pp, v + d0, ld, out + i0 * C + d0, C, m, n, 0);
+            kr->tile(nk, S, lds, v + d0, ld, out + i0 * C + d0, C, m, n, 0);
         }
     }
 }
@@ -84,8 +95,8 @@ ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, co
     int64_t maxk = 0;
     for (int64_t b = 0; b < B; b++) maxk = seqs[3 * b + 1] > maxk ? seqs[3 * b + 1] : maxk;
     const int64_t lds = (maxk + kr->nr - 1) / kr->nr * kr->nr;
-    /* per thread: K^T panels, one block of scores, packed Q block, packed P block */
-    const size_t floats = (size_t)(lds * hs + kr->mr * lds + hs * kr->mr + lds * kr->mr);
+    /* per thread: K^T panels, one block of scores, a padded Q block */
+    const size_t floats = (size_t)(lds * hs + kr->mr * lds + hs * kr->mr);
     const int nt = ft_num_threads();
     const int64_t tasks = B * NH;
     int failed = 0;
@@ -106,8 +117,8 @@ ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, co
                 for (int64_t i = 0; i < nq; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
                 continue;
             }
-            float *kp = buf, *S = kp + lds * hs, *aq = S + kr->mr * lds, *pp = aq + hs * kr->mr;
-            head_forward(kr, out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, kp, S, aq, pp);
+            float *kp = buf, *S = kp + lds * hs, *qpad = S + kr->mr * lds;
+            head_forward(kr, out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, kp, S, qpad);
         }
         free(buf);
     }

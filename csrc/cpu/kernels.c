@@ -11,10 +11,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- AVX-512: 12 x 32 (24 zmm accumulators, A broadcast from memory) -------------------- */
+/* ---- AVX-512: 12 x 32 (24 zmm accumulators, A broadcast from its 12 rows) ---------------- */
 #define MR512 12
-__attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const float *ap, const float *b, int64_t ldb,
-                                                            float *c, int64_t ldc, int m, int n, int accumulate) {
+__attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const float *a, int64_t lda, const float *b,
+                                                            int64_t ldb, float *c, int64_t ldc, int m, int n,
+                                                            int accumulate) {
     const __mmask16 m0 = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
     const __mmask16 m1 = n >= 32 ? (__mmask16)0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : (__mmask16)0;
     __m512 c0[MR512], c1[MR512];
@@ -28,12 +29,17 @@ __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const floa
             c1[i] = _mm512_setzero_ps();
         }
     }
+    /* rows as two bases and a few multiples of lda, so every broadcast is one addressing mode */
+    const int64_t l3 = 3 * lda, l5 = 5 * lda, l7 = 7 * lda;
+    const float *a8 = a + 8 * lda;
     for (int64_t k = 0; k < K; k++) {
         const __m512 b0 = _mm512_maskz_loadu_ps(m0, b + k * ldb), b1 = _mm512_maskz_loadu_ps(m1, b + k * ldb + 16);
-        const float *a = ap + k * MR512;
+        const float *p = a + k, *q = a8 + k;
+        const float av[MR512] = {p[0], p[lda], p[2 * lda], p[l3], p[4 * lda], p[l5],
+                                 p[2 * l3], p[l7], q[0], q[lda], q[2 * lda], q[l3]};
 #pragma GCC unroll 12
         for (int i = 0; i < MR512; i++) {
-            const __m512 ai = _mm512_set1_ps(a[i]);
+            const __m512 ai = _mm512_set1_ps(av[i]);
             c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
             c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
         }
@@ -49,8 +55,9 @@ __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const floa
 
 /* ---- AVX2 + FMA: 6 x 16 (12 ymm accumulators) ------------------------------------------- */
 #define MR256 6
-__attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float *ap, const float *b, int64_t ldb,
-                                                          float *c, int64_t ldc, int m, int n, int accumulate) {
+__attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float *a, int64_t lda, const float *b,
+                                                          int64_t ldb, float *c, int64_t ldc, int m, int n,
+                                                          int accumulate) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane);
@@ -65,12 +72,14 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float
             c1[i] = _mm256_setzero_ps();
         }
     }
+    const int64_t l3 = 3 * lda, l5 = 5 * lda;
     for (int64_t k = 0; k < K; k++) {
         const __m256 b0 = _mm256_maskload_ps(b + k * ldb, m0), b1 = _mm256_maskload_ps(b + k * ldb + 8, m1);
-        const float *a = ap + k * MR256;
+        const float *p = a + k;
+        const float *av[MR256] = {p, p + lda, p + 2 * lda, p + l3, p + 4 * lda, p + l5};
 #pragma GCC unroll 6
         for (int i = 0; i < MR256; i++) {
-            const __m256 ai = _mm256_broadcast_ss(a + i);
+            const __m256 ai = _mm256_broadcast_ss(av[i]);
             c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
             c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
         }
@@ -87,16 +96,16 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float
 /* ---- portable C: 4 x 16, multiply then add (this file is ISO C: no contraction into FMA) -- */
 #define MRG 4
 #define NRG 16
-static void tile_generic(int64_t K, const float *ap, const float *b, int64_t ldb, float *c, int64_t ldc, int m,
-                         int n, int accumulate) {
+static void tile_generic(int64_t K, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
+                         int64_t ldc, int m, int n, int accumulate) {
     float acc[MRG][NRG], bk[NRG];
     for (int i = 0; i < MRG; i++)
         for (int j = 0; j < NRG; j++) acc[i][j] = accumulate && i < m && j < n ? c[i * ldc + j] : 0.0f;
     for (int64_t k = 0; k < K; k++) {
         for (int j = 0; j < NRG; j++) bk[j] = j < n ? b[k * ldb + j] : 0.0f;
         for (int i = 0; i < MRG; i++) {
-            const float a = ap[k * MRG + i];
-            for (int j = 0; j < NRG; j++) acc[i][j] += a * bk[j];
+            const float ai = a[i * lda + k];
+            for (int j = 0; j < NRG; j++) acc[i][j] += ai * bk[j];
         }
     }
     for (int i = 0; i < m; i++)

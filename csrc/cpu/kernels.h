@@ -13,12 +13,13 @@
 #define FT_CPU_KERNELS_H
 #include <stdint.h>
 
-/* C (m x n, row stride ldc) = [C +] Ap B over K.
- *   ap: A packed k-major, MR floats per k (rows >= m zero)
+/* C (m x n, row stride ldc) = [C +] A B over K.
+ *   a:  MR rows of K floats, row stride lda, all readable (rows >= m are computed, not stored:
+ *       a short block passes a zero-padded copy, ft_copy_rows)
  *   b:  element (k, j) at b[k * ldb + j], j < n <= NR (columns >= n are never read)
  *   accumulate: 0 starts from zero, 1 continues from the values in C */
-typedef void (*ft_tile_fn)(int64_t K, const float *ap, const float *b, int64_t ldb, float *c, int64_t ldc,
-                           int m, int n, int accumulate);
+typedef void (*ft_tile_fn)(int64_t K, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
+                           int64_t ldc, int m, int n, int accumulate);
 
 typedef struct {
     const char *name;   /* "avx512", "avx2", "generic" */
@@ -29,15 +30,10 @@ typedef struct {
 /* The kernel set of this process (chosen on first call). */
 const ft_cpu_kernel *ft_cpu_kernel_get(void);
 
-/* Pack rows [0, m) of A (row stride lda), columns [0, kc), into ap (kc x mr, k-major); rows
- * m..mr-1 are zero. */
-static inline void ft_pack_a(float *ap, const float *a, int64_t lda, int m, int64_t kc, int mr) {
-    for (int i = 0; i < mr; i++) {
-        const float *row = a + i * lda;
-        if (i < m)
-            for (int64_t k = 0; k < kc; k++) ap[k * mr + i] = row[k];
-        else
-            for (int64_t k = 0; k < kc; k++) ap[k * mr + i] = 0.0f;
-    }
+/* dst (mr x kc, row stride kc) = rows [0, m) of a (row stride lda), columns [0, kc); rows m..mr-1
+ * zero: the A block of a tile with fewer than MR rows */
+static inline void ft_copy_rows(float *dst, const float *a, int64_t lda, int m, int64_t kc, int mr) {
+    for (int i = 0; i < mr; i++)
+        for (int64_t k = 0; k < kc; k++) dst[i * kc + k] = i < m ? a[i * lda + k] : 0.0f;
 }
 #endif

@@ -6,8 +6,9 @@
  * [p NR, p NR + NR) as K rows of NR floats, element (k, j) = W[p NR + j][k]; the last panel is
  * zero-padded. A GEMM is cut into tasks of up to MC rows x a range of panels, run in any order
  * by any thread (dynamic schedule: a thread slowed by another process takes fewer tasks);
- * inside a task the K range is cut into KC blocks, A is packed per block, and each B
- * micro-panel (KC x NR, in L1) is used across the task's rows. None of this changes a single
+ * inside a task the K range is cut into KC blocks and each B micro-panel (KC x NR, in L1) is
+ * used across the task's rows, read in place (A's rows are not packed: only a last block of
+ * fewer than MR rows is copied, zero-padded). None of this changes a single
  * bit of the result (kernels.h): every element is one chain over k in order. */
 #include <math.h>
 #include <stdlib.h>
@@ -18,8 +19,8 @@
 #include "mathfun.h"
 #include "rowfun.h"
 
-#define MC 96     /* rows per task (a multiple of every MR) */
-#define KC 192    /* k per block: a B micro-panel of KC x 32 floats is 24 KiB */
+static int MC = 48;  /* TUNE */
+static int KC = 256; /* TUNE */
 
 size_t cpu_packed_weight_bytes(ft_backend *be, int64_t N, int64_t K) {
     (void)be;
@@ -65,25 +66,24 @@ typedef struct {
     float eps;
 } linear_args;
 
-/* rows [r0, r1) x panels [p0, p1) of one linear layer; ap: MC x KC floats of scratch */
+/* rows [r0, r1) x panels [p0, p1) of one linear layer; pad: MR x KC floats for a short block */
 static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
-                     float *ap) {
+                     float *pad) {
     const int mr = kr->mr, nr = kr->nr;
     const int64_t K = a->K, N = a->N;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const int last = k0 + kc == K;
-        for (int64_t r = r0; r < r1; r += mr) {
-            const int m = (int)(r1 - r < mr ? r1 - r : mr);
-            ft_pack_a(ap + (r - r0) * kc, a->x + r * K + k0, K, m, kc, mr);
-        }
+        const int64_t rfull = r0 + (r1 - r0) / mr * mr;   /* rows of whole MR blocks; the rest is copied */
+        if (rfull < r1) ft_copy_rows(pad, a->x + rfull * K + k0, K, (int)(r1 - rfull), kc, mr);
         for (int64_t p = p0; p < p1; p++) {
             const float *bp = a->w + p * K * nr + k0 * nr;
             const int n = (int)(N - p * nr < nr ? N - p * nr : nr);
             for (int64_t r = r0; r < r1; r += mr) {
                 const int m = (int)(r1 - r < mr ? r1 - r : mr);
                 float *c = a->out + r * N + p * nr;
-                kr->tile(kc, ap + (r - r0) * kc, bp, nr, c, N, m, n, k0 > 0);
+                if (r < rfull) kr->tile(kc, a->x + r * K + k0, K, bp, nr, c, N, m, n, k0 > 0);
+                else kr->tile(kc, pad, kc, bp, nr, c, N, m, n, k0 > 0);
                 if (last && !a->residual && (a->bias || a->act >= 0))
                     tile_epilogue(c, N, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
             }
@@ -96,6 +96,7 @@ static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, 
 }
 
 static ft_status run_linear(const linear_args *a) {
+    { static int once; if (!once) { once = 1; if (getenv("FT_MC")) MC = atoi(getenv("FT_MC")); if (getenv("FT_KC")) KC = atoi(getenv("FT_KC")); } }
     const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int nt = ft_num_threads();
     const int64_t panels = (a->N + kr->nr - 1) / kr->nr, want = 4 * (int64_t)nt;
@@ -114,7 +115,7 @@ static ft_status run_linear(const linear_args *a) {
     int failed = 0;
 #pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
     {
-        float *ap = aligned_alloc(64, (size_t)MC * KC * sizeof(float));
+        float *ap = aligned_alloc(64, (size_t)kr->mr * KC * sizeof(float));
         if (!ap) {
 #pragma omp atomic write
             failed = 1;
