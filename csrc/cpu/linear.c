@@ -19,8 +19,8 @@
 #include "mathfun.h"
 #include "rowfun.h"
 
-static int MC = 48;  /* TUNE */
-static int KC = 256; /* TUNE */
+#define MC 48     /* rows per task (a multiple of every MR) */
+#define KC 256    /* k per block: a B micro-panel of KC x 32 floats is 32 KiB */
 
 size_t cpu_packed_weight_bytes(ft_backend *be, int64_t N, int64_t K) {
     (void)be;
@@ -96,7 +96,6 @@ static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, 
 }
 
 static ft_status run_linear(const linear_args *a) {
-    { static int once; if (!once) { once = 1; if (getenv("FT_MC")) MC = atoi(getenv("FT_MC")); if (getenv("FT_KC")) KC = atoi(getenv("FT_KC")); } }
     const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int nt = ft_num_threads();
     const int64_t panels = (a->N + kr->nr - 1) / kr->nr, want = 4 * (int64_t)nt;
