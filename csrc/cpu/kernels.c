@@ -33,6 +33,8 @@ __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const floa
     const int64_t l3 = 3 * lda, l5 = 5 * lda, l7 = 7 * lda;
     const float *a8 = a + 8 * lda;
     for (int64_t k = 0; k < K; k++) {
+        _mm_prefetch((const char *)(b + (k + 8) * ldb), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + (k + 8) * ldb + 16), _MM_HINT_T0);
         const __m512 b0 = _mm512_maskz_loadu_ps(m0, b + k * ldb), b1 = _mm512_maskz_loadu_ps(m1, b + k * ldb + 16);
         const float *p = a + k, *q = a8 + k;
         const float av[MR512] = {p[0], p[lda], p[2 * lda], p[l3], p[4 * lda], p[l5],

@@ -6,9 +6,9 @@
  * [p NR, p NR + NR) as K rows of NR floats, element (k, j) = W[p NR + j][k]; the last panel is
  * zero-padded. A GEMM is cut into tasks of up to MC rows x a range of panels, run in any order
  * by any thread (dynamic schedule: a thread slowed by another process takes fewer tasks);
- * inside a task the K range is cut into KC blocks and each B micro-panel (KC x NR, in L1) is
- * used across the task's rows, read in place (A's rows are not packed: only a last block of
- * fewer than MR rows is copied, zero-padded). None of this changes a single
+ * inside a task the K range is cut into KC blocks; the task's KC x (its columns) block of
+ * weights stays in L2 while each block of MR rows of x, read in place from L1, sweeps across it
+ * (A's rows are never packed: only a last block of fewer than MR rows is copied, zero-padded). None of this changes a single
  * bit of the result (kernels.h): every element is one chain over k in order. */
 #include <math.h>
 #include <stdlib.h>
@@ -19,8 +19,9 @@
 #include "mathfun.h"
 #include "rowfun.h"
 
-#define MC 48     /* rows per task (a multiple of every MR) */
-#define KC 256    /* k per block: a B micro-panel of KC x 32 floats is 32 KiB */
+#define MC 96     /* rows per task (a multiple of every MR) */
+#define KC 256    /* k per block */
+#define NCB 512   /* weight columns per task: a KC x NCB block of weights is 512 KiB (L2) */
 
 size_t cpu_packed_weight_bytes(ft_backend *be, int64_t N, int64_t K) {
     (void)be;
@@ -74,16 +75,21 @@ static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, 
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const int last = k0 + kc == K;
-        const int64_t rfull = r0 + (r1 - r0) / mr * mr;   /* rows of whole MR blocks; the rest is copied */
-        if (rfull < r1) ft_copy_rows(pad, a->x + rfull * K + k0, K, (int)(r1 - rfull), kc, mr);
-        for (int64_t p = p0; p < p1; p++) {
-            const float *bp = a->w + p * K * nr + k0 * nr;
-            const int n = (int)(N - p * nr < nr ? N - p * nr : nr);
-            for (int64_t r = r0; r < r1; r += mr) {
-                const int m = (int)(r1 - r < mr ? r1 - r : mr);
+        /* the task's block of weights (kc x its panels) stays in L2; each MR-row block of A
+         * (in L1) is used across all of it */
+        for (int64_t r = r0; r < r1; r += mr) {
+            const int m = (int)(r1 - r < mr ? r1 - r : mr);
+            const float *ar = a->x + r * K + k0;
+            int64_t lda = K;
+            if (m < mr) {   /* a short block: a zero-padded copy */
+                ft_copy_rows(pad, ar, K, m, kc, mr);
+                ar = pad;
+                lda = kc;
+            }
+            for (int64_t p = p0; p < p1; p++) {
+                const int n = (int)(N - p * nr < nr ? N - p * nr : nr);
                 float *c = a->out + r * N + p * nr;
-                if (r < rfull) kr->tile(kc, a->x + r * K + k0, K, bp, nr, c, N, m, n, k0 > 0);
-                else kr->tile(kc, pad, kc, bp, nr, c, N, m, n, k0 > 0);
+                kr->tile(kc, ar, lda, a->w + p * K * nr + k0 * nr, nr, c, N, m, n, k0 > 0);
                 if (last && !a->residual && (a->bias || a->act >= 0))
                     tile_epilogue(c, N, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
             }
@@ -104,9 +110,10 @@ static ft_status run_linear(const linear_args *a) {
         int64_t per = (a->M + want - 1) / want;
         per = (per + kr->mr - 1) / kr->mr * kr->mr;
         mc = per < MC ? per : MC;
-    } else {             /* split the columns when there are few row blocks */
-        const int64_t rb = (a->M + MC - 1) / MC;
-        if (rb < want) chunks = (want + rb - 1) / rb;
+    } else {             /* column blocks that fit L2, more of them when there are few row blocks */
+        const int64_t rb = (a->M + MC - 1) / MC, per_block = NCB / kr->nr;
+        chunks = (panels + per_block - 1) / per_block;
+        if (rb * chunks < want) chunks = (want + rb - 1) / rb;
         if (chunks > panels) chunks = panels;
     }
     const int64_t row_blocks = (a->M + mc - 1) / mc, per_chunk = (panels + chunks - 1) / chunks;
