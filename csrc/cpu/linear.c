@@ -20,8 +20,8 @@
 #include "rowfun.h"
 
 #define MC 96     /* rows per task (a multiple of every MR) */
-#define KC 256    /* k per block */
-#define NCB 512   /* weight columns per task: a KC x NCB block of weights is 512 KiB (L2) */
+#define KC_MAX 512   /* k per block at most; K is cut into equal blocks */
+#define NCB 512   /* weight columns per task: a KC x NCB block of weights is at most 1 MiB (L2) */
 
 size_t cpu_packed_weight_bytes(ft_backend *be, int64_t N, int64_t K) {
     (void)be;
@@ -67,11 +67,17 @@ typedef struct {
     float eps;
 } linear_args;
 
+/* K in equal blocks of at most KC_MAX (384 -> 384, 1536 -> 3 x 512) */
+static int64_t kblock(int64_t K) {
+    const int64_t blocks = (K + KC_MAX - 1) / KC_MAX;
+    return (K + blocks - 1) / blocks;
+}
+
 /* rows [r0, r1) x panels [p0, p1) of one linear layer; pad: MR x KC floats for a short block */
 static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
                      float *pad) {
     const int mr = kr->mr, nr = kr->nr;
-    const int64_t K = a->K, N = a->N;
+    const int64_t K = a->K, N = a->N, KC = kblock(K);
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const int last = k0 + kc == K;
@@ -121,7 +127,7 @@ static ft_status run_linear(const linear_args *a) {
     int failed = 0;
 #pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
     {
-        float *ap = aligned_alloc(64, (size_t)kr->mr * KC * sizeof(float));
+        float *ap = aligned_alloc(64, (size_t)kr->mr * kblock(a->K) * sizeof(float));
         if (!ap) {
 #pragma omp atomic write
             failed = 1;
