@@ -127,7 +127,7 @@ static ft_status run_linear(const linear_args *a) {
     int failed = 0;
 #pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
     {
-        float *ap = aligned_alloc(64, (size_t)kr->mr * kblock(a->K) * sizeof(float));
+        float *ap = aligned_alloc(64, ((size_t)kr->mr * kblock(a->K) * sizeof(float) + 63) & ~(size_t)63);
         if (!ap) {
 #pragma omp atomic write
             failed = 1;
