@@ -76,6 +76,7 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float
     }
     const int64_t l3 = 3 * lda, l5 = 5 * lda;
     for (int64_t k = 0; k < K; k++) {
+        _mm_prefetch((const char *)(b + (k + 8) * ldb), _MM_HINT_T0);
         const __m256 b0 = _mm256_maskload_ps(b + k * ldb, m0), b1 = _mm256_maskload_ps(b + k * ldb + 8, m1);
         const float *p = a + k;
         const float *av[MR256] = {p, p + lda, p + 2 * lda, p + l3, p + 4 * lda, p + l5};

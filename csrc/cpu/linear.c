@@ -12,6 +12,7 @@
  * bit of the result (kernels.h): every element is one chain over k in order. */
 #include <math.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "core/status.h"
 #include "cpu_ops.h"
@@ -20,8 +21,23 @@
 #include "rowfun.h"
 
 #define MC 96     /* rows per task (a multiple of every MR) */
-#define KC_MAX 512   /* k per block at most; K is cut into equal blocks */
-#define NCB 512   /* weight columns per task: a KC x NCB block of weights is at most 1 MiB (L2) */
+/* A task's block of weights (at most KC_MAX(kr) x NCB(kr) floats) should stay in L2: half of
+ * this core's L2 (1 MiB on a 2 MiB Sapphire Rapids L2: k blocks of 512 x 512 columns; 128 KiB on
+ * a 256 KiB Haswell L2: 256 x 128). The blocking never changes a result, only the speed. */
+static int64_t l2_budget_floats(void) {
+    static int64_t budget;
+    if (!budget) {
+        long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        if (l2 <= 0) l2 = 1 << 20;   /* unknown: assume 1 MiB */
+        budget = (int64_t)l2 / 2 / (int64_t)sizeof(float);
+    }
+    return budget;
+}
+#define KC_MAX(kr) (l2_budget_floats() >= 512 * 512 ? 512 : 256)
+static int64_t NCB(const ft_cpu_kernel *kr) {
+    int64_t cols = l2_budget_floats() / KC_MAX(kr) / kr->nr * kr->nr;
+    return cols < kr->nr ? kr->nr : cols > 512 ? 512 : cols;
+}
 
 size_t cpu_packed_weight_bytes(ft_backend *be, int64_t N, int64_t K) {
     (void)be;
@@ -67,9 +83,9 @@ typedef struct {
     float eps;
 } linear_args;
 
-/* K in equal blocks of at most KC_MAX (384 -> 384, 1536 -> 3 x 512) */
-static int64_t kblock(int64_t K) {
-    const int64_t blocks = (K + KC_MAX - 1) / KC_MAX;
+/* K in equal blocks of at most KC_MAX (AVX-512: 384 -> 384, 1536 -> 3 x 512) */
+static int64_t kblock(const ft_cpu_kernel *kr, int64_t K) {
+    const int64_t blocks = (K + KC_MAX(kr) - 1) / KC_MAX(kr);
     return (K + blocks - 1) / blocks;
 }
 
@@ -77,7 +93,7 @@ static int64_t kblock(int64_t K) {
 static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
                      float *pad) {
     const int mr = kr->mr, nr = kr->nr;
-    const int64_t K = a->K, N = a->N, KC = kblock(K);
+    const int64_t K = a->K, N = a->N, KC = kblock(kr, K);
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const int last = k0 + kc == K;
@@ -117,7 +133,7 @@ static ft_status run_linear(const linear_args *a) {
         per = (per + kr->mr - 1) / kr->mr * kr->mr;
         mc = per < MC ? per : MC;
     } else {             /* column blocks that fit L2, more of them when there are few row blocks */
-        const int64_t rb = (a->M + MC - 1) / MC, per_block = NCB / kr->nr;
+        const int64_t rb = (a->M + MC - 1) / MC, per_block = NCB(kr) / kr->nr;
         chunks = (panels + per_block - 1) / per_block;
         if (rb * chunks < want) chunks = (want + rb - 1) / rb;
         if (chunks > panels) chunks = panels;
@@ -127,7 +143,7 @@ static ft_status run_linear(const linear_args *a) {
     int failed = 0;
 #pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
     {
-        float *ap = aligned_alloc(64, ((size_t)kr->mr * kblock(a->K) * sizeof(float) + 63) & ~(size_t)63);
+        float *ap = aligned_alloc(64, ((size_t)kr->mr * kblock(kr, a->K) * sizeof(float) + 63) & ~(size_t)63);
         if (!ap) {
 #pragma omp atomic write
             failed = 1;
