@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 4
+#define FT_BACKEND_ABI 5
 
 typedef struct ft_backend ft_backend;
 
@@ -38,31 +38,49 @@ typedef struct {
     S(ft_status, copy, (ft_backend *be, void *dst, const void *src, size_t bytes))                \
     S(ft_status, synchronize, (ft_backend *be))                                                    \
     S(void, destroy, (ft_backend *be))                                                             \
-    /* bytes of `scratch` attention_forward needs for (B, T, NH) */                                \
+    /* bytes of `scratch` attention_forward needs for B sequences of at most T rows, NH heads */   \
     S(size_t, attention_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))         \
     /* bytes of `scratch` attention_train_forward / attention_backward need for B sequences of at  \
      * most T rows, NH heads */                                                                    \
-    S(size_t, attention_train_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))
+    S(size_t, attention_train_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))   \
+    /* bytes of a packed copy of an (N, K) weight for linear_*_forward; 0 = the backend reads the \
+     * weight as it is (w_packed is then ignored) */                                               \
+    S(size_t, packed_weight_bytes, (ft_backend *be, int64_t N, int64_t K))
 
 #define FT_BACKEND_OPS(X)                                                                           \
     /* C (M, N) = alpha * op(A) op(B) + beta * C, row-major, op = transpose when trans_* */        \
     X(gemm, (ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, \
              const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,      \
              int64_t ldc))                                                                         \
-    /* ---- encoder ops (fp32) ---- */                                                             \
-    /* out (B*T, C) = LayerNorm(word[ids] + pos[t] + type[types]) */                              \
+    /* ---- encoder ops (fp32). Activations are "packed rows": the encoder keeps only the rows   \
+     * it computes (real tokens, then any padded ones asked for), sequence by sequence. ---- */    \
+    /* packed (packed_weight_bytes) = w (N, K) in the backend's layout for linear_*_forward */     \
+    X(pack_weight, (ft_backend *be, float *packed, const float *w, int64_t N, int64_t K))          \
+    /* out (M, N) = act(x (M, K) w^T + bias); w (N, K) and its packed copy; bias (N) or NULL;     \
+     * act an ft_activation or -1 for none. out must not alias x. */                              \
+    X(linear_forward, (ft_backend *be, float *out, const float *x, const float *w,                 \
+                       const float *w_packed, const float *bias, int64_t M, int64_t K, int64_t N,  \
+                       int act))                                                                   \
+    /* out (M, N) = LayerNorm(residual + (x w^T + bias)) per row; out aliases neither x nor       \
+     * residual */                                                                                 \
+    X(linear_residual_ln_forward, (ft_backend *be, float *out, const float *x, const float *w,    \
+                                   const float *w_packed, const float *bias, const float *residual, \
+                                   const float *gamma, const float *beta, int64_t M, int64_t K,     \
+                                   int64_t N, float eps))                                           \
+    /* out (N, C) row r = LayerNorm(word[ids[r]] + type[types[r]] + pos[positions[r]]); types NULL: 0 */\
     X(embed_ln_forward, (ft_backend *be, float *out, const int32_t *ids, const int32_t *types,     \
-                         const float *word, const float *pos, const float *type, const float *gamma, \
-                         const float *beta, int64_t B, int64_t T, int64_t C, float eps))           \
+                         const int32_t *positions, const float *word, const float *pos,            \
+                         const float *type, const float *gamma, const float *beta, int64_t N,      \
+                         int64_t C, float eps))                                                    \
     /* dst (N, C) = row broadcast of bias (C): prefill before a beta=1 GEMM */                    \
     X(broadcast_rows, (ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C))        \
-    /* ctx (B, T, C) = softmax(Q K^T / sqrt(C/NH) + mask) V per (b, h); qkv (B, T, 3C) with Q, K, \
-     * V at column offsets 0, C, 2C. keymask (B, T) 1/0; key_len (B): keys at and after          \
-     * key_len[b] are all masked (lets the CPU skip right padding). scratch: see                 \
-     * attention_scratch_bytes. A row with no real key gets a zero output. */                     \
-    X(attention_forward, (ft_backend *be, float *ctx, const float *qkv, const float *keymask,     \
-                          const int32_t *key_len, int64_t B, int64_t T, int64_t C, int64_t NH,    \
-                          float *scratch))                                                         \
+    /* ctx (rows, C) = per (sequence b, head h): softmax(Q K^T / sqrt(C/NH)) V; qkv (rows, 3C)    \
+     * with Q, K, V at column offsets 0, C, 2C. seqs: HOST memory, (B, 3) int32 = first row,     \
+     * key rows, query rows of sequence b: its queries are rows [first, first + query rows) and   \
+     * its keys the first `key rows` of them (no mask: every key is real). A sequence with no key \
+     * gets a zero output. scratch: attention_scratch_bytes(B, max query rows, NH). */           \
+    X(attention_forward, (ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs,      \
+                          int64_t B, int64_t C, int64_t NH, float *scratch))                       \
     /* h (N, K) = act(h + bias) in place */                                                        \
     X(bias_act_forward, (ft_backend *be, float *h, const float *bias, int64_t N, int64_t K,       \
                          ft_activation act))                                                       \
@@ -70,9 +88,13 @@ typedef struct {
     X(bias_residual_ln_forward, (ft_backend *be, float *out, const float *residual, const float *y, \
                                  const float *bias, const float *gamma, const float *beta,        \
                                  int64_t N, int64_t C, float eps))                                 \
-    /* out (B, C) = CLS row or mask-aware mean over T of h (B, T, C) */                           \
-    X(pool_forward, (ft_backend *be, float *out, const float *h, const float *keymask, int64_t B,  \
-                     int64_t T, int64_t C, ft_pooling mode))                                       \
+    /* out (B, C) row b = mean of rows [first[b], first[b] + count[b]) of h (rows, C); count 0    \
+     * gives zeros (CLS pooling: count 1) */                                                      \
+    X(pool_forward, (ft_backend *be, float *out, const float *h, const int32_t *first,             \
+                     const int32_t *count, int64_t B, int64_t C))                                  \
+    /* dst row index[r] = src row r, for r < N; rows are C floats */                              \
+    X(scatter_rows, (ft_backend *be, float *dst, const float *src, const int32_t *index, int64_t N, \
+                     int64_t C))                                                                   \
     /* ---- training (heads, optimizers) ---- */                                                  \
     /* y (n) = x * keep(key, i) / (1 - p); y may alias x. keep() is ft_dropout_keep (core/rng.h), \
      * so the same call on a gradient applies the same mask (the backward pass). */               \

@@ -4,8 +4,18 @@
     >>> enc = fasttran.Encoder.from_pretrained("path/to/all-MiniLM-L6-v2")
     >>> emb = enc.encode(["a sentence", "another one"])        # (2, 384) float32
 """
+import os as _os
+
 from . import errors  # first: the C module looks its exception classes up here
 
+# The CPU backend's OpenMP workers wait passively (sleep at once instead of spinning), so a
+# machine shared with a busy process gives its cores to the thread that still has work. OpenMP
+# reads this once, when its runtime loads with our module, so it is set just for that moment
+# (and left alone when the user chose a policy): torch or others imported later keep their
+# own defaults.
+_set_wait = "OMP_WAIT_POLICY" not in _os.environ
+if _set_wait:
+    _os.environ["OMP_WAIT_POLICY"] = "passive"
 try:
     from . import _C
 except ImportError as _e:  # pragma: no cover - depends on how Python was started
@@ -17,6 +27,9 @@ except ImportError as _e:  # pragma: no cover - depends on how Python was starte
             "extension. Run from another directory, or with `python -P` (so the installed "
             "package is used), or install in place with `pip install -e .`") from _e
     raise
+finally:
+    if _set_wait:
+        del _os.environ["OMP_WAIT_POLICY"]
 from ._info import build_info, cuda_available, get_num_threads, set_num_threads
 from .cache import ActivationCache
 from .encoder import Encoder

@@ -36,6 +36,7 @@ def build_info():
         "version": _C.version,
         "backends": ["cpu"] + (["cuda (emulated)" if _C.cuda_emulated else "cuda"] if _cuda_backend_installed() else []),
         "blas": _C.blas_name(),
+        "cpu_kernels": _C.cpu_isa(),
         "threads": _C.num_threads(),
         "compiler": BUILD.get("compiler"),
         "cflags": BUILD.get("cflags"),
@@ -58,10 +59,18 @@ def build_info():
 
 
 def get_num_threads():
-    """Threads used by fasttran's CPU backend (OpenMP row ops and OpenBLAS GEMMs)."""
+    """Threads used by fasttran's CPU backend (its kernels, row ops and the heads' BLAS).
+
+    The default is ``FASTTRAN_NUM_THREADS``, else ``OMP_NUM_THREADS``, else the CPUs this
+    process may run on (its affinity mask, capped by a cgroup CPU quota: a container limited to
+    2 CPUs gets 2 threads whatever the host has)."""
     return _C.num_threads()
 
 
 def set_num_threads(n):
-    """Set the threads used by fasttran's CPU backend."""
-    _C.set_num_threads(int(n))
+    """Set the threads used by fasttran's CPU backend, for every thread that calls into it.
+    Results do not depend on it: only the speed does."""
+    from .errors import InputError
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InputError(f"set_num_threads takes a positive int, got {n!r}")
+    _C.set_num_threads(n)

@@ -1,17 +1,31 @@
-/* Thread count shared by OpenMP (fused row ops, attention blocks) and OpenBLAS (GEMMs). */
+/* The CPU backend's threads: one OpenMP team for everything (our kernels, row ops, attention,
+ * and OpenBLAS's jobs for the heads' GEMMs), sized once from what this process may use.
+ *
+ * Default count: FASTTRAN_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs in this process's
+ * affinity mask capped by the cgroup CPU quota (v2 cpu.max, v1 cfs_quota_us / cfs_period_us),
+ * not the host's core count: a container given 2 CPUs of a 64-core host runs 2 threads.
+ * Every parallel region names ft_num_threads() explicitly, so set_num_threads() holds for every
+ * calling thread (OpenMP's own setting is per thread: a prefetch thread would not see it).
+ *
+ * Waiting: fasttran/__init__.py sets OMP_WAIT_POLICY=passive before the OpenMP runtime loads
+ * (unless the user set it): a worker that finishes early sleeps instead of spinning, so on a
+ * machine shared with a busy process the core goes to the thread that still has work. */
+#define _GNU_SOURCE
+#include <math.h>
 #include <omp.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cpu/blas.h"
 #include "fasttran.h"
 
-/* OpenBLAS (pthreads build) keeps its own thread pool, whose workers spin after each GEMM and
- * fight our OpenMP workers for the same cores between a GEMM and the fused row op after it
- * (a quarter of the CPU time on 2 cores). OpenBLAS lets a callback run its jobs instead: we
- * run them on the OpenMP team, so there is one pool. Level-3 jobs synchronise with each
- * other, so they must run concurrently: one thread per job. Inside our own parallel regions
- * (attention blocks) BLAS is set to one thread, so no job list is ever split there. */
+/* OpenBLAS (pthreads build) keeps its own thread pool; a callback lets us run its parallel jobs
+ * on the OpenMP team instead, so there is one pool. Level-3 jobs synchronise with each other,
+ * so they must run concurrently: one thread per job. */
 static void blas_jobs_on_openmp(int sync, openblas_dojob_callback dojob, int numjobs, size_t elsize,
                                 void *jobdata, int dojob_data) {
     (void)sync;
@@ -19,15 +33,105 @@ static void blas_jobs_on_openmp(int sync, openblas_dojob_callback dojob, int num
     for (int i = 0; i < numjobs; i++) dojob(i, (char *)jobdata + (size_t)i * elsize, dojob_data);
 }
 
-static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
-static void blas_init(void) { ft_blas_set_threads_callback(blas_jobs_on_openmp); }
-void ft_blas_use_openmp(void) { pthread_once(&blas_once, blas_init); }
+static atomic_int g_threads;
 
-int ft_num_threads(void) { return omp_get_max_threads(); }
+/* CPUs allowed by a cgroup quota file holding "quota period" (v2 cpu.max) or by two v1 files;
+ * 0 when there is no limit or nothing to read */
+static int cgroup_v2_limit(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char q[32] = "";
+    long long period = 0;
+    int n = fscanf(f, "%31s %lld", q, &period);
+    fclose(f);
+    if (n != 2 || strcmp(q, "max") == 0 || period <= 0) return 0;
+    long long quota = atoll(q);
+    return quota > 0 ? (int)((quota + period - 1) / period) : 0;
+}
+
+static long long read_ll(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    long long v = -1;
+    if (fscanf(f, "%lld", &v) != 1) v = -1;
+    fclose(f);
+    return v;
+}
+
+static int cgroup_limit(void) {
+    int best = 0;
+    /* v2: the namespace root, then this process's own group (/proc/self/cgroup "0::/path") */
+    int lim = cgroup_v2_limit("/sys/fs/cgroup/cpu.max");
+    if (lim > 0) best = lim;
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    if (f) {
+        char line[512];
+        while (fgets(line, sizeof line, f)) {
+            if (strncmp(line, "0::", 3) != 0) continue;
+            line[strcspn(line, "\n")] = '\0';
+            char path[600];
+            snprintf(path, sizeof path, "/sys/fs/cgroup%s/cpu.max", line + 3);
+            lim = cgroup_v2_limit(path);
+            if (lim > 0 && (best == 0 || lim < best)) best = lim;
+        }
+        fclose(f);
+    }
+    /* v1 */
+    static const char *v1[][2] = {{"/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"},
+                                  {"/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us"}};
+    for (int k = 0; k < 2; k++) {
+        long long quota = read_ll(v1[k][0]), period = read_ll(v1[k][1]);
+        if (quota > 0 && period > 0) {
+            lim = (int)((quota + period - 1) / period);
+            if (best == 0 || lim < best) best = lim;
+        }
+    }
+    return best;
+}
+
+static int env_threads(const char *name) {
+    const char *v = getenv(name);
+    if (!v || !*v) return 0;
+    char *end;
+    long n = strtol(v, &end, 10);   /* OMP_NUM_THREADS may be a list: its first entry */
+    if (end == v || n < 1 || n > 4096) {
+        fprintf(stderr, "fasttran: ignoring %s=%s (expected a positive integer)\n", name, v);
+        return 0;
+    }
+    return (int)n;
+}
+
+int ft_default_threads(void) {
+    int n = env_threads("FASTTRAN_NUM_THREADS");
+    if (!n) n = env_threads("OMP_NUM_THREADS");
+    if (n) return n;
+    cpu_set_t set;
+    n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+    if (n < 1) n = omp_get_num_procs();
+    int lim = cgroup_limit();
+    if (lim > 0 && lim < n) n = lim;
+    return n < 1 ? 1 : n;
+}
+
+static pthread_once_t threads_once = PTHREAD_ONCE_INIT;
+static void threads_init(void) {
+    ft_blas_set_threads_callback(blas_jobs_on_openmp);
+    int n = ft_default_threads();
+    atomic_store(&g_threads, n);
+    ft_blas_set_threads(n);
+}
+void ft_blas_use_openmp(void) { pthread_once(&threads_once, threads_init); }
+
+int ft_num_threads(void) {
+    pthread_once(&threads_once, threads_init);
+    return atomic_load(&g_threads);
+}
 
 void ft_set_num_threads(int n) {
+    pthread_once(&threads_once, threads_init);
     if (n < 1) n = 1;
-    omp_set_num_threads(n);
+    atomic_store(&g_threads, n);
+    omp_set_num_threads(n);   /* this thread's OpenMP default too, for code outside fasttran's regions */
     ft_blas_set_threads(n);
 }
 

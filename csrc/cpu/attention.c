@@ -1,87 +1,127 @@
-/* Attention on the CPU, one (batch, head) block at a time: S = Q K^T / sqrt(hs) for that
- * head only (T x Tk scratch per thread, never all heads' scores at once), masked softmax in
- * place, then P V written straight into the head's columns of ctx. Blocks run in parallel
- * over OpenMP threads, each calling single-threaded BLAS (a multi-threaded GEMM on a
- * 128 x 128 x 32 block spends more time waking threads than multiplying).
+/* Attention on the CPU over packed sequences: sequence b owns rows [first, first + rows) of
+ * qkv and ctx, and its keys are its first `keys` rows (the real tokens; padded rows, when the
+ * caller wants them computed, come after and are queries only). No mask is needed and no score
+ * is computed for a padded key.
  *
- * Padding: keys at or after key_len[b] are all masked, so the GEMMs only span the first
- * key_len[b] keys (right padding costs no score work). Query rows of padded tokens are still
- * computed, because Hugging Face returns them too. A sequence with no real key at all gets a
- * zero attention output, as transformers' default (SDPA) path and torch's SDPA give (its eager
- * path would give uniform weights instead). */
+ * One task per (sequence, head), run by any thread: K^T is packed into key panels once, then
+ * per block of MR query rows: S = Q K^T (the micro-kernel, K = head size, Q read in place),
+ * softmax with the scale in place, then P V into the head's columns of ctx (the micro-kernel,
+ * K = keys, P read in place). Every score and every output element is one chain in a
+ * fixed order (kernels.h, rowfun.h), so a query row's result depends on its own sequence only,
+ * not on the rows computed beside it or on the thread count. A sequence with no real key gets a
+ * zero output, as transformers' default (SDPA) path and torch's SDPA give. */
 #include <math.h>
-#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
 
-#include "blas.h"
+#include "core/status.h"
 #include "cpu_ops.h"
-#include "mathfun.h"
+#include "kernels.h"
+#include "rowfun.h"
 
 size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t NH) {
-    (void)be; (void)B; (void)NH;
-    return (size_t)omp_get_max_threads() * (size_t)T * (size_t)T * sizeof(float);
+    (void)be; (void)B; (void)T; (void)NH;
+    return 0;   /* per-thread scratch is allocated by the op for the longest sequence */
 }
 
-static void softmax_rows(float *S, const float *keymask, int64_t T, int64_t Tk) {
-    for (int64_t i = 0; i < T; i++) {
-        float *s = S + i * Tk;
-        float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < Tk; j++) {
-            float v = keymask[j] != 0.0f ? s[j] : -INFINITY;
-            mx = v > mx ? v : mx;
+/* s[0..n) = softmax(scale * s) in place (max and sum in fixed lanes, rowfun.h) */
+static void softmax_row(float *s, int64_t n, float scale) {
+    float lane[FT_LANES];
+    for (int l = 0; l < FT_LANES; l++) lane[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + FT_LANES <= n; j += FT_LANES)
+        for (int l = 0; l < FT_LANES; l++) {
+            float v = scale * s[j + l];
+            s[j + l] = v;
+            lane[l] = v > lane[l] ? v : lane[l];
         }
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < Tk; j++) {
-            float e = keymask[j] != 0.0f ? ft_expf(s[j] - mx) : 0.0f;
-            s[j] = e;
-            sum += e;
-        }
-        float inv = 1.0f / sum;
+    for (int l = 0; j + l < n; l++) {
+        float v = scale * s[j + l];
+        s[j + l] = v;
+        lane[l] = v > lane[l] ? v : lane[l];
+    }
+    float mx = lane[0];
+    for (int l = 1; l < FT_LANES; l++) mx = lane[l] > mx ? lane[l] : mx;   /* max: exact in any order */
 #pragma omp simd
-        for (int64_t j = 0; j < Tk; j++) s[j] *= inv;
+    for (j = 0; j < n; j++) s[j] = ft_expf(s[j] - mx);
+    const float inv = 1.0f / ft_row_sum(s, n);
+#pragma omp simd
+    for (j = 0; j < n; j++) s[j] *= inv;
+}
+
+/* one (sequence, head): q points at the head's columns of the sequence's first row */
+static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, int64_t nq, int64_t nk, int64_t hs,
+                         int64_t ld, int64_t C, float scale, float *kp, float *S, float *qpad) {
+    const int mr = kr->mr, nr = kr->nr;
+    const float *k = q + C, *v = q + 2 * C;
+    const int64_t kpanels = (nk + nr - 1) / nr, lds = kpanels * nr;
+    /* K^T in panels: panel p, element (d, j) = K[p nr + j][d] */
+    for (int64_t p = 0; p < kpanels; p++)
+        for (int64_t d = 0; d < hs; d++)
+            for (int j = 0; j < nr; j++) {
+                const int64_t key = p * nr + j;
+                kp[(p * hs + d) * nr + j] = key < nk ? k[key * ld + d] : 0.0f;
+            }
+    for (int64_t i0 = 0; i0 < nq; i0 += mr) {
+        const int m = (int)(nq - i0 < mr ? nq - i0 : mr);
+        const float *qa = q + i0 * ld;
+        int64_t lda = ld;
+        if (m < mr) {   /* a short block: zero-padded copy of its rows, and no stale scores */
+            ft_copy_rows(qpad, qa, ld, m, hs, mr);
+            qa = qpad;
+            lda = hs;
+            for (int i = m; i < mr; i++) memset(S + i * lds, 0, (size_t)nk * sizeof(float));
+        }
+        /* S (m x nk) = Q K^T, unscaled */
+        for (int64_t p = 0; p < kpanels; p++) {
+            const int n = (int)(nk - p * nr < nr ? nk - p * nr : nr);
+            kr->tile(hs, qa, lda, kp + p * hs * nr, nr, S + p * nr, lds, m, n, 0);
+        }
+        for (int i = 0; i < m; i++) softmax_row(S + i * lds, nk, scale);
+        /* out (m x hs) = P V, P read in place from S */
+        for (int64_t d0 = 0; d0 < hs; d0 += nr) {
+            const int n = (int)(hs - d0 < nr ? hs - d0 : nr);
+            kr->tile(nk, S, lds, v + d0, ld, out + i0 * C + d0, C, m, n, 0);
+        }
     }
 }
 
-ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, const float *keymask,
-                                const int32_t *key_len, int64_t B, int64_t T, int64_t C, int64_t NH,
-                                float *scratch) {
-    (void)be;
+ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs, int64_t B,
+                                int64_t C, int64_t NH, float *scratch) {
+    (void)be; (void)scratch;
+    const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int64_t hs = C / NH, ld = 3 * C;
     const float scale = 1.0f / sqrtf((float)hs);
-    /* each worker runs whole blocks: BLAS must not split them further (its pool would contend
-     * with ours for the same cores) */
-    int blas_threads = ft_blas_get_threads();
-    ft_blas_set_threads(1);
-#pragma omp parallel
+    int64_t maxk = 0;
+    for (int64_t b = 0; b < B; b++) maxk = seqs[3 * b + 1] > maxk ? seqs[3 * b + 1] : maxk;
+    const int64_t lds = (maxk + kr->nr - 1) / kr->nr * kr->nr;
+    /* per thread: K^T panels, one block of scores, a padded Q block */
+    const size_t floats = (size_t)(lds * hs + kr->mr * lds + hs * kr->mr);
+    const int nt = ft_num_threads();
+    const int64_t tasks = B * NH;
+    int failed = 0;
+#pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
     {
-        float *S = scratch + (size_t)omp_get_thread_num() * (size_t)T * (size_t)T;
+        float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t bh = 0; bh < B * NH; bh++) {
-            int64_t b = bh / NH, h = bh % NH;
-            const float *q = qkv + b * T * ld + h * hs, *k = q + C, *v = q + 2 * C;
-            const int64_t Tk = key_len[b];
-            float *out = ctx + b * T * C + h * hs;
-            if (Tk == 0) {   /* no real key: zero output */
-                for (int64_t i = 0; i < T; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
+        for (int64_t t = 0; t < tasks; t++) {
+            if (!buf) continue;
+            const int64_t b = t / NH, h = t % NH;
+            const int64_t first = seqs[3 * b], nk = seqs[3 * b + 1], nq = seqs[3 * b + 2];
+            float *out = ctx + first * C + h * hs;
+            if (nk == 0) {   /* no real key: zero output */
+                for (int64_t i = 0; i < nq; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
                 continue;
             }
-            /* real query rows [0, Tk) and padded ones [Tk, T) in separate GEMMs: BLAS picks
-             * its kernel (and so its rounding) by the problem size, and this keeps every real
-             * token's result a function of the real length only. An example then gets the same
-             * bits whatever its batch is padded to, which is what lets the Trainer's
-             * encoder-in-the-loop baseline match the activation cache bit for bit. */
-            for (int part = 0; part < 2; part++) {
-                const int64_t r0 = part ? Tk : 0, rows = part ? T - Tk : Tk;
-                if (rows == 0) continue;
-                ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)rows, (blasint)Tk, (blasint)hs, scale,
-                              q + r0 * ld, (blasint)ld, k, (blasint)ld, 0.0f, S, (blasint)Tk);
-                softmax_rows(S, keymask + b * T, rows, Tk);
-                ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)rows, (blasint)hs, (blasint)Tk, 1.0f,
-                              S, (blasint)Tk, v, (blasint)ld, 0.0f, out + r0 * C, (blasint)C);
-            }
+            float *kp = buf, *S = kp + lds * hs, *qpad = S + kr->mr * lds;
+            head_forward(kr, out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, kp, S, qpad);
         }
+        free(buf);
     }
-    ft_blas_set_threads(blas_threads);
+    if (failed) return ft_error(FT_ERR_NOMEM, "out of memory for attention scratch");
     return FT_OK;
 }

@@ -1,47 +1,33 @@
 /* Fused per-row ops of the CPU backend: each reads and writes a row once, rows in parallel
- * (OpenMP), the inner loops vectorised. LayerNorm uses two passes (mean, then the centred
- * variance) like PyTorch, so results agree to float rounding. */
+ * (OpenMP, dynamic chunks so that a thread slowed by another process takes fewer), the inner
+ * loops vectorised. Row arithmetic lives in rowfun.h (fixed-order reductions). */
 #include <math.h>
 
 #include "cpu_ops.h"
-#include "mathfun.h"
+#include "rowfun.h"
 
-/* y = (x - mean) / sqrt(var + eps) * gamma + beta over one row, in place */
-static inline void layernorm_row(float *x, const float *gamma, const float *beta, int64_t C, float eps) {
-    float mean = 0.0f;
-#pragma omp simd reduction(+ : mean)
-    for (int64_t c = 0; c < C; c++) mean += x[c];
-    mean /= (float)C;
-    float var = 0.0f;
-#pragma omp simd reduction(+ : var)
-    for (int64_t c = 0; c < C; c++) { float d = x[c] - mean; var += d * d; }
-    var /= (float)C;
-    float rstd = 1.0f / sqrtf(var + eps);
-#pragma omp simd
-    for (int64_t c = 0; c < C; c++) x[c] = (x[c] - mean) * rstd * gamma[c] + beta[c];
-}
+#define ROWS_PER_CHUNK 32
 
 ft_status cpu_embed_ln_forward(ft_backend *be, float *out, const int32_t *ids, const int32_t *types,
-                               const float *word, const float *pos, const float *type,
-                               const float *gamma, const float *beta, int64_t B, int64_t T,
-                               int64_t C, float eps) {
+                               const int32_t *positions, const float *word, const float *pos, const float *type,
+                               const float *gamma, const float *beta, int64_t N, int64_t C, float eps) {
     (void)be;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < B * T; r++) {
+#pragma omp parallel for schedule(dynamic, ROWS_PER_CHUNK) num_threads(ft_num_threads())
+    for (int64_t r = 0; r < N; r++) {
         const float *w = word + (int64_t)ids[r] * C;
-        const float *p = pos + (r % T) * C;
-        const float *ty = type + (int64_t)(types ? types[r] : 0) * C;
+        const float *p = pos + (int64_t)positions[r] * C;
+        const float *ty = type + (types ? (int64_t)types[r] * C : 0);
         float *o = out + r * C;
 #pragma omp simd
         for (int64_t c = 0; c < C; c++) o[c] = w[c] + ty[c] + p[c];   /* HF's order of sums */
-        layernorm_row(o, gamma, beta, C, eps);
+        ft_layernorm_row(o, gamma, beta, C, eps);
     }
     return FT_OK;
 }
 
 ft_status cpu_broadcast_rows(ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C) {
     (void)be;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 65536)
     for (int64_t r = 0; r < N; r++) memcpy(dst + r * C, bias, (size_t)C * sizeof(float));
     return FT_OK;
 }
@@ -49,26 +35,12 @@ ft_status cpu_broadcast_rows(ft_backend *be, float *dst, const float *bias, int6
 ft_status cpu_bias_act_forward(ft_backend *be, float *h, const float *bias, int64_t N, int64_t I,
                                ft_activation act) {
     (void)be;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, ROWS_PER_CHUNK) num_threads(ft_num_threads()) if (N * I > 65536)
     for (int64_t r = 0; r < N; r++) {
         float *x = h + r * I;
-        switch (act) {
-        case FT_ACT_GELU_ERF:
 #pragma omp simd
-            for (int64_t i = 0; i < I; i++) x[i] = ft_gelu_erf(x[i] + bias[i]);
-            break;
-        case FT_ACT_GELU_TANH:
-#pragma omp simd
-            for (int64_t i = 0; i < I; i++) x[i] = ft_gelu_tanh(x[i] + bias[i]);
-            break;
-        case FT_ACT_RELU:
-#pragma omp simd
-            for (int64_t i = 0; i < I; i++) { float v = x[i] + bias[i]; x[i] = v > 0.0f ? v : 0.0f; }
-            break;
-        case FT_ACT_TANH:
-            for (int64_t i = 0; i < I; i++) x[i] = tanhf(x[i] + bias[i]);
-            break;
-        }
+        for (int64_t i = 0; i < I; i++) x[i] += bias[i];
+        ft_activation_row(x, I, act);
     }
     return FT_OK;
 }
@@ -77,38 +49,36 @@ ft_status cpu_bias_residual_ln_forward(ft_backend *be, float *out, const float *
                                        const float *y, const float *bias, const float *gamma,
                                        const float *beta, int64_t N, int64_t C, float eps) {
     (void)be;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < N; r++) {
-        float *o = out + r * C;
-        const float *a = residual + r * C, *b = y + r * C;
+#pragma omp parallel for schedule(dynamic, ROWS_PER_CHUNK) num_threads(ft_num_threads())
+    for (int64_t r = 0; r < N; r++)
+        ft_bias_residual_ln_row(out + r * C, residual + r * C, y + r * C, bias, gamma, beta, C, eps);
+    return FT_OK;
+}
+
+ft_status cpu_pool_forward(ft_backend *be, float *out, const float *h, const int32_t *first, const int32_t *count,
+                           int64_t B, int64_t C) {
+    (void)be;
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (B * C > 65536)
+    for (int64_t b = 0; b < B; b++) {
+        float *o = out + b * C;
+        for (int64_t c = 0; c < C; c++) o[c] = 0.0f;
+        const float *hb = h + (int64_t)first[b] * C;
+        for (int64_t t = 0; t < count[b]; t++) {
 #pragma omp simd
-        for (int64_t c = 0; c < C; c++) o[c] = (b[c] + bias[c]) + a[c];   /* dense(x) + input */
-        layernorm_row(o, gamma, beta, C, eps);
+            for (int64_t c = 0; c < C; c++) o[c] += hb[t * C + c];
+        }
+        /* sentence-transformers: sum / clamp(count, min=1e-9); no row gives 0 */
+        const float n = (float)count[b], inv = 1.0f / (n > 1e-9f ? n : 1e-9f);
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) o[c] *= inv;
     }
     return FT_OK;
 }
 
-ft_status cpu_pool_forward(ft_backend *be, float *out, const float *h, const float *keymask,
-                           int64_t B, int64_t T, int64_t C, ft_pooling mode) {
+ft_status cpu_scatter_rows(ft_backend *be, float *dst, const float *src, const int32_t *index, int64_t N,
+                           int64_t C) {
     (void)be;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < B; b++) {
-        float *o = out + b * C;
-        const float *hb = h + b * T * C;
-        if (mode == FT_POOL_CLS) { memcpy(o, hb, (size_t)C * sizeof(float)); continue; }
-        /* sentence-transformers: sum(mask * h) / clamp(sum(mask), min=1e-9) */
-        float count = 0.0f;
-        for (int64_t c = 0; c < C; c++) o[c] = 0.0f;
-        for (int64_t t = 0; t < T; t++) {
-            float m = keymask[b * T + t];
-            if (m == 0.0f) continue;
-            count += m;
-#pragma omp simd
-            for (int64_t c = 0; c < C; c++) o[c] += hb[t * C + c];
-        }
-        float inv = 1.0f / (count > 1e-9f ? count : 1e-9f);
-#pragma omp simd
-        for (int64_t c = 0; c < C; c++) o[c] *= inv;
-    }
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 65536)
+    for (int64_t r = 0; r < N; r++) memcpy(dst + (int64_t)index[r] * C, src + r * C, (size_t)C * sizeof(float));
     return FT_OK;
 }

@@ -54,7 +54,7 @@ ft_status cpu_residual_ln_train_forward(ft_backend *be, float *out, float *ln_in
     (void)be;
     const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
     const float scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-#pragma omp parallel for schedule(static) if (N * C > 32768)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 32768)
     for (int64_t r = 0; r < N; r++) {
         const float *a = residual + r * C, *b = y + r * C;
         float *o = out + r * C;
@@ -92,7 +92,7 @@ ft_status cpu_layernorm_backward(ft_backend *be, float *dx, float *dgamma, float
     double *partial = calloc((size_t)(chunks ? chunks : 1) * 2 * (size_t)C, sizeof(double));
     if (!partial) return ft_error(FT_ERR_NOMEM, "layernorm_backward: out of memory for %lld partial sums", (long long)chunks);
     /* the column sums read dy and the saved input before dx (which may alias dy) is written */
-#pragma omp parallel for schedule(static) if (N * C > 32768)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 32768)
     for (int64_t k = 0; k < chunks; k++) {
         double *sg = partial + k * 2 * C, *sb = sg + C;
         const int64_t r1 = (k + 1) * LN_CHUNK < N ? (k + 1) * LN_CHUNK : N;
@@ -110,7 +110,7 @@ ft_status cpu_layernorm_backward(ft_backend *be, float *dx, float *dgamma, float
         dbeta[c] = (float)b;
     }
     free(partial);
-#pragma omp parallel for schedule(static) if (N * C > 32768)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 32768)
     for (int64_t r = 0; r < N; r++) {
         double s1 = 0.0, s2 = 0.0;
         for (int64_t c = 0; c < C; c++) {
@@ -132,7 +132,7 @@ ft_status cpu_bias_act_train_forward(ft_backend *be, float *f, float *pre, uint8
     (void)be;
     const int64_t total = N * K, nbytes = (total + 7) / 8;
     if (bits) {   /* before f, which may overwrite h */
-#pragma omp parallel for schedule(static) if (total > 65536)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (total > 65536)
         for (int64_t t = 0; t < nbytes; t++) {
             uint8_t byte = 0;
             for (int j = 0; j < 8 && t * 8 + j < total; j++) {
@@ -142,7 +142,7 @@ ft_status cpu_bias_act_train_forward(ft_backend *be, float *f, float *pre, uint8
             bits[t] = byte;
         }
     }
-#pragma omp parallel for schedule(static) if (total > 65536)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (total > 65536)
     for (int64_t r = 0; r < N; r++) {
         float *fr = f + r * K;
         const float *hr = h + r * K;
@@ -174,7 +174,7 @@ ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, cons
     (void)be;
     const int64_t total = N * K;
     if (bits) {   /* saved is the output: recover the input on its side of the minimum */
-#pragma omp parallel for schedule(static) if (total > 16384)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (total > 16384)
         for (int64_t i = 0; i < total; i++) {
             double x;
             if (act == FT_ACT_RELU) {
@@ -193,7 +193,7 @@ ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, cons
         }
         return FT_OK;
     }
-#pragma omp parallel for schedule(static) if (total > 16384)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (total > 16384)
     for (int64_t r = 0; r < N; r++) {
         const float *x = saved + r * K, *d = df + r * K;
         float *o = dh + r * K;
@@ -250,7 +250,7 @@ ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, 
     for (int64_t b = 0; b < B; b++) tmax = seqs[3 * b + 1] > tmax ? seqs[3 * b + 1] : tmax;
     const int blas_threads = ft_blas_get_threads();
     ft_blas_set_threads(1);   /* each worker runs whole tasks */
-#pragma omp parallel
+#pragma omp parallel num_threads(ft_num_threads())
     {
         float *Pd = scratch + (size_t)omp_get_thread_num() * 2 * (size_t)tmax * (size_t)tmax;
 #pragma omp for schedule(dynamic, 1)
@@ -300,7 +300,7 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
     for (int64_t b = 0; b < B; b++) tmax = seqs[3 * b + 1] > tmax ? seqs[3 * b + 1] : tmax;
     const int blas_threads = ft_blas_get_threads();
     ft_blas_set_threads(1);
-#pragma omp parallel
+#pragma omp parallel num_threads(ft_num_threads())
     {
         float *Pd = scratch + (size_t)omp_get_thread_num() * 2 * (size_t)tmax * (size_t)tmax;
         float *dS = Pd + (size_t)tmax * (size_t)tmax;
@@ -355,7 +355,7 @@ ft_status cpu_pool_backward(ft_backend *be, float *dh, const float *dout, const 
                             int64_t B, int64_t N, int64_t C) {
     (void)be;
     memset(dh, 0, (size_t)N * (size_t)C * sizeof(float));
-#pragma omp parallel for schedule(static) if (N * C > 65536)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 65536)
     for (int64_t b = 0; b < B; b++) {
         const float n = (float)count[b], inv = 1.0f / (n > 1e-9f ? n : 1e-9f);
         for (int64_t t = 0; t < count[b]; t++) {

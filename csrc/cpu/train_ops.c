@@ -11,14 +11,14 @@ ft_status cpu_dropout(ft_backend *be, float *y, const float *x, int64_t n, float
     (void)be;
     const uint32_t thr = ft_dropout_threshold(p);
     const float scale = 1.0f / (1.0f - p);
-#pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (n > 65536)
     for (int64_t i = 0; i < n; i++) y[i] = ft_dropout_keep(key, (uint64_t)i, thr) ? x[i] * scale : 0.0f;
     return FT_OK;
 }
 
 ft_status cpu_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n) {
     (void)be;
-#pragma omp parallel for simd schedule(static) if (n > 65536)
+#pragma omp parallel for simd schedule(static) num_threads(ft_num_threads()) if (n > 65536)
     for (int64_t i = 0; i < n; i++) dx[i] = dy[i] * (1.0f - y[i] * y[i]);
     return FT_OK;
 }
@@ -26,7 +26,7 @@ ft_status cpu_tanh_backward(ft_backend *be, float *dx, const float *dy, const fl
 ft_status cpu_softmax_xent(ft_backend *be, float *loss, float *dlogits, const float *logits, const float *valid,
                            int64_t valid_rows, const int32_t *labels, int64_t N, int64_t K, float scale) {
     (void)be;
-#pragma omp parallel for schedule(static) if (N * K > 65536)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * K > 65536)
     for (int64_t r = 0; r < N; r++) {
         const float *z = logits + r * K;
         const float *ok = valid ? valid + (r % valid_rows) * K : NULL;
@@ -64,7 +64,7 @@ ft_status cpu_sum_axis(ft_backend *be, float *out, const float *x, int64_t N, in
             for (int64_t k = 0; k < K; k++) out[k] += row[k];
         }
     } else {
-#pragma omp parallel for schedule(static) if (N * K > 65536)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * K > 65536)
         for (int64_t r = 0; r < N; r++) {
             const float *row = x + r * K;
             float s = 0.0f;

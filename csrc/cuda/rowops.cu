@@ -1,5 +1,5 @@
 // Fused row kernels of the CUDA backend: embedding gather + sum + LayerNorm, bias + activation,
-// bias + residual + LayerNorm, bias broadcast, pooling. One block per row for the LayerNorm
+// bias + residual + LayerNorm, bias broadcast, pooling over row ranges, row scatter. One block per row for the LayerNorm
 // kernels: the row is read once into its final place, then statistics (two passes, mean then
 // centred variance, as PyTorch) and the normalisation re-read it from L1/L2. Each thread touches
 // the same columns in every pass, so an output aliasing an input needs no barrier.
@@ -27,14 +27,15 @@ __device__ void layernorm_row(T *o, const T *gamma, const T *beta, int64_t C, fl
         o[c] = from_f<T>((to_f(o[c]) - mean) * rstd * to_f(gamma[c]) + to_f(beta[c]));
 }
 
-// out (B*T, C) = LN(word[ids] + type[types] + pos[t]); one block per token
+// out (N, C) row r = LN(word[ids[r]] + type[types[r]] + pos[positions[r]]); one block per row
 template <typename T>
-__global__ void embed_ln_kernel(T *out, const int32_t *ids, const int32_t *types, const T *word, const T *pos,
-                                const T *type, const T *gamma, const T *beta, int64_t Tn, int64_t C, float eps) {
+__global__ void embed_ln_kernel(T *out, const int32_t *ids, const int32_t *types, const int32_t *positions,
+                                const T *word, const T *pos, const T *type, const T *gamma, const T *beta, int64_t C,
+                                float eps) {
     __shared__ float sh[32];
     const int64_t r = blockIdx.x;
-    const T *w = word + (int64_t)ids[r] * C, *p = pos + (r % Tn) * C;
-    const T *ty = type + (int64_t)(types ? types[r] : 0) * C;
+    const T *w = word + (int64_t)ids[r] * C, *p = pos + (int64_t)positions[r] * C;
+    const T *ty = type + (types ? (int64_t)types[r] * C : 0);
     T *o = out + r * C;
     float sum = 0.0f;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
@@ -45,7 +46,7 @@ __global__ void embed_ln_kernel(T *out, const int32_t *ids, const int32_t *types
     layernorm_row(o, gamma, beta, C, sum, eps, sh);
 }
 
-// out (N, C) = LN((y + bias) + residual); out may alias residual or y
+// out (N, C) = LN((y + bias) + residual); out may alias residual or y; bias may be NULL
 template <typename T>
 __global__ void bias_residual_ln_kernel(T *out, const T *residual, const T *y, const T *bias, const T *gamma,
                                         const T *beta, int64_t C, float eps) {
@@ -55,7 +56,7 @@ __global__ void bias_residual_ln_kernel(T *out, const T *residual, const T *y, c
     T *o = out + r * C;
     float sum = 0.0f;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        float v = (to_f(b[c]) + to_f(bias[c])) + to_f(a[c]);
+        float v = (bias ? to_f(b[c]) + to_f(bias[c]) : to_f(b[c])) + to_f(a[c]);
         o[c] = from_f<T>(v);
         sum += to_f(o[c]);
     }
@@ -70,7 +71,7 @@ __device__ inline float gelu_tanh(float x) {
 template <typename T>
 __global__ void bias_act_kernel(T *h, const T *bias, int64_t total, int64_t I, int act) {
     for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
-        float v = to_f(h[k]) + to_f(bias[k % I]);
+        float v = bias ? to_f(h[k]) + to_f(bias[k % I]) : to_f(h[k]);
         v = act == FT_ACT_GELU_ERF ? gelu_erf(v) : act == FT_ACT_GELU_TANH ? gelu_tanh(v) : act == FT_ACT_TANH ? tanhf(v) : fmaxf(v, 0.0f);
         h[k] = from_f<T>(v);
     }
@@ -82,22 +83,24 @@ __global__ void broadcast_rows_kernel(T *dst, const T *bias, int64_t total, int6
         dst[k] = bias[k % C];
 }
 
-// out (B, C): CLS row, or sentence-transformers' mean: sum(mask * h) / max(sum(mask), 1e-9)
-// grid (B, column blocks): the batch on x, which has room for any batch size
+// out (B, C) row b = mean of rows [first[b], first[b] + count[b]) of h: sentence-transformers'
+// sum / max(count, 1e-9) (count 0 gives 0; CLS pooling is count 1). Grid (B, column blocks): the
+// batch on x, which has room for any batch size
 template <typename T>
-__global__ void pool_kernel(T *out, const T *h, const float *keymask, int64_t Tn, int64_t C, int mode) {
+__global__ void pool_kernel(T *out, const T *h, const int32_t *first, const int32_t *count, int64_t C) {
     const int64_t b = blockIdx.x, c = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
     if (c >= C) return;
-    const T *hb = h + b * Tn * C;
-    if (mode == FT_POOL_CLS) { out[b * C + c] = hb[c]; return; }
-    float acc = 0.0f, count = 0.0f;
-    for (int64_t t = 0; t < Tn; t++) {
-        float m = keymask[b * Tn + t];
-        if (m == 0.0f) continue;
-        count += m;
-        acc += to_f(hb[t * C + c]);
-    }
-    out[b * C + c] = from_f<T>(acc / fmaxf(count, 1e-9f));
+    const T *hb = h + (int64_t)first[b] * C;
+    float acc = 0.0f;
+    for (int64_t t = 0; t < count[b]; t++) acc += to_f(hb[t * C + c]);
+    out[b * C + c] = from_f<T>(acc / fmaxf((float)count[b], 1e-9f));
+}
+
+// dst row index[r] = src row r
+template <typename T>
+__global__ void scatter_rows_kernel(T *dst, const T *src, const int32_t *index, int64_t total, int64_t C) {
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x)
+        dst[(int64_t)index[k / C] * C + k % C] = src[k];
 }
 
 unsigned grid_for(int64_t total, int threads) {
@@ -107,12 +110,12 @@ unsigned grid_for(int64_t total, int threads) {
 
 }  // namespace
 
-ft_status cuda_embed_ln_forward(ft_backend *be, float *out, const int32_t *ids, const int32_t *types, const float *word,
-                        const float *pos, const float *type, const float *gamma, const float *beta, int64_t B,
-                        int64_t T, int64_t C, float eps) {
-    if (B * T == 0) return FT_OK;   // a grid of no blocks is not a launch CUDA accepts
-    FT_LAUNCH(embed_ln_kernel<float>, (unsigned)(B * T), row_threads(C), 0, ctx_of(be)->stream)(
-        out, ids, types, word, pos, type, gamma, beta, T, C, eps);
+ft_status cuda_embed_ln_forward(ft_backend *be, float *out, const int32_t *ids, const int32_t *types,
+                                const int32_t *positions, const float *word, const float *pos, const float *type,
+                                const float *gamma, const float *beta, int64_t N, int64_t C, float eps) {
+    if (N == 0) return FT_OK;   // a grid of no blocks is not a launch CUDA accepts
+    FT_LAUNCH(embed_ln_kernel<float>, (unsigned)N, row_threads(C), 0, ctx_of(be)->stream)(
+        out, ids, types, positions, word, pos, type, gamma, beta, C, eps);
     return launched("embed_ln_forward");
 }
 
@@ -135,10 +138,16 @@ ft_status cuda_bias_residual_ln_forward(ft_backend *be, float *out, const float 
     return launched("bias_residual_ln_forward");
 }
 
-ft_status cuda_pool_forward(ft_backend *be, float *out, const float *h, const float *keymask, int64_t B, int64_t T,
-                    int64_t C, ft_pooling mode) {
+ft_status cuda_pool_forward(ft_backend *be, float *out, const float *h, const int32_t *first, const int32_t *count,
+                            int64_t B, int64_t C) {
     if (B == 0 || C == 0) return FT_OK;
     dim3 grid((unsigned)B, (unsigned)((C + 127) / 128));
-    FT_LAUNCH(pool_kernel<float>, grid, 128, 0, ctx_of(be)->stream)(out, h, keymask, T, C, (int)mode);
+    FT_LAUNCH(pool_kernel<float>, grid, 128, 0, ctx_of(be)->stream)(out, h, first, count, C);
     return launched("pool_forward");
+}
+
+ft_status cuda_scatter_rows(ft_backend *be, float *dst, const float *src, const int32_t *index, int64_t N, int64_t C) {
+    if (N * C == 0) return FT_OK;
+    FT_LAUNCH(scatter_rows_kernel<float>, grid_for(N * C, 256), 256, 0, ctx_of(be)->stream)(dst, src, index, N * C, C);
+    return launched("scatter_rows");
 }

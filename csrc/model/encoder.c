@@ -119,6 +119,7 @@ void ft_encoder_free(ft_encoder *e) {
     if (!e) return;
     if (e->be) {
         if (e->ws) e->be->free(e->be, e->ws);
+        if (e->packed) e->be->free(e->be, e->packed);
         if (e->params && e->params != e->host_params) e->be->free(e->be, e->params);
         e->be->destroy(e->be);
     }
@@ -153,6 +154,7 @@ ft_status ft_encoder_copy_weights(ft_encoder *dst, const ft_encoder *src) {
         return ft_error(FT_ERR_INVALID_ARGUMENT, "copy_weights: the two encoders have different configs");
     memcpy(dst->host_params, src->host_params, src->n_params * sizeof(float));
     dst->has_pooler = src->has_pooler;
+    dst->packed_ok = 0;
     if (dst->params != dst->host_params)
         FT_TRY(dst->be->upload(dst->be, dst->params, dst->host_params, dst->n_params * sizeof(float)));
     return dst->be->synchronize(dst->be);
@@ -229,6 +231,7 @@ ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const cha
     ft_st_close(&f);
     if (st != FT_OK) return st;
     e->has_pooler = pooler_found == 2;
+    e->packed_ok = 0;
     if (!e->has_pooler)   /* half a pooler is as good as none */
         memset(e->host_params + e->pooler_w, 0,
                (e->n_params - e->pooler_w) * sizeof(float));
@@ -265,26 +268,77 @@ ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_
     return st;
 }
 
+/* ---- packed weights ------------------------------------------------------------------------ */
+
+/* The backend's packed copies of the four layer weights (made on the first forward after the
+ * weights change; a backend that reads weights as they are packs nothing). */
+static ft_status ensure_packed(ft_encoder *e) {
+    if (e->packed_ok) return FT_OK;
+    ft_backend *be = e->be;
+    const int64_t C = e->cfg.hidden_size, I = e->cfg.intermediate_size;
+    const int64_t shapes[4][2] = {{3 * C, C}, {C, C}, {I, C}, {C, I}};
+    size_t per_layer = 0, sizes[4];
+    for (int k = 0; k < 4; k++) {
+        sizes[k] = be->packed_weight_bytes(be, shapes[k][0], shapes[k][1]) / sizeof(float);
+        per_layer += sizes[k];
+    }
+    const size_t total = per_layer * (size_t)e->cfg.num_layers;
+    if (total > e->packed_floats) {
+        if (e->packed) be->free(be, e->packed);
+        e->packed = NULL;
+        e->packed_floats = 0;
+        FT_TRY(be->alloc(be, total * sizeof(float), (void **)&e->packed));
+        e->packed_floats = total;
+    }
+    for (int64_t l = 0; l < e->cfg.num_layers; l++) {
+        ft_layer_offsets *o = &e->layers[l];
+        const size_t src[4] = {o->wqkv, o->wo, o->w1, o->w2};
+        size_t *dst[4] = {&o->pqkv, &o->po, &o->p1, &o->p2};
+        size_t off = per_layer * (size_t)l;
+        for (int k = 0; k < 4; k++) {
+            *dst[k] = off;
+            if (sizes[k]) FT_TRY(be->pack_weight(be, e->packed + off, e->params + src[k], shapes[k][0], shapes[k][1]));
+            off += sizes[k];
+        }
+    }
+    e->packed_ok = 1;
+    return FT_OK;
+}
+
 /* ---- forward ------------------------------------------------------------------------------ */
 
+/* Activations are "packed rows": sequence b owns rows [first, first + rows) of x, t, ctx and
+ * big: its real tokens (mask 1) in position order, then, only when the caller asked for padded
+ * positions (hidden states, or a CLS row that is padding), its padded tokens. Padded tokens are
+ * queries only, never keys (no mask needed anywhere), so a ragged batch computes its real
+ * tokens and nothing else, and a row's result does not depend on the padding around it. */
 typedef struct {
-    float *x, *t, *ctx, *big, *scratch, *pooled, *keymask;
-    int32_t *ids, *types, *key_len;
+    float *x, *t, *ctx, *big, *scratch, *pooled, *stage;
+    int32_t *ids, *types, *positions, *src, *pool_first, *pool_count;
 } fwd_buffers;
+
+typedef struct {   /* host staging of the same tables */
+    int32_t *ids, *types, *positions, *src, *pool_first, *pool_count, *seqs;
+    int64_t rows, max_rows;
+    int identity;   /* rows are exactly (b, t) in order: outputs need no scatter */
+} fwd_plan;
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* Grow the workspaces to fit (B, T); never shrinks, so steady-state batches allocate nothing. */
-static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffers *w) {
+static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffers *w, fwd_plan *h) {
     const int64_t C = e->cfg.hidden_size, I = e->cfg.intermediate_size, N = B * T;
     const int64_t wide = I > 3 * C ? I : 3 * C;   /* qkv (N, 3C) and ffn (N, I) share a buffer */
-    size_t sizes[10] = {
+    const int host_mem = e->be->device.kind == FT_DEVICE_CPU;
+    enum { NW = 13 };
+    size_t sizes[NW] = {
         align64((size_t)N * C * 4), align64((size_t)N * C * 4), align64((size_t)N * C * 4),
         align64((size_t)N * wide * 4), align64(e->be->attention_scratch_bytes(e->be, B, T, e->cfg.num_heads)),
-        align64((size_t)B * C * 4), align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4),
-        align64((size_t)B * 4)};
+        align64((size_t)B * C * 4), host_mem ? 0 : align64((size_t)N * C * 4),
+        align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4),
+        align64((size_t)B * 4), align64((size_t)B * 4)};
     size_t total = 0;
-    for (int k = 0; k < 10; k++) total += sizes[k];
+    for (int k = 0; k < NW; k++) total += sizes[k];
     if (total > e->ws_bytes) {
         if (e->ws) e->be->free(e->be, e->ws);
         e->ws = NULL;
@@ -292,18 +346,26 @@ static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffe
         FT_TRY(e->be->alloc(e->be, total, &e->ws));
         e->ws_bytes = total;
     }
-    size_t host_need = align64((size_t)N * 4) * 3 + align64((size_t)B * 4);
+    char *p = e->ws;
+    void **slots[NW] = {(void **)&w->x, (void **)&w->t, (void **)&w->ctx, (void **)&w->big, (void **)&w->scratch,
+                        (void **)&w->pooled, (void **)&w->stage, (void **)&w->ids, (void **)&w->types,
+                        (void **)&w->positions, (void **)&w->src, (void **)&w->pool_first, (void **)&w->pool_count};
+    for (int k = 0; k < NW; k++) { *slots[k] = sizes[k] ? p : NULL; p += sizes[k]; }
+
+    const size_t hsz[7] = {align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4),
+                           align64((size_t)N * 4), align64((size_t)B * 4), align64((size_t)B * 4),
+                           align64((size_t)B * 12)};
+    size_t host_need = 0;
+    for (int k = 0; k < 7; k++) host_need += hsz[k];
     if (host_need > e->host_ws_bytes) {
         free(e->host_ws);
         e->host_ws = aligned_alloc(64, host_need);
         e->host_ws_bytes = e->host_ws ? host_need : 0;
         if (!e->host_ws) return ft_error(FT_ERR_NOMEM, "cannot allocate %zu bytes of staging memory", host_need);
     }
-    char *p = e->ws;
-    void **slots[10] = {(void **)&w->x, (void **)&w->t, (void **)&w->ctx, (void **)&w->big, (void **)&w->scratch,
-                        (void **)&w->pooled, (void **)&w->keymask, (void **)&w->ids, (void **)&w->types,
-                        (void **)&w->key_len};
-    for (int k = 0; k < 10; k++) { *slots[k] = p; p += sizes[k]; }
+    char *q = e->host_ws;
+    int32_t **hslots[7] = {&h->ids, &h->types, &h->positions, &h->src, &h->pool_first, &h->pool_count, &h->seqs};
+    for (int k = 0; k < 7; k++) { *hslots[k] = (int32_t *)q; q += hsz[k]; }
     return FT_OK;
 }
 
@@ -315,48 +377,71 @@ static const char *index_dtype_ok(const ft_index2d *v, int is_mask) {
     }
 }
 
-/* One pass over the inputs: range checks, then packed int32/float copies for the backend. */
+static float mask_at(const ft_index2d *mask, int64_t b, int64_t t) {
+    if (!mask) return 1.0f;
+    if (mask->dtype == FT_F32 || mask->dtype == FT_F64) {
+        int64_t k = b * mask->stride[0] + t * mask->stride[1];
+        return mask->dtype == FT_F32 ? ((const float *)mask->data)[k] : (float)((const double *)mask->data)[k];
+    }
+    return (float)ft_index2d_get(mask, b, t);
+}
+
+/* Range checks over every position, then the packed-row tables (fwd_plan). with_pad: every
+ * padded position is computed too; cls_pad: position 0 is, when it is padding. */
 static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const ft_index2d *ids,
-                              const ft_index2d *mask, const ft_index2d *types, int32_t *ids32,
-                              int32_t *types32, float *keymask, int32_t *key_len) {
+                              const ft_index2d *mask, const ft_index2d *types, int with_pad, int cls_pad,
+                              ft_pooling pooling, fwd_plan *h) {
     const ft_bert_config *c = &e->cfg;
     if (index_dtype_ok(ids, 0)) return ft_error(FT_ERR_DTYPE, "input_ids must be int32 or int64, got %s", ft_dtype_name(ids->dtype));
     if (types && index_dtype_ok(types, 0))
         return ft_error(FT_ERR_DTYPE, "token_type_ids must be int32 or int64, got %s", ft_dtype_name(types->dtype));
     if (mask && index_dtype_ok(mask, 1))
         return ft_error(FT_ERR_DTYPE, "attention_mask must be bool, an integer type or float, got %s", ft_dtype_name(mask->dtype));
+    int64_t r = 0;
+    h->max_rows = 0;
+    h->identity = 1;
     for (int64_t b = 0; b < B; b++) {
-        int32_t last = 0;
-        for (int64_t t = 0; t < T; t++) {
-            int64_t id = ft_index2d_get(ids, b, t);
-            if (id < 0 || id >= c->vocab_size)
-                return ft_error(FT_ERR_OUT_OF_RANGE, "input_ids[%lld, %lld] = %lld is out of range for vocab_size %lld",
-                                (long long)b, (long long)t, (long long)id, (long long)c->vocab_size);
-            ids32[b * T + t] = (int32_t)id;
-            int64_t ty = types ? ft_index2d_get(types, b, t) : 0;
-            if (ty < 0 || ty >= c->type_vocab_size)
-                return ft_error(FT_ERR_OUT_OF_RANGE, "token_type_ids[%lld, %lld] = %lld is out of range for type_vocab_size %lld",
-                                (long long)b, (long long)t, (long long)ty, (long long)c->type_vocab_size);
-            types32[b * T + t] = (int32_t)ty;
-            float m = 1.0f;
-            if (mask) {
-                double mv;
-                if (mask->dtype == FT_F32 || mask->dtype == FT_F64) {
-                    int64_t k = b * mask->stride[0] + t * mask->stride[1];
-                    mv = mask->dtype == FT_F32 ? ((const float *)mask->data)[k] : ((const double *)mask->data)[k];
+        const int64_t first = r;
+        h->pool_first[b] = (int32_t)first;
+        /* pass 0: check every position, add the real tokens; pass 1: add the wanted padded ones */
+        for (int pass = 0; pass < 2; pass++) {
+            for (int64_t t = 0; t < T; t++) {
+                const float m = mask_at(mask, b, t);
+                const int64_t id = ft_index2d_get(ids, b, t);
+                const int64_t ty = types ? ft_index2d_get(types, b, t) : 0;
+                if (pass == 0) {
+                    if (m != 0.0f && m != 1.0f)
+                        return ft_error(FT_ERR_OUT_OF_RANGE, "attention_mask[%lld, %lld] = %g; expected 0 or 1",
+                                        (long long)b, (long long)t, (double)m);
+                    if (id < 0 || id >= c->vocab_size)
+                        return ft_error(FT_ERR_OUT_OF_RANGE, "input_ids[%lld, %lld] = %lld is out of range for vocab_size %lld",
+                                        (long long)b, (long long)t, (long long)id, (long long)c->vocab_size);
+                    if (ty < 0 || ty >= c->type_vocab_size)
+                        return ft_error(FT_ERR_OUT_OF_RANGE, "token_type_ids[%lld, %lld] = %lld is out of range for type_vocab_size %lld",
+                                        (long long)b, (long long)t, (long long)ty, (long long)c->type_vocab_size);
+                    if (m == 0.0f) continue;
                 } else {
-                    mv = (double)ft_index2d_get(mask, b, t);
+                    if (m != 0.0f || !(with_pad || (cls_pad && t == 0))) continue;
+                    if (t == 0) h->pool_first[b] = (int32_t)r;   /* a padded CLS row */
                 }
-                if (mv != 0.0 && mv != 1.0)
-                    return ft_error(FT_ERR_OUT_OF_RANGE, "attention_mask[%lld, %lld] = %g; expected 0 or 1",
-                                    (long long)b, (long long)t, mv);
-                m = (float)mv;
+                h->ids[r] = (int32_t)id;
+                h->types[r] = (int32_t)ty;
+                h->positions[r] = (int32_t)t;
+                h->src[r] = (int32_t)(b * T + t);
+                if (h->src[r] != r) h->identity = 0;
+                r++;
             }
-            keymask[b * T + t] = m;
-            if (m != 0.0f) last = (int32_t)(t + 1);
+            if (pass == 0) h->seqs[3 * b + 1] = (int32_t)(r - first);   /* keys: the real tokens */
         }
-        key_len[b] = last;
+        const int64_t nreal = h->seqs[3 * b + 1], rows = r - first;
+        h->seqs[3 * b] = (int32_t)first;
+        h->seqs[3 * b + 2] = (int32_t)rows;
+        if (rows > h->max_rows) h->max_rows = rows;
+        /* mean: the real rows; CLS: position 0, the first row when it is real (else set above) */
+        h->pool_count[b] = pooling == FT_POOL_MEAN ? (int32_t)nreal : 1;
     }
+    h->rows = r;
+    if (r != B * T) h->identity = 0;
     return FT_OK;
 }
 
@@ -367,58 +452,74 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     const ft_bert_config *c = &e->cfg;
     ft_backend *be = e->be;
     const int64_t C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads, L = c->num_layers;
-    const int64_t N = B * T;
     if (B < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "empty batch: batch size must be >= 1");
     if (T < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "empty sequences: sequence length must be >= 1");
     if (T > c->max_position_embeddings)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "sequence length %lld exceeds max_position_embeddings %lld",
                         (long long)T, (long long)c->max_position_embeddings);
+    if (B * T > INT32_MAX) return ft_error(FT_ERR_INVALID_ARGUMENT, "batch of %lld x %lld tokens is too large",
+                                           (long long)B, (long long)T);
     if (!ids || !ids->data) return ft_error(FT_ERR_INVALID_ARGUMENT, "input_ids is required");
     if (pooling < FT_POOL_NONE || pooling > FT_POOL_MEAN) return ft_error(FT_ERR_INVALID_ARGUMENT, "unknown pooling %d", (int)pooling);
+    int want_hidden = 0, want_pooled = 0;
+    for (int64_t l = 0; l <= L; l++) {
+        if (hidden_out && hidden_out[l]) want_hidden = 1;
+        if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) want_pooled = 1;
+    }
     fwd_buffers w;
-    FT_TRY(ensure_workspace(e, B, T, &w));
-    ft_status (*out)(ft_backend *, void *, const void *, size_t) = on_device ? be->copy : be->download;
-    char *hp = e->host_ws;
-    int32_t *ids32 = (int32_t *)hp, *types32 = (int32_t *)(hp + align64((size_t)N * 4));
-    float *keymask = (float *)(hp + 2 * align64((size_t)N * 4));
-    int32_t *key_len = (int32_t *)(hp + 3 * align64((size_t)N * 4));
-    FT_TRY(stage_inputs(e, B, T, ids, mask, types, ids32, types32, keymask, key_len));
-    FT_TRY(be->upload(be, w.ids, ids32, (size_t)N * 4));
-    FT_TRY(be->upload(be, w.types, types32, (size_t)N * 4));
-    FT_TRY(be->upload(be, w.keymask, keymask, (size_t)N * 4));
-    FT_TRY(be->upload(be, w.key_len, key_len, (size_t)B * 4));
+    fwd_plan h;
+    FT_TRY(ensure_workspace(e, B, T, &w, &h));
+    FT_TRY(ensure_packed(e));
+    FT_TRY(stage_inputs(e, B, T, ids, mask, types, want_hidden, want_pooled && pooling == FT_POOL_CLS,
+                        pooling == FT_POOL_NONE ? FT_POOL_MEAN : pooling, &h));
+    const int64_t N = h.rows;
+    FT_TRY(be->upload(be, w.ids, h.ids, (size_t)N * 4));
+    FT_TRY(be->upload(be, w.types, h.types, (size_t)N * 4));
+    FT_TRY(be->upload(be, w.positions, h.positions, (size_t)N * 4));
+    FT_TRY(be->upload(be, w.src, h.src, (size_t)N * 4));
+    FT_TRY(be->upload(be, w.pool_first, h.pool_first, (size_t)B * 4));
+    FT_TRY(be->upload(be, w.pool_count, h.pool_count, (size_t)B * 4));
+    const int host_mem = be->device.kind == FT_DEVICE_CPU;
 
     const float *P = e->params;
-    FT_TRY(be->embed_ln_forward(be, w.x, w.ids, w.types, P + e->word, P + e->pos, P + e->type, P + e->emb_ln_g,
-                                P + e->emb_ln_b, B, T, C, c->layer_norm_eps));
+    const float *Pk = e->packed;   /* NULL when the backend packs nothing */
+#define PACKED(off) (Pk ? Pk + (off) : NULL)
+    if (N > 0)
+        FT_TRY(be->embed_ln_forward(be, w.x, w.ids, w.types, w.positions, P + e->word, P + e->pos, P + e->type,
+                                    P + e->emb_ln_g, P + e->emb_ln_b, N, C, c->layer_norm_eps));
     for (int64_t l = 0; l <= L; l++) {
-        if (l > 0) {
+        if (l > 0 && N > 0) {
             if (cancel && cancel(cancel_arg)) return ft_error(FT_ERR_INTERRUPTED, "forward interrupted");
             const ft_layer_offsets *o = &e->layers[l - 1];
-            /* qkv (N, 3C) = x Wqkv^T + bqkv: bias prefilled, one GEMM for Q, K and V */
-            FT_TRY(be->broadcast_rows(be, w.big, P + o->bqkv, N, 3 * C));
-            FT_TRY(be->gemm(be, 0, 1, N, 3 * C, C, 1.0f, w.x, C, P + o->wqkv, C, 1.0f, w.big, 3 * C));
-            FT_TRY(be->attention_forward(be, w.ctx, w.big, w.keymask, w.key_len, B, T, C, NH, w.scratch));
+            /* qkv (N, 3C) = x Wqkv^T + bqkv: one GEMM for Q, K and V */
+            FT_TRY(be->linear_forward(be, w.big, w.x, P + o->wqkv, PACKED(o->pqkv), P + o->bqkv, N, C, 3 * C, -1));
+            FT_TRY(be->attention_forward(be, w.ctx, w.big, h.seqs, B, C, NH, w.scratch));
             /* t = LN(x + ctx Wo^T + bo) */
-            FT_TRY(be->gemm(be, 0, 1, N, C, C, 1.0f, w.ctx, C, P + o->wo, C, 0.0f, w.t, C));
-            FT_TRY(be->bias_residual_ln_forward(be, w.t, w.x, w.t, P + o->bo, P + o->ln1_g, P + o->ln1_b, N, C,
-                                                c->layer_norm_eps));
+            FT_TRY(be->linear_residual_ln_forward(be, w.t, w.ctx, P + o->wo, PACKED(o->po), P + o->bo, w.x,
+                                                  P + o->ln1_g, P + o->ln1_b, N, C, C, c->layer_norm_eps));
             /* big (N, I) = act(t W1^T + b1) */
-            FT_TRY(be->gemm(be, 0, 1, N, I, C, 1.0f, w.t, C, P + o->w1, C, 0.0f, w.big, I));
-            FT_TRY(be->bias_act_forward(be, w.big, P + o->b1, N, I, c->activation));
+            FT_TRY(be->linear_forward(be, w.big, w.t, P + o->w1, PACKED(o->p1), P + o->b1, N, C, I, c->activation));
             /* x = LN(t + big W2^T + b2) */
-            FT_TRY(be->gemm(be, 0, 1, N, C, I, 1.0f, w.big, I, P + o->w2, I, 0.0f, w.ctx, C));
-            FT_TRY(be->bias_residual_ln_forward(be, w.x, w.t, w.ctx, P + o->b2, P + o->ln2_g, P + o->ln2_b, N, C,
-                                                c->layer_norm_eps));
+            FT_TRY(be->linear_residual_ln_forward(be, w.x, w.big, P + o->w2, PACKED(o->p2), P + o->b2, w.t,
+                                                  P + o->ln2_g, P + o->ln2_b, N, I, C, c->layer_norm_eps));
         }
-        if (hidden_out && hidden_out[l]) FT_TRY(out(be, hidden_out[l], w.x, (size_t)N * C * 4));
+        if (hidden_out && hidden_out[l]) {   /* every position was computed (with_pad) */
+            const size_t bytes = (size_t)N * C * 4;
+            if (h.identity) FT_TRY((on_device ? be->copy : be->download)(be, hidden_out[l], w.x, bytes));
+            else if (on_device || host_mem) FT_TRY(be->scatter_rows(be, hidden_out[l], w.x, w.src, N, C));
+            else {
+                FT_TRY(be->scatter_rows(be, w.stage, w.x, w.src, N, C));
+                FT_TRY(be->download(be, hidden_out[l], w.stage, bytes));
+            }
+        }
         if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) {
-            /* device outputs: pool straight into the output, no staging copy */
-            float *dst = on_device ? pooled_out[l] : w.pooled;
-            FT_TRY(be->pool_forward(be, dst, w.x, w.keymask, B, T, C, pooling));
-            if (!on_device) FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
+            /* device outputs (and host memory on the CPU): pool straight into the output */
+            float *dst = on_device || host_mem ? pooled_out[l] : w.pooled;
+            FT_TRY(be->pool_forward(be, dst, w.x, w.pool_first, w.pool_count, B, C));
+            if (dst != pooled_out[l]) FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
         }
     }
+#undef PACKED
     return be->synchronize(be);
 }
 

@@ -19,6 +19,7 @@ typedef struct {
  * each Hugging Face tensor is still a contiguous named view. */
 typedef struct {
     size_t wqkv, bqkv, wo, bo, ln1_g, ln1_b, w1, b1, w2, b2, ln2_g, ln2_b;
+    size_t pqkv, po, p1, p2;   /* the backend's packed copies of wqkv, wo, w1, w2 (in `packed`) */
 } ft_layer_offsets;
 
 struct ft_encoder {
@@ -32,6 +33,11 @@ struct ft_encoder {
     size_t word, pos, type, emb_ln_g, emb_ln_b, pooler_w, pooler_b;
     ft_layer_offsets *layers;
     int has_pooler;
+    /* the backend's packed copies of the layer weights (pack_weight), made on the first
+     * forward after the weights change; NULL when the backend packs nothing */
+    float *packed;
+    size_t packed_floats;
+    int packed_ok;
     /* workspace, grown on demand, never shrunk */
     void *ws;
     size_t ws_bytes;

@@ -48,6 +48,16 @@ static PyObject *py_blas_name(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(ft_blas_name());
 }
 
+static PyObject *py_cpu_isa(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return PyUnicode_FromString(ft_cpu_isa());
+}
+
+static PyObject *py_default_threads(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return PyLong_FromLong(ft_default_threads());
+}
+
 static PyObject *py_num_threads(PyObject *self, PyObject *unused) {
     (void)self; (void)unused;
     return PyLong_FromLong(ft_num_threads());
@@ -148,6 +158,8 @@ static PyMethodDef module_methods[] = {
     {"_abi_sizes", py_abi_sizes, METH_NOARGS, "sizeof of the backend structs."},
     {"device_stream", py_device_stream, METH_O, "Stream used to read CUDA tensors on device N to the host."},
     {"blas_name", py_blas_name, METH_NOARGS, "The BLAS library and CPU core it selected."},
+    {"cpu_isa", py_cpu_isa, METH_NOARGS, "The CPU kernels in use: avx512, avx2 or generic."},
+    {"default_threads", py_default_threads, METH_NOARGS, "The thread count the environment and this process's CPUs give."},
     {"num_threads", py_num_threads, METH_NOARGS, "Threads used by OpenMP and BLAS."},
     {"set_num_threads", py_set_num_threads, METH_O, "Set the threads used by OpenMP and BLAS."},
     {"cuda_probe", py_cuda_probe, METH_NOARGS, "(device_count, description, error) of the CUDA backend."},

@@ -1,0 +1,39 @@
+/* The CPU backend's matrix micro-kernels: one register tile of C (MR x NR) += A B over a
+ * K range, for AVX-512, AVX2+FMA and portable C, chosen once at run time (CPUID, or the
+ * FASTTRAN_CPU_ISA environment variable: avx512 | avx2 | generic).
+ *
+ * The one rule that makes the encoder's results independent of the batch, the padding and the
+ * thread count: every C element is one sequential chain over k = 0..K-1 (an FMA per k on the
+ * SIMD paths, a multiply then an add on the portable path), whatever the tile it lands in, the
+ * rows beside it, the K blocking or the thread that runs it. A kernel always computes MR rows
+ * (rows past m read zero-padded A and are not stored) and masks columns past n, so a short
+ * tile runs exactly the same instructions per element as a full one. Different paths may give
+ * different bits (FMA against multiply-add); each path on its own is invariant. */
+#ifndef FT_CPU_KERNELS_H
+#define FT_CPU_KERNELS_H
+#include <stdint.h>
+
+/* C (m x n, row stride ldc) = [C +] A B over K.
+ *   a:  MR rows of K floats, row stride lda, all readable (rows >= m are computed, not stored:
+ *       a short block passes a zero-padded copy, ft_copy_rows)
+ *   b:  element (k, j) at b[k * ldb + j], j < n <= NR (columns >= n are never read)
+ *   accumulate: 0 starts from zero, 1 continues from the values in C */
+typedef void (*ft_tile_fn)(int64_t K, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
+                           int64_t ldc, int m, int n, int accumulate);
+
+typedef struct {
+    const char *name;   /* "avx512", "avx2", "generic" */
+    int mr, nr;
+    ft_tile_fn tile;
+} ft_cpu_kernel;
+
+/* The kernel set of this process (chosen on first call). */
+const ft_cpu_kernel *ft_cpu_kernel_get(void);
+
+/* dst (mr x kc, row stride kc) = rows [0, m) of a (row stride lda), columns [0, kc); rows m..mr-1
+ * zero: the A block of a tile with fewer than MR rows */
+static inline void ft_copy_rows(float *dst, const float *a, int64_t lda, int m, int64_t kc, int mr) {
+    for (int i = 0; i < mr; i++)
+        for (int64_t k = 0; k < kc; k++) dst[i * kc + k] = i < m ? a[i * lda + k] : 0.0f;
+}
+#endif

@@ -1,0 +1,181 @@
+/* Linear layers of the CPU backend: weights packed once per model into the micro-kernel's
+ * panel layout, then out = x W^T with the bias, the activation, or the residual and the
+ * LayerNorm applied to each block of rows while it is still in cache.
+ *
+ * Packed layout (per kernel set, NR = its panel width): panel p holds output columns
+ * [p NR, p NR + NR) as K rows of NR floats, element (k, j) = W[p NR + j][k]; the last panel is
+ * zero-padded. A GEMM is cut into tasks of up to MC rows x a range of panels, run in any order
+ * by any thread (dynamic schedule: a thread slowed by another process takes fewer tasks);
+ * inside a task the K range is cut into KC blocks; the task's KC x (its columns) block of
+ * weights stays in L2 while each block of MR rows of x, read in place from L1, sweeps across it
+ * (A's rows are never packed: only a last block of fewer than MR rows is copied, zero-padded). None of this changes a single
+ * bit of the result (kernels.h): every element is one chain over k in order. */
+#include <math.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "core/status.h"
+#include "cpu_ops.h"
+#include "kernels.h"
+#include "mathfun.h"
+#include "rowfun.h"
+
+#define MC 96     /* rows per task (a multiple of every MR) */
+/* A task's block of weights (at most KC_MAX(kr) x NCB(kr) floats) should stay in L2: half of
+ * this core's L2 (1 MiB on a 2 MiB Sapphire Rapids L2: k blocks of 512 x 512 columns; 128 KiB on
+ * a 256 KiB Haswell L2: 256 x 128). The blocking never changes a result, only the speed. */
+static int64_t l2_budget_floats(void) {
+    static int64_t budget;
+    if (!budget) {
+        long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        if (l2 <= 0) l2 = 1 << 20;   /* unknown: assume 1 MiB */
+        budget = (int64_t)l2 / 2 / (int64_t)sizeof(float);
+    }
+    return budget;
+}
+#define KC_MAX(kr) (l2_budget_floats() >= 512 * 512 ? 512 : 256)
+static int64_t NCB(const ft_cpu_kernel *kr) {
+    int64_t cols = l2_budget_floats() / KC_MAX(kr) / kr->nr * kr->nr;
+    return cols < kr->nr ? kr->nr : cols > 512 ? 512 : cols;
+}
+
+size_t cpu_packed_weight_bytes(ft_backend *be, int64_t N, int64_t K) {
+    (void)be;
+    const int64_t nr = ft_cpu_kernel_get()->nr;
+    return (size_t)((N + nr - 1) / nr) * (size_t)nr * (size_t)K * sizeof(float);
+}
+
+ft_status cpu_pack_weight(ft_backend *be, float *packed, const float *w, int64_t N, int64_t K) {
+    (void)be;
+    const int64_t nr = ft_cpu_kernel_get()->nr, panels = (N + nr - 1) / nr;
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads())
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = packed + p * K * nr;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < nr; j++) {
+                const int64_t col = p * nr + j;
+                dst[k * nr + j] = col < N ? w[col * K + k] : 0.0f;
+            }
+    }
+    return FT_OK;
+}
+
+/* out (m x n tile, stride ld) = act(out + bias) */
+static void tile_epilogue(float *c, int64_t ld, int m, int n, const float *bias, int act) {
+    for (int i = 0; i < m; i++) {
+        float *r = c + i * ld;
+        if (bias) {
+#pragma omp simd
+            for (int j = 0; j < n; j++) r[j] += bias[j];
+        }
+        if (act >= 0) ft_activation_row(r, n, (ft_activation)act);
+    }
+}
+
+typedef struct {
+    const float *x, *w;     /* x (M, K); w packed */
+    float *out;             /* (M, N) */
+    int64_t M, K, N;
+    const float *bias;      /* (N) or NULL */
+    int act;                /* ft_activation, or -1 for none */
+    const float *residual;  /* (M, N): out = LN(residual + out + bias) per row, or NULL */
+    const float *gamma, *beta;
+    float eps;
+} linear_args;
+
+/* K in equal blocks of at most KC_MAX (AVX-512: 384 -> 384, 1536 -> 3 x 512) */
+static int64_t kblock(const ft_cpu_kernel *kr, int64_t K) {
+    const int64_t blocks = (K + KC_MAX(kr) - 1) / KC_MAX(kr);
+    return (K + blocks - 1) / blocks;
+}
+
+/* rows [r0, r1) x panels [p0, p1) of one linear layer; pad: MR x KC floats for a short block */
+static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
+                     float *pad) {
+    const int mr = kr->mr, nr = kr->nr;
+    const int64_t K = a->K, N = a->N, KC = kblock(kr, K);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        const int last = k0 + kc == K;
+        /* the task's block of weights (kc x its panels) stays in L2; each MR-row block of A
+         * (in L1) is used across all of it */
+        for (int64_t r = r0; r < r1; r += mr) {
+            const int m = (int)(r1 - r < mr ? r1 - r : mr);
+            const float *ar = a->x + r * K + k0;
+            int64_t lda = K;
+            if (m < mr) {   /* a short block: a zero-padded copy */
+                ft_copy_rows(pad, ar, K, m, kc, mr);
+                ar = pad;
+                lda = kc;
+            }
+            for (int64_t p = p0; p < p1; p++) {
+                const int n = (int)(N - p * nr < nr ? N - p * nr : nr);
+                float *c = a->out + r * N + p * nr;
+                kr->tile(kc, ar, lda, a->w + p * K * nr + k0 * nr, nr, c, N, m, n, k0 > 0);
+                if (last && !a->residual && (a->bias || a->act >= 0))
+                    tile_epilogue(c, N, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
+            }
+        }
+    }
+    if (a->residual)   /* the task holds whole rows: residual + bias + LayerNorm while they are hot */
+        for (int64_t r = r0; r < r1; r++)
+            ft_bias_residual_ln_row(a->out + r * N, a->residual + r * N, a->out + r * N, a->bias, a->gamma, a->beta,
+                                    N, a->eps);
+}
+
+static ft_status run_linear(const linear_args *a) {
+    const ft_cpu_kernel *kr = ft_cpu_kernel_get();
+    const int nt = ft_num_threads();
+    const int64_t panels = (a->N + kr->nr - 1) / kr->nr, want = 4 * (int64_t)nt;
+    int64_t mc = MC, chunks = 1;
+    if (a->residual) {   /* whole rows per task: shrink the row blocks until there are enough tasks */
+        int64_t per = (a->M + want - 1) / want;
+        per = (per + kr->mr - 1) / kr->mr * kr->mr;
+        mc = per < MC ? per : MC;
+    } else {             /* column blocks that fit L2, more of them when there are few row blocks */
+        const int64_t rb = (a->M + MC - 1) / MC, per_block = NCB(kr) / kr->nr;
+        chunks = (panels + per_block - 1) / per_block;
+        if (rb * chunks < want) chunks = (want + rb - 1) / rb;
+        if (chunks > panels) chunks = panels;
+    }
+    const int64_t row_blocks = (a->M + mc - 1) / mc, per_chunk = (panels + chunks - 1) / chunks;
+    const int64_t tasks = row_blocks * chunks;
+    int failed = 0;
+#pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
+    {
+        float *ap = aligned_alloc(64, ((size_t)kr->mr * kblock(kr, a->K) * sizeof(float) + 63) & ~(size_t)63);
+        if (!ap) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (!ap) continue;
+            const int64_t rb = t / chunks, ch = t % chunks;
+            const int64_t r0 = rb * mc, r1 = r0 + mc < a->M ? r0 + mc : a->M;
+            const int64_t p0 = ch * per_chunk, p1 = p0 + per_chunk < panels ? p0 + per_chunk : panels;
+            if (p0 < p1) run_task(kr, a, r0, r1, p0, p1, ap);
+        }
+        free(ap);
+    }
+    if (failed) return ft_error(FT_ERR_NOMEM, "out of memory for linear-layer scratch");
+    return FT_OK;
+}
+
+ft_status cpu_linear_forward(ft_backend *be, float *out, const float *x, const float *w, const float *w_packed,
+                             const float *bias, int64_t M, int64_t K, int64_t N, int act) {
+    (void)be; (void)w;
+    if (M == 0) return FT_OK;
+    linear_args a = {x, w_packed, out, M, K, N, bias, act, NULL, NULL, NULL, 0.0f};
+    return run_linear(&a);
+}
+
+ft_status cpu_linear_residual_ln_forward(ft_backend *be, float *out, const float *x, const float *w,
+                                         const float *w_packed, const float *bias, const float *residual,
+                                         const float *gamma, const float *beta, int64_t M, int64_t K, int64_t N,
+                                         float eps) {
+    (void)be; (void)w;
+    if (M == 0) return FT_OK;
+    linear_args a = {x, w_packed, out, M, K, N, bias, -1, residual, gamma, beta, eps};
+    return run_linear(&a);
+}

@@ -1,0 +1,142 @@
+"""The CPU backend's guarantees on every kernel path it can take (AVX-512, AVX2+FMA, portable
+C): a token's result depends only on its own sequence and the weights, never on the batch it
+is in, the padding around it or the thread count; every path stays within 1e-4 of
+transformers; and the thread count comes from the environment and this process's CPUs.
+
+Each path runs in a subprocess (FASTTRAN_CPU_ISA is read once per process)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, hf_hidden_states, make_checkpoint
+
+CFG = dict(vocab_size=99, hidden_size=72, num_attention_heads=3, intermediate_size=150,
+           num_hidden_layers=3, type_vocab_size=2, max_position_embeddings=64)
+
+# runs in the subprocess: every check that compares bits is made there, inside one process
+CHILD = r"""
+import json, sys
+import numpy as np
+import fasttran
+path, out, isa = sys.argv[1], sys.argv[2], sys.argv[3]
+assert fasttran.build_info()["cpu_kernels"] == isa, fasttran.build_info()["cpu_kernels"]
+enc = fasttran.Encoder.from_pretrained(path)
+rng = np.random.default_rng(0)
+B, T = 7, 37
+ids = rng.integers(1, 99, (B, T)); types = rng.integers(0, 2, (B, T))
+lens = [37, 1, 12, 30, 5, 36, 17]
+mask = np.zeros((B, T), np.int64)
+for b, n in enumerate(lens):
+    mask[b, :n] = 1
+mask[3, 4] = mask[3, 9] = 0                      # holes inside a sequence, not only right padding
+L = list(range(4))
+ref = None
+for threads in (1, 2, 3):
+    fasttran.set_num_threads(threads)
+    hidden = enc.forward(ids, mask, types, output_layers=L)
+    pooled = enc.forward(ids, mask, types, pooling="mean")
+    cls = enc.forward(ids, mask, types, pooling="cls")
+    if ref is None:
+        ref = hidden, pooled, cls
+        np.savez(out, *hidden, pooled=pooled, ids=ids, mask=mask, types=types)
+        continue
+    for a, b in zip(hidden, ref[0]):
+        assert np.array_equal(a, b), f"{threads} threads changed the hidden states"
+    assert np.array_equal(pooled, ref[1]) and np.array_equal(cls, ref[2]), f"{threads} threads changed pooling"
+hidden, pooled, cls = ref
+for b, n in enumerate(lens):
+    real = mask[b].astype(bool)
+    # alone, cut to its own length, and padded far more, at another position in another batch
+    alone = enc.forward(ids[b:b + 1, :n], mask[b:b + 1, :n], types[b:b + 1, :n], output_layers=L)
+    pad = np.zeros((3, 60), np.int64); pm = np.zeros_like(pad); pt = np.zeros_like(pad)
+    pad[2, :T], pm[2, :T], pt[2, :T] = ids[b], mask[b], types[b]
+    pad[0, :5], pm[0, :5] = 7, 1
+    other = enc.forward(pad, pm, pt, output_layers=L)
+    for l in L:
+        assert np.array_equal(alone[l][0][real[:n]], hidden[l][b][real]), (b, l, "alone")
+        assert np.array_equal(other[l][2][:T][real], hidden[l][b][real]), (b, l, "other batch")
+    assert np.array_equal(enc.forward(pad, pm, pt, pooling="mean")[2], pooled[b]), (b, "pooled")
+    assert np.array_equal(enc.forward(ids[b:b + 1, :n], mask[b:b + 1, :n], types[b:b + 1, :n],
+                                      pooling="mean")[0], pooled[b]), (b, "pooled alone")
+print(json.dumps({"ok": True}))
+"""
+
+
+def _supported_isas():
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((l for l in f if l.startswith("flags")), "")
+    except OSError:
+        pass
+    isas = ["generic"]
+    if " avx2" in flags and " fma" in flags:
+        isas.append("avx2")
+    if " avx512f" in flags:
+        isas.append("avx512")
+    return isas
+
+
+def _run(code, *args, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code, *args], env=e, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("kern")), **CFG)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+def test_every_kernel_path_is_invariant_and_accurate(ckpt, tmp_path, isa):
+    if isa not in _supported_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    out = str(tmp_path / "out.npz")
+    r = _run(CHILD, ckpt, out, isa, env={"FASTTRAN_CPU_ISA": isa})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.load(out)
+    ids, mask, types = got["ids"], got["mask"], got["types"]
+    ref64 = hf_hidden_states(ckpt, ids, mask, types, double=True)
+    for l, ref in enumerate(ref64):
+        err = np.abs(got[f"arr_{l}"] - ref).max()   # every position, padding included
+        assert err <= 1e-4, f"{isa}: layer {l} differs from transformers (float64) by {err:.2e}"
+    m = mask[..., None].astype(np.float64)
+    pooled64 = (ref64[-1] * m).sum(1) / np.maximum(m.sum(1), 1e-9)
+    assert np.abs(got["pooled"] - pooled64).max() <= 1e-4
+
+
+THREADS = r"""
+import json, os, sys
+if len(sys.argv) > 1:
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+import threading
+import fasttran
+seen = {"default": fasttran.get_num_threads()}
+fasttran.set_num_threads(3)
+t = threading.Thread(target=lambda: seen.__setitem__("other_thread", fasttran.get_num_threads()))
+t.start(); t.join()
+print(json.dumps(seen))
+"""
+
+
+def test_thread_count_from_environment_and_affinity():
+    def run(env, *args):
+        clean = {k: v for k, v in os.environ.items() if k not in ("FASTTRAN_NUM_THREADS", "OMP_NUM_THREADS")}
+        clean.update(env)
+        clean["PYTHONPATH"] = ROOT
+        r = subprocess.run([sys.executable, "-c", THREADS, *args], env=clean, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    assert run({"FASTTRAN_NUM_THREADS": "5", "OMP_NUM_THREADS": "2"}) == {"default": 5, "other_thread": 3}
+    assert run({"OMP_NUM_THREADS": "2"})["default"] == 2
+    assert run({}, "pin")["default"] == 1   # one CPU in the affinity mask: one thread
+    n = len(os.sched_getaffinity(0))
+    assert 1 <= run({})["default"] <= n
