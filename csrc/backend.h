@@ -90,6 +90,23 @@ typedef struct {
     X(optim_step, (ft_backend *be, const ft_optim_config *cfg, const ft_optim_tensor *t,          \
                    size_t count, ft_optim_info *info))
 
+/* The argument names of each op, in the order of its parameters above: the profiler
+ * (core/profile.c) generates a wrapper per op that forwards its call through them. A new op
+ * needs its line here too (a missing one is a compile error in profile.c); tests/test_profile.py
+ * checks every line against the parameter list. */
+#define FT_OP_ARGS_gemm (be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+#define FT_OP_ARGS_embed_ln_forward (be, out, ids, types, word, pos, type, gamma, beta, B, T, C, eps)
+#define FT_OP_ARGS_broadcast_rows (be, dst, bias, N, C)
+#define FT_OP_ARGS_attention_forward (be, ctx, qkv, keymask, key_len, B, T, C, NH, scratch)
+#define FT_OP_ARGS_bias_act_forward (be, h, bias, N, K, act)
+#define FT_OP_ARGS_bias_residual_ln_forward (be, out, residual, y, bias, gamma, beta, N, C, eps)
+#define FT_OP_ARGS_pool_forward (be, out, h, keymask, B, T, C, mode)
+#define FT_OP_ARGS_dropout (be, y, x, n, p, key)
+#define FT_OP_ARGS_tanh_backward (be, dx, dy, y, n)
+#define FT_OP_ARGS_softmax_xent (be, loss, dlogits, logits, valid, valid_rows, labels, N, K, scale)
+#define FT_OP_ARGS_sum_axis (be, out, x, N, K, axis)
+#define FT_OP_ARGS_optim_step (be, cfg, t, count, info)
+
 struct ft_backend {
     int abi;
     const char *name;          /* "cpu", "cuda:0" */

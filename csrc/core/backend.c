@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "core/profile.h"
 #include "core/status.h"
 
 /* the registry of the op list (backend.h): tests look each entry up by name */
@@ -84,7 +85,13 @@ ft_status ft_backend_cuda_open(int index, ft_backend **out) {
         *out = NULL;
         return ft_error(FT_ERR_DEVICE, "CUDA backend ABI mismatch: rebuild fasttran");
     }
+    ft_profile_attach(*out);   /* timing wrappers (idle unless profiling): core/profile.c */
     return FT_OK;
+}
+
+void *ft_cuda_symbol(const char *name) {
+    void *lib = cuda_library();
+    return lib ? dlsym(lib, name) : NULL;
 }
 
 /* One shared backend per CUDA device for memory services that have no encoder at hand

@@ -29,6 +29,7 @@ int ft_py_add_encoder_type(PyObject *module);
 int ft_py_add_tensor_type(PyObject *module);
 int ft_py_add_cache_functions(PyObject *module);
 int ft_py_add_train_functions(PyObject *module);
+int ft_py_add_profile_functions(PyObject *module);
 
 /* fasttran.Tensor (tensor_type.c). `release(owner, ctx, data)` frees the memory when the
  * tensor dies (NULL: nothing to free); `owner` is kept alive until then. On failure the
