@@ -4,14 +4,15 @@ prominently, the LAMB update is the next largest part), measured with fasttran's
 
   1. BERT-base (random weights, BERT-base architecture: 12 layers, hidden 768, 12 heads,
      intermediate 3072, vocab 30522): the encoder forward (batch x seq of random token ids), and
-     one fused LAMB step over all 109.5 M parameters -- the update a full fine-tuning step ends
+     one fused LAMB step over all 108.9 M parameters (no pooler) -- the update a full fine-tuning step ends
      with. fasttran freezes the encoder (no backward pass), so the "full fine-tuning" row is the
      measured forward plus the measured LAMB step, not a measured training step.
   2. MiniLM fine-tuning as fasttran does it (frozen all-MiniLM-L6-v2, real SST-2 sentences,
      linear head + LAMB): a training step with the encoder in the loop (no cache), and a step
      and an epoch reading the activation cache.
 
-    python benchmarks/profile_breakdown.py [--batch 16] [--seq 128] [--out benchmarks/last_profile.json]
+    python benchmarks/profile_breakdown.py [--batch 16] [--seq 128] [--threads N] [--plot out.png]
+        [--out benchmarks/last_profile.json]
 """
 import argparse
 import datetime
@@ -69,7 +70,10 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="training steps measured with the encoder in the loop")
     p.add_argument("--out", default=os.path.join(HERE, "last_profile.json"))
     p.add_argument("--plot", default=None, help="also save the stacked bars to this PNG")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: fasttran's)")
     a = p.parse_args()
+    if a.threads:
+        fasttran.set_num_threads(a.threads)
     out = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
            "threads": fasttran.get_num_threads(), "fasttran": fasttran.__version__,
            "blas": fasttran.build_info()["blas"], "loadavg_before": os.getloadavg(), "batch": a.batch, "seq": a.seq}
