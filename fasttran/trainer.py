@@ -282,6 +282,16 @@ class Trainer:
         self._check_source(cache)
         return self._check_targets(cache, targets)
 
+    def _loop_setup(self, N):
+        """The optimizer, and (steps per epoch, total steps, warmup steps, gradient buffer, its
+        per-tensor views) for N examples."""
+        self._make_optimizer()
+        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
+        total = steps_per_epoch * self.epochs
+        warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
+        grads = np.zeros_like(self.head.params)
+        return steps_per_epoch, total, warm, grads, list(self.head.views(grads).values())
+
     def _step(self, cache, y, ids, batch, grads, gviews, total, warm):
         """One training step on a gathered batch: head forward + backward in C, NaN check, one
         fused optimizer step. Returns (batch size, loss, correct predictions or 0)."""
@@ -334,13 +344,7 @@ class Trainer:
         self.features = feats
         if eval is not None:
             self._check_features(eval[0], "evaluate on the eval cache")
-        self._make_optimizer()
-        N = len(cache)
-        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
-        total = steps_per_epoch * self.epochs
-        warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
-        grads = np.zeros_like(self.head.params)
-        gviews = list(self.head.views(grads).values())
+        steps_per_epoch, total, warm, grads, gviews = self._loop_setup(len(cache))
         old_handler = None
         if threading.current_thread() is threading.main_thread():
             def on_sigint(signum, frame):   # finish the step in flight, then stop cleanly
@@ -504,13 +508,8 @@ class Trainer:
             head = self._head_name
         scratch = Trainer(head, **cfg)
         y = scratch._prepare(cache, targets)
-        scratch._make_optimizer()
         N = len(cache)
-        spe = (N + scratch.batch_size - 1) // scratch.batch_size
-        total = spe * scratch.epochs
-        warm = int(scratch.warmup * total) if scratch.warmup < 1 else int(scratch.warmup)
-        grads = np.zeros_like(scratch.head.params)
-        gviews = list(scratch.head.views(grads).values())
+        spe, total, warm, grads, gviews = scratch._loop_setup(N)
         order = np.random.default_rng(_epoch_seed(scratch.seed, 0)).permutation(N)
         batches = [order[a:a + scratch.batch_size] for a in range(0, N, scratch.batch_size)]
         rows = lambda k: cache.example_ids[batches[k % len(batches)]]

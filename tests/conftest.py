@@ -48,6 +48,25 @@ def minilm_dir():
 
 
 @pytest.fixture(scope="session")
+def enc(minilm_dir):
+    """The real all-MiniLM-L6-v2 encoder, loaded once for the session (a module may define its own)."""
+    import fasttran
+    return fasttran.Encoder.from_pretrained(minilm_dir)
+
+
+def block_import(monkeypatch, prefix):
+    """Make `import <prefix>...` fail as if the package were not installed."""
+    import builtins
+    real = builtins.__import__
+
+    def blocked(name, *a, **kw):
+        if name.startswith(prefix):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", blocked)
+
+
+@pytest.fixture(scope="session")
 def sst2_sentences():
     from fasttran.data import load_sst2
     return load_sst2(sst2_file("dev"))[0]

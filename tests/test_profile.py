@@ -16,11 +16,6 @@ from conftest import sst2_file
 
 
 @pytest.fixture(scope="module")
-def enc(minilm_dir):
-    return fasttran.Encoder.from_pretrained(minilm_dir)
-
-
-@pytest.fixture(scope="module")
 def sst(enc):
     s, y = load_sst2(sst2_file("train"))
     s, y = s[:256], np.array(y[:256])

@@ -14,14 +14,9 @@ import pytest
 import fasttran
 from fasttran import ActivationCache, ClassificationHead, Trainer
 
-from conftest import sst2_file
+from conftest import block_import, sst2_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def enc(minilm_dir):
-    return fasttran.Encoder.from_pretrained(minilm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -228,18 +223,11 @@ def test_history_progress_lines_and_plot(enc, sst, cache, capsys):
 def test_text_bars_in_a_kernel_without_ipywidgets(monkeypatch):
     """tqdm.auto warns 'IProgress not found' in a notebook without ipywidgets; ours falls back
     to the text bar, silently."""
-    import builtins
     import warnings
     from fasttran import _progress
     monkeypatch.setattr(_progress, "_CLS", None)
     monkeypatch.setattr(_progress, "_in_notebook", lambda: True)
-    real = builtins.__import__
-
-    def no_widgets(name, *a, **kw):
-        if name.startswith("ipywidgets"):
-            raise ImportError(name)
-        return real(name, *a, **kw)
-    monkeypatch.setattr(builtins, "__import__", no_widgets)
+    block_import(monkeypatch, "ipywidgets")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         bar = _progress.progress(range(3), disable=True)

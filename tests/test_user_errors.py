@@ -11,12 +11,7 @@ import fasttran
 from fasttran import ActivationCache, Trainer
 from fasttran.data import load_sst2
 
-from conftest import make_checkpoint, sst2_file
-
-
-@pytest.fixture(scope="module")
-def enc(minilm_dir):
-    return fasttran.Encoder.from_pretrained(minilm_dir)
+from conftest import block_import, make_checkpoint, sst2_file
 
 
 @pytest.fixture(scope="module")
@@ -173,14 +168,7 @@ def test_hub_id_without_network_says_how(tmp_path):
 
 
 def test_hub_id_without_huggingface_hub_says_how(monkeypatch):
-    import builtins
-    real = builtins.__import__
-
-    def no_hub(name, *a, **kw):
-        if name.startswith("huggingface_hub"):
-            raise ImportError(name)
-        return real(name, *a, **kw)
-    monkeypatch.setattr(builtins, "__import__", no_hub)
+    block_import(monkeypatch, "huggingface_hub")
     with pytest.raises(fasttran.CheckpointNotFoundError, match=r"looks like a Hugging Face Hub model id.*pip install "
                                                                r"huggingface_hub"):
         fasttran.Encoder.from_pretrained("someone/some-bert")
@@ -208,17 +196,10 @@ def test_hub_id_loads_through_huggingface_hub(tmp_path, minilm_dir, enc):
 
 
 def test_missing_matplotlib_names_the_pip_command(monkeypatch, sst):
-    import builtins
     s, y, cache = sst
     tr = Trainer("classification", epochs=1, show_progress=False)
     tr.fit(cache, y)
-    real = builtins.__import__
-
-    def no_mpl(name, *a, **kw):
-        if name.startswith("matplotlib"):
-            raise ImportError(name)
-        return real(name, *a, **kw)
-    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    block_import(monkeypatch, "matplotlib")
     with pytest.raises(fasttran.MissingDependencyError, match="pip install matplotlib") as e:
         tr.plot()
     assert isinstance(e.value, ImportError)
