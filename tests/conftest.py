@@ -13,8 +13,16 @@ _SKIPS = {}   # reason -> number of tests skipped for it (summarised in one line
 def data_skip(what, path, how):
     """Skip a test that needs real data which is not there; summarised once at the end."""
     reason = f"{what} not found at {path}; {how}"
-    _SKIPS[reason] = _SKIPS.get(reason, 0) + 1
+    _SKIPS.setdefault(reason, 0)
     pytest.skip(reason)
+
+
+def pytest_runtest_logreport(report):
+    """Count the skipped tests per data reason (a module fixture skips once for all its tests)."""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        msg = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if msg in _SKIPS:
+            _SKIPS[msg] += 1
 
 
 def sst2_file(split):
