@@ -26,7 +26,8 @@ typedef struct {
  * tests iterate. Adding an op = its CPU and CUDA implementations + one line in FT_BACKEND_OPS.
  *
  * Services (memory, copies, queries): S(return type, name, (parameters)).
- * Ops (the math): X(name, (parameters)); every op returns ft_status. The op-by-op test
+ * Ops (the math): X(name, (parameters), (argument names)); every op returns ft_status; the names
+ * let generated wrappers (the profiler, core/profile.c) forward a call. The op-by-op test
  * (tests/test_backend_ops.py) calls each op on both backends by its parameter names, so the
  * names here are part of the contract. */
 #define FT_BACKEND_SERVICES(S)                                                                      \
@@ -51,56 +52,56 @@ typedef struct {
     /* C (M, N) = alpha * op(A) op(B) + beta * C, row-major, op = transpose when trans_* */        \
     X(gemm, (ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, \
              const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,      \
-             int64_t ldc))                                                                         \
+             int64_t ldc), (be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))                                                                         \
     /* ---- encoder ops (fp32). Activations are "packed rows": the encoder keeps only the rows   \
      * it computes (real tokens, then any padded ones asked for), sequence by sequence. ---- */    \
     /* packed (packed_weight_bytes) = w (N, K) in the backend's layout for linear_*_forward */     \
-    X(pack_weight, (ft_backend *be, float *packed, const float *w, int64_t N, int64_t K))          \
+    X(pack_weight, (ft_backend *be, float *packed, const float *w, int64_t N, int64_t K), (be, packed, w, N, K))          \
     /* out (M, N) = act(x (M, K) w^T + bias); w (N, K) and its packed copy; bias (N) or NULL;     \
      * act an ft_activation or -1 for none. out must not alias x. */                              \
     X(linear_forward, (ft_backend *be, float *out, const float *x, const float *w,                 \
                        const float *w_packed, const float *bias, int64_t M, int64_t K, int64_t N,  \
-                       int act))                                                                   \
+                       int act), (be, out, x, w, w_packed, bias, M, K, N, act))                                                                   \
     /* out (M, N) = LayerNorm(residual + (x w^T + bias)) per row; out aliases neither x nor       \
      * residual */                                                                                 \
     X(linear_residual_ln_forward, (ft_backend *be, float *out, const float *x, const float *w,    \
                                    const float *w_packed, const float *bias, const float *residual, \
                                    const float *gamma, const float *beta, int64_t M, int64_t K,     \
-                                   int64_t N, float eps))                                           \
+                                   int64_t N, float eps), (be, out, x, w, w_packed, bias, residual, gamma, beta, M, K, N, eps))                                           \
     /* out (N, C) row r = LayerNorm(word[ids[r]] + type[types[r]] + pos[positions[r]]); types NULL: 0 */\
     X(embed_ln_forward, (ft_backend *be, float *out, const int32_t *ids, const int32_t *types,     \
                          const int32_t *positions, const float *word, const float *pos,            \
                          const float *type, const float *gamma, const float *beta, int64_t N,      \
-                         int64_t C, float eps))                                                    \
+                         int64_t C, float eps), (be, out, ids, types, positions, word, pos, type, gamma, beta, N, C, eps))                                                    \
     /* dst (N, C) = row broadcast of bias (C): prefill before a beta=1 GEMM */                    \
-    X(broadcast_rows, (ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C))        \
+    X(broadcast_rows, (ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C), (be, dst, bias, N, C))        \
     /* ctx (rows, C) = per (sequence b, head h): softmax(Q K^T / sqrt(C/NH)) V; qkv (rows, 3C)    \
      * with Q, K, V at column offsets 0, C, 2C. seqs: HOST memory, (B, 3) int32 = first row,     \
      * key rows, query rows of sequence b: its queries are rows [first, first + query rows) and   \
      * its keys the first `key rows` of them (no mask: every key is real). A sequence with no key \
      * gets a zero output. scratch: attention_scratch_bytes(B, max query rows, NH). */           \
     X(attention_forward, (ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs,      \
-                          int64_t B, int64_t C, int64_t NH, float *scratch))                       \
+                          int64_t B, int64_t C, int64_t NH, float *scratch), (be, ctx, qkv, seqs, B, C, NH, scratch))                       \
     /* h (N, K) = act(h + bias) in place */                                                        \
     X(bias_act_forward, (ft_backend *be, float *h, const float *bias, int64_t N, int64_t K,       \
-                         ft_activation act))                                                       \
+                         ft_activation act), (be, h, bias, N, K, act))                                                       \
     /* out (N, C) = LayerNorm(residual + y + bias); out may alias residual or y */                \
     X(bias_residual_ln_forward, (ft_backend *be, float *out, const float *residual, const float *y, \
                                  const float *bias, const float *gamma, const float *beta,        \
-                                 int64_t N, int64_t C, float eps))                                 \
+                                 int64_t N, int64_t C, float eps), (be, out, residual, y, bias, gamma, beta, N, C, eps))                                 \
     /* out (B, C) row b = mean of rows [first[b], first[b] + count[b]) of h (rows, C); count 0    \
      * gives zeros (CLS pooling: count 1) */                                                      \
     X(pool_forward, (ft_backend *be, float *out, const float *h, const int32_t *first,             \
-                     const int32_t *count, int64_t B, int64_t C))                                  \
+                     const int32_t *count, int64_t B, int64_t C), (be, out, h, first, count, B, C))                                  \
     /* dst row index[r] = src row r, for r < N; rows are C floats */                              \
     X(scatter_rows, (ft_backend *be, float *dst, const float *src, const int32_t *index, int64_t N, \
-                     int64_t C))                                                                   \
+                     int64_t C), (be, dst, src, index, N, C))                                                                   \
     /* ---- training (heads, optimizers) ---- */                                                  \
     /* y (n) = x * keep(key, i) / (1 - p); y may alias x. keep() is ft_dropout_keep (core/rng.h), \
      * so the same call on a gradient applies the same mask (the backward pass). */               \
-    X(dropout, (ft_backend *be, float *y, const float *x, int64_t n, float p, uint64_t key))      \
+    X(dropout, (ft_backend *be, float *y, const float *x, int64_t n, float p, uint64_t key), (be, y, x, n, p, key))      \
     /* dx (n) = dy * (1 - y^2): tanh backward from its output y; dx may alias dy */               \
-    X(tanh_backward, (ft_backend *be, float *dx, const float *dy, const float *y, int64_t n))      \
+    X(tanh_backward, (ft_backend *be, float *dx, const float *dy, const float *y, int64_t n), (be, dx, dy, y, n))      \
     /* Row-wise softmax cross-entropy over (N, K) logits. valid (valid_rows, K) or NULL: row r    \
      * uses valid row r % valid_rows, and positions with 0 take no part. labels (N) in [0, K) at \
      * a valid position (checked by the caller). loss (N) per-row loss; dlogits (N, K) or NULL = \
@@ -108,12 +109,12 @@ typedef struct {
      * dlogits 0. */                                                                               \
     X(softmax_xent, (ft_backend *be, float *loss, float *dlogits, const float *logits,            \
                      const float *valid, int64_t valid_rows, const int32_t *labels, int64_t N,     \
-                     int64_t K, float scale))                                                      \
+                     int64_t K, float scale), (be, loss, dlogits, logits, valid, valid_rows, labels, N, K, scale))                                                      \
     /* axis 0: out (K) = sum over rows of x (N, K);  axis 1: out (N) = sum over columns */        \
-    X(sum_axis, (ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis))     \
+    X(sum_axis, (ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis), (be, out, x, N, K, axis))     \
     /* One fused LAMB / AdamW step over `count` tensors (see ft_optimizer_step). */                \
     X(optim_step, (ft_backend *be, const ft_optim_config *cfg, const ft_optim_tensor *t,          \
-                   size_t count, ft_optim_info *info))                                             \
+                   size_t count, ft_optim_info *info), (be, cfg, t, count, info))                                             \
     /* ---- training of encoder layers (model/layer.c). Rows are packed: sequence b is rows       \
      * [first, first + n) of seqs (HOST memory, (B, 3) int32: first row, n, n), every row real.  \
      * Dropout masks come from core/rng.h, keyed by the element's index (p = 0: none). ---- */    \
@@ -123,42 +124,42 @@ typedef struct {
     X(residual_ln_train_forward, (ft_backend *be, float *out, float *ln_in, float *stats,          \
                                   const float *residual, const float *y, const float *bias,         \
                                   const float *gamma, const float *beta, int64_t N, int64_t C,      \
-                                  float eps, float p, uint64_t key))                                \
+                                  float eps, float p, uint64_t key), (be, out, ln_in, stats, residual, y, bias, gamma, beta, N, C, eps, p, key))                                \
     /* dx (N, C) = the LayerNorm backward of dy; dgamma, dbeta (C) overwritten. saved: the        \
      * LayerNorm input (saved_is_output = 0), or its output (1: Tempo's in-place LayerNorm, the   \
      * normalised input recovered as (out - beta) / gamma). dx may alias dy. */                   \
     X(layernorm_backward, (ft_backend *be, float *dx, float *dgamma, float *dbeta, const float *dy, \
                            const float *saved, const float *stats, const float *gamma,              \
-                           const float *beta, int64_t N, int64_t C, int saved_is_output))           \
+                           const float *beta, int64_t N, int64_t C, int saved_is_output), (be, dx, dgamma, dbeta, dy, saved, stats, gamma, beta, N, C, saved_is_output))           \
     /* f (N, K) = act(h + bias); pre (N, K) or NULL: h + bias, kept for the backward; bits        \
      * ((N K + 7) / 8 bytes) or NULL: bit i set when element i lies left of GELU's minimum        \
      * (Tempo's in-place GELU keeps f and these bits). f may alias h. */                           \
     X(bias_act_train_forward, (ft_backend *be, float *f, float *pre, uint8_t *bits, const float *h, \
-                               const float *bias, int64_t N, int64_t K, ft_activation act))        \
+                               const float *bias, int64_t N, int64_t K, ft_activation act), (be, f, pre, bits, h, bias, N, K, act))        \
     /* dh (N, K) = df act'(x): x = saved (the pre-activation) when bits is NULL, else recovered   \
      * from the output saved = f and its branch bits; where GELU is too flat for that (outputs     \
      * within FT_GELU_BAND of its minimum) x is recomputed as in (N, C) w (K, C)^T + bias, the     \
      * forward's GEMM, which the caller keeps anyway. dh may alias df. */                          \
     X(bias_act_backward, (ft_backend *be, float *dh, const float *df, const float *saved,          \
                           const uint8_t *bits, const float *in, const float *w, const float *bias,  \
-                          int64_t N, int64_t K, int64_t C, ft_activation act))                     \
+                          int64_t N, int64_t K, int64_t C, ft_activation act), (be, dh, df, saved, bits, in, w, bias, N, K, C, act))                     \
     /* probs (sum over b of NH n_b^2, sequence after sequence, (NH, n, n) each) = softmax(Q K^T / \
      * sqrt(C/NH)) per (b, h); ctx (N, C) = dropout(probs) V, dropout index = index in probs;     \
      * dmask (like probs, bytes) or NULL: the dropout mask kept (else the backward recomputes it).\
      * qkv (N, 3C): Q, K, V at column offsets 0, C, 2C. */                                         \
     X(attention_train_forward, (ft_backend *be, float *ctx, float *probs, uint8_t *dmask,          \
                                 const float *qkv, const int32_t *seqs, int64_t B, int64_t C,        \
-                                int64_t NH, float p, uint64_t key, float *scratch))                 \
+                                int64_t NH, float p, uint64_t key, float *scratch), (be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch))                 \
     /* dqkv (N, 3C) = the gradients of Q, K and V from dctx (N, C), with the forward's probs and  \
      * dmask (or the same p and key) */                                                            \
     X(attention_backward, (ft_backend *be, float *dqkv, const float *dctx, const float *qkv,       \
                            const float *probs, const uint8_t *dmask, const int32_t *seqs, int64_t B, \
-                           int64_t C, int64_t NH, float p, uint64_t key, float *scratch))                \
+                           int64_t C, int64_t NH, float p, uint64_t key, float *scratch), (be, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch))                \
     /* dh (N, C) = the backward of mean pooling: row r of sequence b (rows [first[b], first[b] +  \
      * count[b]), device int32) gets dout[b] / count[b] (CLS pooling: count 1); rows of no        \
      * sequence get 0 */                                                                           \
     X(pool_backward, (ft_backend *be, float *dh, const float *dout, const int32_t *first,          \
-                      const int32_t *count, int64_t B, int64_t N, int64_t C))
+                      const int32_t *count, int64_t B, int64_t N, int64_t C), (be, dh, dout, first, count, B, N, C))
 
 struct ft_backend {
     int abi;
@@ -167,7 +168,7 @@ struct ft_backend {
     void *ctx;                 /* backend private state */
     uintptr_t stream;          /* cudaStream_t the backend queues work on (0 on the CPU) */
 #define FT_SERVICE_SLOT(ret, name, params) ret(*name) params;
-#define FT_OP_SLOT(name, params) ft_status(*name) params;
+#define FT_OP_SLOT(name, params, args) ft_status(*name) params;
     FT_BACKEND_SERVICES(FT_SERVICE_SLOT)
     FT_BACKEND_OPS(FT_OP_SLOT)
 #undef FT_SERVICE_SLOT

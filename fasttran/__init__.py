@@ -5,6 +5,43 @@
     >>> emb = enc.encode(["a sentence", "another one"])        # (2, 384) float32
 """
 import os as _os
+import sys as _sys
+
+
+def _has_extension(d):
+    try:
+        return any(n.startswith("_C.") and n.endswith((".so", ".pyd")) for n in _os.listdir(d))
+    except OSError:
+        return False
+
+
+def _compiled_copy_elsewhere():
+    """The directory of an installed, compiled fasttran further down sys.path, when this one is
+    a source checkout's uncompiled folder that shadows it (a notebook or script started in the
+    repository folder puts that folder first on sys.path); else None."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    if _has_extension(here) or not _os.path.isfile(_os.path.join(_os.path.dirname(here), "setup.py")):
+        return None
+    for entry in _sys.path:
+        d = _os.path.join(_os.path.abspath(entry or _os.getcwd()), "fasttran")
+        if (_os.path.realpath(d) != _os.path.realpath(here) and _os.path.isfile(_os.path.join(d, "__init__.py"))
+                and _has_extension(d)):
+            return d
+    return None
+
+
+_elsewhere = _compiled_copy_elsewhere()
+if _elsewhere is not None:
+    # Import the installed package instead: it becomes sys.modules["fasttran"] (what `import
+    # fasttran` returns) and this module's submodule path points at it, so the imports below
+    # resolve to the installed, compiled modules as well.
+    from importlib import util as _ilu
+    _spec = _ilu.spec_from_file_location(__name__, _os.path.join(_elsewhere, "__init__.py"),
+                                         submodule_search_locations=[_elsewhere])
+    _installed = _ilu.module_from_spec(_spec)
+    _sys.modules[__name__] = _installed
+    _spec.loader.exec_module(_installed)
+    __path__[:] = [_elsewhere]
 
 from . import errors  # first: the C module looks its exception classes up here
 
@@ -34,8 +71,10 @@ from ._info import build_info, cuda_available, get_num_threads, set_num_threads
 from .cache import ActivationCache
 from .encoder import Encoder
 from . import optim
+from . import models
 from .heads import ClassificationHead, QAHead
 from .trainer import Trainer
+from .profiling import Profile, profile
 
 Tensor = _C.Tensor   # device/host tensor with DLPack export and import (csrc/python/tensor_type.c)
 
@@ -48,12 +87,16 @@ from .errors import (
     BackendError,
     CacheCorruptError,
     CacheMismatchError,
+    CacheNotFoundError,
     CheckpointError,
     CheckpointNotFoundError,
     FastTranError,
+    FastTranIOError,
     InputError,
     InputRangeError,
     InputTypeError,
+    MissingDependencyError,
+    NoGPUError,
     UnsupportedError,
     UnsupportedModelError,
 )
@@ -64,4 +107,5 @@ __all__ = [
     "Encoder", "ActivationCache", "Trainer", "ClassificationHead", "QAHead", "optim", "Tensor", "from_dlpack", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
     "FastTranError", "InputError", "InputTypeError", "InputRangeError", "CheckpointError",
     "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError", "CacheCorruptError", "CacheMismatchError",
+    "FastTranIOError", "CacheNotFoundError", "NoGPUError", "MissingDependencyError", "models", "profile", "Profile",
 ]

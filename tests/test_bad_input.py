@@ -127,6 +127,8 @@ def test_bad_options(enc):
     with pytest.raises(fasttran.InputError, match="output layer 3 out of range: this encoder has layers 0..2"):
         enc.forward(IDS, output_layers=3)
     with pytest.raises(fasttran.InputTypeError, match="must be a NumPy array, a DLPack tensor or a list"):
+        enc.forward(object())
+    with pytest.raises(fasttran.InputTypeError, match=r"got text.*encoder.encode\(texts\)"):
         enc.forward("hello")
     with pytest.raises(fasttran.InputError, match="unknown device"):
         fasttran.Encoder(dict(SMALL), device="tpu")

@@ -27,7 +27,7 @@ def enc(minilm_dir):
 def data(enc, sst2_sentences):
     from fasttran.data import load_sst2
     import conftest
-    labels = load_sst2(os.path.join(conftest.DATA, "sst2", "dev.tsv"))[1][:N]
+    labels = load_sst2(conftest.sst2_file("dev"))[1][:N]
     ids, mask, types = enc.tokenize(sst2_sentences[:N])
     return ids, mask, types, np.asarray(labels)
 

@@ -9,7 +9,7 @@ import fasttran
 from fasttran import ActivationCache, Trainer
 from fasttran.squad import SquadFeatures, f1_score, load_squad, normalize_answer, squad_metrics
 
-from conftest import DATA
+from conftest import squad_file
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +18,7 @@ def enc(minilm_dir):
 
 
 def _squad(name):
-    path = os.path.join(DATA, "squad", name)
-    if not os.path.exists(path):
-        pytest.skip(f"real SQuAD data not found at {path}")
-    return load_squad(path)
+    return load_squad(squad_file(name))
 
 
 @pytest.fixture(scope="module")

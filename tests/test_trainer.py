@@ -1,6 +1,7 @@
 """Trainer on real data (frozen all-MiniLM-L6-v2 features of real SST-2 sentences): with and
 without the cache identical, deterministic, learns, save/load/resume exact, Ctrl-C leaves a
 usable saved state, bad input refused, NaN loss stops with the step."""
+import json
 import os
 import signal
 import subprocess
@@ -13,23 +14,15 @@ import pytest
 import fasttran
 from fasttran import ActivationCache, ClassificationHead, Trainer
 
-from conftest import DATA
+from conftest import block_import, sst2_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def enc(minilm_dir):
-    return fasttran.Encoder.from_pretrained(minilm_dir)
-
-
-@pytest.fixture(scope="module")
 def sst(enc):
     from fasttran.data import load_sst2
-    path = os.path.join(DATA, "sst2", "train.tsv")
-    if not os.path.exists(path):
-        pytest.skip(f"real SST-2 data not found at {path}")
-    s, y = load_sst2(path)
+    s, y = load_sst2(sst2_file("train"))
     s, y = s[:480], np.array(y[:480])
     ids, mask, types = enc.tokenize(s)
     return ids, mask, types, y
@@ -178,3 +171,66 @@ def test_nan_features_and_nan_loss(enc, sst):
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 1 \(epoch 1, batch 1\)"):
         tr.fit(good, y[:64])
     assert tr.optimizer.step_count == 0
+
+
+def test_defaults_come_from_the_sweep():
+    from fasttran.trainer import DEFAULT_LR, default_lr
+    assert Trainer("classification").lr == DEFAULT_LR[("lamb", "linear")]
+    assert Trainer("classification", optimizer="adamw").lr == DEFAULT_LR[("adamw", "linear")]
+    assert Trainer("classification-pooler").lr == DEFAULT_LR[("lamb", "pooler")]
+    assert Trainer("qa", optimizer="adamw").lr == DEFAULT_LR[("adamw", "qa")]
+    assert Trainer(ClassificationHead(8, 2), optimizer="ADAMW").lr == default_lr("adamw", "classification")
+    assert Trainer("classification", lr=0.1).lr == 0.1
+    # every default is a value the sweep measured (benchmarks/defaults_sweep.json)
+    path = os.path.join(ROOT, "benchmarks", "defaults_sweep.json")
+    with open(path) as f:
+        sweep = json.load(f)
+    names = {"linear": "classification", "pooler": "classification-pooler", "qa": "qa"}
+    for (opt, kind), lr in DEFAULT_LR.items():
+        part = sweep["qa" if kind == "qa" else "sst2"]
+        assert part["chosen"][f"{opt}/{names[kind]}"][0] == lr, (opt, kind)
+
+
+def test_history_progress_lines_and_plot(enc, sst, cache, capsys):
+    ids, mask, types, y = sst
+    dev = ActivationCache.build(enc, ids[:64], mask[:64], types[:64], positions="mean", show_progress=False)
+    tr = Trainer("classification", epochs=3, show_progress=True)
+    hist = tr.fit(cache, y, eval=(dev, y[:64]))
+    assert hist is tr.history and [r["epoch"] for r in hist] == [1, 2, 3]
+    for r in hist:
+        assert {"train_loss", "train_accuracy", "eval_accuracy", "eval_loss", "seconds", "lr"} <= set(r)
+    assert len(tr.loss_curve) == hist[-1]["steps"] == 3 * 15
+    # one line per epoch stays on screen, ending with its loss, accuracy and dev accuracy
+    err = capsys.readouterr().err
+    final = [line.rsplit("\r", 1)[-1] for line in err.split("\n") if "epoch" in line]
+    for e, r in zip((1, 2, 3), hist):
+        line = next(l for l in final if l.startswith(f"epoch {e}/3"))
+        assert "15/15" in line and f"loss={r['train_loss']:.4f}" in line
+        assert f"acc={r['train_accuracy']:.4f}" in line and f"dev_acc={r['eval_accuracy']:.4f}" in line
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    fig = tr.plot()
+    ax_loss, ax_acc = fig.axes[:2]
+    assert ax_loss.get_ylabel() == "loss" and ax_acc.get_ylabel() == "accuracy"
+    ys = {l.get_label(): list(l.get_ydata()) for l in ax_acc.get_lines()}
+    assert ys["eval"] == pytest.approx([r["eval_accuracy"] for r in hist])
+    assert ys["train"] == pytest.approx([r["train_accuracy"] for r in hist])
+    with pytest.raises(fasttran.InputError, match="fit"):
+        Trainer("classification").plot()
+
+
+def test_text_bars_in_a_kernel_without_ipywidgets(monkeypatch):
+    """tqdm.auto warns 'IProgress not found' in a notebook without ipywidgets; ours falls back
+    to the text bar, silently."""
+    import warnings
+    from fasttran import _progress
+    monkeypatch.setattr(_progress, "_CLS", None)
+    monkeypatch.setattr(_progress, "_in_notebook", lambda: True)
+    block_import(monkeypatch, "ipywidgets")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bar = _progress.progress(range(3), disable=True)
+        list(bar)
+    assert _progress.bar_class().__module__ == "tqdm.std"
+    monkeypatch.setattr(_progress, "_CLS", None)

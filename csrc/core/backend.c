@@ -11,11 +11,12 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "core/profile.h"
 #include "core/status.h"
 
 /* the registry of the op list (backend.h): tests look each entry up by name */
 #define FT_REGISTRY_SERVICE(ret, name, params) {#name, "service", #ret, #params, offsetof(ft_backend, name)},
-#define FT_REGISTRY_OP(name, params) {#name, "op", "ft_status", #params, offsetof(ft_backend, name)},
+#define FT_REGISTRY_OP(name, params, args) {#name, "op", "ft_status", #params, offsetof(ft_backend, name)},
 const ft_backend_entry ft_backend_registry[] = {
     FT_BACKEND_SERVICES(FT_REGISTRY_SERVICE)
     FT_BACKEND_OPS(FT_REGISTRY_OP)
@@ -105,7 +106,13 @@ ft_status ft_backend_cuda_open(int index, ft_backend **out) {
         *out = NULL;
         return ft_error(FT_ERR_DEVICE, "CUDA backend ABI mismatch: rebuild fasttran");
     }
+    ft_profile_attach(*out);   /* timing wrappers (idle unless profiling): core/profile.c */
     return FT_OK;
+}
+
+void *ft_cuda_symbol(const char *name) {
+    void *lib = cuda_library();
+    return lib ? dlsym(lib, name) : NULL;
 }
 
 /* One shared backend per CUDA device for memory services that have no encoder at hand

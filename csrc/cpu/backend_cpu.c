@@ -50,7 +50,7 @@ ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t 
 }
 
 #define FT_CPU_SERVICE_INIT(ret, name, params) .name = cpu_##name,
-#define FT_CPU_OP_INIT(name, params) .name = cpu_##name,
+#define FT_CPU_OP_INIT(name, params, args) .name = cpu_##name,
 static ft_backend cpu_backend = {
     .abi = FT_BACKEND_ABI,
     .name = "cpu",

@@ -7,7 +7,7 @@
 #include "backend.h"
 
 #define FT_CPU_SERVICE(ret, name, params) ret cpu_##name params;
-#define FT_CPU_OP(name, params) ft_status cpu_##name params;
+#define FT_CPU_OP(name, params, args) ft_status cpu_##name params;
 FT_BACKEND_SERVICES(FT_CPU_SERVICE)
 FT_BACKEND_OPS(FT_CPU_OP)
 #undef FT_CPU_SERVICE

@@ -139,7 +139,7 @@ __attribute__((visibility("default"))) ft_status ft_cuda_backend_open(const ft_h
     be->ctx = c;
     be->stream = reinterpret_cast<uintptr_t>(c->stream);
 #define FT_CUDA_SERVICE_INIT(ret, name, params) be->name = cuda_##name;
-#define FT_CUDA_OP_INIT(name, params) be->name = cuda_##name;
+#define FT_CUDA_OP_INIT(name, params, args) be->name = cuda_##name;
     FT_BACKEND_SERVICES(FT_CUDA_SERVICE_INIT)
     FT_BACKEND_OPS(FT_CUDA_OP_INIT)
 #undef FT_CUDA_SERVICE_INIT

@@ -70,7 +70,7 @@ template <typename T> __device__ inline T from_f(float x) { return static_cast<T
 // cuda_<name> for every entry of the op list (backend.h): services in backend_cuda.cu, encoder
 // ops in rowops.cu and attention.cu, training ops in train_ops.cu and optim.cu
 #define FT_CUDA_SERVICE(ret, name, params) ret cuda_##name params;
-#define FT_CUDA_OP(name, params) ft_status cuda_##name params;
+#define FT_CUDA_OP(name, params, args) ft_status cuda_##name params;
 FT_BACKEND_SERVICES(FT_CUDA_SERVICE)
 FT_BACKEND_OPS(FT_CUDA_OP)
 #undef FT_CUDA_SERVICE

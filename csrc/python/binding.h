@@ -32,6 +32,7 @@ int ft_py_add_train_functions(PyObject *module);
 int ft_py_add_layer_type(PyObject *module);
 /* the ft_encoder of a fasttran._C.EncoderCore (NULL with an exception set otherwise) */
 ft_encoder *ft_py_encoder_of(PyObject *obj);
+int ft_py_add_profile_functions(PyObject *module);
 
 /* fasttran.Tensor (tensor_type.c). `release(owner, ctx, data)` frees the memory when the
  * tensor dies (NULL: nothing to free); `owner` is kept alive until then. On failure the

@@ -2,6 +2,7 @@
  * The Python layer owns the storage (host arrays, memory-mapped shards) and passes arrays
  * in; the numerics and the per-row loops happen here with the GIL released. */
 #include "binding.h"
+#include "core/profile.h"
 
 static int parse_codec(const char *name, ft_dtype *out) {
     if (strcmp(name, "float32") == 0) *out = FT_F32;
@@ -89,7 +90,10 @@ static PyObject *py_cache_gather(PyObject *self, PyObject *args) {
     if (!int8_scales(codec, sc_o, n, 0, &scales)) return NULL;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
+    int prof = ft_profile_begin();   /* cache reads in the profiler's breakdown */
+    uint64_t t0 = prof ? ft_profile_now() : 0;
     st = ft_cache_gather(PyArray_DATA(out), n, C, codec, (const void *const *)PyArray_DATA(ptr), scales);
+    if (prof) ft_profile_end(FT_PE_cache_gather, t0);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     Py_RETURN_NONE;
