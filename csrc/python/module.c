@@ -172,7 +172,7 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (PyModule_AddStringConstant(m, "version", FT_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "cuda_compiled", ft_cuda_compiled()) < 0 ||
         ft_py_add_encoder_type(m) < 0 || ft_py_add_tensor_type(m) < 0 ||
-        ft_py_add_cache_functions(m) < 0 || ft_py_add_train_functions(m) < 0) {
+        ft_py_add_cache_functions(m) < 0 || ft_py_add_train_functions(m) < 0 || ft_py_add_optimizer_type(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }
