@@ -58,11 +58,12 @@ class _TorchFused:
     def __setstate__(self, state):
         ours = state.pop("_fasttran", None)
         Optimizer.__setstate__(self, state)
-        if ours is not None:   # unpickled / deep-copied: the table is rebuilt at the first step
+        if ours is not None:   # unpickled / deep-copied: a new table, filled from the state
             self.__dict__.update(ours)
             self._table = None
             self.last_grad_norm = float("nan")
             self.last_kernel_launches = 0
+            self._build()
 
     def _key(self, i, p):
         return p

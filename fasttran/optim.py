@@ -276,6 +276,14 @@ class _FusedOptimizer(metaclass=_Dispatch):
     def _key(self, i, p):
         return i
 
+    def __getstate__(self):   # pickle / deepcopy: everything but the C table and its views
+        return {k: v for k, v in self.__dict__.items() if k not in ("_table", "_views", "_params", "_names", "_decay")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._table = None
+        self._build()   # a new table, filled from the (copied) state
+
     def _make_views(self, table):
         """per tensor (m, v, step) views of the table's state"""
         steps = table.moments()[2].numpy()
