@@ -100,7 +100,7 @@ def test_bert_finetune_matches_torch_adamw_over_100_steps(style, tol):
 def test_each_step_is_as_exact_as_torchs():
     """Per step, on the loop's real gradients and states: fasttran's AdamW update and torch's are
     both compared with the same update in float64 from the same float32 inputs; fasttran's error
-    is at most twice torch's, tensor by tensor (measured: 1.09x; largest error 6.0e-8 both)."""
+    is at most twice torch's, tensor by tensor (measured: 1.1x; largest error 6.0e-8 both)."""
     from transformers import get_linear_schedule_with_warmup
     model = bert_model()
     named = list(model.named_parameters())
@@ -142,6 +142,8 @@ def test_each_step_is_as_exact_as_torchs():
             worst[i][0] = max(worst[i][0], (p.detach().double() - exact).abs().max().item())
             worst[i][1] = max(worst[i][1], (s.double() - exact).abs().max().item())
     ratio = max(ours / max(theirs, 1e-30) for theirs, ours in worst.values())
+    print(f"\nper step vs float64: fasttran {max(o for _, o in worst.values()):.3g}, torch "
+          f"{max(t for t, _ in worst.values()):.3g}, worst tensor ratio {ratio:.3g}")
     assert ratio <= 2.0, ratio
     assert max(o for _, o in worst.values()) <= 1e-6
 
