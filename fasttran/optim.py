@@ -108,6 +108,12 @@ class _Dispatch(type):
     """Optimizers over torch tensors are instances of a subclass that is also a
     torch.optim.Optimizer (made on first use, from fasttran/_torch_optim.py)."""
 
+    def __init__(cls, name, bases, ns):
+        super().__init__(name, bases, ns)
+        import inspect   # help() and IDEs: the constructor's parameters, not __call__'s
+        sig = inspect.signature(cls.__init__)
+        cls.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+
     def __call__(cls, params, *args, **kwargs):
         if cls._torch_mode:
             return super().__call__(params, *args, **kwargs)

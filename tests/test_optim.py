@@ -316,3 +316,15 @@ def test_fasttran_tensors_and_added_groups():
     assert np.allclose(w[1], -0.2 / (1 + 1e-8))
     with pytest.raises(fasttran.InputError, match="more than one parameter group"):
         opt.add_param_group({"params": [w[1]]})
+
+
+def test_numpy_use_never_imports_torch():
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np, fasttran\n"
+            "o = fasttran.optim.AdamW({'w': np.ones((2, 3), np.float32)}, lr=0.1)\n"
+            "o.step([np.ones((2, 3), np.float32)]); o.state_dict()\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "assert not isinstance(o, type) and o.step_count == 1\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
