@@ -1,15 +1,32 @@
-"""Fused LAMB and AdamW over a list of float32 tensors, updated in place in one C call per step.
+"""Fused LAMB and AdamW: every tensor of every parameter group updated in place by one C call per
+step, from a tensor table built once (csrc/python/optim_type.c over ft_optim_table).
 
-Parameters and gradients are NumPy arrays, or any DLPack tensors (torch parameters and their
-.grad on CPU or CUDA are used in place, zero-copy):
+With torch parameters the optimizers are `torch.optim.Optimizer`s, usable unchanged in PyTorch
+code: parameter groups with their own lr / betas / eps / weight_decay, `step(closure)`,
+`zero_grad()`, every `torch.optim.lr_scheduler`, hooks, a parameter without a `.grad` skipped,
+`state_dict()` that `torch.save` / `torch.load(weights_only=True)` round-trip, and in-place
+updates that bump the parameters' version counters as torch's own optimizers do:
 
-    >>> opt = fasttran.optim.LAMB(model.named_parameters(), lr=1e-3, weight_decay=0.01)
-    >>> loss.backward(); opt.step()          # reads each p.grad, writes p in place
+    >>> opt = fasttran.optim.AdamW(model.parameters(), lr=2e-5)      # instead of torch.optim.AdamW
+    >>> sched = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=1000)
+    >>> loss.backward(); opt.step(); sched.step(); opt.zero_grad()
 
-The equations are in csrc/include/fasttran.h (ft_optimizer_step); the CPU kernel in
-csrc/cpu/optim.c, the CUDA multi-tensor kernels in csrc/cuda/optim.cu.
+torch is not imported by fasttran: the torch flavour (fasttran/_torch_optim.py) is chosen when
+the parameters are torch tensors (so torch is already loaded). NumPy arrays and fasttran
+Tensors (CPU or CUDA) work without torch, with the gradients passed to step():
+
+    >>> opt = fasttran.optim.LAMB({"w": w, "b": b}, lr=1e-3)
+    >>> opt.step([dw, db])          # None for a tensor without a gradient this step
+
+Weight decay: each group's weight_decay applies to its tensors, except named tensors matched by
+`no_decay` (name substrings; default biases and LayerNorm, as in BERT; or a callable
+(name, shape) -> bool, which sees every tensor; None: decay everything). Names come from
+`named_parameters()`, a {name: tensor} dict, or (name, tensor) pairs in a group; unnamed tensors
+get their group's weight decay, as in torch. The equations are in csrc/include/fasttran.h
+(ft_optimizer_step); the CPU kernel in csrc/cpu/optim.c, the CUDA kernels in csrc/cuda/optim.cu.
 """
 import math
+import sys
 
 import numpy as np
 
@@ -20,206 +37,411 @@ from .errors import InputError, InputTypeError, UnsupportedError
 NO_DECAY = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm", "ln_")
 
 _KINDS = {"adamw": 0, "lamb": 1}
+# torch.optim.AdamW's options: accepted so that its call sites run unchanged
+_TORCH_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
-def _device_of(t):
-    if isinstance(t, np.ndarray):
-        return "cpu"
-    dev = t.device
-    return dev if isinstance(dev, str) else str(dev)
+def _number(x):
+    return isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool)
 
 
-def _as_buffer(obj, what):
-    """(buffer for the C call, shape, device): an ndarray as is, anything with __dlpack__ as a
-    fasttran.Tensor over the same memory (torch parameters are detached first: same storage)."""
-    if isinstance(obj, np.ndarray):
-        if obj.dtype != np.float32:
-            raise InputTypeError(f"{what} must be float32, got {obj.dtype}")
-        if not obj.flags.c_contiguous:
-            raise InputTypeError(f"{what} must be C-contiguous (it is used in place)")
-        return obj, tuple(obj.shape), "cpu"
-    if hasattr(obj, "detach"):
-        obj = obj.detach()
-    if isinstance(obj, _C.Tensor):
-        t = obj
-    elif hasattr(obj, "__dlpack__"):
-        dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else (1, 0)
-        stream = _C.device_stream(int(dev[1])) if int(dev[0]) == 2 else None
-        try:
-            t = _C.Tensor.from_dlpack(obj, stream=stream)
-        except (TypeError, BufferError, RuntimeError) as e:
-            raise InputTypeError(f"{what}: cannot use this DLPack tensor in place: {e}") from e
-    else:
-        raise InputTypeError(f"{what} must be a NumPy array or a DLPack tensor, got {type(obj).__name__}")
-    if t.dtype != "float32":
-        raise InputTypeError(f"{what} must be float32, got {t.dtype}")
-    return t, tuple(t.shape), _device_of(t)
+def _check_hyper(lr, betas, eps, weight_decay, where="", lr_zero=False):
+    """(lr, betas, eps, weight_decay) checked and as floats; `where` prefixes messages."""
+    if _is_torch_tensor(lr) and lr.numel() == 1:   # torch allows a tensor lr
+        lr = float(lr)
+    if not _number(lr) or not math.isfinite(lr) or not (lr > 0 or (lr_zero and lr == 0)):
+        raise InputError(f"{where}lr must be a finite number {'>=' if lr_zero else '>'} 0, got {lr!r}")
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise InputError(f"{where}betas must be a pair (beta1, beta2), got {betas!r}") from None
+    for name, v in (("beta1", b1), ("beta2", b2)):
+        if not (_number(v) and 0.0 <= v < 1.0):
+            raise InputError(f"{where}{name} must lie in [0, 1), got {v!r}")
+    if not (_number(eps) and eps > 0 and math.isfinite(eps)):
+        raise InputError(f"{where}eps must be a finite number > 0, got {eps!r}")
+    if not (_number(weight_decay) and weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise InputError(f"{where}weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    return float(lr), (float(b1), float(b2)), float(eps), float(weight_decay)
 
 
-def _zeros_like(n, device):
-    if device == "cpu":
-        return np.zeros(n, np.float32)
-    if not device.startswith("cuda"):
-        raise UnsupportedError(f"optimizer state on device {device!r} is not supported")
-    return _C.device_zeros(n, int(device.split(":")[1]))
+def _is_torch_tensor(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
-class _FusedOptimizer:
-    """Shared machinery of LAMB and AdamW: parameter table, state, weight-decay rule, checks."""
+def _is_tensor(x):
+    return isinstance(x, (np.ndarray, _C.Tensor)) or _is_torch_tensor(x) or hasattr(x, "__dlpack__")
+
+
+def _materialize(params):
+    """The parameter argument as a list (generators consumed once): tensors, (name, tensor)
+    pairs, or group dicts (whose 'params' are made lists too)."""
+    if isinstance(params, dict):   # {name: tensor}
+        params = list(params.items())
+    if _is_tensor(params):
+        raise InputTypeError("params must be an iterable of tensors, (name, tensor) pairs or parameter groups, "
+                             f"not one {type(params).__name__}: wrap it in a list")
+    out = []
+    for x in params:
+        if isinstance(x, dict) and "params" in x:
+            x = dict(x)
+            ps = x["params"]
+            if isinstance(ps, set):
+                raise InputTypeError("a parameter group's params must be an ordered collection, not a set")
+            x["params"] = [ps] if _is_tensor(ps) else list(ps)
+        out.append(x)
+    return out
+
+
+def _first_tensor(groups):
+    for x in groups:
+        for p in (x["params"] if isinstance(x, dict) else [x]):
+            return p[1] if isinstance(p, tuple) and len(p) == 2 else p
+    return None
+
+
+_TORCH_CLASSES = {}
+
+
+class _Dispatch(type):
+    """Optimizers over torch tensors are instances of a subclass that is also a
+    torch.optim.Optimizer (made on first use, from fasttran/_torch_optim.py)."""
+
+    def __init__(cls, name, bases, ns):
+        super().__init__(name, bases, ns)
+        import inspect   # help() and IDEs: the constructor's parameters, not __call__'s
+        sig = inspect.signature(cls.__init__)
+        cls.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+
+    def __call__(cls, params, *args, **kwargs):
+        if cls._torch_mode:
+            return super().__call__(params, *args, **kwargs)
+        params = _materialize(params)
+        if _is_torch_tensor(_first_tensor(params)):
+            tcls = _TORCH_CLASSES.get(cls)
+            if tcls is None:
+                from . import _torch_optim   # registers the variants of LAMB and AdamW
+                tcls = _TORCH_CLASSES.get(cls) or _TORCH_CLASSES.setdefault(cls, _torch_optim.torch_variant(cls))
+            return type.__call__(tcls, params, *args, **kwargs)
+        return super().__call__(params, *args, **kwargs)
+
+
+class _FusedOptimizer(metaclass=_Dispatch):
+    """Shared machinery of LAMB and AdamW: parameter groups, the C tensor table, state, checks."""
 
     _kind = None
+    _default_eps = 1e-6
+    _torch_mode = False
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True,
-                 max_grad_norm=None, no_decay=NO_DECAY, check_finite=True):
-        if isinstance(params, dict):
-            params = list(params.items())
-        params = list(params)
-        if not params:
-            raise InputError("the optimizer got an empty parameter list")
-        named = all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in params)
-        self.names = [p[0] for p in params] if named else [f"param{i}" for i in range(len(params))]
-        self.params = [p[1] for p in params] if named else params
-        self.lr = lr
-        b1, b2 = betas
-        for name, v in (("beta1", b1), ("beta2", b2)):
-            if not (isinstance(v, (int, float)) and 0.0 <= v < 1.0):
-                raise InputError(f"{name} must lie in [0, 1), got {v!r}")
-        if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
-            raise InputError(f"eps must be a finite number > 0, got {eps!r}")
-        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0 and math.isfinite(weight_decay)):
-            raise InputError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise InputError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
-        self.betas = (float(b1), float(b2))
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
-        self.bias_correction = bool(bias_correction)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=None, weight_decay=0.01, bias_correction=True,
+                 max_grad_norm=None, no_decay=NO_DECAY, check_finite=True, *, foreach=None, fused=None,
+                 amsgrad=False, maximize=False, capturable=False, differentiable=False):
+        for name, v in zip(_TORCH_FLAGS, (amsgrad, maximize, capturable, differentiable)):
+            if v:
+                raise UnsupportedError(f"{name}=True is not supported by fasttran's fused {self._kind}; use "
+                                       f"torch.optim for it")
+        # foreach / fused: torch's implementation choices; this one is always fused
+        eps = self._default_eps if eps is None else eps
+        lr, betas, eps, weight_decay = _check_hyper(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not (_number(max_grad_norm) and max_grad_norm > 0
+                                              and math.isfinite(max_grad_norm)):
+            raise InputError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        if not (no_decay is None or callable(no_decay) or isinstance(no_decay, (tuple, list))):
+            raise InputTypeError("no_decay must be None, a tuple of name substrings, or a callable(name, shape)")
         self.max_grad_norm = max_grad_norm
         self.check_finite = bool(check_finite)
-        self.step_count = 0
+        self.no_decay = no_decay
         self.last_grad_norm = float("nan")
         self.last_kernel_launches = 0
+        self._table = None
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "bias_correction": bool(bias_correction)}
+        groups = params if isinstance(params, list) else _materialize(params)
+        if not groups:
+            raise InputError("the optimizer got an empty parameter list")
+        if self._torch_mode:
+            import torch
+            torch.optim.Optimizer.__init__(self, groups, defaults)
+        else:
+            self.defaults = defaults
+            self.state = {}
+            self.param_groups = []
+            for g in (groups if isinstance(groups[0], dict) else [{"params": groups}]):
+                self._add_group(g)
+        self._build()
 
-        self._bufs, self.shapes, devices = [], [], set()
-        for name, p in zip(self.names, self.params):
-            buf, shape, dev = _as_buffer(p, f"parameter {name!r}")
-            self._bufs.append(buf)
-            self.shapes.append(shape)
-            devices.add(dev)
-        if len(devices) != 1:
-            raise InputError(f"all parameters must be on one device, got {sorted(devices)}")
-        self.device = devices.pop()
-        self.decays = []
-        for name, shape in zip(self.names, self.shapes):
-            if callable(no_decay):
-                skip = bool(no_decay(name, shape))
-            elif named:
-                skip = any(s in name for s in (no_decay or ()))
-            else:   # no names: 1-D tensors are biases and LayerNorm parameters
-                skip = len(shape) <= 1 and no_decay is not None and len(no_decay) > 0
-            self.decays.append(0.0 if skip else self.weight_decay)
-        # state: all m in one allocation and all v in another, with per-tensor views (llm.c style)
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
-        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        total = int(self._offsets[-1])
-        if self.device == "cpu":
-            self._m_all = np.zeros(total, np.float32)
-            self._v_all = np.zeros(total, np.float32)
-            self._m = [self._m_all[a:b] for a, b in zip(self._offsets[:-1], self._offsets[1:])]
-            self._v = [self._v_all[a:b] for a, b in zip(self._offsets[:-1], self._offsets[1:])]
-        else:   # device memory: one zeroed allocation per tensor
-            self._m = [_zeros_like(n, self.device) for n in sizes]
-            self._v = [_zeros_like(n, self.device) for n in sizes]
+    # ---- parameter groups ------------------------------------------------------------------------
+    def _add_group(self, group):
+        if not isinstance(group, dict):
+            raise InputTypeError(f"a parameter group must be a dict, got {type(group).__name__}")
+        group = dict(group)
+        ps = group.get("params")
+        if ps is None:
+            raise InputError("a parameter group needs 'params'")
+        ps = [ps] if _is_tensor(ps) else list(ps)
+        named = [isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in ps]
+        if any(named):
+            if not all(named):
+                raise InputError("give every parameter of a group a name, or none")
+            group["param_names"] = [p[0] for p in ps]
+            ps = [p[1] for p in ps]
+        group["params"] = ps
+        for k, v in self.defaults.items():
+            group.setdefault(k, v)
+        self._check_group(group, len(self.param_groups))
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in seen for p in ps):
+            raise InputError("some parameters appear in more than one parameter group")
+        self.param_groups.append(group)
 
+    def _check_group(self, group, i):
+        group["lr"], group["betas"], group["eps"], group["weight_decay"] = _check_hyper(
+            group["lr"], group["betas"], group["eps"], group["weight_decay"], where=f"parameter group {i}: ",
+            lr_zero=self._table is not None)
+        for name in _TORCH_FLAGS:
+            if group.get(name):
+                raise UnsupportedError(f"parameter group {i}: {name}=True is not supported by fasttran's fused "
+                                       f"{self._kind}")
+
+    def add_param_group(self, param_group):
+        """Add a group (its own hyper-parameters, defaults filled in); the table is rebuilt, the
+        state of the parameters already there kept."""
+        self._add_group(param_group)
+        self._build()
+
+    def _skip_decay(self, real_name, name, shape):
+        nd = self.no_decay
+        if callable(nd):
+            return bool(nd(name, shape))
+        return bool(nd) and real_name is not None and any(s in real_name for s in nd)
+
+    # ---- the table -------------------------------------------------------------------------------
+    def _build(self):
+        """(Re)build the C table for the current groups; state of known parameters is kept."""
+        params, names, decay, sizes = [], [], [], []
+        for g in self.param_groups:
+            gnames = g.get("param_names")
+            sizes.append(len(g["params"]))
+            for j, p in enumerate(g["params"]):
+                real = gnames[j] if gnames else None
+                name = real if real is not None else f"param{len(params)}"
+                decay.append(not self._skip_decay(real, name, tuple(p.shape)))
+                params.append(p)
+                names.append(name)
+        table = _C.OptimizerTable(_KINDS[self._kind], params, sizes, decay, names)
+        self._params, self._names, self._decay = params, names, decay
+        self._views = self._make_views(table)
+        self._table = table
+        self._adopt()
+
+    def _adopt(self):
+        """Copy the state entries that are not the table's own views (from a state dict, an older
+        table, an unpickled optimizer) into the table, and point the entries at its views."""
+        steps = self._table.get_steps()
+        for i, p in enumerate(self._params):
+            key = self._key(i, p)
+            st = self.state.get(key)
+            if not st or "exp_avg" not in st:
+                continue
+            m, v, s = self._views[i]
+            if st["exp_avg"] is not m:
+                for dst, src, what in ((m, st["exp_avg"], "exp_avg"), (v, st["exp_avg_sq"], "exp_avg_sq")):
+                    self._copy_into(dst, src, f"{what} of {self._names[i]!r}")
+                steps[i] = float(st.get("step", 0))
+            self.state[key] = {"step": s, "exp_avg": m, "exp_avg_sq": v}
+        self._table.set_steps(steps)
+
+    def _new_states(self):
+        steps = self._table.get_steps()
+        for i, p in enumerate(self._params):
+            key = self._key(i, p)
+            if steps[i] > 0 and not self.state.get(key):
+                m, v, s = self._views[i]
+                self.state[key] = {"step": s, "exp_avg": m, "exp_avg_sq": v}
+
+    def _run(self, grads):
+        mg = float(self.max_grad_norm or 0.0)
+        r = None if self._table is None else self._table.step(self.param_groups, grads, mg, self.check_finite)
+        if r is None:   # the parameter set changed (or an unpickled optimizer): rebuild, keep the state
+            for i, g in enumerate(self.param_groups):
+                self._check_group(g, i)
+            self._build()
+            r = self._table.step(self.param_groups, grads, mg, self.check_finite)
+            if r is None:   # pragma: no cover - the table was just built from these groups
+                raise RuntimeError("fasttran.optim: the rebuilt table does not match the parameter groups")
+        table = self._table
+        if r:   # some tensors made their first update: their state entries appear (as in torch)
+            self._new_states()
+        self._mark_updated(table)
+        self.last_grad_norm = norm = table.grad_norm
+        self.last_kernel_launches = table.kernel_launches   # CUDA: fixed per configuration
+        return norm
+
+    # ---- NumPy / fasttran.Tensor flavour (the torch flavour overrides these) -----------------------
+    def _key(self, i, p):
+        return i
+
+    def __getstate__(self):   # pickle / deepcopy: everything but the C table and its views
+        return {k: v for k, v in self.__dict__.items() if k not in ("_table", "_views", "_params", "_names", "_decay")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._table = None
+        self._build()   # a new table, filled from the (copied) state
+
+    def _make_views(self, table):
+        """per tensor (m, v, step) views of the table's state"""
+        steps = table.moments()[2].numpy()
+        out = []
+        for i, (m, v) in enumerate(table.views()):
+            if table.device == "cpu":
+                m, v = m.numpy(), v.numpy()
+            out.append((m, v, steps[i:i + 1].reshape(())))
+        return out
+
+    def _copy_into(self, dst, src, what):
+        src = np.asarray(src, dtype=np.float32)
+        if src.shape != tuple(dst.shape):
+            raise InputError(f"the state's {what} has shape {src.shape}, the parameter {tuple(dst.shape)}")
+        if isinstance(dst, np.ndarray):
+            dst[...] = src
+        else:
+            _C.device_write(dst, np.ascontiguousarray(src))
+
+    def _mark_updated(self, table):
+        pass
+
+    def step(self, grads=None, lr=None):
+        """Update every parameter in place from `grads`, a list aligned with the parameters
+        (group after group; None for a tensor without a gradient this step, which keeps its
+        state and update count). `lr`: set every group's learning rate first. Returns the global
+        gradient norm before clipping (NaN when neither clipping nor the finiteness check took it)."""
+        if grads is None:
+            raise InputError("step() needs the gradients: NumPy arrays and fasttran Tensors have no .grad, so pass "
+                             "step(grads), a list aligned with the parameters (None where there is none)")
+        if lr is not None:
+            self.lr = lr
+        return self._run(grads)
+
+    def state_dict(self):
+        """{'state': {index: {'step', 'exp_avg', 'exp_avg_sq'}}, 'param_groups': [...]}, laid out
+        like torch's (the arrays are the live state, as torch's are)."""
+        groups, i = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(i, i + len(g["params"])))
+            i += len(g["params"])
+            groups.append(packed)
+        state = {k: {"step": int(s["step"]), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+                 for k, s in self.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Restore what state_dict() returned (same group sizes and shapes): hyper-parameters,
+        moments and update counts. Returns self."""
+        if "param_groups" not in state_dict:
+            state_dict = self._from_legacy(state_dict)
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(saved, self.param_groups)):
+            raise InputError("the state's parameter groups do not match this optimizer's (number of groups or "
+                             "of parameters in a group)")
+        groups = []
+        for i, (g, s) in enumerate(zip(self.param_groups, saved)):
+            ng = {k: (tuple(v) if k == "betas" else v) for k, v in s.items() if k != "params"}
+            ng["params"] = g["params"]
+            if "param_names" in g and "param_names" not in ng:
+                ng["param_names"] = g["param_names"]
+            self._check_group(ng, i)
+            groups.append(ng)
+        n = len(self._params)
+        state = {}
+        for k, st in state_dict["state"].items():
+            i = int(k)
+            if not 0 <= i < n:
+                raise InputError(f"the state has an entry for parameter {k}, this optimizer has {n}")
+            state[i] = dict(st)
+        self.param_groups = groups
+        self.state = state
+        self._adopt()
+        return self
+
+    def _from_legacy(self, st):
+        """the flat state of fasttran 0.1 (one step count, moments concatenated)"""
+        if st.get("optimizer") != self._kind:
+            raise InputError(f"state is for optimizer {st.get('optimizer')!r}, this is {self._kind!r}")
+        shapes = [tuple(s) for s in st["shapes"]]
+        if shapes != [tuple(p.shape) for p in self._params]:
+            raise InputError("the state's parameter shapes do not match this optimizer's parameters")
+        m = np.asarray(st["exp_avg"], np.float32).reshape(-1)
+        v = np.asarray(st["exp_avg_sq"], np.float32).reshape(-1)
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        if m.size != offs[-1] or v.size != offs[-1]:
+            raise InputError("the state's moment arrays have the wrong size")
+        groups = [dict({k: x for k, x in g.items() if k != "params"}, params=g["params"], lr=float(st["lr"]),
+                       betas=tuple(st["betas"]), eps=float(st["eps"])) for g in self.param_groups]
+        step = int(st["step"])
+        state = {i: {"step": step, "exp_avg": m[a:b].reshape(s), "exp_avg_sq": v[a:b].reshape(s)}
+                 for i, (a, b, s) in enumerate(zip(offs[:-1], offs[1:], shapes))} if step > 0 else {}
+        return {"state": state, "param_groups": groups}
+
+    # ---- conveniences ------------------------------------------------------------------------------
     @property
     def lr(self):
-        return self._lr
+        """The first group's learning rate; setting it sets every group's."""
+        return self.param_groups[0]["lr"]
 
     @lr.setter
     def lr(self, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not (
-                value > 0 and math.isfinite(value)):
+        if isinstance(value, bool) or not _number(value) or not (value > 0 and math.isfinite(value)):
             raise InputError(f"lr must be a finite number > 0, got {value!r}")
-        self._lr = float(value)
+        for g in self.param_groups:
+            g["lr"] = float(value)
 
-    def _grad_buffers(self, grads):
-        if grads is None:
-            grads = [getattr(p, "grad", None) for p in self.params]
-            if any(g is None for g in grads):
-                missing = [n for n, g in zip(self.names, grads) if g is None]
-                raise InputError("step() without gradients reads each parameter's .grad, but these have none: "
-                                 + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
-        grads = list(grads)
-        if len(grads) != len(self._bufs):
-            raise InputError(f"got {len(grads)} gradients for {len(self._bufs)} parameters")
-        out = []
-        for name, shape, g in zip(self.names, self.shapes, grads):
-            buf, gshape, dev = _as_buffer(g, f"gradient of {name!r}")
-            if gshape != shape:
-                raise InputError(f"the gradient of {name!r} has shape {gshape}, the parameter {shape}")
-            if dev != self.device:
-                raise InputError(f"the gradient of {name!r} is on {dev}, the parameters on {self.device}")
-            out.append(buf)
-        return out
+    @property
+    def betas(self):
+        return tuple(self.param_groups[0]["betas"])
 
-    def step(self, grads=None, lr=None):
-        """Apply one update to every parameter in place, from `grads` (a list aligned with the
-        parameters; None: each parameter's .grad). Returns the global gradient norm before
-        clipping (NaN when neither clipping nor the finiteness check computed it)."""
-        if lr is not None:
-            self.lr = lr
-        gbufs = self._grad_buffers(grads)
-        b1, b2 = self.betas
-        norm, _, launches = _C.optimizer_step(
-            _KINDS[self._kind], self.lr, b1, b2, self.eps, int(self.bias_correction),
-            float(self.max_grad_norm or 0.0), int(self.check_finite), self.step_count + 1,
-            self._bufs, gbufs, self._m, self._v, self.decays, None)
-        self.step_count += 1
-        self.last_grad_norm = norm
-        self.last_kernel_launches = launches   # CUDA: fixed per configuration, whatever the tensor count
-        return norm
+    @property
+    def eps(self):
+        return self.param_groups[0]["eps"]
 
-    def state_dict(self):
-        """Hyper-parameters, step count, and the moment estimates as NumPy arrays (host copies)."""
-        def host(parts):
-            return np.concatenate([np.asarray(x if isinstance(x, np.ndarray) else x.numpy(), np.float32).reshape(-1)
-                                   for x in parts]) if parts else np.zeros(0, np.float32)
-        return {
-            "optimizer": self._kind, "step": self.step_count, "lr": self.lr, "betas": list(self.betas),
-            "eps": self.eps, "weight_decay": self.weight_decay, "bias_correction": self.bias_correction,
-            "max_grad_norm": self.max_grad_norm, "names": list(self.names),
-            "shapes": [list(s) for s in self.shapes],
-            "exp_avg": host(self._m), "exp_avg_sq": host(self._v),
-        }
+    @property
+    def weight_decay(self):
+        return self.param_groups[0]["weight_decay"]
 
-    def load_state_dict(self, state):
-        """Restore what state_dict() returned (the parameter list must have the same shapes)."""
-        if state.get("optimizer") != self._kind:
-            raise InputError(f"state is for optimizer {state.get('optimizer')!r}, this is {self._kind!r}")
-        shapes = [tuple(s) for s in state["shapes"]]
-        if shapes != [tuple(s) for s in self.shapes]:
-            raise InputError("the state's parameter shapes do not match this optimizer's parameters")
-        m = np.asarray(state["exp_avg"], np.float32).reshape(-1)
-        v = np.asarray(state["exp_avg_sq"], np.float32).reshape(-1)
-        if m.size != self._offsets[-1] or v.size != self._offsets[-1]:
-            raise InputError("the state's moment arrays have the wrong size")
-        for k, (a, b) in enumerate(zip(self._offsets[:-1], self._offsets[1:])):
-            for dst, src in ((self._m[k], m[a:b]), (self._v[k], v[a:b])):
-                if isinstance(dst, np.ndarray):
-                    dst[:] = src
-                else:
-                    _C.device_write(dst, np.ascontiguousarray(src))
-        self.step_count = int(state["step"])
-        self.lr = float(state["lr"])
-        self.betas = tuple(float(b) for b in state["betas"])
-        self.eps = float(state["eps"])
-        return self
+    @property
+    def names(self):
+        """tensor names in table order ('paramN' where none was given)"""
+        return list(self._names)
+
+    @property
+    def shapes(self):
+        return [tuple(p.shape) for p in self._params]
+
+    @property
+    def decays(self):
+        """the weight decay each tensor gets, in table order"""
+        wd = [g["weight_decay"] for g in self.param_groups for _ in g["params"]]
+        return [w if d else 0.0 for w, d in zip(wd, self._decay)]
+
+    @property
+    def step_count(self):
+        """updates done so far (the most any tensor had)"""
+        return max(self._table.get_steps(), default=0)
+
+    @property
+    def device(self):
+        return self._table.device
 
     def __repr__(self):
-        n = int(self._offsets[-1])
+        n = sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
         clip = f", max_grad_norm={self.max_grad_norm}" if self.max_grad_norm else ""
-        return (f"{type(self).__name__}({len(self.params)} tensors, {n:,} parameters on {self.device}, lr={self.lr:g}, "
-                f"betas={self.betas}, eps={self.eps:g}, weight_decay={self.weight_decay:g}{clip}, "
+        groups = f" in {len(self.param_groups)} groups" if len(self.param_groups) > 1 else ""
+        return (f"{type(self).__name__}({len(self._params)} tensors{groups}, {n:,} parameters on {self.device}, "
+                f"lr={self.lr:g}, betas={self.betas}, eps={self.eps:g}, weight_decay={self.weight_decay:g}{clip}, "
                 f"step={self.step_count})")
 
     def _repr_html_(self):
@@ -229,17 +451,17 @@ class _FusedOptimizer:
 
 class LAMB(_FusedOptimizer):
     """LAMB (You et al. 2019): Adam moments, then a per-tensor trust ratio ||w|| / ||u|| scales
-    the step. Fused: one C call, all tensors, in place. Weight decay is off for biases and
-    LayerNorm parameters (`no_decay`: name substrings, or a callable(name, shape) -> bool)."""
+    the step. Fused: one C call, all tensors, in place. Defaults: lr 1e-3, betas (0.9, 0.999),
+    eps 1e-6, weight_decay 0.01 (not for biases and LayerNorm: `no_decay`), bias correction on,
+    no clipping (`max_grad_norm`), non-finite gradients refused (`check_finite`)."""
     _kind = "lamb"
 
 
 class AdamW(_FusedOptimizer):
-    """AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, fused like LAMB."""
+    """AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, fused like LAMB. Defaults
+    as torch.optim.AdamW's: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01."""
     _kind = "adamw"
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kw):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)
+    _default_eps = 1e-8
 
 
 def make_optimizer(name, params, **kw):
@@ -248,6 +470,44 @@ def make_optimizer(name, params, **kw):
     if cls is None:
         raise InputError(f"unknown optimizer {name!r}; choose 'lamb' or 'adamw'")
     return cls(params, **kw)
+
+
+# ---- flat state (the Trainer's checkpoint files) -------------------------------------------------
+def flat_state(opt):
+    """(meta, exp_avg, exp_avg_sq) of an optimizer over NumPy arrays: JSON-able metadata and the
+    moments of all tensors concatenated (float32, tensor after tensor)."""
+    sd = opt.state_dict()
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in opt.shapes]
+    m, v, steps = [], [], []
+    for i, n in enumerate(sizes):
+        st = sd["state"].get(i)
+        m.append(np.asarray(st["exp_avg"], np.float32).reshape(-1) if st else np.zeros(n, np.float32))
+        v.append(np.asarray(st["exp_avg_sq"], np.float32).reshape(-1) if st else np.zeros(n, np.float32))
+        steps.append(int(st["step"]) if st else 0)
+    groups = [{k: (list(x) if k == "betas" else x) for k, x in g.items()} for g in sd["param_groups"]]
+    meta = {"optimizer": opt._kind, "param_groups": groups, "steps": steps, "names": opt.names,
+            "shapes": [list(s) for s in opt.shapes]}
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.float32)   # noqa: E731
+    return meta, cat(m), cat(v)
+
+
+def load_flat_state(opt, meta, exp_avg, exp_avg_sq):
+    """Restore what flat_state() returned (or fasttran 0.1's flat state) into `opt`."""
+    if "param_groups" not in meta:
+        return opt.load_state_dict(dict(meta, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq))
+    if meta.get("optimizer") != opt._kind:
+        raise InputError(f"state is for optimizer {meta.get('optimizer')!r}, this is {opt._kind!r}")
+    shapes = [tuple(s) for s in meta["shapes"]]
+    if shapes != opt.shapes:
+        raise InputError("the state's parameter shapes do not match this optimizer's parameters")
+    m = np.asarray(exp_avg, np.float32).reshape(-1)
+    v = np.asarray(exp_avg_sq, np.float32).reshape(-1)
+    offs = np.concatenate([[0], np.cumsum([int(np.prod(s, dtype=np.int64)) for s in shapes])]).astype(np.int64)
+    if m.size != offs[-1] or v.size != offs[-1]:
+        raise InputError("the state's moment arrays have the wrong size")
+    state = {i: {"step": int(n), "exp_avg": m[a:b].reshape(s), "exp_avg_sq": v[a:b].reshape(s)}
+             for i, (n, a, b, s) in enumerate(zip(meta["steps"], offs[:-1], offs[1:], shapes)) if int(n) > 0}
+    return opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
 # ---- learning-rate schedules ---------------------------------------------------------------------

@@ -28,7 +28,7 @@ from .cache import ActivationCache, _atomic_write
 from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, MissingDependencyError,
                      NoGPUError, UnsupportedError)
 from .heads import ClassificationHead, QAHead, _Head
-from .optim import SCHEDULES, make_optimizer, schedule_factor
+from .optim import SCHEDULES, flat_state, load_flat_state, make_optimizer, schedule_factor
 from .safetensors_io import read_safetensors, write_safetensors
 
 _HEADS = {"classification": dict(pooler=False), "classification-pooler": dict(pooler=True), "qa": {}}
@@ -599,11 +599,10 @@ class Trainer:
                                                        self.head.state_dict(), {"format": "fasttran-head"})}
         opt = None
         if self.optimizer is not None:
-            st = self.optimizer.state_dict()
+            opt, m, v = flat_state(self.optimizer)
             files["optimizer.safetensors"] = write_safetensors(
-                os.path.join(path, "optimizer.safetensors"),
-                {"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}, {"format": "fasttran-optimizer"})
-            opt = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
+                os.path.join(path, "optimizer.safetensors"), {"exp_avg": m, "exp_avg_sq": v},
+                {"format": "fasttran-optimizer"})
         state = {"format": "fasttran-trainer", "version": 1, "config": self._config(), "head": self.head.config(),
                  "optimizer_state": opt, "global_step": self.global_step, "position": list(self._pos),
                  "history": self.history, "features": self.features, "files": files}
@@ -642,7 +641,7 @@ class Trainer:
         self._make_optimizer()
         if state.get("optimizer_state"):
             opt_t = read_safetensors(os.path.join(path, "optimizer.safetensors"), files["optimizer.safetensors"])
-            self.optimizer.load_state_dict(dict(state["optimizer_state"], **opt_t))
+            load_flat_state(self.optimizer, state["optimizer_state"], opt_t["exp_avg"], opt_t["exp_avg_sq"])
         self.global_step = int(state["global_step"])
         self._pos = tuple(state["position"])
         self.history = state["history"]

@@ -42,20 +42,25 @@ def parse_params(params):
     return out
 
 
+class OptimGroup(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("bias_correction", ctypes.c_int)]
+
+
 class OptimConfig(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int), ("lr", ctypes.c_double), ("beta1", ctypes.c_double),
-                ("beta2", ctypes.c_double), ("eps", ctypes.c_double), ("bias_correction", ctypes.c_int),
-                ("max_grad_norm", ctypes.c_double), ("check_finite", ctypes.c_int), ("step", ctypes.c_int64)]
+    _fields_ = [("kind", ctypes.c_int), ("groups", ctypes.POINTER(OptimGroup)), ("num_groups", ctypes.c_size_t),
+                ("max_grad_norm", ctypes.c_double), ("check_finite", ctypes.c_int)]
 
 
 class OptimTensor(ctypes.Structure):
     _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("m", ctypes.c_void_p),
                 ("v", ctypes.c_void_p), ("copy", ctypes.c_void_p), ("copy_dtype", ctypes.c_int),
-                ("n", ctypes.c_int64), ("weight_decay", ctypes.c_float)]
+                ("n", ctypes.c_int64), ("step", ctypes.c_int64), ("group", ctypes.c_int32), ("decay", ctypes.c_int32)]
 
 
 class OptimInfo(ctypes.Structure):
-    _fields_ = [("grad_norm", ctypes.c_double), ("clip_scale", ctypes.c_double), ("kernel_launches", ctypes.c_int)]
+    _fields_ = [("grad_norm", ctypes.c_double), ("clip_scale", ctypes.c_double), ("kernel_launches", ctypes.c_int),
+                ("bad_tensor", ctypes.c_int64)]
 
 
 def test_ctypes_structs_match_the_c_abi():
@@ -472,15 +477,18 @@ def _optim(kind, sizes, clip, copy, bias_correction=True, step=3):
             args[f"_v{i}"] = Out((n,), tol=2e-6, init=np.abs(f32(rng, n, scale=0.01)))
             if copy:
                 args[f"_c{i}"] = Out((n,), np.uint16, tol=0)
-        cfg = OptimConfig(kind=kind, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, bias_correction=int(bias_correction),
-                          max_grad_norm=clip, check_finite=1, step=step)
+        # two parameter groups (the second: another lr and no bias correction), per-tensor step counts
+        groups = (OptimGroup * 2)(OptimGroup(1e-2, 0.9, 0.999, 1e-6, 0.01, int(bias_correction)),
+                                  OptimGroup(3e-3, 0.8, 0.99, 1e-8, 0.1, 0))
+        cfg = OptimConfig(kind=kind, groups=groups, num_groups=2, max_grad_norm=clip, check_finite=1)
+        cfg._groups = groups   # kept alive with the config
 
         def tensors(ptrs):
             arr = (OptimTensor * len(sizes))()
             for i, n in enumerate(sizes):
                 arr[i] = OptimTensor(ptrs[f"_p{i}"], ptrs[f"_g{i}"], ptrs[f"_m{i}"], ptrs[f"_v{i}"],
-                                     ptrs.get(f"_c{i}"), (FT_BF16 if copy == "bf16" else FT_F16), n,
-                                     0.0 if i % 3 == 2 else 0.01)
+                                     ptrs.get(f"_c{i}"), (FT_BF16 if copy == "bf16" else FT_F16), n, step + i % 4,
+                                     i % 2, int(i % 3 != 2))
             return arr
 
         return dict(cfg=Struct(lambda ptrs: cfg), t=Struct(tensors), count=len(sizes),

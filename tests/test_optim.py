@@ -45,7 +45,7 @@ def run_both(kind, max_norm, steps=100, lr=2e-3, wd=0.05, eps=1e-6, bias_correct
     wds = [0.0 if i in NO_DECAY else wd for i in range(len(SHAPES))]
     cls = LAMB if kind == "lamb" else AdamW
     opt = cls(w32, lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=wd, max_grad_norm=max_norm,
-              bias_correction=bias_correction)
+              bias_correction=bias_correction, no_decay=lambda name, shape: len(shape) <= 1)
     assert opt.decays == wds
     for t in range(1, steps + 1):
         g32 = [np.zeros(s, np.float32) if i in ZERO_GRAD else
@@ -67,10 +67,9 @@ def test_matches_float64_reference_over_100_steps(kind, max_norm):
     err = rel_err(w32, w64)
     assert err <= 1e-5, f"{kind} max_grad_norm={max_norm}: relative error {err:.2e}"
     # the moment estimates agree too
-    st = opt.state_dict()
+    st = opt.state_dict()["state"]
     for k, ref in (("exp_avg", m64), ("exp_avg_sq", v64)):
-        offs = np.cumsum([0] + [x.size for x in ref])
-        got = [st[k][a:b] for a, b in zip(offs[:-1], offs[1:])]
+        got = [np.asarray(st[i][k]).ravel() for i in range(len(ref))]
         assert rel_err(got, [x.ravel() for x in ref]) <= 1e-5, k
     # clipping did engage in the clipped runs (gradients have norm >> 5)
     if max_norm:
@@ -101,6 +100,31 @@ def test_steps_are_deterministic_across_thread_counts():
             out.append(w32)
     finally:
         fasttran.set_num_threads(n0)
+    for a, b in zip(*out):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "adamw"])
+def test_parallel_steps_are_bitwise_independent_of_thread_count(kind):
+    """Above the size where the CPU kernel goes parallel (64K elements): 1 thread, 2 threads,
+    the same bits (block sums reduced in a fixed order)."""
+    shapes = [(300, 400), (1000,), (257, 129), (1,)]
+    rng = np.random.default_rng(7)
+    w0 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    out = []
+    n0 = fasttran.get_num_threads()
+    try:
+        for nt in (1, max(2, n0)):
+            fasttran.set_num_threads(nt)
+            w = [x.copy() for x in w0]
+            opt = make_optimizer(kind, w, lr=1e-3, max_grad_norm=1.0)
+            for g in grads:
+                opt.step(g)
+            out.append(w)
+    finally:
+        fasttran.set_num_threads(n0)
+    assert sum(x.size for x in w0) > 1 << 16
     for a, b in zip(*out):
         assert np.array_equal(a, b)
 
@@ -196,3 +220,111 @@ def test_schedules():
     assert schedule_factor("cosine", 109, 110, 10) > 0
     with pytest.raises(fasttran.InputError, match="schedule"):
         schedule_factor("step", 0, 10)
+
+
+# ---- parameter groups, tensors without gradients, state files (NumPy flavour) -------------------
+def test_groups_and_missing_gradients_follow_the_reference_per_tensor():
+    """Two groups with their own lr / weight decay; a tensor without a gradient every other step
+    keeps its own update count (bias correction), like torch; names drive no_decay."""
+    rng = np.random.default_rng(2)
+    shapes = {"a.weight": (8, 4), "a.bias": (4,), "b.weight": (3, 3)}
+    w32 = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    w64 = {n: x.astype(np.float64) for n, x in w32.items()}
+    m64 = {n: np.zeros(s) for n, s in shapes.items()}
+    v64 = {n: np.zeros(s) for n, s in shapes.items()}
+    lr = {"a.weight": 1e-2, "a.bias": 1e-2, "b.weight": 3e-3}
+    wd = {"a.weight": 0.05, "a.bias": 0.0, "b.weight": 0.1}    # a.bias: no_decay by name
+    opt = AdamW([{"params": [("a.weight", w32["a.weight"]), ("a.bias", w32["a.bias"])], "lr": 1e-2,
+                  "weight_decay": 0.05},
+                 {"params": [("b.weight", w32["b.weight"])], "lr": 3e-3, "weight_decay": 0.1}])
+    assert opt.decays == [0.05, 0.0, 0.1] and opt.names == list(shapes)
+    steps = dict.fromkeys(shapes, 0)
+    for t in range(1, 31):
+        g = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        if t % 2:
+            g["b.weight"] = None
+        opt.step([g[n] for n in shapes])
+        for n in shapes:
+            if g[n] is not None:
+                steps[n] += 1
+                ref_step("adamw", [w64[n]], [g[n].astype(np.float64)], [m64[n]], [v64[n]], steps[n], lr[n], 0.9,
+                         0.999, 1e-8, [wd[n]], None)
+    assert rel_err([w32[n] for n in shapes], [w64[n] for n in shapes]) <= 1e-5
+    assert [int(opt.state[i]["step"]) for i in range(3)] == [30, 30, 15]
+
+
+def test_flat_state_and_legacy_state_resume_bit_identically():
+    from fasttran.optim import flat_state, load_flat_state
+    rng = np.random.default_rng(4)
+    shapes = [(6, 5), (5,), (7,)]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(8)]
+    full = [np.ones(s, np.float32) for s in shapes]
+    a = LAMB(full, lr=0.01, max_grad_norm=1.0)
+    for g in grads:
+        a.step(g)
+    half = [np.ones(s, np.float32) for s in shapes]
+    b = LAMB(half, lr=0.01, max_grad_norm=1.0)
+    for g in grads[:4]:
+        b.step(g)
+    meta, m, v = flat_state(b)
+    import json
+    meta = json.loads(json.dumps(meta))                   # as the Trainer stores it
+    legacy = {"optimizer": "lamb", "step": 4, "lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01,
+              "bias_correction": True, "max_grad_norm": 1.0, "names": b.names, "shapes": [list(s) for s in shapes],
+              "exp_avg": m.copy(), "exp_avg_sq": v.copy()}   # fasttran 0.1's state_dict
+    for restore in (lambda o: load_flat_state(o, meta, m, v), lambda o: o.load_state_dict(legacy)):
+        ws = [x.copy() for x in half]
+        c = LAMB(ws, lr=0.5, max_grad_norm=1.0)
+        restore(c)
+        assert c.step_count == 4 and c.lr == 0.01
+        for g in grads[4:]:
+            c.step(g)
+        for x, y in zip(full, ws):
+            assert np.array_equal(x, y)
+
+
+def test_deepcopy_and_pickle_continue_identically():
+    import copy
+    import pickle
+    rng = np.random.default_rng(5)
+    shapes = [(5, 3), (3,)]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(6)]
+    w = [np.ones(s, np.float32) for s in shapes]
+    opt = AdamW(w, lr=0.01, max_grad_norm=2.0)
+    for g in grads[:3]:
+        opt.step(g)
+    copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    for g in grads[3:]:
+        opt.step(g)
+    for c in copies:
+        assert c.step_count == 3 and c.max_grad_norm == 2.0
+        for g in grads[3:]:
+            c.step(g)
+        for a, b in zip(w, c.param_groups[0]["params"]):
+            assert np.array_equal(a, b)
+
+
+def test_fasttran_tensors_and_added_groups():
+    w = [np.ones((4, 3), np.float32), np.zeros(3, np.float32)]
+    t = fasttran.Tensor.from_dlpack(w[0])              # a fasttran.Tensor over w[0]'s memory
+    opt = AdamW([t], lr=0.1, weight_decay=0.0)
+    opt.step([np.ones((4, 3), np.float32)])
+    assert np.allclose(w[0], 1 - 0.1 / (1 + 1e-8))     # first Adam step: lr * sign
+    opt.add_param_group({"params": [w[1]], "lr": 0.2})
+    opt.step([np.ones((4, 3), np.float32), np.ones(3, np.float32)])
+    assert [int(opt.state[i]["step"]) for i in range(2)] == [2, 1]
+    assert np.allclose(w[1], -0.2 / (1 + 1e-8))
+    with pytest.raises(fasttran.InputError, match="more than one parameter group"):
+        opt.add_param_group({"params": [w[1]]})
+
+
+def test_numpy_use_never_imports_torch():
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np, fasttran\n"
+            "o = fasttran.optim.AdamW({'w': np.ones((2, 3), np.float32)}, lr=0.1)\n"
+            "o.step([np.ones((2, 3), np.float32)]); o.state_dict()\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "assert not isinstance(o, type) and o.step_count == 1\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

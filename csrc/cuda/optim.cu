@@ -24,13 +24,14 @@ namespace ftcuda {
 constexpr int OPT_CHUNK = 16384;
 constexpr int OPT_THREADS = 512;
 
+// a tensor and its coefficients (from its group and step), computed on the host
 struct opt_tensor_dev {
     float *p;
     const float *g;
     float *m, *v;
     void *copy;
     int copy_bf16;
-    float wd;
+    float b1, omb1, b2, omb2, ibc1, ibc2, eps, lr, wd, decay;
     int64_t n;
     int64_t first_chunk, end_chunk;
 };
@@ -38,11 +39,6 @@ struct opt_tensor_dev {
 struct opt_chunk_dev {
     int32_t t;
     int64_t start;
-};
-
-struct opt_coef {
-    float b1, omb1, b2, omb2, ibc1, ibc2, eps, lr, max_norm;
-    int check_finite;
 };
 
 // scalars: [0] sum g^2 (double), [1] clip scale, [2] non-finite flag
@@ -88,8 +84,7 @@ __global__ void global_norm_kernel(const float *partial, int64_t nchunks, float 
 
 __device__ inline bool skip_step(const opt_scalars *sc, int have) { return have && sc->nonfinite; }
 
-__global__ void lamb_moments_kernel(const opt_tensor_dev *T, const opt_chunk_dev *C, opt_coef k,
-                                    const opt_scalars *sc, int have_scalars, float2 *partial) {
+__global__ void lamb_moments_kernel(const opt_tensor_dev *T, const opt_chunk_dev *C, const opt_scalars *sc, int have_scalars, float2 *partial) {
     __shared__ float sh[32];
     if (skip_step(sc, have_scalars)) return;
     const float clip = have_scalars ? sc->clip : 1.0f;
@@ -99,11 +94,11 @@ __global__ void lamb_moments_kernel(const opt_tensor_dev *T, const opt_chunk_dev
     float su = 0.0f, sw = 0.0f;
     for (int64_t i = c.start + threadIdx.x; i < end; i += blockDim.x) {
         float g = t.g[i] * clip, w = t.p[i];
-        float m = k.b1 * t.m[i] + k.omb1 * g;
-        float v = k.b2 * t.v[i] + k.omb2 * g * g;
+        float m = t.b1 * t.m[i] + t.omb1 * g;
+        float v = t.b2 * t.v[i] + t.omb2 * g * g;
         t.m[i] = m;
         t.v[i] = v;
-        float u = (m * k.ibc1) / (sqrtf(v * k.ibc2) + k.eps) + t.wd * w;
+        float u = (m * t.ibc1) / (sqrtf(v * t.ibc2) + t.eps) + t.wd * w;
         su += u * u;
         sw += w * w;
     }
@@ -113,7 +108,7 @@ __global__ void lamb_moments_kernel(const opt_tensor_dev *T, const opt_chunk_dev
 }
 
 // one block per tensor: its chunks' partials in order -> lr * trust ratio
-__global__ void trust_ratio_kernel(const opt_tensor_dev *T, const float2 *partial, float lr, const opt_scalars *sc,
+__global__ void trust_ratio_kernel(const opt_tensor_dev *T, const float2 *partial, const double *lr, const opt_scalars *sc,
                                    int have_scalars, float *step) {
     __shared__ double su_sh[256], sw_sh[256];
     if (skip_step(sc, have_scalars)) return;
@@ -132,7 +127,7 @@ __global__ void trust_ratio_kernel(const opt_tensor_dev *T, const float2 *partia
     }
     if (threadIdx.x == 0) {
         double phi = (su_sh[0] > 0.0 && sw_sh[0] > 0.0) ? sqrt(sw_sh[0]) / sqrt(su_sh[0]) : 1.0;
-        step[blockIdx.x] = (float)(lr * phi);
+        step[blockIdx.x] = (float)(lr[blockIdx.x] * phi);
     }
 }
 
@@ -142,7 +137,7 @@ __device__ inline void store_copy(const opt_tensor_dev &t, int64_t i, float w) {
     else static_cast<__half *>(t.copy)[i] = __float2half(w);
 }
 
-__global__ void lamb_apply_kernel(const opt_tensor_dev *T, const opt_chunk_dev *C, opt_coef k, const float *step,
+__global__ void lamb_apply_kernel(const opt_tensor_dev *T, const opt_chunk_dev *C, const float *step,
                                   const opt_scalars *sc, int have_scalars) {
     if (skip_step(sc, have_scalars)) return;
     const opt_chunk_dev c = C[blockIdx.x];
@@ -151,28 +146,27 @@ __global__ void lamb_apply_kernel(const opt_tensor_dev *T, const opt_chunk_dev *
     const int64_t end = c.start + OPT_CHUNK < t.n ? c.start + OPT_CHUNK : t.n;
     for (int64_t i = c.start + threadIdx.x; i < end; i += blockDim.x) {
         float w = t.p[i];
-        float u = (t.m[i] * k.ibc1) / (sqrtf(t.v[i] * k.ibc2) + k.eps) + t.wd * w;
+        float u = (t.m[i] * t.ibc1) / (sqrtf(t.v[i] * t.ibc2) + t.eps) + t.wd * w;
         w -= s * u;
         t.p[i] = w;
         store_copy(t, i, w);
     }
 }
 
-__global__ void adamw_kernel(const opt_tensor_dev *T, const opt_chunk_dev *C, opt_coef k, const opt_scalars *sc,
+__global__ void adamw_kernel(const opt_tensor_dev *T, const opt_chunk_dev *C, const opt_scalars *sc,
                              int have_scalars) {
     if (skip_step(sc, have_scalars)) return;
     const float clip = have_scalars ? sc->clip : 1.0f;
     const opt_chunk_dev c = C[blockIdx.x];
     const opt_tensor_dev t = T[c.t];
-    const float decay = 1.0f - k.lr * t.wd;
     const int64_t end = c.start + OPT_CHUNK < t.n ? c.start + OPT_CHUNK : t.n;
     for (int64_t i = c.start + threadIdx.x; i < end; i += blockDim.x) {
         float g = t.g[i] * clip;
-        float m = k.b1 * t.m[i] + k.omb1 * g;
-        float v = k.b2 * t.v[i] + k.omb2 * g * g;
+        float m = t.b1 * t.m[i] + t.omb1 * g;
+        float v = t.b2 * t.v[i] + t.omb2 * g * g;
         t.m[i] = m;
         t.v[i] = v;
-        float w = t.p[i] * decay - k.lr * (m * k.ibc1) / (sqrtf(v * k.ibc2) + k.eps);
+        float w = t.p[i] * t.decay - t.lr * (m * t.ibc1) / (sqrtf(v * t.ibc2) + t.eps);
         t.p[i] = w;
         store_copy(t, i, w);
     }
@@ -205,58 +199,67 @@ ft_status cuda_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_o
     FT_CU(cudaSetDevice(c->device), "cudaSetDevice");
     int64_t nchunks = 0;
     for (size_t k = 0; k < count; k++) nchunks += (t[k].n + OPT_CHUNK - 1) / OPT_CHUNK;
-    if (info) { info->grad_norm = NAN; info->clip_scale = 1.0; info->kernel_launches = 0; }
+    if (info) { info->grad_norm = NAN; info->clip_scale = 1.0; info->kernel_launches = 0; info->bad_tensor = -1; }
     if (nchunks == 0) return FT_OK;
-    // host image of the tables, uploaded in one copy
-    const size_t tb = align256(count * sizeof(opt_tensor_dev)), cb = align256((size_t)nchunks * sizeof(opt_chunk_dev));
+    // host image of the tables (tensors with their coefficients, chunks, per-tensor lr for the
+    // trust ratio), uploaded in one copy
+    const size_t tb = align256(count * sizeof(opt_tensor_dev)), cb = align256((size_t)nchunks * sizeof(opt_chunk_dev)),
+                 lb = align256(count * sizeof(double));
     const size_t pb = align256((size_t)nchunks * sizeof(float2)), sb = align256(sizeof(opt_scalars)),
                  stb = align256(count * sizeof(float));
-    char *host = static_cast<char *>(malloc(tb + cb));
+    char *host = static_cast<char *>(malloc(tb + cb + lb));
     if (!host) return g_host->error(FT_ERR_NOMEM, "optimizer step: out of host memory for %zu tensors", count);
     opt_tensor_dev *ht = reinterpret_cast<opt_tensor_dev *>(host);
     opt_chunk_dev *hc = reinterpret_cast<opt_chunk_dev *>(host + tb);
+    double *hl = reinterpret_cast<double *>(host + tb + cb);
     int64_t j = 0;
     for (size_t k = 0; k < count; k++) {
-        ht[k] = {t[k].param, t[k].grad, t[k].m, t[k].v, t[k].copy, t[k].copy_dtype == FT_BF16, t[k].weight_decay,
-                 t[k].n, j, 0};
+        const ft_optim_group *g = &cfg->groups[t[k].group];
+        const double wd = t[k].decay ? g->weight_decay : 0.0;
+        opt_tensor_dev &d = ht[k];
+        d = {};
+        d.p = t[k].param; d.g = t[k].grad; d.m = t[k].m; d.v = t[k].v;
+        d.copy = t[k].copy; d.copy_bf16 = t[k].copy_dtype == FT_BF16;
+        d.b1 = (float)g->beta1; d.omb1 = (float)(1.0 - g->beta1);
+        d.b2 = (float)g->beta2; d.omb2 = (float)(1.0 - g->beta2);
+        d.ibc1 = g->bias_correction ? (float)(1.0 / (1.0 - pow(g->beta1, (double)t[k].step))) : 1.0f;
+        d.ibc2 = g->bias_correction ? (float)(1.0 / (1.0 - pow(g->beta2, (double)t[k].step))) : 1.0f;
+        d.eps = (float)g->eps; d.lr = (float)g->lr; d.wd = (float)wd; d.decay = (float)(1.0 - g->lr * wd);
+        d.n = t[k].n;
+        d.first_chunk = j;
         for (int64_t a = 0; a < t[k].n; a += OPT_CHUNK) hc[j++] = {(int32_t)k, a};
-        ht[k].end_chunk = j;
+        d.end_chunk = j;
+        hl[k] = g->lr;
     }
     char *ws = nullptr;
-    ft_status st = workspace(be, tb + cb + pb + sb + stb, reinterpret_cast<void **>(&ws));
-    if (st == FT_OK) st = cudaMemcpyAsync(ws, host, tb + cb, cudaMemcpyHostToDevice, c->stream) == cudaSuccess
+    ft_status st = workspace(be, tb + cb + lb + pb + sb + stb, reinterpret_cast<void **>(&ws));
+    if (st == FT_OK) st = cudaMemcpyAsync(ws, host, tb + cb + lb, cudaMemcpyHostToDevice, c->stream) == cudaSuccess
                               ? FT_OK : cuda_fail(cudaGetLastError(), "optimizer table upload");
-    free(host);
+    free(host);   // pageable memory: cudaMemcpyAsync has staged it when it returns
     if (st != FT_OK) return st;
     opt_tensor_dev *T = reinterpret_cast<opt_tensor_dev *>(ws);
     opt_chunk_dev *C = reinterpret_cast<opt_chunk_dev *>(ws + tb);
-    float2 *partial = reinterpret_cast<float2 *>(ws + tb + cb);
-    opt_scalars *sc = reinterpret_cast<opt_scalars *>(ws + tb + cb + pb);
-    float *step = reinterpret_cast<float *>(ws + tb + cb + pb + sb);
-
-    opt_coef k;
-    k.b1 = (float)cfg->beta1; k.omb1 = (float)(1.0 - cfg->beta1);
-    k.b2 = (float)cfg->beta2; k.omb2 = (float)(1.0 - cfg->beta2);
-    k.ibc1 = cfg->bias_correction ? (float)(1.0 / (1.0 - pow(cfg->beta1, (double)cfg->step))) : 1.0f;
-    k.ibc2 = cfg->bias_correction ? (float)(1.0 / (1.0 - pow(cfg->beta2, (double)cfg->step))) : 1.0f;
-    k.eps = (float)cfg->eps; k.lr = (float)cfg->lr; k.max_norm = (float)cfg->max_grad_norm;
-    k.check_finite = cfg->check_finite;
+    const double *lr = reinterpret_cast<const double *>(ws + tb + cb);
+    float2 *partial = reinterpret_cast<float2 *>(ws + tb + cb + lb);
+    opt_scalars *sc = reinterpret_cast<opt_scalars *>(ws + tb + cb + lb + pb);
+    float *step = reinterpret_cast<float *>(ws + tb + cb + lb + pb + sb);
 
     const int have = cfg->max_grad_norm > 0.0 || cfg->check_finite;
     int launches = 0;
     const dim3 grid((unsigned)nchunks);
     if (have) {
         FT_LAUNCH(grad_sumsq_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, reinterpret_cast<float *>(partial));
-        FT_LAUNCH(global_norm_kernel, 1, 1024, 0, c->stream)(reinterpret_cast<float *>(partial), nchunks, k.max_norm, sc);
+        FT_LAUNCH(global_norm_kernel, 1, 1024, 0, c->stream)(reinterpret_cast<float *>(partial), nchunks,
+                                                     (float)cfg->max_grad_norm, sc);
         launches += 2;
     }
     if (cfg->kind == FT_OPT_LAMB) {
-        FT_LAUNCH(lamb_moments_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, k, sc, have, partial);
-        FT_LAUNCH(trust_ratio_kernel, (unsigned)count, 256, 0, c->stream)(T, partial, k.lr, sc, have, step);
-        FT_LAUNCH(lamb_apply_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, k, step, sc, have);
+        FT_LAUNCH(lamb_moments_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, sc, have, partial);
+        FT_LAUNCH(trust_ratio_kernel, (unsigned)count, 256, 0, c->stream)(T, partial, lr, sc, have, step);
+        FT_LAUNCH(lamb_apply_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, step, sc, have);
         launches += 3;
     } else {
-        FT_LAUNCH(adamw_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, k, sc, have);
+        FT_LAUNCH(adamw_kernel, grid, OPT_THREADS, 0, c->stream)(T, C, sc, have);
         launches += 1;
     }
     if ((st = launched("optimizer step")) != FT_OK) return st;
@@ -269,7 +272,7 @@ ft_status cuda_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_o
         if (h.nonfinite)
             return g_host->error(FT_ERR_INVALID_ARGUMENT,
                                  "a gradient is not finite (NaN or Inf) at step %lld; nothing was updated",
-                                 (long long)cfg->step);
+                                 (long long)t[0].step);
         if (info) { info->grad_norm = sqrt(h.gsq); info->clip_scale = h.clip; }
     }
     return FT_OK;

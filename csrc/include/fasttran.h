@@ -165,19 +165,29 @@ uint32_t ft_crc32c(uint32_t crc, const void *data, size_t n);
  *   m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  m^ = m / (1 - b1^t);  v^ = v / (1 - b2^t)
  *   LAMB:  u = m^ / (sqrt(v^) + eps) + wd w;  phi = ||w|| / ||u|| (1 if either is 0);  w <- w - lr phi u
  *   AdamW: w <- w - lr wd w - lr m^ / (sqrt(v^) + eps)
- * Gradients are read only (a caller's .grad stays intact). With check_finite, a non-finite
- * gradient fails the call with FT_ERR_INVALID_ARGUMENT before anything is written. */
+ * lr, b1, b2, eps, wd and bias correction come from the tensor's parameter group; t is the
+ * tensor's own update count (a tensor that sat steps out, as torch's optimizers do with a
+ * parameter without a gradient, keeps its count). ||g||_global is taken over all tensors of
+ * the call. Gradients are read only (a caller's .grad stays intact). With check_finite, a
+ * non-finite gradient fails the call with FT_ERR_INVALID_ARGUMENT before anything is written. */
 typedef enum { FT_OPT_ADAMW = 0, FT_OPT_LAMB = 1 } ft_optimizer;
+
+/* The hyper-parameters of one parameter group. double, so that 1 - beta is exact before the
+ * kernels round it to float (0.999f leaves 1 - beta2 off by 1e-5 relative, which v accumulates). */
+typedef struct {
+    double lr;             /* >= 0 (a schedule may reach 0) */
+    double beta1, beta2;   /* [0, 1) */
+    double eps;            /* > 0 */
+    double weight_decay;   /* >= 0, for the group's tensors with decay != 0 */
+    int bias_correction;
+} ft_optim_group;
 
 typedef struct {
     ft_optimizer kind;
-    /* double, so that 1 - beta is exact before the kernels round it to float (0.999f leaves
-     * 1 - beta2 off by 1e-5 relative, which v accumulates) */
-    double lr, beta1, beta2, eps;
-    int bias_correction;
+    const ft_optim_group *groups;  /* num_groups entries, indexed by ft_optim_tensor.group */
+    size_t num_groups;
     double max_grad_norm;  /* > 0: clip by the global gradient norm; <= 0: no clipping */
     int check_finite;      /* refuse non-finite gradients (costs one read of the gradients) */
-    int64_t step;          /* t >= 1: the number of this update (bias correction) */
 } ft_optim_config;
 
 typedef struct {
@@ -187,18 +197,46 @@ typedef struct {
     void *copy;            /* NULL, or (n) F16/BF16 model copy written from the new weights */
     ft_dtype copy_dtype;
     int64_t n;
-    float weight_decay;    /* wd of this tensor (0 for biases and LayerNorm by the caller's rule) */
+    int64_t step;          /* t >= 1: the number of this tensor's update (bias correction) */
+    int32_t group;         /* index into ft_optim_config.groups */
+    int32_t decay;         /* 0: no weight decay (biases and LayerNorm by the caller's rule) */
 } ft_optim_tensor;
 
 typedef struct {
     double grad_norm;      /* global ||g|| before clipping (NaN when not computed) */
     double clip_scale;     /* the factor applied to the gradients (1 without clipping) */
     int kernel_launches;   /* CUDA kernels this step launched (0 on the CPU): fixed per configuration */
+    int64_t bad_tensor;    /* a refused step: index of a tensor with a non-finite gradient (-1: not known) */
 } ft_optim_info;
 
 /* info may be NULL (on CUDA it then costs no host synchronisation). */
 ft_status ft_optimizer_step(ft_device dev, const ft_optim_config *cfg, const ft_optim_tensor *tensors,
                             size_t count, ft_optim_info *info);
+
+/* An optimizer's tensor table, built once for a parameter set: one contiguous ft_optim_tensor
+ * array (what a backend uploads), and the moment estimates of all tensors in one allocation each
+ * in the device's memory (zeroed; each tensor's slice starts on a 64-byte boundary). The caller
+ * points param / grad of each entry, marks which tensors take part in the next step (those with
+ * a gradient) and calls ft_optim_table_step; update counts are kept per tensor. */
+typedef struct {
+    ft_device device;
+    size_t count;
+    ft_optim_tensor *tensors;  /* (count) param, grad: set by the caller; m, v, n, group, decay: fixed */
+    uint8_t *active;           /* (count) 1: the tensor takes part in the next step */
+    int64_t *steps;            /* (count) updates done per tensor */
+    float *steps_f32;          /* (count) the same counts as float32 (host memory; torch's state["step"]) */
+    float *m, *v;              /* (total) moment estimates, device memory */
+    int64_t total;             /* elements in m and in v (alignment padding included) */
+    ft_optim_tensor *scratch;  /* (count) the active subset when some tensor sits a step out */
+} ft_optim_table;
+
+ft_status ft_optim_table_create(ft_device dev, size_t count, const int64_t *numel, const int32_t *group,
+                                const int32_t *decay, ft_optim_table **out);
+void ft_optim_table_free(ft_optim_table *table);
+/* One step over the active tensors: each gets step = steps + 1; the counts advance only when the
+ * step succeeds (a refused step writes nothing and counts nothing). info->bad_tensor is a table
+ * index. No active tensor: nothing to do, FT_OK. */
+ft_status ft_optim_table_step(ft_optim_table *table, const ft_optim_config *cfg, ft_optim_info *info);
 
 /* ---- task heads ---------------------------------------------------------------------------- */
 /* Heads train on frozen features (from the activation cache or the encoder). Parameters of a head

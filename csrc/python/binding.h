@@ -33,6 +33,7 @@ int ft_py_add_layer_type(PyObject *module);
 /* the ft_encoder of a fasttran._C.EncoderCore (NULL with an exception set otherwise) */
 ft_encoder *ft_py_encoder_of(PyObject *obj);
 int ft_py_add_profile_functions(PyObject *module);
+int ft_py_add_optimizer_type(PyObject *module);
 
 /* fasttran.Tensor (tensor_type.c). `release(owner, ctx, data)` frees the memory when the
  * tensor dies (NULL: nothing to free); `owner` is kept alive until then. On failure the
@@ -42,6 +43,10 @@ PyObject *ft_py_tensor_new(void *data, int ndim, const int64_t *shape, const int
                            ft_device device, int readonly, PyObject *owner, ft_py_release_fn release,
                            void *release_ctx);
 int ft_py_tensor_check(PyObject *obj);
+/* Tensor.from_dlpack(obj, stream): a Tensor over a DLPack producer's memory, in place; for CUDA
+ * tensors `stream` (an int, or None) is the stream the producer makes the data ready for. */
+PyObject *ft_py_tensor_import(PyObject *obj, PyObject *stream);
+int ft_py_tensor_readonly(PyObject *obj);
 void *ft_py_tensor_data(PyObject *obj, int *ndim, const int64_t **shape, const int64_t **strides, ft_dtype *dtype,
                         ft_device *device);
 

@@ -43,4 +43,24 @@ typedef struct DLManagedTensorVersioned {
     DLTensor dl_tensor;
 } DLManagedTensorVersioned;
 
+/* The fast exchange API of DLPack >= 1.2 (`type(tensor).__dlpack_c_exchange_api__`, a capsule
+ * named "dlpack_exchange_api"): C functions of the producer. fasttran calls only
+ * dltensor_from_py_object_no_sync, which fills a DLTensor view of a tensor object without any
+ * allocation (valid until control returns to Python); the other slots are declared for the
+ * layout. A consumer checks header.version.major. */
+typedef struct FTDLPackExchangeAPIHeader {
+    DLPackVersion version;
+    struct FTDLPackExchangeAPIHeader *prev_api;
+} FTDLPackExchangeAPIHeader;
+
+typedef struct {
+    FTDLPackExchangeAPIHeader header;
+    int (*managed_tensor_allocator)(DLTensor *prototype, DLManagedTensorVersioned **out, void *error_ctx,
+                                    void (*set_error)(void *error_ctx, const char *kind, const char *message));
+    int (*managed_tensor_from_py_object_no_sync)(void *py_object, DLManagedTensorVersioned **out);
+    int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor, void **out_py_object);
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out);   /* may be NULL */
+    int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_current_stream);
+} FTDLPackExchangeAPI;
+
 #endif

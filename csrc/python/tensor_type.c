@@ -136,6 +136,8 @@ void *ft_py_tensor_data(PyObject *obj, int *ndim, const int64_t **shape, const i
     return t->data;
 }
 
+int ft_py_tensor_readonly(PyObject *obj) { return ((TensorObject *)obj)->readonly; }
+
 static void Tensor_dealloc(TensorObject *t) {
     PyTypeObject *tp = Py_TYPE(t);
     if (t->release) t->release(t->owner, t->release_ctx, t->data);
@@ -292,6 +294,10 @@ static PyObject *Tensor_from_dlpack(PyObject *cls, PyObject *args, PyObject *kw)
     static char *kwlist[] = {"obj", "stream", NULL};
     PyObject *obj, *stream = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwlist, &obj, &stream)) return NULL;
+    return ft_py_tensor_import(obj, stream);
+}
+
+PyObject *ft_py_tensor_import(PyObject *obj, PyObject *stream) {
     if (ft_py_tensor_check(obj)) return Py_NewRef(obj);
     PyObject *fn = PyObject_GetAttrString(obj, "__dlpack__");
     if (!fn) {

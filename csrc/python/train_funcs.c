@@ -1,5 +1,5 @@
-/* Module functions behind fasttran.optim and fasttran.heads: one fused optimizer step over a
- * list of tensors, head parameter tables, and a head forward/backward. Buffers are NumPy arrays
+/* Module functions behind fasttran.heads (and device memory for fasttran.optim): head parameter
+ * tables, and a head forward/backward. Buffers are NumPy arrays
  * (host) or fasttran.Tensor (any device, e.g. imported in place from torch through DLPack); all
  * buffers of one call must be on one device. Checks happen here; the work runs in C with the
  * GIL released. */
@@ -79,84 +79,6 @@ static int same_device(ft_device *have, int *set, ft_device d, const char *what)
         return 0;
     }
     return 1;
-}
-
-/* optimizer_step(kind, lr, beta1, beta2, eps, bias_correction, max_grad_norm, check_finite, step,
- *                params, grads, ms, vs, weight_decays, copies or None)
- *   -> (grad_norm, clip_scale, CUDA kernel launches) */
-static PyObject *py_optimizer_step(PyObject *self, PyObject *args) {
-    (void)self;
-    int kind, bias_correction, check_finite;
-    double lr, b1, b2, eps, max_norm;
-    long long step;
-    PyObject *lists[6];
-    if (!PyArg_ParseTuple(args, "iddddidiLOOOOOO", &kind, &lr, &b1, &b2, &eps, &bias_correction, &max_norm,
-                          &check_finite, &step, &lists[0], &lists[1], &lists[2], &lists[3], &lists[4], &lists[5]))
-        return NULL;
-    static const char *names[] = {"params", "grads", "exp_avg", "exp_avg_sq", "weight_decay", "copies"};
-    for (int k = 0; k < 5; k++)
-        if (!PyList_Check(lists[k])) return ft_py_fail(ft_errors.input_type, "%s must be a list", names[k]);
-    if (lists[5] != Py_None && !PyList_Check(lists[5]))
-        return ft_py_fail(ft_errors.input_type, "copies must be a list or None");
-    const Py_ssize_t n = PyList_GET_SIZE(lists[0]);
-    for (int k = 1; k < 6; k++)
-        if (lists[k] != Py_None && PyList_GET_SIZE(lists[k]) != n)
-            return ft_py_fail(ft_errors.input, "%s has %zd entries but there are %zd parameters", names[k],
-                              PyList_GET_SIZE(lists[k]), n);
-    ft_optim_tensor *t = PyMem_Calloc(n ? (size_t)n : 1, sizeof *t);
-    if (!t) return PyErr_NoMemory();
-    ft_device dev = cpu_device;
-    int dev_set = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        ft_py_buf p, g, m, v, c = {0};
-        if (!get_buf(PyList_GET_ITEM(lists[0], i), "params", i, FT_F32, 1, 0, &p) ||
-            !get_buf(PyList_GET_ITEM(lists[1], i), "grads", i, FT_F32, 0, 0, &g) ||
-            !get_buf(PyList_GET_ITEM(lists[2], i), "exp_avg", i, FT_F32, 1, 0, &m) ||
-            !get_buf(PyList_GET_ITEM(lists[3], i), "exp_avg_sq", i, FT_F32, 1, 0, &v))
-            goto fail;
-        if (g.numel != p.numel || m.numel != p.numel || v.numel != p.numel) {
-            ft_py_fail(ft_errors.input, "tensor %zd: the gradient has %lld elements, the parameter %lld (states %lld, %lld)",
-                       i, (long long)g.numel, (long long)p.numel, (long long)m.numel, (long long)v.numel);
-            goto fail;
-        }
-        if (!same_device(&dev, &dev_set, p.device, "params") || !same_device(&dev, &dev_set, g.device, "grads") ||
-            !same_device(&dev, &dev_set, m.device, "exp_avg") || !same_device(&dev, &dev_set, v.device, "exp_avg_sq"))
-            goto fail;
-        ft_dtype cdt = FT_F16;
-        if (lists[5] != Py_None) {
-            PyObject *co = PyList_GET_ITEM(lists[5], i);
-            if (co != Py_None) {
-                /* (buffer, "float16" | "bfloat16") */
-                PyObject *cb;
-                const char *cname;
-                if (!PyArg_ParseTuple(co, "Os", &cb, &cname)) goto fail;
-                cdt = strcmp(cname, "bfloat16") == 0 ? FT_BF16 : FT_F16;
-                if (!get_buf(cb, "copies", i, cdt, 1, 0, &c)) goto fail;
-                if (c.numel != p.numel) {
-                    ft_py_fail(ft_errors.input, "copies[%zd] has %lld elements, the parameter %lld", i,
-                               (long long)c.numel, (long long)p.numel);
-                    goto fail;
-                }
-                if (!same_device(&dev, &dev_set, c.device, "copies")) goto fail;
-            }
-        }
-        double wd = PyFloat_AsDouble(PyList_GET_ITEM(lists[4], i));
-        if (wd == -1.0 && PyErr_Occurred()) goto fail;
-        t[i] = (ft_optim_tensor){p.data, g.data, m.data, v.data, c.data, cdt, p.numel, (float)wd};
-    }
-    ft_optim_config cfg = {kind == 1 ? FT_OPT_LAMB : FT_OPT_ADAMW, lr, b1, b2, eps, bias_correction, max_norm,
-                           check_finite, (int64_t)step};
-    ft_optim_info info = {0, 1, 0};
-    ft_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ft_optimizer_step(dev, &cfg, t, (size_t)n, &info);
-    Py_END_ALLOW_THREADS
-    PyMem_Free(t);
-    if (st != FT_OK) return ft_py_raise(st);
-    return Py_BuildValue("(ddi)", info.grad_norm, info.clip_scale, info.kernel_launches);
-fail:
-    PyMem_Free(t);
-    return NULL;
 }
 
 static int parse_head(PyObject *args_tuple, ft_head_config *cfg) {
@@ -292,7 +214,6 @@ static PyObject *py_device_write(PyObject *self, PyObject *args) {
 static PyMethodDef train_methods[] = {
     {"device_write", py_device_write, METH_VARARGS, "Copy a float32 host array into a device Tensor."},
     {"device_zeros", py_device_zeros, METH_VARARGS, "n float32 zeros in CUDA device memory, as a Tensor."},
-    {"optimizer_step", py_optimizer_step, METH_VARARGS, "One fused LAMB/AdamW step over lists of tensors, in place."},
     {"head_tensors", py_head_tensors, METH_O, "Parameter table of a head: [(name, shape, offset)], total."},
     {"head_step", py_head_step, METH_VARARGS, "Head forward (+ loss and backward with labels)."},
     {NULL, NULL, 0, NULL}};
