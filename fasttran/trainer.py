@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from . import _C
-from .cache import ActivationCache, _atomic_write
+from .cache import ActivationCache
 from .errors import CheckpointError, InputError, InputTypeError, UnsupportedError
 from .heads import ClassificationHead, QAHead, _Head
 from .optim import SCHEDULES, make_optimizer, schedule_factor
@@ -135,13 +135,13 @@ class Trainer:
                     raise InputTypeError(f"{name} must be integers, got {a.dtype}")
                 if a.shape != (N,):
                     raise InputError(f"{name} has {a.shape[0] if a.ndim else 0} entries but the cache has {N} examples")
-            lengths = cache._lengths
+            lengths = cache.lengths
             bad = np.flatnonzero((s < 0) | (e < s) | (e >= lengths))
             if len(bad):
                 i = int(bad[0])
                 raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) is not "
                                  f"inside its {int(lengths[i])} tokens with start <= end")
-            ctx = self._context(cache, np.arange(N), int(lengths.max()))
+            ctx = self._context(cache, cache.example_ids, int(lengths.max()))
             rows = np.arange(N)
             bad = np.flatnonzero((ctx[rows, s] == 0) | (ctx[rows, e] == 0))
             if len(bad):
@@ -161,24 +161,24 @@ class Trainer:
         return y.astype(np.int32)
 
     @staticmethod
-    def _context(cache, idx, T):
+    def _context(cache, example_ids, T):
         """(B, T) float mask of context positions: token type 1, but not the final [SEP]."""
-        out = np.zeros((len(idx), T), np.float32)
-        for j, i in enumerate(idx):
-            a, b = cache._offsets[i], cache._offsets[i + 1]
-            ty = cache._types[a:b]
-            m = (ty == 1).astype(np.float32)
-            if len(m):
-                m[-1] = 0.0
-            out[j, :len(m)] = m
+        _, mask, types = cache.inputs(example_ids)
+        m = ((types == 1) & (mask == 1)).astype(np.float32)
+        L = mask.sum(1)
+        some = np.flatnonzero(L > 0)
+        m[some, L[some] - 1] = 0.0
+        out = np.zeros((len(m), T), np.float32)
+        w = min(T, m.shape[1])
+        out[:, :w] = m[:, :w]
         return out
 
-    def _batch(self, cache, idx, batch):
+    def _batch(self, cache, ids, idx, batch):
         """Features of a batch as the head wants them, with the NaN check."""
         if self.task == "qa":
             x, _mask = batch
             x = np.ascontiguousarray(x)
-            valid = self._context(cache, idx, x.shape[1])
+            valid = self._context(cache, ids, x.shape[1])
         else:
             x, valid = np.ascontiguousarray(batch), None
         if not np.isfinite(x).all():
@@ -234,8 +234,8 @@ class Trainer:
                 loss_sum, correct, seen, b = 0.0, 0, 0, (first_batch if epoch == first_epoch else 0)
                 stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 for ids, batch in it:
-                    idx = cache._index_of(ids)
-                    x, valid = self._batch(cache, idx, batch)
+                    idx = cache.index_of(ids)
+                    x, valid = self._batch(cache, ids, idx, batch)
                     yb = y[:, idx] if self.task == "qa" else y[idx]
                     if self.task == "qa":
                         logits, loss = self.head.step(x, valid, yb, grads=grads, training=True, seed=self.seed,
@@ -296,13 +296,14 @@ class Trainer:
             raise InputError("the trainer has no head yet: fit() or load() first")
         self._check_source(cache)
         outs = []
+        lengths = cache.lengths
         for ids, batch in cache.batches(batch_size, shuffle=False):
-            idx = cache._index_of(ids)
-            x, valid = self._batch(cache, idx, batch)
+            idx = cache.index_of(ids)
+            x, valid = self._batch(cache, ids, idx, batch)
             if self.task == "qa":
                 lg, _ = self.head.step(x, valid)
                 for j in range(len(idx)):   # per example: (2, its own length)
-                    n = int(cache._lengths[idx[j]])
+                    n = int(lengths[idx[j]])
                     outs.append(np.where(valid[j, :n] > 0, lg[:, j, :n], -np.inf))
             else:
                 outs.append(self.head.step(x)[0])
@@ -367,7 +368,7 @@ class Trainer:
         state = {"format": "fasttran-trainer", "version": 1, "config": self._config(), "head": self.head.config(),
                  "optimizer_state": opt, "global_step": self.global_step, "position": list(self._pos),
                  "history": self.history, "files": files}
-        _atomic_write(os.path.join(path, "trainer.json"), [json.dumps(state, indent=1).encode()])
+        _C.atomic_write(os.path.join(path, "trainer.json"), [json.dumps(state, indent=1).encode()])
         return path
 
     @staticmethod
