@@ -80,8 +80,8 @@ static PyObject *py_safetensors_read(PyObject *self, PyObject *args, PyObject *k
         const ft_st_entry *e = &f.entries[k];
         const int npy = st_npy(e->dtype_name);
         if (npy < 0) {
-            ft_py_fail(ft_errors.unsupported, "%s: tensor '%s' has dtype %s, which NumPy cannot hold", path, e->name,
-                       e->dtype_name);
+            ft_py_fail(ft_errors.checkpoint, "%s: tensor '%s' has dtype %s, which NumPy cannot hold (not a "
+                       "checkpoint fasttran wrote)", path, e->name, e->dtype_name);
             Py_CLEAR(out);
             break;
         }
