@@ -79,6 +79,16 @@ def test_reader_lifetime_and_close(setup):
     assert len(it) == len(ids) // 5 - 2 and len(list(it)) == len(ids) // 5 - 2
     with pytest.raises(InputError, match="prefetch"):
         c.batches(4, prefetch=0)
+    # closed from another thread while one iterates (or waits in next()): the iteration ends
+    import threading
+    for k in range(20):
+        it, got = c.batches(3, seed=k, ragged=True), []
+        t = threading.Thread(target=lambda: got.extend(it))
+        t.start()
+        it.close()
+        t.join()
+        for ex, (vals, off) in got:
+            assert np.array_equal(vals, c.get(ex, ragged=True)[0])
 
 
 def test_reader_reports_a_damaged_disk_shard(setup, tmp_path):

@@ -52,6 +52,7 @@ struct ft_cache_reader {
     int started;
     sem_t wake, items;             /* "room again" for the producer, ring entries for the consumer */
     atomic_int ready;              /* batches in the ring */
+    atomic_int napping;            /* the producer sleeps (or is about to) in nap() */
     atomic_llong taken_ns;         /* when the consumer last took a batch (CLOCK_MONOTONIC) */
     atomic_llong interval_ns;      /* its average time between batches */
     rbatch **ring;                 /* depth + 1 entries: batches, then NULL = the end */
@@ -150,22 +151,37 @@ static long long now_ns(void) {
 }
 
 /* Nap while the ring is full: for the time the consumer needs to take half of it (at least
- * 0.1 ms, at most 20 ms), or until it wakes us (ring empty) or close() does. */
-static void nap(ft_cache_reader *r) {
-    long long ns = (long long)(atomic_load(&r->ready) - r->depth / 2) * atomic_load(&r->interval_ns);
-    ns = ns < 100000 ? 100000 : ns > 20000000 ? 20000000 : ns;
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_nsec += ns;
-    until.tv_sec += until.tv_nsec / 1000000000L;
-    until.tv_nsec %= 1000000000L;
-    sem_timedwait(&r->wake, &until);
+ * 0.1 ms), or until it wakes us (ring empty) or close() does. `idle` counts the naps in a row
+ * during which the consumer took nothing: they double, and after 100 ms the producer sleeps
+ * until woken (a consumer that stopped, or has not started, costs no CPU). */
+static void nap(ft_cache_reader *r, int idle) {
+    const long long interval = atomic_load(&r->interval_ns);
+    long long ns = interval ? (long long)(atomic_load(&r->ready) - r->depth / 2) * interval : 1000000;
+    ns = (ns < 100000 ? 100000 : ns) << (idle < 20 ? idle : 20);
+    atomic_store(&r->napping, 1);   /* then look again: a consumer that emptied the ring meanwhile */
+    if (atomic_load(&r->ready) >= r->depth && !atomic_load(&r->stop)) {   /* ... posts "wake" */
+        if (ns > 100000000) {
+            while (sem_wait(&r->wake) != 0 && errno == EINTR) {}
+        } else {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += ns;
+            until.tv_sec += until.tv_nsec / 1000000000L;
+            until.tv_nsec %= 1000000000L;
+            sem_timedwait(&r->wake, &until);
+        }
+    }
+    atomic_store(&r->napping, 0);
 }
 
 static void *producer(void *arg) {
     ft_cache_reader *r = arg;
     for (int64_t step = r->first_step; step < r->n_steps; step++) {
-        while (!atomic_load(&r->stop) && atomic_load(&r->ready) >= r->depth) nap(r);
+        for (int idle = 0; !atomic_load(&r->stop) && atomic_load(&r->ready) >= r->depth; idle++) {
+            const long long seen = atomic_load(&r->taken_ns);
+            nap(r, idle);
+            if (atomic_load(&r->taken_ns) != seen) idle = -1;   /* the consumer is taking batches */
+        }
         if (atomic_load(&r->stop)) break;
         if (!r->spare) r->spare = atomic_exchange(&r->released, NULL);   /* take every buffer given back */
         rbatch *b = r->spare;
@@ -176,8 +192,9 @@ static void *producer(void *arg) {
         }
         b->owner = r;
         read_step(r, b, step);
+        const int failed = b->status != FT_OK;   /* once pushed, b is the consumer's (it frees a failed one) */
         push(r, b);
-        if (b->status != FT_OK) break;
+        if (failed) break;
     }
     push(r, NULL);   /* the end: its slot is the ring's extra one */
     return NULL;
@@ -227,8 +244,8 @@ ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, in
         }
         b->owner = r;
         read_step(r, b, 0);
-        push(r, b);
         r->first_step = b->status == FT_OK ? 1 : r->n_steps;   /* after a failure, only the end follows */
+        push(r, b);
     }
     int e = pthread_create(&r->thread, NULL, producer, r);
     if (e) {
@@ -245,7 +262,7 @@ ft_status ft_cache_reader_next(ft_cache_reader *r, int timeout_ms, ft_cache_batc
     if (timed_out) *timed_out = 0;
     if (r->ended) return FT_OK;
     int w = sem_trywait(&r->items);
-    if (w != 0) sem_post(&r->wake);   /* nothing ready: the producer may be napping */
+    if (w != 0 && atomic_load(&r->napping)) sem_post(&r->wake);   /* nothing ready: wake a napping producer */
     if (w == 0) {
     } else if (timeout_ms < 0) {
         while ((w = sem_wait(&r->items)) != 0 && errno == EINTR) {}
@@ -290,10 +307,14 @@ void ft_cache_batch_release(ft_cache_batch *pub) {
     unref(r);
 }
 
+void ft_cache_reader_stop(ft_cache_reader *r) {
+    atomic_store(&r->stop, 1);
+    sem_post(&r->wake);   /* wakes a napping producer; it sees stop (nap() looks at stop after napping = 1) */
+}
+
 void ft_cache_reader_close(ft_cache_reader *r) {
     if (!r) return;
-    atomic_store(&r->stop, 1);
-    sem_post(&r->wake);   /* wakes a producer waiting for room; it sees stop */
+    ft_cache_reader_stop(r);
     if (r->started) pthread_join(r->thread, NULL);
     unref(r);
 }

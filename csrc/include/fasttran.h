@@ -260,6 +260,9 @@ ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, in
 ft_status ft_cache_reader_next(ft_cache_reader *r, int timeout_ms, ft_cache_batch **out, int *timed_out);
 /* Give a batch's memory back to its reader (it is reused for a later batch). Any thread. */
 void ft_cache_batch_release(ft_cache_batch *b);
+/* Ask the thread to stop (a recompute in flight is cancelled); the consumer then gets the end.
+ * Any thread; the reader stays valid. */
+void ft_cache_reader_stop(ft_cache_reader *r);
 /* Stop the thread (a recompute in flight is cancelled), wait for it, and drop the reader;
  * batches not yet released stay valid until they are. */
 void ft_cache_reader_close(ft_cache_reader *r);

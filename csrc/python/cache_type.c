@@ -381,10 +381,17 @@ typedef struct {
     PyObject *encoder;
     Py_ssize_t steps;
     int ragged, device;
+    int busy;            /* a thread is inside next() with the GIL released (the ring has one consumer) */
+    int close_asked;     /* close() came meanwhile: that thread closes when it returns */
 } CacheReader;
 
 static void reader_close(CacheReader *self) {
     if (!self->r) return;
+    if (self->busy) {    /* another thread waits in next(): stop the producer, let it close */
+        self->close_asked = 1;
+        ft_cache_reader_stop(self->r);
+        return;
+    }
     ft_cache_reader *r = self->r;
     self->r = NULL;
     Py_BEGIN_ALLOW_THREADS   /* joins the thread: a recompute in flight stops between layers */
@@ -408,13 +415,21 @@ static void release_batch_capsule(PyObject *cap) {
 /* next() -> (example_ids (n,) int64, batch as read() returns it) */
 static PyObject *CacheReader_next(CacheReader *self) {
     ft_cache_batch *b = NULL;
+    if (self->busy) return ft_py_fail(ft_errors.input, "this cache reader is being iterated by another thread");
     for (;;) {
         if (!self->r) return NULL;
         int timed_out;
         ft_status st;
+        self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
         st = ft_cache_reader_next(self->r, 100, &b, &timed_out);
         Py_END_ALLOW_THREADS
+        self->busy = 0;
+        if (self->close_asked) {
+            if (b) ft_cache_batch_release(b);
+            reader_close(self);
+            return st != FT_OK ? ft_py_raise_cache(st) : NULL;
+        }
         if (st != FT_OK) return ft_py_raise_cache(st);
         if (!timed_out) break;
         if (PyErr_CheckSignals() < 0) return NULL;   /* Ctrl-C while waiting */
@@ -486,6 +501,7 @@ static PyObject *CacheStore_reader(CacheStore *self, PyObject *args, PyObject *k
     rd->steps = (Py_ssize_t)((PyArray_DIM(order, 0) + bs - 1) / bs);
     rd->ragged = ragged;
     rd->device = device;
+    rd->busy = rd->close_asked = 0;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ft_cache_reader_start(self->c, PyArray_DATA(order), PyArray_DIM(order, 0), bs,
