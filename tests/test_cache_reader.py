@@ -81,12 +81,20 @@ def test_reader_lifetime_and_close(setup):
         c.batches(4, prefetch=0)
     # closed from another thread while one iterates (or waits in next()): the iteration ends
     import threading
+    errors = []
+
+    def consume(it, got):
+        try:
+            got.extend(it)
+        except BaseException as e:   # noqa: BLE001 -- the test asserts there is none
+            errors.append(e)
     for k in range(20):
         it, got = c.batches(3, seed=k, ragged=True), []
-        t = threading.Thread(target=lambda: got.extend(it))
+        t = threading.Thread(target=consume, args=(it, got))
         t.start()
         it.close()
         t.join()
+        assert not errors, errors
         for ex, (vals, off) in got:
             assert np.array_equal(vals, c.get(ex, ragged=True)[0])
 

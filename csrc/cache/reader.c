@@ -192,6 +192,10 @@ static void *producer(void *arg) {
         }
         b->owner = r;
         read_step(r, b, step);
+        if (b->status == FT_ERR_INTERRUPTED && atomic_load(&r->stop)) {   /* stopped: no error, just the end */
+            batch_free(b);
+            break;
+        }
         const int failed = b->status != FT_OK;   /* once pushed, b is the consumer's (it frees a failed one) */
         push(r, b);
         if (failed) break;

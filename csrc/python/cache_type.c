@@ -425,10 +425,11 @@ static PyObject *CacheReader_next(CacheReader *self) {
         st = ft_cache_reader_next(self->r, 100, &b, &timed_out);
         Py_END_ALLOW_THREADS
         self->busy = 0;
-        if (self->close_asked) {
+        if (self->close_asked) {   /* closed meanwhile by another thread: the iteration just ends */
             if (b) ft_cache_batch_release(b);
+            ft_clear_error();
             reader_close(self);
-            return st != FT_OK ? ft_py_raise_cache(st) : NULL;
+            return NULL;
         }
         if (st != FT_OK) return ft_py_raise_cache(st);
         if (!timed_out) break;
