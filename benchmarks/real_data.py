@@ -167,7 +167,7 @@ def run_squad(enc, data, out, epochs=2, limit=None):
     def logits_of(P, cache, idx):
         x, _ = cache.get(cache.example_ids[idx])
         x = torch.from_numpy(x)
-        valid = torch.from_numpy(Trainer._context(cache, idx, x.shape[1]) > 0)
+        valid = torch.from_numpy(Trainer._context(cache, cache.example_ids[idx], x.shape[1]) > 0)
         z = x @ P["qa_outputs.weight"].T + P["qa_outputs.bias"]
         return z[..., 0].masked_fill(~valid, float("-inf")), z[..., 1].masked_fill(~valid, float("-inf"))
 
@@ -183,7 +183,7 @@ def run_squad(enc, data, out, epochs=2, limit=None):
             idx = np.arange(a, min(a + 256, len(fdv)))
             s, e = logits_of(P, cdv, idx)
             for j, i in enumerate(idx):
-                n = int(cdv._lengths[i])
+                n = int(cdv.lengths[i])
                 logits.append(np.stack([s[j, :n].numpy(), e[j, :n].numpy()]))
     m_pt = squad_metrics(fdv.postprocess(logits), fdv.examples)
     out["squad"] = {

@@ -131,7 +131,7 @@ def cmd_encode(args):
 
 def cmd_cache(args):
     from . import ActivationCache
-    from .cache import _atomic_write
+    from ._C import atomic_write as _atomic_write
     enc = _encoder(args)
     if args.task == "qa":
         settings = {"task": "qa", "max_length": args.max_length or 384, "doc_stride": args.doc_stride,

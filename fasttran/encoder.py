@@ -22,8 +22,10 @@ from .errors import (
     UnsupportedModelError,
 )
 
-_ACTIVATIONS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "relu": 2}
-_POOLING = {None: 0, "none": 0, "cls": 1, "mean": 2}
+# Hugging Face hidden_act names -> the C activations (codes from the C enum, _C.ACTIVATIONS)
+_ACTIVATIONS = {"gelu": _C.ACTIVATIONS["gelu"], "gelu_new": _C.ACTIVATIONS["gelu_tanh"],
+                "gelu_pytorch_tanh": _C.ACTIVATIONS["gelu_tanh"], "relu": _C.ACTIVATIONS["relu"]}
+_POOLING = {None: _C.POOLINGS["none"], **_C.POOLINGS}
 
 # transformers.BertConfig defaults, used when a field is absent (as transformers does)
 _BERT_DEFAULTS = {
@@ -234,9 +236,11 @@ class Encoder:
                 raise NoGPUError(f"device {device!r}: there is no usable GPU: {reason}. Use device='cpu'")
         c = self.config
         return _C.EncoderCore(
-            c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-            c["intermediate_size"], c["max_position_embeddings"], c["type_vocab_size"], float(c["layer_norm_eps"]),
-            _ACTIVATIONS[c["hidden_act"]], int(c["pad_token_id"]), -1 if device == "cpu" else int(device[5:]))
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
+            num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
+            max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
+            layer_norm_eps=float(c["layer_norm_eps"]), activation=_ACTIVATIONS[c["hidden_act"]],
+            pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]))
 
     def to(self, device):
         """Move the weights to `device` ('cpu', 'cuda', 'cuda:N') and run there from now on.
@@ -290,7 +294,7 @@ class Encoder:
         except ValueError as e:
             raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
         enc = cls(raw, device, dtype, _source=config_file)
-        enc._core.load(weights, prefix)
+        enc._core.load(weights, prefix=prefix)
         enc.path = os.path.abspath(os.fspath(path))
         if max_len:
             enc.max_seq_length = min(int(max_len), enc.config["max_position_embeddings"])
@@ -313,7 +317,7 @@ class Encoder:
         `path`, atomically; loadable by transformers' BertModel.from_pretrained."""
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
-        self._core.save(os.path.join(path, "model.safetensors"), dtype)
+        self._core.save(os.path.join(path, "model.safetensors"), dtype=dtype)
         c = self.config
         out = {k: v for k, v in self._raw_config.items() if not k.startswith("_")}
         out.update({
@@ -325,12 +329,7 @@ class Encoder:
             "layer_norm_eps": c["layer_norm_eps"], "pad_token_id": c["pad_token_id"],
             "torch_dtype": dtype, "add_pooling_layer": bool(self._core.has_pooler),
         })
-        tmp = os.path.join(path, f"config.json.tmp.{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, "config.json"))
+        _C.atomic_write(os.path.join(path, "config.json"), [json.dumps(out, indent=2, sort_keys=True).encode()])
         return path
 
     def state_dict(self):
@@ -405,8 +404,9 @@ class Encoder:
         mask = _as_index_array(attention_mask, "attention_mask", dev)
         types = _as_index_array(token_type_ids, "token_type_ids", dev)
         unique = tuple(dict.fromkeys(layers))
-        hidden, pooled = self._core.forward(ids, mask, types, unique, _POOLING[pooling], pooling is None,
-                                            output == "device")
+        hidden, pooled = self._core.forward(input_ids=ids, attention_mask=mask, token_type_ids=types, layers=unique,
+                                            pooling=_POOLING[pooling], want_hidden=pooling is None,
+                                            on_device=output == "device")
         got = dict(zip(unique, pooled if pooling is not None else hidden))
         # a layer asked for twice: NumPy callers get independent copies, device tensors are shared
         out = [got[l] if i == layers.index(l) or output == "device" else got[l].copy()

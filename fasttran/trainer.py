@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _C
 from ._progress import progress
-from .cache import ActivationCache, _atomic_write
+from .cache import ActivationCache
 from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, MissingDependencyError,
                      NoGPUError, UnsupportedError)
 from .heads import ClassificationHead, QAHead, _Head
@@ -224,13 +224,13 @@ class Trainer:
                     raise InputTypeError(f"{name} must be integers, got {a.dtype}")
                 if a.shape != (N,):
                     raise InputError(f"{name} has {a.shape[0] if a.ndim else 0} entries but the cache has {N} examples")
-            lengths = cache._lengths
+            lengths = cache.lengths
             bad = np.flatnonzero((s < 0) | (e < s) | (e >= lengths))
             if len(bad):
                 i = int(bad[0])
                 raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) is not "
                                  f"inside its {int(lengths[i])} tokens with start <= end")
-            ctx = self._context(cache, np.arange(N), int(lengths.max()))
+            ctx = self._context(cache, cache.example_ids, int(lengths.max()))
             rows = np.arange(N)
             bad = np.flatnonzero((ctx[rows, s] == 0) | (ctx[rows, e] == 0))
             if len(bad):
@@ -248,24 +248,24 @@ class Trainer:
         return y.astype(np.int32)
 
     @staticmethod
-    def _context(cache, idx, T):
+    def _context(cache, example_ids, T):
         """(B, T) float mask of context positions: token type 1, but not the final [SEP]."""
-        out = np.zeros((len(idx), T), np.float32)
-        for j, i in enumerate(idx):
-            a, b = cache._offsets[i], cache._offsets[i + 1]
-            ty = cache._types[a:b]
-            m = (ty == 1).astype(np.float32)
-            if len(m):
-                m[-1] = 0.0
-            out[j, :len(m)] = m
+        _, mask, types = cache.inputs(example_ids)
+        m = ((types == 1) & (mask == 1)).astype(np.float32)
+        L = mask.sum(1)
+        some = np.flatnonzero(L > 0)
+        m[some, L[some] - 1] = 0.0
+        out = np.zeros((len(m), T), np.float32)
+        w = min(T, m.shape[1])
+        out[:, :w] = m[:, :w]
         return out
 
-    def _batch(self, cache, idx, batch):
+    def _batch(self, cache, ids, idx, batch):
         """Features of a batch as the head wants them, with the NaN check."""
         if self.task == "qa":
             x, _mask = batch
             x = np.ascontiguousarray(x)
-            valid = self._context(cache, idx, x.shape[1])
+            valid = self._context(cache, ids, x.shape[1])
         else:
             x, valid = np.ascontiguousarray(batch), None
         if not np.isfinite(x).all():
@@ -295,8 +295,8 @@ class Trainer:
     def _step(self, cache, y, ids, batch, grads, gviews, total, warm):
         """One training step on a gathered batch: head forward + backward in C, NaN check, one
         fused optimizer step. Returns (batch size, loss, correct predictions or 0)."""
-        idx = cache._index_of(ids)
-        x, valid = self._batch(cache, idx, batch)
+        idx = cache.index_of(ids)
+        x, valid = self._batch(cache, ids, idx, batch)
         yb = y[:, idx] if self.task == "qa" else y[idx]
         correct = 0
         if self.task == "qa":
@@ -428,16 +428,17 @@ class Trainer:
         self._check_features(cache, "evaluate or predict on this cache")
         outs = []
         steps = (len(cache) + batch_size - 1) // batch_size
+        lengths = cache.lengths
         # a bar appears when the pass is slow (an uncached source runs the encoder)
         with progress(total=steps, desc="evaluate", unit="batch", leave=False, delay=1.0,
                       disable=not self.show_progress) as bar:
             for ids, batch in cache.batches(batch_size, shuffle=False):
-                idx = cache._index_of(ids)
-                x, valid = self._batch(cache, idx, batch)
+                idx = cache.index_of(ids)
+                x, valid = self._batch(cache, ids, idx, batch)
                 if self.task == "qa":
                     lg, _ = self.head.step(x, valid)
                     for j in range(len(idx)):   # per example: (2, its own length)
-                        n = int(cache._lengths[idx[j]])
+                        n = int(lengths[idx[j]])
                         outs.append(np.where(valid[j, :n] > 0, lg[:, j, :n], -np.inf))
                 else:
                     outs.append(self.head.step(x)[0])
@@ -524,12 +525,16 @@ class Trainer:
                  f"features of {N} examples")
         prof = Profile(title)
         enc = getattr(cache, "encoder", None)
-        if forward and enc is not None and hasattr(cache, "_encode_batch"):
-            idx = cache._index_of(rows(0))
-            cache._encode_batch(idx)   # warm-up: workspace allocation
+        if forward and enc is not None and hasattr(cache, "inputs"):
+            inputs = cache.inputs(rows(0))
+            pooling = None if cache.positions == "all" else cache.positions
+
+            def encode():
+                enc.forward(*inputs, output_layers=cache.layer, pooling=pooling)
+            encode()   # warm-up: workspace allocation
             with prof.phase("forward", per=3, device=enc.device):
                 for _ in range(3):
-                    cache._encode_batch(idx)
+                    encode()
         run(0, 2)   # warm-up
         with prof.phase("training step", per=steps):
             run(2, int(steps))
@@ -606,7 +611,7 @@ class Trainer:
         state = {"format": "fasttran-trainer", "version": 1, "config": self._config(), "head": self.head.config(),
                  "optimizer_state": opt, "global_step": self.global_step, "position": list(self._pos),
                  "history": self.history, "features": self.features, "files": files}
-        _atomic_write(os.path.join(path, "trainer.json"), [json.dumps(state, indent=1).encode()])
+        _C.atomic_write(os.path.join(path, "trainer.json"), [json.dumps(state, indent=1).encode()])
         return path
 
     @staticmethod

@@ -145,7 +145,7 @@ def test_persistence_across_processes_and_refusals(enc, data, full_mean, tmp_pat
 
 
 KILL_SCRIPT = r"""
-import os, signal, sys, numpy as np, fasttran, fasttran.cache as fc
+import os, signal, sys, numpy as np, fasttran, fasttran.cache.persist as fc
 ids, mask, types = (np.load(sys.argv[2] + n) for n in ("ids.npy", "mask.npy", "types.npy"))
 enc = fasttran.Encoder.from_pretrained(sys.argv[3])
 real = fc._atomic_write
@@ -232,7 +232,7 @@ def test_bad_input_and_disk_full(enc, data, tmp_path, monkeypatch):
     with pytest.raises(FastTranIOError, match="not writable"):
         ActivationCache.build(enc, ids[:4], mask[:4], disk_dir=tmp_path / "file" / "sub")
     # disk full on the 3rd shard: a clear error, and the first two shards stay usable
-    import fasttran.cache as fc
+    import fasttran.cache.persist as fc
     real, n = fc._atomic_write, [0]
 
     def full(path, chunks):

@@ -58,7 +58,8 @@ def test_cache_and_no_cache_train_identically(enc, sst, cache):
     hb = b.fit(nocache, y)
     assert [r["train_loss"] for r in ha] == [r["train_loss"] for r in hb]
     assert np.array_equal(a.head.params, b.head.params)
-    assert nocache._hits == 0 and nocache._misses >= len(y) * 2   # the encoder really ran every epoch
+    st = nocache.stats()
+    assert st["hits"] == 0 and st["misses"] >= len(y) * 2   # the encoder really ran every epoch
     # deterministic: the same seed again gives the same bits; another seed does not
     c = trainer()
     c.fit(cache, y)
@@ -156,11 +157,27 @@ def test_bad_input(cache, sst):
         Trainer("classification", device="cuda:0")
 
 
-def test_nan_features_and_nan_loss(enc, sst):
+def test_nan_features_and_nan_loss(enc, sst, tmp_path):
     ids, mask, types, y = sst
-    bad = ActivationCache.build(enc, ids[:64], mask[:64], types[:64], positions="mean", show_progress=False)
-    # poison one stored row: NaN features are named by example
-    bad._shards[0].values[0, 0] = np.nan   # host tier: a writable float32 (rows, C) array
+    d = tmp_path / "nan"
+    built = ActivationCache.build(enc, ids[:64], mask[:64], types[:64], positions="mean", show_progress=False,
+                                  disk_dir=d)
+    # poison one stored value in the shard file and re-sign it (a tool that writes NaN features
+    # and a valid checksum): NaN features are named by example
+    import json
+    from fasttran.cache import persist
+    man = json.loads((d / "manifest.json").read_text())
+    man.pop("checksum")
+    entry = man["shards"][0]
+    raw = bytearray((d / entry["file"]).read_bytes())
+    row = built.get(built.example_ids[:1])[0]
+    at = bytes(raw).find(row.tobytes())
+    assert at > 0
+    raw[at:at + 4] = np.float32(np.nan).tobytes()
+    (d / entry["file"]).write_bytes(bytes(raw))
+    entry["bytes"], entry["crc32c"] = len(raw), fasttran._C.crc32c(bytes(raw))
+    persist.write_manifest(str(d), man)
+    bad = ActivationCache.open(d)
     with pytest.raises(fasttran.InputError, match="contain NaN"):
         trainer().fit(bad, y[:64])
     # a head with a broken (NaN) weight: the NaN loss stops training, naming the step

@@ -6,22 +6,26 @@
  * error it makes against the float32 input as it goes, so stats() reports the real error of
  * what was stored, not a bound.
  *
- * Reading a batch is one gather: output row k decodes the encoded row at src[k] (any tier:
- * host arrays or memory-mapped shards), or is zero when src[k] is NULL (padding). Rows run in
- * parallel; the caller releases the GIL. */
+ * Decoding is exact for F32/F16/BF16 (every value is a float); I8 decodes q * s. Reading a
+ * batch (which rows, from which tier, padding) is cache/store.c's; it decodes with
+ * ft_cache_decode_row. */
 #include <math.h>
 #include <omp.h>
 #include <string.h>
 
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include "cache/codec.h"
 #include "core/dtype.h"
 #include "core/status.h"
-#include "fasttran.h"
 
-static int codec_ok(ft_dtype c) { return c == FT_F32 || c == FT_F16 || c == FT_BF16 || c == FT_I8; }
+int ft_cache_codec_ok(ft_dtype c) { return c == FT_F32 || c == FT_F16 || c == FT_BF16 || c == FT_I8; }
 
 ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float *src, int64_t n, int64_t C,
                           ft_codec_error *err) {
-    if (!codec_ok(codec)) return ft_error(FT_ERR_DTYPE, "cache codec must be float32, float16, bfloat16 or int8, not %s", ft_dtype_name(codec));
+    if (!ft_cache_codec_ok(codec)) return ft_error(FT_ERR_DTYPE, "cache codec must be float32, float16, bfloat16 or int8, not %s", ft_dtype_name(codec));
     if (codec == FT_I8 && !scales) return ft_error(FT_ERR_INVALID_ARGUMENT, "int8 codec needs a scale per row");
     double max_err = 0.0, sq_err = 0.0, sq_ref = 0.0;
 #pragma omp parallel for schedule(static) reduction(max : max_err) reduction(+ : sq_err, sq_ref)
@@ -69,27 +73,104 @@ ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float 
     return FT_OK;
 }
 
-ft_status ft_cache_gather(float *dst, int64_t n, int64_t C, ft_dtype codec, const void *const *src,
-                          const float *scales) {
-    if (!codec_ok(codec)) return ft_error(FT_ERR_DTYPE, "cache codec must be float32, float16, bfloat16 or int8, not %s", ft_dtype_name(codec));
-#pragma omp parallel for schedule(static) if (n * C > 65536)
-    for (int64_t r = 0; r < n; r++) {
-        float *o = dst + r * C;
-        const void *s = src[r];
-        if (!s) { memset(o, 0, (size_t)C * sizeof(float)); continue; }
-        switch (codec) {
-        case FT_F32: memcpy(o, s, (size_t)C * sizeof(float)); break;
-        case FT_F16: for (int64_t c = 0; c < C; c++) o[c] = ft_f16_to_f32(((const uint16_t *)s)[c]); break;
-        case FT_BF16: for (int64_t c = 0; c < C; c++) o[c] = ft_bf16_to_f32(((const uint16_t *)s)[c]); break;
-        default: {
-            const float k = scales[r];
-            const int8_t *q = s;
-#pragma omp simd
-            for (int64_t c = 0; c < C; c++) o[c] = (float)q[c] * k;
-        }
-        }
+/* ---- decoding ------------------------------------------------------------------------------
+ * One row of C values -> C floats. The same function decodes stored rows (hits) and the
+ * encode/decode round trip of recomputed rows (misses), so both give the same bits. */
+
+static inline float bf16_bits(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+void ft_cache_decode_row(float *restrict o, const void *restrict src, float scale, ft_dtype codec, int64_t C) {
+    switch (codec) {
+    case FT_F32: memcpy(o, src, (size_t)C * sizeof(float)); return;
+    case FT_F16: {
+        const uint16_t *s = src;
+        int64_t c = 0;
+#if defined(__F16C__) && defined(__AVX__)
+        for (; c + 8 <= C; c += 8)   /* exact: every f16 is a float */
+            _mm256_storeu_ps(o + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + c))));
+#endif
+        for (; c < C; c++) o[c] = ft_f16_to_f32(s[c]);
+        return;
     }
-    return FT_OK;
+    case FT_BF16: {
+        const uint16_t *s = src;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) o[c] = bf16_bits(s[c]);
+        return;
+    }
+    default: {
+        const int8_t *q = src;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) o[c] = (float)q[c] * scale;
+    }
+    }
+}
+
+/* 16 values (64 bytes of output) of one row */
+static inline void decode16(float *restrict o, const char *restrict s, float scale, ft_dtype codec) {
+    switch (codec) {
+    case FT_F32: memcpy(o, s, 64); return;
+    case FT_F16:
+#if defined(__F16C__) && defined(__AVX__)
+        _mm256_storeu_ps(o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)));
+        _mm256_storeu_ps(o + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16))));
+#else
+        for (int k = 0; k < 16; k++) o[k] = ft_f16_to_f32(((const uint16_t *)s)[k]);
+#endif
+        return;
+    case FT_BF16: {
+        uint16_t h[16];
+        memcpy(h, s, 32);
+#pragma omp simd
+        for (int k = 0; k < 16; k++) o[k] = bf16_bits(h[k]);
+        return;
+    }
+    default: {
+        int8_t q[16];
+        memcpy(q, s, 16);
+#pragma omp simd
+        for (int k = 0; k < 16; k++) o[k] = (float)q[k] * scale;
+    }
+    }
+}
+
+void ft_cache_decode_group(float *const *dst, const char *const *src, const float *scale, int n,
+                           const char *const *next_src, int n_next, ft_dtype codec, int64_t C) {
+    const int64_t es = (int64_t)ft_dtype_size(codec);
+    int64_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        const int64_t off = c * es;   /* source bytes of this step: 16 * es (16..64) */
+        if (off % 64 == 0)
+            for (int k = 0; k < n_next; k++) __builtin_prefetch(next_src[k] + off, 0, 3);
+        for (int k = 0; k < n; k++) decode16(dst[k] + c, src[k] + off, scale[k], codec);
+    }
+    if (c < C)
+        for (int k = 0; k < n; k++) ft_cache_decode_row(dst[k] + c, src[k] + c * es, scale[k], codec, C - c);
+}
+
+void ft_cache_decode(float *dst, const void *src, const float *scales, ft_dtype codec, int64_t n, int64_t C) {
+    const size_t rb = (size_t)C * ft_dtype_size(codec);
+#pragma omp parallel for schedule(static) if (n * C > 65536)
+    for (int64_t r = 0; r < n; r++)
+        ft_cache_decode_row(dst + r * C, (const char *)src + (size_t)r * rb, scales ? scales[r] : 0.0f, codec, C);
+}
+
+/* Input fingerprint of example i: CRC-32C of its token ids (seeded) and of its type ids
+ * (seeded with its length), as one u64. Equal inputs give equal fingerprints. */
+void ft_input_fingerprints(const int32_t *tokens, const int32_t *types, const int64_t *offsets, int64_t n,
+                           uint64_t *out) {
+#pragma omp parallel for schedule(static) if (n > 4096)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t a = offsets[i], len = offsets[i + 1] - offsets[i];
+        const uint64_t hi = ft_crc32c(0x9E37u, tokens + a, (size_t)len * 4);
+        const uint64_t lo = ft_crc32c((uint32_t)len, types + a, (size_t)len * 4);
+        out[i] = hi << 32 | lo;
+    }
 }
 
 /* ---- CRC-32C (Castagnoli): SSE4.2 instruction when the CPU has it, else a table ------------- */

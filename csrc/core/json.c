@@ -55,7 +55,24 @@ static int hex4(parser *p, unsigned *out) {
     return 1;
 }
 
-/* Parses a string starting at the opening quote; returns malloc'd decoded text. */
+/* Length of the valid UTF-8 sequence at s[0..avail) (RFC 3629: no overlongs, no surrogates,
+ * nothing above U+10FFFF), or 0 if it is not one. */
+static size_t utf8_len(const unsigned char *s, size_t avail) {
+    unsigned char c = s[0];
+    size_t n;
+    unsigned char lo = 0x80, hi = 0xbf;
+    if (c >= 0xc2 && c <= 0xdf) n = 2;
+    else if (c >= 0xe0 && c <= 0xef) { n = 3; if (c == 0xe0) lo = 0xa0; if (c == 0xed) hi = 0x9f; }
+    else if (c >= 0xf0 && c <= 0xf4) { n = 4; if (c == 0xf0) lo = 0x90; if (c == 0xf4) hi = 0x8f; }
+    else return 0;
+    if (avail < n || s[1] < lo || s[1] > hi) return 0;
+    for (size_t k = 2; k < n; k++)
+        if (s[k] < 0x80 || s[k] > 0xbf) return 0;
+    return n;
+}
+
+/* Parses a string starting at the opening quote; returns malloc'd decoded text (valid UTF-8,
+ * no NUL: names and values are used as C strings). */
 static char *parse_string(parser *p, size_t *out_len) {
     p->i++; /* opening quote */
     size_t cap = 16, len = 0;
@@ -72,6 +89,14 @@ static char *parse_string(parser *p, size_t *out_len) {
             char *nb = realloc(buf, cap);
             if (!nb) { fail(p, "out of memory"); break; }
             buf = nb;
+        }
+        if (c >= 0x80) {
+            size_t u = utf8_len((const unsigned char *)p->s + p->i - 1, p->n - p->i + 1);
+            if (!u) { p->i--; fail(p, "invalid UTF-8 in string"); break; }
+            memcpy(buf + len, p->s + p->i - 1, u);
+            len += u;
+            p->i += u - 1;
+            continue;
         }
         if (c != '\\') { buf[len++] = (char)c; continue; }
         if (p->i >= p->n) { fail(p, "unterminated escape"); break; }
@@ -97,6 +122,7 @@ static char *parse_string(parser *p, size_t *out_len) {
                 if (lo < 0xdc00 || lo > 0xdfff) { fail(p, "bad surrogate pair"); break; }
                 cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
             } else if (cp >= 0xdc00 && cp <= 0xdfff) { fail(p, "lone surrogate"); break; }
+            if (cp == 0) { fail(p, "NUL character (\\u0000) in string"); break; }
             if (cp < 0x80) buf[len++] = (char)cp;
             else if (cp < 0x800) { buf[len++] = (char)(0xc0 | (cp >> 6)); buf[len++] = (char)(0x80 | (cp & 0x3f)); }
             else if (cp < 0x10000) { buf[len++] = (char)(0xe0 | (cp >> 12)); buf[len++] = (char)(0x80 | ((cp >> 6) & 0x3f)); buf[len++] = (char)(0x80 | (cp & 0x3f)); }

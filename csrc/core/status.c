@@ -6,6 +6,7 @@
 
 #define FT_ERRBUF 1024
 static _Thread_local char ft_errbuf[FT_ERRBUF];
+static _Thread_local int ft_errnum;   /* errno of the last ft_error_errno, 0 after ft_error */
 
 const char *ft_status_name(ft_status s) {
     switch (s) {
@@ -26,13 +27,15 @@ const char *ft_status_name(ft_status s) {
 }
 
 const char *ft_last_error(void) { return ft_errbuf; }
-void ft_clear_error(void) { ft_errbuf[0] = '\0'; }
+int ft_last_errno(void) { return ft_errnum; }
+void ft_clear_error(void) { ft_errbuf[0] = '\0'; ft_errnum = 0; }
 
 ft_status ft_error(ft_status s, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(ft_errbuf, FT_ERRBUF, fmt, ap);
     va_end(ap);
+    ft_errnum = 0;
     return s;
 }
 
@@ -43,5 +46,6 @@ ft_status ft_error_errno(ft_status s, int err, const char *fmt, ...) {
     va_end(ap);
     if (n >= 0 && n < FT_ERRBUF)
         snprintf(ft_errbuf + n, (size_t)(FT_ERRBUF - n), ": %s", strerror(err));
+    ft_errnum = err;
     return s;
 }

@@ -35,6 +35,8 @@ typedef enum {
 const char *ft_status_name(ft_status s);
 /* Message of the last failure on this thread ("" when none). */
 const char *ft_last_error(void);
+/* errno of the OS call behind the last failure on this thread (FT_ERR_IO, FT_ERR_NOT_FOUND), or 0. */
+int ft_last_errno(void);
 void ft_clear_error(void);
 
 typedef enum {
@@ -130,6 +132,16 @@ ft_status ft_encoder_device_read(ft_encoder *enc, void *host_dst, const void *sr
 ft_status ft_device_read(ft_device dev, void *host_dst, const void *src, size_t bytes);
 ft_status ft_device_stream(ft_device dev, uintptr_t *stream);
 
+/* ---- files ---------------------------------------------------------------------------- */
+typedef struct { const void *data; size_t bytes; } ft_chunk;
+
+/* Write the chunks, in order, to `path` atomically: a temporary file in the same directory,
+ * fsync, rename over `path`, fsync of the directory. Readers see the old file or the whole new
+ * one, also after a crash; on failure `path` is untouched and no temporary file is left.
+ * bytes_out / crc_out (may be NULL): size and CRC-32C of what was written. */
+ft_status ft_atomic_write(const char *path, const ft_chunk *chunks, size_t n, uint64_t *bytes_out,
+                          uint32_t *crc_out);
+
 /* ---- safetensors ---------------------------------------------------------------------- */
 typedef struct {
     const char *name;
@@ -139,11 +151,18 @@ typedef struct {
     const void *data;   /* host memory, ft_dtype_size(dtype) * prod(shape) bytes */
 } ft_st_tensor;
 
-/* Write tensors into `path` atomically (temp file in the same directory, fsync, rename). */
-ft_status ft_safetensors_write(const char *path, const ft_st_tensor *tensors, size_t n,
-                               const char *metadata_json /* NULL or a JSON object of strings */);
+typedef struct { const char *key, *value; } ft_st_meta;   /* a __metadata__ entry (strings) */
 
-/* ---- activation cache codecs ------------------------------------------------------------- */
+/* Write tensors (in the given order, names distinct) and n_meta metadata strings into `path`
+ * with ft_atomic_write; bytes_out / crc_out as there. */
+ft_status ft_safetensors_write(const char *path, const ft_st_tensor *tensors, size_t n, const ft_st_meta *meta,
+                               size_t n_meta, uint64_t *bytes_out, uint32_t *crc_out);
+
+/* ---- activation cache ---------------------------------------------------------------------
+ * Rows of C floats (one pooled vector per example, or one row per real token) stored in a
+ * codec: F32 (exact), F16 / BF16 (round to nearest even), I8 with one float32 scale per row
+ * (s = max|x| / 127, q = round(x / s)). */
+
 /* Error of an encoding against its float32 input, accumulated over calls. */
 typedef struct { double max_abs_err, sum_sq_err, sum_sq_ref; } ft_codec_error;
 
@@ -151,11 +170,102 @@ typedef struct { double max_abs_err, sum_sq_err, sum_sq_ref; } ft_codec_error;
  * row into `scales` (n). `err` (may be NULL) accumulates the error made. */
 ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float *src, int64_t n, int64_t C,
                           ft_codec_error *err);
-/* dst row k (n, C) = decoded row at src[k] (scale scales[k] for I8); NULL src[k] = zeros. */
-ft_status ft_cache_gather(float *dst, int64_t n, int64_t C, ft_dtype codec, const void *const *src,
-                          const float *scales);
+/* dst (n, C) = decoded rows of src (n adjacent encoded rows; scales (n) for I8). */
+void ft_cache_decode(float *dst, const void *src, const float *scales, ft_dtype codec, int64_t n, int64_t C);
 /* CRC-32C of n bytes, continuing from `crc` (0 to start). */
 uint32_t ft_crc32c(uint32_t crc, const void *data, size_t n);
+/* out[i] (n) = fingerprint of example i's inputs (token ids tokens[offsets[i]..offsets[i+1]) and
+ * their type ids): CRC-32C of the ids in the high half, of the types in the low half. */
+void ft_input_fingerprints(const int32_t *tokens, const int32_t *types, const int64_t *offsets, int64_t n,
+                           uint64_t *out);
+
+/* The read side of a cache: which rows each example has and where they are (shards in host
+ * memory or memory-mapped files), and the inputs to recompute the examples that are not
+ * cached. Shards are registered by the owner of their memory, which keeps it alive. */
+typedef struct ft_cache ft_cache;
+
+typedef struct {
+    int64_t examples;              /* N >= 1 */
+    int64_t hidden;                /* C */
+    ft_dtype codec;                /* F32, F16, BF16, I8 */
+    int all_tokens;                /* 0: one pooled row per example; 1: one row per real token */
+    const int64_t *example_ids;    /* (N) distinct */
+    const int32_t *tokens, *types; /* (offsets[N]) every example's real tokens, for recomputing */
+    const int64_t *offsets;        /* (N + 1) nondecreasing, offsets[0] = 0 */
+    int64_t layer;                 /* encoder output the cache holds (0 = embeddings) */
+    ft_pooling pooling;            /* CLS / MEAN when pooled, NONE for all tokens */
+    int64_t recompute_batch;       /* uncached examples are recomputed in batches of at most this */
+} ft_cache_config;
+
+typedef struct {
+    const char *name;              /* file name for messages (NULL: "host shard") */
+    const int64_t *examples;       /* (n) example indices 0..N-1, none already in a shard */
+    int64_t n;
+    const void *values;            /* (rows, C) in the cache codec, the examples' rows one after another */
+    const float *scales;           /* (rows) for I8, else NULL */
+    int64_t rows;                  /* must equal the examples' row count */
+    const void *file;              /* NULL, or the whole shard file: checked against crc32c */
+    size_t file_bytes;             /*   before the first read of this shard                  */
+    uint32_t crc32c;
+} ft_cache_shard;
+
+/* Padded: (n, T, C) with T the batch's longest example, zero rows after each example's tokens.
+ * Ragged: the examples' rows one after another, (sum of lengths, C). Pooled caches: (n, C). */
+typedef enum { FT_CACHE_PADDED = 0, FT_CACHE_RAGGED = 1 } ft_cache_layout;
+
+typedef struct {
+    int64_t rows;                  /* rows of C floats the batch fills */
+    int64_t T;                     /* longest example (padded all-token batches), else 1 */
+    int64_t misses;                /* examples in the batch that are not cached */
+} ft_cache_batch_info;
+
+ft_status ft_cache_create(const ft_cache_config *cfg, ft_cache **out);   /* copies the arrays */
+void ft_cache_free(ft_cache *c);
+ft_status ft_cache_add_shard(ft_cache *c, const ft_cache_shard *shard);
+/* index_out (n) = position of each example id; an unknown id fails with FT_ERR_OUT_OF_RANGE. */
+ft_status ft_cache_lookup(const ft_cache *c, const int64_t *ids, int64_t n, int64_t *index_out);
+/* Shape of the batch of examples index (n); fails when some are not cached and enc is NULL. */
+ft_status ft_cache_batch_info_get(const ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout,
+                                  const ft_encoder *enc, ft_cache_batch_info *info);
+/* One batch into dst (capacity floats) in memory of dst_device: cached rows decoded from
+ * whatever tier holds them with `threads` threads (0: ft_num_threads()); uncached examples run
+ * through `enc` padded to their longest, then through the codec, so they equal what the cache
+ * would hold. A shard that fails its checksum fails with FT_ERR_FORMAT. Only host
+ * destinations exist yet (device ones: FT_ERR_UNSUPPORTED). `cancel` as in ft_encoder_forward.
+ * Thread-safe; ft_cache_add_shard waits for reads in flight. */
+ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout, float *dst,
+                        ft_device dst_device, size_t capacity, ft_encoder *enc, int threads, ft_cancel_fn cancel,
+                        void *cancel_arg);
+/* Examples read from a tier (hits) and recomputed (misses) so far. */
+void ft_cache_counters(const ft_cache *c, int64_t *hits, int64_t *misses);
+
+/* A reader prepares the batches of one epoch on its own thread, at most `depth` ahead of the
+ * consumer: order (n) example indices, cut into batches of batch_size (the last may be short).
+ * The cache (and enc) must outlive the reader. */
+typedef struct ft_cache_reader ft_cache_reader;
+
+typedef struct {
+    float *values;                 /* (rows, C) host memory, the batch's layout */
+    const int64_t *index;          /* (n) the examples, in batch order */
+    int64_t n, rows, T;
+    int64_t step;                  /* batch number within the reader's order */
+} ft_cache_batch;
+
+ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
+                                ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
+                                ft_cache_reader **out);
+/* Wait up to timeout_ms (< 0: no limit) for the next batch: FT_OK with *out set, or *out NULL
+ * at the end of the order (or when the wait timed out: then *timed_out = 1). A batch the thread
+ * failed to read returns its error (and the reader stops). */
+ft_status ft_cache_reader_next(ft_cache_reader *r, int timeout_ms, ft_cache_batch **out, int *timed_out);
+/* Give a batch's memory back to its reader (it is reused for a later batch). Any thread. */
+void ft_cache_batch_release(ft_cache_batch *b);
+/* Ask the thread to stop (a recompute in flight is cancelled); the consumer then gets the end.
+ * Any thread; the reader stays valid. */
+void ft_cache_reader_stop(ft_cache_reader *r);
+/* Stop the thread (a recompute in flight is cancelled), wait for it, and drop the reader;
+ * batches not yet released stay valid until they are. */
+void ft_cache_reader_close(ft_cache_reader *r);
 
 /* ---- optimizers -------------------------------------------------------------------------- */
 /* One fused step over a list of tensors, in place, on the device that holds them (all tensors of

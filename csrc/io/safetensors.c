@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -156,7 +155,9 @@ static ft_status parse_header(ft_st_file *f, const char *hdr, size_t len) {
     return st;
 }
 
-ft_status ft_st_open(const char *path, ft_st_file *out) {
+ft_status ft_st_open(const char *path, ft_st_file *out) { return ft_st_open_expect(path, -1, -1, out); }
+
+ft_status ft_st_open_expect(const char *path, int64_t expect_bytes, int64_t expect_crc, ft_st_file *out) {
     memset(out, 0, sizeof *out);
     out->path = path;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -166,6 +167,11 @@ ft_status ft_st_open(const char *path, ft_st_file *out) {
     if (fstat(fd, &sb) != 0) { int e = errno; close(fd); return ft_error_errno(FT_ERR_IO, e, "cannot stat '%s'", path); }
     if (!S_ISREG(sb.st_mode)) { close(fd); return ft_error(FT_ERR_IO, "'%s' is not a regular file", path); }
     size_t size = (size_t)sb.st_size;
+    if (expect_bytes >= 0 && (uint64_t)sb.st_size != (uint64_t)expect_bytes) {
+        close(fd);
+        return ft_error(FT_ERR_FORMAT, "%s is truncated or altered: %lld bytes, expected %lld", path,
+                        (long long)sb.st_size, (long long)expect_bytes);
+    }
     if (size < 8) {
         close(fd);
         return ft_error(FT_ERR_FORMAT, "%s: file is %zu bytes, too short for a safetensors header (truncated?)", path, size);
@@ -177,6 +183,10 @@ ft_status ft_st_open(const char *path, ft_st_file *out) {
     out->map = map;
     out->file_size = size;
     const uint8_t *p = map;
+    if (expect_crc >= 0 && ft_crc32c(0, p, size) != (uint32_t)expect_crc) {
+        ft_st_close(out);
+        return ft_error(FT_ERR_FORMAT, "%s is corrupt: its CRC-32C does not match the one recorded when it was written", path);
+    }
     uint64_t n = 0;
     for (int k = 7; k >= 0; k--) n = (n << 8) | p[k];   /* little-endian u64 */
     ft_status st = FT_OK;
@@ -225,35 +235,47 @@ static void sb_json_string(strbuf *b, const char *s) {
     sb_put(b, "\"", 1);
 }
 
-static ft_status write_all(int fd, const void *buf, size_t n, const char *path) {
-    const char *p = buf;
-    while (n > 0) {
-        ssize_t w = write(fd, p, n > (1u << 30) ? (1u << 30) : n);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return ft_error_errno(FT_ERR_IO, errno, "cannot write '%s'", path);
-        }
-        p += w;
-        n -= (size_t)w;
-    }
-    return FT_OK;
-}
-
-ft_status ft_safetensors_write(const char *path, const ft_st_tensor *tensors, size_t n,
-                               const char *metadata_json) {
+ft_status ft_safetensors_write(const char *path, const ft_st_tensor *tensors, size_t n, const ft_st_meta *meta,
+                               size_t n_meta, uint64_t *bytes_out, uint32_t *crc_out) {
     strbuf h = {0};
     uint64_t off = 0;
+    for (size_t k = 0; k < n; k++)
+        for (size_t j = 0; j < k; j++)
+            if (strcmp(tensors[j].name, tensors[k].name) == 0)
+                return ft_error(FT_ERR_INVALID_ARGUMENT, "tensor name '%s' appears twice", tensors[k].name);
     sb_str(&h, "{");
-    if (metadata_json) { sb_str(&h, "\"__metadata__\":"); sb_str(&h, metadata_json); }
+    if (n_meta) {
+        sb_str(&h, "\"__metadata__\":{");
+        for (size_t k = 0; k < n_meta; k++) {
+            if (k) sb_str(&h, ",");
+            sb_json_string(&h, meta[k].key);
+            sb_str(&h, ":");
+            sb_json_string(&h, meta[k].value);
+        }
+        sb_str(&h, "}");
+    }
+    uint64_t *sizes = calloc(n ? n : 1, sizeof *sizes);
+    if (!sizes) { free(h.s); return ft_error(FT_ERR_NOMEM, "out of memory"); }
     for (size_t k = 0; k < n; k++) {
         const ft_st_tensor *t = &tensors[k];
         const char *dn = st_dtype_string(t->dtype);
-        if (!dn || t->ndim < 0 || t->ndim > 8) { free(h.s); return ft_error(FT_ERR_INVALID_ARGUMENT, "tensor '%s': bad dtype or rank", t->name); }
+        if (!dn || t->ndim < 0 || t->ndim > 8) {
+            free(h.s);
+            free(sizes);
+            return ft_error(FT_ERR_INVALID_ARGUMENT, "tensor '%s': bad dtype or rank", t->name);
+        }
         uint64_t numel = 1;
-        for (int d = 0; d < t->ndim; d++) numel *= (uint64_t)t->shape[d];
-        uint64_t bytes = numel * ft_dtype_size(t->dtype);
+        for (int d = 0; d < t->ndim; d++) {
+            if (t->shape[d] < 0 || (t->shape[d] && numel > UINT64_MAX / 16 / (uint64_t)t->shape[d])) {
+                free(h.s);
+                free(sizes);
+                return ft_error(FT_ERR_INVALID_ARGUMENT, "tensor '%s': bad shape", t->name);
+            }
+            numel *= (uint64_t)t->shape[d];
+        }
+        uint64_t bytes = sizes[k] = numel * ft_dtype_size(t->dtype);
         char num[96];
-        if (k > 0 || metadata_json) sb_str(&h, ",");
+        if (k > 0 || n_meta) sb_str(&h, ",");
         sb_json_string(&h, t->name);
         sb_str(&h, ":{\"dtype\":\"");
         sb_str(&h, dn);
@@ -269,38 +291,16 @@ ft_status ft_safetensors_write(const char *path, const ft_st_tensor *tensors, si
     }
     sb_str(&h, "}");
     while (!h.oom && (h.len % 8) != 0) sb_str(&h, " ");   /* align the data section to 8 bytes */
-    if (h.oom) { free(h.s); return ft_error(FT_ERR_NOMEM, "out of memory writing %s", path); }
-
-    /* temp file in the same directory, then rename: readers never see a half-written file */
-    size_t plen = strlen(path);
-    char *tmp = malloc(plen + 32);
-    if (!tmp) { free(h.s); return ft_error(FT_ERR_NOMEM, "out of memory"); }
-    snprintf(tmp, plen + 32, "%s.tmp.%ld", path, (long)getpid());
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) { int e = errno; free(h.s); free(tmp); return ft_error_errno(FT_ERR_IO, e, "cannot create '%s'", path); }
+    ft_chunk *chunks = h.oom ? NULL : malloc((n + 2) * sizeof *chunks);
+    if (!chunks) { free(h.s); free(sizes); return ft_error(FT_ERR_NOMEM, "out of memory writing %s", path); }
     uint8_t len8[8];
     for (int k = 0; k < 8; k++) len8[k] = (uint8_t)((uint64_t)h.len >> (8 * k));
-    ft_status st = write_all(fd, len8, 8, path);
-    if (st == FT_OK) st = write_all(fd, h.s, h.len, path);
-    for (size_t k = 0; k < n && st == FT_OK; k++) {
-        uint64_t numel = 1;
-        for (int d = 0; d < tensors[k].ndim; d++) numel *= (uint64_t)tensors[k].shape[d];
-        st = write_all(fd, tensors[k].data, numel * ft_dtype_size(tensors[k].dtype), path);
-    }
-    if (st == FT_OK && fsync(fd) != 0) st = ft_error_errno(FT_ERR_IO, errno, "cannot fsync '%s'", path);
-    if (close(fd) != 0 && st == FT_OK) st = ft_error_errno(FT_ERR_IO, errno, "cannot close '%s'", path);
-    if (st == FT_OK && rename(tmp, path) != 0) st = ft_error_errno(FT_ERR_IO, errno, "cannot rename to '%s'", path);
-    if (st != FT_OK) unlink(tmp);
-    else {
-        /* make the rename itself durable */
-        char *dcopy = strdup(path);
-        if (dcopy) {
-            int dfd = open(dirname(dcopy), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-            if (dfd >= 0) { fsync(dfd); close(dfd); }
-            free(dcopy);
-        }
-    }
-    free(tmp);
+    chunks[0] = (ft_chunk){len8, 8};
+    chunks[1] = (ft_chunk){h.s, h.len};
+    for (size_t k = 0; k < n; k++) chunks[k + 2] = (ft_chunk){tensors[k].data, (size_t)sizes[k]};
+    ft_status st = ft_atomic_write(path, chunks, n + 2, bytes_out, crc_out);
+    free(chunks);
+    free(sizes);
     free(h.s);
     return st;
 }

@@ -27,6 +27,9 @@ typedef struct {
 } ft_st_file;
 
 ft_status ft_st_open(const char *path, ft_st_file *out);
+/* Same, first checking the file's size and CRC-32C against values recorded by its writer
+ * (-1: not checked), so a damaged file is refused before its header is read. */
+ft_status ft_st_open_expect(const char *path, int64_t expect_bytes, int64_t expect_crc, ft_st_file *out);
 void ft_st_close(ft_st_file *f);
 const ft_st_entry *ft_st_find(const ft_st_file *f, const char *name);
 

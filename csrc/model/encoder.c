@@ -262,7 +262,8 @@ ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_
         ts[k].data = dtype == FT_F32 ? (const void *)(e->host_params + v->offset)
                                      : (const void *)((const uint16_t *)conv + v->offset);
     }
-    ft_status st = ft_safetensors_write(path, ts, n, "{\"format\":\"pt\"}");
+    const ft_st_meta meta = {"format", "pt"};
+    ft_status st = ft_safetensors_write(path, ts, n, &meta, 1, NULL, NULL);
     free(conv);
     free(ts);
     return st;

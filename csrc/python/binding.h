@@ -16,7 +16,8 @@
 
 /* exception classes from fasttran.errors, looked up at module init */
 typedef struct {
-    PyObject *base, *input, *input_type, *input_range, *checkpoint, *not_found, *io, *unsupported, *backend;
+    PyObject *base, *input, *input_type, *input_range, *checkpoint, *not_found, *io, *unsupported, *backend,
+        *cache_corrupt;
 } ft_py_errors;
 extern ft_py_errors ft_errors;
 
@@ -25,15 +26,45 @@ PyObject *ft_py_raise(ft_status st);
 /* Raise `cls` with a formatted message; returns NULL. */
 PyObject *ft_py_fail(PyObject *cls, const char *fmt, ...);
 
+/* Same, for the cache: a file that lies (FT_ERR_FORMAT) is a CacheCorruptError there. */
+PyObject *ft_py_raise_cache(ft_status st);
+
+/* Ctrl-C inside long C work: ft_py_cancel_begin releases the GIL; ft_py_cancel_check (an
+ * ft_cancel_fn, called between steps without the GIL) takes it back briefly to run Python's
+ * signal handlers and asks to stop when one raised; ft_py_cancel_end takes the GIL back and
+ * restores that exception. */
+typedef struct {
+    PyThreadState *ts;
+    PyObject *type, *value, *tb;
+} ft_py_cancel;
+void ft_py_cancel_begin(ft_py_cancel *cs);
+int ft_py_cancel_check(void *cs);
+void ft_py_cancel_end(ft_py_cancel *cs);
+
+/* The ft_dtype of a NumPy type number (1), or 0 when there is none. */
+int ft_py_npy_dtype(int npy, ft_dtype *out);
+
+/* Functions with several arguments take them by keyword only: 1 if `args` is empty, else 0
+ * with an InputTypeError naming `fn`. */
+int ft_py_keywords_only(PyObject *args, const char *fn);
+
+/* A C-contiguous, aligned (writeable if asked) ndarray of type `npy` and `nd` dimensions, or
+ * NULL with an InputTypeError naming `what`. Borrowed: no new reference. */
+PyArrayObject *ft_py_want_array(PyObject *o, const char *what, int npy, int nd, int writeable);
+
 int ft_py_add_encoder_type(PyObject *module);
 int ft_py_add_tensor_type(PyObject *module);
 int ft_py_add_cache_functions(PyObject *module);
+int ft_py_add_io_functions(PyObject *module);
 int ft_py_add_train_functions(PyObject *module);
 int ft_py_add_layer_type(PyObject *module);
 /* the ft_encoder of a fasttran._C.EncoderCore (NULL with an exception set otherwise) */
 ft_encoder *ft_py_encoder_of(PyObject *obj);
 int ft_py_add_profile_functions(PyObject *module);
 int ft_py_add_optimizer_type(PyObject *module);
+
+/* The ft_encoder of an initialised fasttran._C.EncoderCore, or NULL with an exception. */
+ft_encoder *ft_py_encoder_from(PyObject *obj);
 
 /* fasttran.Tensor (tensor_type.c). `release(owner, ctx, data)` frees the memory when the
  * tensor dies (NULL: nothing to free); `owner` is kept alive until then. On failure the

@@ -20,6 +20,16 @@ static void EncoderCore_dealloc(EncoderCore *self) {
     Py_DECREF(tp);
 }
 
+static PyTypeObject *encoder_core_type;   /* set at module init */
+
+ft_encoder *ft_py_encoder_from(PyObject *obj) {
+    if (!encoder_core_type || !PyObject_TypeCheck(obj, encoder_core_type) || !((EncoderCore *)obj)->enc) {
+        ft_py_fail(ft_errors.input_type, "expected an initialised fasttran._C.EncoderCore, got %s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return ((EncoderCore *)obj)->enc;
+}
+
 static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                              "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "activation",
@@ -27,11 +37,15 @@ static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     ft_bert_config c;
     int act = 0, device_index = -1;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|i", kwlist, &c.vocab_size, &c.hidden_size,
+    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|i", kwlist, &c.vocab_size, &c.hidden_size,
                                      &c.num_layers, &c.num_heads, &c.intermediate_size,
                                      &c.max_position_embeddings, &c.type_vocab_size, &c.layer_norm_eps, &act,
                                      &c.pad_token_id, &device_index))
         return -1;
+    if (act < FT_ACT_GELU_ERF || act > FT_ACT_TANH) {
+        ft_py_fail(ft_errors.input, "activation code %d is not one of _C.ACTIVATIONS", act);
+        return -1;
+    }
     c.activation = (ft_activation)act;
     if (self->enc) {
         ft_py_fail(ft_errors.base, "EncoderCore is already initialised");
@@ -53,9 +67,10 @@ static int ready(EncoderCore *self) {
     return 1;
 }
 
-static PyObject *EncoderCore_load(EncoderCore *self, PyObject *args) {
+static PyObject *EncoderCore_load(EncoderCore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"path", "prefix", NULL};
     const char *path, *prefix = NULL;
-    if (!ready(self) || !PyArg_ParseTuple(args, "s|z", &path, &prefix)) return NULL;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|z", kwlist, &path, &prefix)) return NULL;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ft_encoder_load_safetensors(self->enc, path, prefix);
@@ -64,14 +79,15 @@ static PyObject *EncoderCore_load(EncoderCore *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *EncoderCore_save(EncoderCore *self, PyObject *args) {
+static PyObject *EncoderCore_save(EncoderCore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"path", "dtype", NULL};
     const char *path, *dtype = "float32";
-    if (!ready(self) || !PyArg_ParseTuple(args, "s|s", &path, &dtype)) return NULL;
-    ft_dtype dt;
-    if (strcmp(dtype, "float32") == 0) dt = FT_F32;
-    else if (strcmp(dtype, "float16") == 0) dt = FT_F16;
-    else if (strcmp(dtype, "bfloat16") == 0) dt = FT_BF16;
-    else return ft_py_fail(ft_errors.input_type, "save dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|s", kwlist, &path, &dtype)) return NULL;
+    ft_dtype dt = FT_DTYPE_COUNT;
+    for (int k = 0; k < FT_DTYPE_COUNT; k++)
+        if (strcmp(dtype, ft_dtype_name((ft_dtype)k)) == 0) dt = (ft_dtype)k;
+    if (dt != FT_F32 && dt != FT_F16 && dt != FT_BF16)
+        return ft_py_fail(ft_errors.input_type, "save dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ft_encoder_save_safetensors(self->enc, path, dt);
@@ -94,19 +110,8 @@ static PyObject *EncoderCore_copy_weights_from(EncoderCore *self, PyObject *arg)
 
 /* ---- inputs ------------------------------------------------------------------------------- */
 
-static int npy_to_ft(int npy, ft_dtype *out) {
-    switch (npy) {
-    case NPY_INT64: *out = FT_I64; return 1;
-    case NPY_INT32: *out = FT_I32; return 1;
-    case NPY_INT16: *out = FT_I16; return 1;
-    case NPY_INT8: *out = FT_I8; return 1;
-    case NPY_UINT8: *out = FT_U8; return 1;
-    case NPY_BOOL: *out = FT_BOOL; return 1;
-    case NPY_FLOAT32: *out = FT_F32; return 1;
-    case NPY_FLOAT64: *out = FT_F64; return 1;
-    default: return 0;
-    }
-}
+/* index arrays (ids, types, masks): integers, bool, and float32/float64 masks */
+static int npy_to_ft(int npy, ft_dtype *out) { return npy != NPY_FLOAT16 && ft_py_npy_dtype(npy, out); }
 
 /* View `obj` (an ndarray) as a 2-D index array in place. Non-contiguous and read-only arrays
  * are read as they are; only misaligned or byte-swapped ones are copied. `*keep` receives the
@@ -157,22 +162,6 @@ static int index_view(PyObject *obj, const char *what, const npy_intp *expect_sh
     return 1;
 }
 
-/* Between layers: take the GIL back briefly and let Python run its signal handlers, so Ctrl-C
- * stops a long forward. The exception is stashed and restored after the forward returns. */
-typedef struct {
-    PyThreadState *ts;
-    PyObject *type, *value, *tb;
-} cancel_state;
-
-static int check_signals(void *arg) {
-    cancel_state *cs = arg;
-    PyEval_RestoreThread(cs->ts);
-    int stop = PyErr_CheckSignals() < 0;
-    if (stop) PyErr_Fetch(&cs->type, &cs->value, &cs->tb);
-    cs->ts = PyEval_SaveThread();
-    return stop;
-}
-
 /* Device outputs are encoder memory: the Tensor holds the EncoderCore, which frees it. */
 static void release_device_output(PyObject *owner, void *ctx, void *data) {
     (void)ctx;
@@ -201,15 +190,17 @@ static PyObject *new_output(EncoderCore *self, int on_device, int nd, const npy_
                             release_device_output, NULL);
 }
 
-/* forward(ids, mask, types, layers, pooling, want_hidden, on_device=False)
+/* forward(*, input_ids, attention_mask, token_type_ids, layers, pooling, want_hidden, on_device=False)
  *   -> (hidden list | None, pooled list | None); arrays are NumPy, or fasttran.Tensor in the
- *   encoder's device memory with on_device. */
-static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args) {
+ *   encoder's device memory with on_device. pooling: a value of _C.POOLINGS. */
+static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"input_ids", "attention_mask", "token_type_ids", "layers", "pooling", "want_hidden",
+                             "on_device", NULL};
     PyObject *ids_obj, *mask_obj, *types_obj, *layers;
     int pooling, want_hidden, on_device = 0;
-    if (!ready(self) ||
-        !PyArg_ParseTuple(args, "OOOO!ip|p", &ids_obj, &mask_obj, &types_obj, &PyTuple_Type, &layers, &pooling,
-                          &want_hidden, &on_device))
+    if (!ready(self) || !ft_py_keywords_only(args, "EncoderCore.forward()") ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOOO!ip|p", kwlist, &ids_obj, &mask_obj, &types_obj, &PyTuple_Type,
+                                     &layers, &pooling, &want_hidden, &on_device))
         return NULL;
     const ft_bert_config *cfg = ft_encoder_config(self->enc);
     const int64_t L = cfg->num_layers, C = cfg->hidden_size;
@@ -249,13 +240,12 @@ static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args) {
     }
     {
         ft_status st;
-        cancel_state cs = {NULL, NULL, NULL, NULL};
-        cs.ts = PyEval_SaveThread();
+        ft_py_cancel cs;
+        ft_py_cancel_begin(&cs);
         st = ft_encoder_forward(self->enc, shape[0], shape[1], &ids, k_mask ? &mask : NULL,
                                 k_types ? &types : NULL, hptr, pptr, (ft_pooling)pooling, on_device,
-                                check_signals, &cs);
-        PyEval_RestoreThread(cs.ts);
-        if (cs.type) PyErr_Restore(cs.type, cs.value, cs.tb);
+                                ft_py_cancel_check, &cs);
+        ft_py_cancel_end(&cs);
         if (st != FT_OK) { ft_py_raise(st); goto done; }
     }
     result = PyTuple_Pack(2, hidden, pooled);
@@ -332,10 +322,13 @@ static PyObject *EncoderCore_get_workspace_bytes(EncoderCore *self, void *c) {
 }
 
 static PyMethodDef EncoderCore_methods[] = {
-    {"load", (PyCFunction)EncoderCore_load, METH_VARARGS, "load(path, prefix=None): read a safetensors file."},
-    {"save", (PyCFunction)EncoderCore_save, METH_VARARGS, "save(path, dtype='float32'): write safetensors atomically."},
-    {"forward", (PyCFunction)EncoderCore_forward, METH_VARARGS,
-     "forward(ids, mask, types, layers, pooling, want_hidden) -> (hidden, pooled)."},
+    {"load", (PyCFunction)(void (*)(void))EncoderCore_load, METH_VARARGS | METH_KEYWORDS,
+     "load(path, prefix=None): read a safetensors file."},
+    {"save", (PyCFunction)(void (*)(void))EncoderCore_save, METH_VARARGS | METH_KEYWORDS,
+     "save(path, dtype='float32'): write safetensors atomically."},
+    {"forward", (PyCFunction)(void (*)(void))EncoderCore_forward, METH_VARARGS | METH_KEYWORDS,
+     "forward(*, input_ids, attention_mask, token_type_ids, layers, pooling, want_hidden, on_device=False)"
+     " -> (hidden, pooled)."},
     {"copy_weights_from", (PyCFunction)EncoderCore_copy_weights_from, METH_O, "copy all weights of another core."},
     {"tensors", (PyCFunction)EncoderCore_tensors, METH_NOARGS, "[(name, shape)] of the parameter table."},
     {"tensor", (PyCFunction)EncoderCore_tensor, METH_O, "tensor(i): copy of parameter i."},
@@ -375,6 +368,7 @@ int ft_py_add_encoder_type(PyObject *m) {
     if (!tp) return -1;
     encoder_core_type = (PyTypeObject *)tp;   /* the module keeps it alive */
     int r = PyModule_AddObjectRef(m, "EncoderCore", tp);
+    if (r == 0) encoder_core_type = (PyTypeObject *)tp;   /* the module holds the reference */
     Py_DECREF(tp);
     return r;
 }

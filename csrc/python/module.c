@@ -18,9 +18,93 @@ PyObject *ft_py_fail(PyObject *cls, const char *fmt, ...) {
     return NULL;
 }
 
-PyObject *ft_py_raise(ft_status st) {
+/* Raise `cls` with the C message: decoded leniently (a file's bytes quoted in a message need not
+ * be UTF-8), and as (errno, message) for OS errors so that .errno is set. */
+static PyObject *raise_message(PyObject *cls, ft_status st) {
     const char *msg = ft_last_error();
     if (!msg[0]) msg = ft_status_name(st);
+    const int err = ft_last_errno();
+    PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "backslashreplace");
+    ft_clear_error();
+    if (!text) return NULL;
+    if (err && (st == FT_ERR_IO || st == FT_ERR_NOT_FOUND)) {
+        PyObject *args = Py_BuildValue("(iO)", err, text);
+        if (args) PyErr_SetObject(cls, args);
+        Py_XDECREF(args);
+    } else {
+        PyErr_SetObject(cls, text);
+    }
+    Py_DECREF(text);
+    return NULL;
+}
+
+PyObject *ft_py_raise_cache(ft_status st) {
+    if (st == FT_ERR_FORMAT) return raise_message(ft_errors.cache_corrupt, st);
+    return ft_py_raise(st);
+}
+
+int ft_py_npy_dtype(int npy, ft_dtype *out) {
+    switch (npy) {
+    case NPY_FLOAT32: *out = FT_F32; return 1;
+    case NPY_FLOAT16: *out = FT_F16; return 1;
+    case NPY_FLOAT64: *out = FT_F64; return 1;
+    case NPY_INT64: *out = FT_I64; return 1;
+    case NPY_INT32: *out = FT_I32; return 1;
+    case NPY_INT16: *out = FT_I16; return 1;
+    case NPY_INT8: *out = FT_I8; return 1;
+    case NPY_UINT8: *out = FT_U8; return 1;
+    case NPY_BOOL: *out = FT_BOOL; return 1;
+    default: return 0;
+    }
+}
+
+int ft_py_keywords_only(PyObject *args, const char *fn) {
+    if (PyTuple_GET_SIZE(args) == 0) return 1;
+    ft_py_fail(ft_errors.input_type, "%s takes keyword arguments only", fn);
+    return 0;
+}
+
+void ft_py_cancel_begin(ft_py_cancel *cs) {
+    cs->type = cs->value = cs->tb = NULL;
+    cs->ts = PyEval_SaveThread();
+}
+
+int ft_py_cancel_check(void *arg) {
+    ft_py_cancel *cs = arg;
+    PyEval_RestoreThread(cs->ts);
+    int stop = PyErr_CheckSignals() < 0;
+    if (stop) PyErr_Fetch(&cs->type, &cs->value, &cs->tb);
+    cs->ts = PyEval_SaveThread();
+    return stop;
+}
+
+void ft_py_cancel_end(ft_py_cancel *cs) {
+    PyEval_RestoreThread(cs->ts);
+    if (cs->type) PyErr_Restore(cs->type, cs->value, cs->tb);
+}
+
+PyArrayObject *ft_py_want_array(PyObject *o, const char *what, int npy, int nd, int writeable) {
+    if (!PyArray_Check(o)) {
+        ft_py_fail(ft_errors.input_type, "%s must be a NumPy array, got %s", what, Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (PyArray_TYPE(a) != npy || PyArray_NDIM(a) != nd || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) ||
+        !PyArray_ISNOTSWAPPED(a) || (writeable && !PyArray_ISWRITEABLE(a))) {
+        PyArray_Descr *d = PyArray_DescrFromType(npy);
+        PyObject *want = d ? PyObject_Str((PyObject *)d) : NULL;
+        PyObject *got = PyObject_Str((PyObject *)PyArray_DESCR(a));
+        ft_py_fail(ft_errors.input_type, "%s must be a C-contiguous%s %d-D %S array, got a %d-D %S array", what,
+                   writeable ? " writeable" : "", nd, want ? want : Py_None, PyArray_NDIM(a), got ? got : Py_None);
+        Py_XDECREF(d);
+        Py_XDECREF(want);
+        Py_XDECREF(got);
+        return NULL;
+    }
+    return a;
+}
+
+PyObject *ft_py_raise(ft_status st) {
     PyObject *cls;
     switch (st) {
     case FT_ERR_INVALID_ARGUMENT: cls = ft_errors.input; break;
@@ -33,14 +117,12 @@ PyObject *ft_py_raise(ft_status st) {
     case FT_ERR_UNSUPPORTED: cls = ft_errors.unsupported; break;
     case FT_ERR_DEVICE: cls = ft_errors.backend; break;
     case FT_ERR_INTERRUPTED:
-        if (PyErr_Occurred()) return NULL;   /* the KeyboardInterrupt is already set */
+        if (PyErr_Occurred()) { ft_clear_error(); return NULL; }   /* the KeyboardInterrupt is already set */
         cls = PyExc_KeyboardInterrupt;
         break;
     default: cls = ft_errors.base; break;
     }
-    PyErr_SetString(cls, msg);
-    ft_clear_error();
-    return NULL;
+    return raise_message(cls, st);
 }
 
 static PyObject *py_blas_name(PyObject *self, PyObject *unused) {
@@ -177,13 +259,45 @@ static int load_errors(void) {
         {&ft_errors.input_type, "InputTypeError"}, {&ft_errors.input_range, "InputRangeError"},
         {&ft_errors.checkpoint, "CheckpointError"}, {&ft_errors.not_found, "CheckpointNotFoundError"},
         {&ft_errors.io, "FastTranIOError"}, {&ft_errors.unsupported, "UnsupportedError"},
-        {&ft_errors.backend, "BackendError"}};
+        {&ft_errors.backend, "BackendError"}, {&ft_errors.cache_corrupt, "CacheCorruptError"}};
     for (size_t k = 0; k < sizeof names / sizeof *names; k++) {
         *names[k].slot = PyObject_GetAttrString(m, names[k].name);
         if (!*names[k].slot) { Py_DECREF(m); return -1; }
     }
     Py_DECREF(m);
     return 0;
+}
+
+/* The C enums, for the Python layer (never copied there by hand):
+ *   DTYPES {name: ft_dtype}, CACHE_CODECS {name: (ft_dtype, NumPy storage dtype)},
+ *   POOLINGS {name: ft_pooling}, ACTIVATIONS {name: ft_activation}, DEVICE_KINDS {name: kind},
+ *   CACHE_LAYOUTS {name: ft_cache_layout} */
+static int add_dict(PyObject *m, const char *name, PyObject *d) {
+    if (!d) return -1;
+    int r = PyModule_AddObjectRef(m, name, d);
+    Py_DECREF(d);
+    return r;
+}
+
+static int add_enums(PyObject *m) {
+    PyObject *dt = PyDict_New();
+    for (int k = 0; dt && k < FT_DTYPE_COUNT; k++) {
+        PyObject *v = PyLong_FromLong(k);
+        if (!v || PyDict_SetItemString(dt, ft_dtype_name((ft_dtype)k), v) < 0) Py_CLEAR(dt);
+        Py_XDECREF(v);
+    }
+    if (add_dict(m, "DTYPES", dt) < 0) return -1;
+    if (add_dict(m, "CACHE_CODECS", Py_BuildValue("{s(is)s(is)s(is)s(is)}", "float32", FT_F32, "<f4", "float16", FT_F16,
+                                                  "<u2", "bfloat16", FT_BF16, "<u2", "int8", FT_I8, "|i1")) < 0)
+        return -1;
+    if (add_dict(m, "POOLINGS", Py_BuildValue("{sisisi}", "none", FT_POOL_NONE, "cls", FT_POOL_CLS, "mean",
+                                              FT_POOL_MEAN)) < 0)
+        return -1;
+    if (add_dict(m, "ACTIVATIONS", Py_BuildValue("{sisisisi}", "gelu", FT_ACT_GELU_ERF, "gelu_tanh", FT_ACT_GELU_TANH,
+                                                 "relu", FT_ACT_RELU, "tanh", FT_ACT_TANH)) < 0)
+        return -1;
+    if (add_dict(m, "DEVICE_KINDS", Py_BuildValue("{sisi}", "cpu", FT_DEVICE_CPU, "cuda", FT_DEVICE_CUDA)) < 0) return -1;
+    return add_dict(m, "CACHE_LAYOUTS", Py_BuildValue("{sisi}", "padded", FT_CACHE_PADDED, "ragged", FT_CACHE_RAGGED));
 }
 
 PyMODINIT_FUNC PyInit__C(void) {
@@ -195,8 +309,9 @@ PyMODINIT_FUNC PyInit__C(void) {
         PyModule_AddIntConstant(m, "cuda_compiled", ft_cuda_compiled()) < 0 ||
         PyModule_AddIntConstant(m, "cuda_emulated", ft_cuda_emulated()) < 0 ||
         ft_py_add_encoder_type(m) < 0 || ft_py_add_tensor_type(m) < 0 ||
-        ft_py_add_cache_functions(m) < 0 || ft_py_add_train_functions(m) < 0 || ft_py_add_layer_type(m) < 0 ||
-        ft_py_add_profile_functions(m) < 0 || ft_py_add_optimizer_type(m) < 0) {
+        add_enums(m) < 0 || ft_py_add_cache_functions(m) < 0 || ft_py_add_io_functions(m) < 0 ||
+        ft_py_add_train_functions(m) < 0 || ft_py_add_layer_type(m) < 0 || ft_py_add_profile_functions(m) < 0 ||
+        ft_py_add_optimizer_type(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

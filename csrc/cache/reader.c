@@ -1,0 +1,324 @@
+/* Prefetching reader: one thread per epoch reads the batches of an order ahead of the consumer.
+ *
+ *   producer (its own thread, no Python):  while fewer than depth batches are ready: take a free
+ *     buffer -> read the next batch into it (ft_cache_read) -> put it in the ring -> post "item";
+ *     when depth are ready, sleep for about the time the consumer takes to use half of them
+ *     (measured), or until the consumer finds the ring empty and wakes it
+ *   consumer (ft_cache_reader_next):       wait for an item -> take the oldest batch; the caller
+ *     owns it until ft_cache_batch_release returns its buffer
+ *
+ * No lock is shared by the two: semaphores carry the waiting, a ring (one producer, one
+ * consumer) carries the batches, and released buffers go on a lock-free stack that the producer
+ * empties at once. On a loaded machine a mutex would be held by the producer just as the OS
+ * preempts it, and the consumer would wait a time slice for a batch that is ready; and a consumer
+ * that wakes the producer lets it preempt the consumer, which then waits for a core. So a
+ * consumer that keeps up never makes a system call; the producer times its own naps.
+ *
+ * Buffers are reused, so a steady epoch allocates (and page-faults) depth + 1 buffers once. The
+ * reader lives until it is closed and every batch it handed out is released (a reference
+ * count). The end of the order, and a failure, are marked in the ring after the last batch. */
+#include <errno.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cache/codec.h"
+#include "core/status.h"
+#include "fasttran.h"
+
+typedef struct rbatch {
+    ft_cache_batch pub;            /* first: ft_cache_batch * <-> rbatch * */
+    struct rbatch *next;           /* free-stack link */
+    struct ft_cache_reader *owner;
+    size_t capacity;               /* floats in pub.values */
+    int64_t *index;
+    size_t index_cap;
+    ft_status status;
+    char message[1024];
+} rbatch;
+
+struct ft_cache_reader {
+    ft_cache *cache;
+    ft_encoder *enc;
+    int64_t *order, n, batch_size, n_steps, hidden;
+    int64_t first_step;            /* the producer's first step (0 is read by ft_cache_reader_start) */
+    ft_cache_layout layout;
+    int depth, threads;
+    pthread_t thread;
+    int started;
+    sem_t wake, items;             /* "room again" for the producer, ring entries for the consumer */
+    atomic_int ready;              /* batches in the ring */
+    atomic_int napping;            /* the producer sleeps (or is about to) in nap() */
+    atomic_llong taken_ns;         /* when the consumer last took a batch (CLOCK_MONOTONIC) */
+    atomic_llong interval_ns;      /* its average time between batches */
+    rbatch **ring;                 /* depth + 1 entries: batches, then NULL = the end */
+    int64_t head, tail;            /* consumer's and producer's positions */
+    _Atomic(rbatch *) released;    /* lock-free stack of buffers given back */
+    rbatch *spare;                 /* the producer's own free list */
+    atomic_int stop;
+    int ended;                     /* the consumer saw the end (consumer only) */
+    int oom;                       /* the producer stopped for want of memory (set before the end) */
+    atomic_int refs;               /* owner + batches handed out */
+};
+
+static void batch_free(rbatch *b) {
+    if (!b) return;
+    free(b->pub.values);
+    free(b->index);
+    free(b);
+}
+
+static void free_list(rbatch *b) {
+    while (b) {
+        rbatch *nx = b->next;
+        batch_free(b);
+        b = nx;
+    }
+}
+
+static void reader_destroy(ft_cache_reader *r) {
+    for (int64_t k = r->head; k < r->tail; k++) batch_free(r->ring[k % (r->depth + 1)]);
+    free_list(atomic_load(&r->released));
+    free_list(r->spare);
+    sem_destroy(&r->wake);
+    sem_destroy(&r->items);
+    free(r->ring);
+    free(r->order);
+    free(r);
+}
+
+static void unref(ft_cache_reader *r) {
+    if (atomic_fetch_sub(&r->refs, 1) == 1) reader_destroy(r);
+}
+
+static int reader_cancelled(void *arg) { return atomic_load(&((ft_cache_reader *)arg)->stop); }
+
+/* One step into b (buffers grown as needed); the status and message stay with the batch. */
+static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
+    const int64_t a = step * r->batch_size, nb = r->n - a < r->batch_size ? r->n - a : r->batch_size;
+    const int64_t *idx = r->order + a;
+    ft_cache_batch_info info;
+    ft_status st = ft_cache_batch_info_get(r->cache, idx, nb, r->layout, r->enc, &info);
+    size_t need = st == FT_OK ? (size_t)info.rows * (size_t)r->hidden : 0;
+    if (need < 16) need = 16;
+    if (st == FT_OK && need > b->capacity) {
+        free(b->pub.values);
+        b->pub.values = NULL;
+        b->capacity = 0;
+        void *p = NULL;
+        if (posix_memalign(&p, 64, need * sizeof(float)) != 0)
+            st = ft_error(FT_ERR_NOMEM, "out of memory for a batch of %zu floats", need);
+        else { b->pub.values = p; b->capacity = need; }
+    }
+    if (st == FT_OK && (size_t)nb > b->index_cap) {
+        int64_t *ni = realloc(b->index, (size_t)nb * sizeof *ni);
+        if (!ni) st = ft_error(FT_ERR_NOMEM, "out of memory");
+        else { b->index = ni; b->index_cap = (size_t)nb; }
+    }
+    if (st == FT_OK) {
+        memcpy(b->index, idx, (size_t)nb * sizeof *idx);
+        st = ft_cache_read(r->cache, idx, nb, r->layout, b->pub.values, (ft_device){FT_DEVICE_CPU, 0}, b->capacity,
+                           r->enc, r->threads, reader_cancelled, r);
+    }
+    b->pub.index = b->index;
+    b->pub.n = nb;
+    b->pub.rows = st == FT_OK ? info.rows : 0;
+    b->pub.T = st == FT_OK ? info.T : 0;
+    b->pub.step = step;
+    b->status = st;
+    b->message[0] = '\0';
+    if (st != FT_OK) {
+        snprintf(b->message, sizeof b->message, "%s", ft_last_error());
+        ft_clear_error();
+    }
+}
+
+static void push(ft_cache_reader *r, rbatch *b) {   /* producer only */
+    r->ring[r->tail % (r->depth + 1)] = b;
+    r->tail++;
+    if (b) atomic_fetch_add(&r->ready, 1);
+    sem_post(&r->items);
+}
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Nap while the ring is full: for the time the consumer needs to take half of it (at least
+ * 0.1 ms), or until it wakes us (ring empty) or close() does. `idle` counts the naps in a row
+ * during which the consumer took nothing: they double, and after 100 ms the producer sleeps
+ * until woken (a consumer that stopped, or has not started, costs no CPU). */
+static void nap(ft_cache_reader *r, int idle) {
+    const long long interval = atomic_load(&r->interval_ns);
+    long long ns = interval ? (long long)(atomic_load(&r->ready) - r->depth / 2) * interval : 1000000;
+    ns = (ns < 100000 ? 100000 : ns) << (idle < 20 ? idle : 20);
+    atomic_store(&r->napping, 1);   /* then look again: a consumer that emptied the ring meanwhile */
+    if (atomic_load(&r->ready) >= r->depth && !atomic_load(&r->stop)) {   /* ... posts "wake" */
+        if (ns > 100000000) {
+            while (sem_wait(&r->wake) != 0 && errno == EINTR) {}
+        } else {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += ns;
+            until.tv_sec += until.tv_nsec / 1000000000L;
+            until.tv_nsec %= 1000000000L;
+            sem_timedwait(&r->wake, &until);
+        }
+    }
+    atomic_store(&r->napping, 0);
+}
+
+static void *producer(void *arg) {
+    ft_cache_reader *r = arg;
+    for (int64_t step = r->first_step; step < r->n_steps; step++) {
+        for (int idle = 0; !atomic_load(&r->stop) && atomic_load(&r->ready) >= r->depth; idle++) {
+            const long long seen = atomic_load(&r->taken_ns);
+            nap(r, idle);
+            if (atomic_load(&r->taken_ns) != seen) idle = -1;   /* the consumer is taking batches */
+        }
+        if (atomic_load(&r->stop)) break;
+        if (!r->spare) r->spare = atomic_exchange(&r->released, NULL);   /* take every buffer given back */
+        rbatch *b = r->spare;
+        if (b) r->spare = b->next;
+        else if (!(b = calloc(1, sizeof *b))) {
+            r->oom = 1;
+            break;
+        }
+        b->owner = r;
+        read_step(r, b, step);
+        if (b->status == FT_ERR_INTERRUPTED && atomic_load(&r->stop)) {   /* stopped: no error, just the end */
+            batch_free(b);
+            break;
+        }
+        const int failed = b->status != FT_OK;   /* once pushed, b is the consumer's (it frees a failed one) */
+        push(r, b);
+        if (failed) break;
+    }
+    push(r, NULL);   /* the end: its slot is the ring's extra one */
+    return NULL;
+}
+
+ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
+                                ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
+                                ft_cache_reader **out) {
+    *out = NULL;
+    if (n < 0 || batch_size < 1 || depth < 1 || depth > 1024)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need n >= 0, batch_size >= 1, 1 <= depth <= 1024 (got %lld, %lld, %d)",
+                        (long long)n, (long long)batch_size, depth);
+    /* every example of the order is checked now, not when its batch comes up */
+    ft_cache_batch_info info;
+    FT_TRY(ft_cache_batch_info_get(c, order, n, FT_CACHE_RAGGED, enc, &info));
+    ft_cache_reader *r = calloc(1, sizeof *r);
+    if (!r) return ft_error(FT_ERR_NOMEM, "out of memory");
+    r->order = malloc((size_t)(n ? n : 1) * sizeof *r->order);
+    r->ring = calloc((size_t)depth + 1, sizeof *r->ring);
+    if (!r->order || !r->ring) {
+        free(r->order);
+        free(r->ring);
+        free(r);
+        return ft_error(FT_ERR_NOMEM, "out of memory");
+    }
+    memcpy(r->order, order, (size_t)n * sizeof *order);
+    r->cache = c;
+    r->enc = enc;
+    r->n = n;
+    r->batch_size = batch_size;
+    r->n_steps = (n + batch_size - 1) / batch_size;
+    r->hidden = ft_cache_width(c);
+    r->layout = layout;
+    r->depth = depth;
+    r->threads = threads;
+    atomic_init(&r->refs, 1);
+    atomic_init(&r->released, NULL);
+    sem_init(&r->wake, 0, 0);
+    sem_init(&r->items, 0, 0);
+    /* the first batch is read here: the consumer asks for it next, and a thread just started
+     * may wait for a core longer than the read takes */
+    if (r->n_steps) {
+        rbatch *b = calloc(1, sizeof *b);
+        if (!b) {
+            reader_destroy(r);
+            return ft_error(FT_ERR_NOMEM, "out of memory");
+        }
+        b->owner = r;
+        read_step(r, b, 0);
+        r->first_step = b->status == FT_OK ? 1 : r->n_steps;   /* after a failure, only the end follows */
+        push(r, b);
+    }
+    int e = pthread_create(&r->thread, NULL, producer, r);
+    if (e) {
+        reader_destroy(r);
+        return ft_error_errno(FT_ERR_INTERNAL, e, "cannot start the cache reader thread");
+    }
+    r->started = 1;
+    *out = r;
+    return FT_OK;
+}
+
+ft_status ft_cache_reader_next(ft_cache_reader *r, int timeout_ms, ft_cache_batch **out, int *timed_out) {
+    *out = NULL;
+    if (timed_out) *timed_out = 0;
+    if (r->ended) return FT_OK;
+    int w = sem_trywait(&r->items);
+    if (w != 0 && atomic_load(&r->napping)) sem_post(&r->wake);   /* nothing ready: wake a napping producer */
+    if (w == 0) {
+    } else if (timeout_ms < 0) {
+        while ((w = sem_wait(&r->items)) != 0 && errno == EINTR) {}
+    } else {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += timeout_ms / 1000;
+        until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (until.tv_nsec >= 1000000000L) { until.tv_sec++; until.tv_nsec -= 1000000000L; }
+        while ((w = sem_timedwait(&r->items, &until)) != 0 && errno == EINTR) {}
+        if (w != 0) {
+            if (timed_out) *timed_out = 1;
+            return FT_OK;
+        }
+    }
+    rbatch *b = r->ring[r->head % (r->depth + 1)];
+    r->head++;
+    if (!b) {   /* the end (after the last batch, or after a failed one) */
+        r->ended = 1;
+        return r->oom ? ft_error(FT_ERR_NOMEM, "out of memory in the cache reader") : FT_OK;
+    }
+    atomic_fetch_sub(&r->ready, 1);
+    const long long t = now_ns(), last = atomic_exchange(&r->taken_ns, t);
+    if (last) atomic_store(&r->interval_ns, (7 * atomic_load(&r->interval_ns) + (t - last)) / 8);
+    if (b->status != FT_OK) {
+        ft_status st = ft_error(b->status, "%s", b->message);
+        batch_free(b);
+        return st;
+    }
+    atomic_fetch_add(&r->refs, 1);
+    *out = &b->pub;
+    return FT_OK;
+}
+
+void ft_cache_batch_release(ft_cache_batch *pub) {
+    if (!pub) return;
+    rbatch *b = (rbatch *)pub;
+    ft_cache_reader *r = b->owner;
+    rbatch *head = atomic_load(&r->released);
+    do b->next = head;
+    while (!atomic_compare_exchange_weak(&r->released, &head, b));   /* ABA-free: the producer only takes all */
+    unref(r);
+}
+
+void ft_cache_reader_stop(ft_cache_reader *r) {
+    atomic_store(&r->stop, 1);
+    sem_post(&r->wake);   /* wakes a napping producer; it sees stop (nap() looks at stop after napping = 1) */
+}
+
+void ft_cache_reader_close(ft_cache_reader *r) {
+    if (!r) return;
+    ft_cache_reader_stop(r);
+    if (r->started) pthread_join(r->thread, NULL);
+    unref(r);
+}

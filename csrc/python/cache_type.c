@@ -1,0 +1,581 @@
+/* The activation cache's binding: fasttran._C.CacheStore (the read side, csrc/cache/store.c)
+ * and fasttran._C.CacheReader (the prefetching reader, csrc/cache/reader.c), plus the codec
+ * functions the build uses (cache_encode, crc32c, input_fingerprints).
+ *
+ * Python (fasttran/cache/) decides what goes where (tiers, files) and hands arrays over; every
+ * batch is one call here that returns finished NumPy arrays. Arguments are checked once, here;
+ * functions with several arguments take keywords only. */
+#include "binding.h"
+#include "core/profile.h"
+
+#include "cache/codec.h"
+
+static int parse_codec(int code, ft_dtype *out) {
+    if (code < 0 || code >= FT_DTYPE_COUNT || !ft_cache_codec_ok((ft_dtype)code)) {
+        ft_py_fail(ft_errors.input, "cache codec %d is not one of _C.CACHE_CODECS", code);
+        return 0;
+    }
+    *out = (ft_dtype)code;
+    return 1;
+}
+
+static int codec_npy(ft_dtype c) { return c == FT_F32 ? NPY_FLOAT32 : c == FT_I8 ? NPY_INT8 : NPY_UINT16; }
+
+/* example ids from any 1-D integer sequence, as a new C-contiguous int64 array */
+static PyArrayObject *int64_ids(PyObject *obj, const char *what) {
+    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    if (!a) {
+        PyErr_Clear();
+        ft_py_fail(ft_errors.input, "%s must be a 1-D sequence of ints", what);
+        return NULL;
+    }
+    const char kind = PyArray_DESCR(a)->kind;
+    if (PyArray_NDIM(a) != 1 || (PyArray_SIZE(a) && kind != 'i' && kind != 'u')) {
+        PyObject *shape = PyObject_GetAttrString((PyObject *)a, "shape");
+        ft_py_fail(ft_errors.input, "%s must be a 1-D sequence of ints, got shape %S dtype %S", what,
+                   shape ? shape : Py_None, (PyObject *)PyArray_DESCR(a));
+        Py_XDECREF(shape);
+        Py_DECREF(a);
+        return NULL;
+    }
+    PyArrayObject *r = (PyArrayObject *)PyArray_FromAny((PyObject *)a, PyArray_DescrFromType(NPY_INT64), 1, 1,
+                                                        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    Py_DECREF(a);
+    return r;
+}
+
+/* ---- module functions ---------------------------------------------------------------------- */
+
+/* cache_encode(*, src (n, C) float32, codec) -> (values (n, C), scales (n,) float32 | None,
+ *   (max_abs_err, sum_sq_err, sum_sq_ref)) */
+static PyObject *py_cache_encode(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"src", "codec", NULL};
+    PyObject *src_o;
+    int code;
+    if (!ft_py_keywords_only(args, "cache_encode()") || !PyArg_ParseTupleAndKeywords(args, kw, "Oi", kwlist, &src_o, &code))
+        return NULL;
+    ft_dtype codec;
+    PyArrayObject *src;
+    if (!parse_codec(code, &codec) || !(src = ft_py_want_array(src_o, "src", NPY_FLOAT32, 2, 0))) return NULL;
+    npy_intp dims[2] = {PyArray_DIM(src, 0), PyArray_DIM(src, 1)};
+    PyObject *val = PyArray_SimpleNew(2, dims, codec_npy(codec));
+    PyObject *sc = codec == FT_I8 ? PyArray_SimpleNew(1, dims, NPY_FLOAT32) : Py_NewRef(Py_None);
+    if (!val || !sc) { Py_XDECREF(val); Py_XDECREF(sc); return NULL; }
+    ft_codec_error err = {0, 0, 0};
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_cache_encode(PyArray_DATA((PyArrayObject *)val), sc == Py_None ? NULL : PyArray_DATA((PyArrayObject *)sc),
+                         codec, PyArray_DATA(src), dims[0], dims[1], &err);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { Py_DECREF(val); Py_DECREF(sc); return ft_py_raise(st); }
+    return Py_BuildValue("(NN(ddd))", val, sc, err.max_abs_err, err.sum_sq_err, err.sum_sq_ref);
+}
+
+/* crc32c(buffer, crc=0) -> int: any object with the buffer protocol (bytes, ndarray, mmap) */
+static PyObject *py_crc32c(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"data", "crc", NULL};
+    Py_buffer view;
+    unsigned int crc = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*|I", kwlist, &view, &crc)) return NULL;
+    uint32_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = ft_crc32c(crc, view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(r);
+}
+
+/* input_fingerprints(*, tokens (T,) int32, types (T,) int32, offsets (N+1,) int64) -> (N,) uint64 */
+static PyObject *py_input_fingerprints(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"tokens", "types", "offsets", NULL};
+    PyObject *t_o, *y_o, *o_o;
+    if (!ft_py_keywords_only(args, "input_fingerprints()") ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwlist, &t_o, &y_o, &o_o))
+        return NULL;
+    PyArrayObject *tok = ft_py_want_array(t_o, "tokens", NPY_INT32, 1, 0);
+    PyArrayObject *typ = tok ? ft_py_want_array(y_o, "types", NPY_INT32, 1, 0) : NULL;
+    PyArrayObject *off = typ ? ft_py_want_array(o_o, "offsets", NPY_INT64, 1, 0) : NULL;
+    if (!off) return NULL;
+    const npy_intp N = PyArray_DIM(off, 0) - 1, T = PyArray_DIM(tok, 0);
+    const int64_t *o = PyArray_DATA(off);
+    if (N < 0 || PyArray_DIM(typ, 0) != T || o[0] != 0 || o[N] != T)
+        return ft_py_fail(ft_errors.input, "offsets must start at 0 and end at len(tokens) == len(types)");
+    for (npy_intp i = 0; i < N; i++)
+        if (o[i + 1] < o[i]) return ft_py_fail(ft_errors.input, "offsets decrease at %zd", (Py_ssize_t)i);
+    npy_intp dims[1] = {N};
+    PyObject *out = PyArray_SimpleNew(1, dims, NPY_UINT64);
+    if (!out) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ft_input_fingerprints(PyArray_DATA(tok), PyArray_DATA(typ), o, N, PyArray_DATA((PyArrayObject *)out));
+    Py_END_ALLOW_THREADS
+    return out;
+}
+
+/* ---- CacheStore ---------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    ft_cache *c;
+    PyObject *keep;          /* list: the arrays shards point into */
+    PyArrayObject *ids;      /* (N) int64 example ids */
+    int64_t N, C;
+    int all_tokens;
+} CacheStore;
+
+static PyTypeObject *store_type, *reader_type;
+
+static void CacheStore_dealloc(CacheStore *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    ft_cache_free(self->c);   /* no reader is alive: each holds a reference to the store */
+    Py_XDECREF(self->keep);
+    Py_XDECREF(self->ids);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* CacheStore(*, example_ids (N,) int64, tokens (T,) int32, types (T,) int32, offsets (N+1,) int64,
+ *            hidden, codec, all_tokens, layer, pooling, recompute_batch) */
+static int CacheStore_init(CacheStore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"example_ids", "tokens", "types", "offsets", "hidden", "codec", "all_tokens", "layer",
+                             "pooling", "recompute_batch", NULL};
+    PyObject *ids_o, *tok_o, *typ_o, *off_o;
+    long long hidden, layer, rb;
+    int code, all_tokens, pooling;
+    if (self->c) { ft_py_fail(ft_errors.base, "CacheStore is already initialised"); return -1; }
+    if (!ft_py_keywords_only(args, "CacheStore()") ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOOOLipLiL", kwlist, &ids_o, &tok_o, &typ_o, &off_o, &hidden, &code,
+                                     &all_tokens, &layer, &pooling, &rb))
+        return -1;
+    ft_dtype codec;
+    if (!parse_codec(code, &codec)) return -1;
+    PyArrayObject *ids = ft_py_want_array(ids_o, "example_ids", NPY_INT64, 1, 0);
+    PyArrayObject *tok = ids ? ft_py_want_array(tok_o, "tokens", NPY_INT32, 1, 0) : NULL;
+    PyArrayObject *typ = tok ? ft_py_want_array(typ_o, "types", NPY_INT32, 1, 0) : NULL;
+    PyArrayObject *off = typ ? ft_py_want_array(off_o, "offsets", NPY_INT64, 1, 0) : NULL;
+    if (!off) return -1;
+    const npy_intp N = PyArray_DIM(ids, 0), T = PyArray_DIM(tok, 0);
+    if (PyArray_DIM(off, 0) != N + 1 || PyArray_DIM(typ, 0) != T || ((int64_t *)PyArray_DATA(off))[N] != T) {
+        ft_py_fail(ft_errors.input, "offsets must have N + 1 = %zd entries ending at len(tokens) == len(types)",
+                   (Py_ssize_t)N + 1);
+        return -1;
+    }
+    if (pooling < FT_POOL_NONE || pooling > FT_POOL_MEAN) {
+        ft_py_fail(ft_errors.input, "pooling code %d is not one of _C.POOLINGS", pooling);
+        return -1;
+    }
+    const ft_cache_config cfg = {N, hidden, codec, all_tokens, PyArray_DATA(ids), PyArray_DATA(tok), PyArray_DATA(typ),
+                                 PyArray_DATA(off), layer, (ft_pooling)pooling, rb};
+    ft_status st;
+    ft_cache *c = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_cache_create(&cfg, &c);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { ft_py_raise(st); return -1; }
+    self->keep = PyList_New(0);
+    self->ids = (PyArrayObject *)PyArray_NewCopy(ids, NPY_CORDER);
+    if (!self->keep || !self->ids) { ft_cache_free(c); return -1; }
+    self->c = c;
+    self->N = N;
+    self->C = hidden;
+    self->all_tokens = all_tokens;
+    return 0;
+}
+
+static int store_ready(CacheStore *self) {
+    if (self->c) return 1;
+    ft_py_fail(ft_errors.base, "CacheStore is not initialised");
+    return 0;
+}
+
+/* add_shard(*, name, examples (n,) int64, values (rows, C), scales (rows,) float32 | None,
+ *           file (bytes,) uint8 | None, crc32c=0): the arrays are kept alive by the store. A
+ *           shard with `file` is checked against crc32c before its first read. */
+static PyObject *CacheStore_add_shard(CacheStore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"name", "examples", "values", "scales", "file", "crc32c", NULL};
+    const char *name;
+    PyObject *ex_o, *val_o, *sc_o = Py_None, *file_o = Py_None;
+    unsigned int crc = 0;
+    if (!store_ready(self) || !ft_py_keywords_only(args, "add_shard()") ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "sOO|OOI", kwlist, &name, &ex_o, &val_o, &sc_o, &file_o, &crc))
+        return NULL;
+    const ft_dtype codec = ft_cache_codec_of(self->c);
+    PyArrayObject *ex = ft_py_want_array(ex_o, "examples", NPY_INT64, 1, 0);
+    PyArrayObject *val = ex ? ft_py_want_array(val_o, "values", codec_npy(codec), 2, 0) : NULL;
+    if (!val) return NULL;
+    const npy_intp rows = PyArray_DIM(val, 0);
+    if (PyArray_DIM(val, 1) != self->C)
+        return ft_py_fail(ft_errors.input, "%s: values are %zd wide, the cache %lld", name, (Py_ssize_t)PyArray_DIM(val, 1),
+                          (long long)self->C);
+    PyArrayObject *sc = NULL, *file = NULL;
+    if (codec == FT_I8) {
+        if (!(sc = ft_py_want_array(sc_o, "scales", NPY_FLOAT32, 1, 0))) return NULL;
+        if (PyArray_DIM(sc, 0) != rows) return ft_py_fail(ft_errors.input, "%s: scales needs %zd entries", name, (Py_ssize_t)rows);
+    } else if (sc_o != Py_None) {
+        return ft_py_fail(ft_errors.input, "%s: only int8 caches have scales", name);
+    }
+    if (file_o != Py_None && !(file = ft_py_want_array(file_o, "file", NPY_UINT8, 1, 0))) return NULL;
+    const ft_cache_shard s = {name, PyArray_DATA(ex), PyArray_DIM(ex, 0), PyArray_DATA(val),
+                              sc ? PyArray_DATA(sc) : NULL, rows, file ? PyArray_DATA(file) : NULL,
+                              file ? (size_t)PyArray_DIM(file, 0) : 0, crc};
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS   /* waits for reads in flight */
+    st = ft_cache_add_shard(self->c, &s);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    if (PyList_Append(self->keep, (PyObject *)val) < 0 || (sc && PyList_Append(self->keep, (PyObject *)sc) < 0) ||
+        (file && PyList_Append(self->keep, (PyObject *)file) < 0))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* index_of(example_ids) -> (n,) int64 positions */
+static PyObject *CacheStore_index_of(CacheStore *self, PyObject *arg) {
+    if (!store_ready(self)) return NULL;
+    PyArrayObject *ids = int64_ids(arg, "example_ids");
+    if (!ids) return NULL;
+    PyObject *out = PyArray_SimpleNew(1, PyArray_DIMS(ids), NPY_INT64);
+    if (out) {
+        ft_status st = ft_cache_lookup(self->c, PyArray_DATA(ids), PyArray_DIM(ids, 0), PyArray_DATA((PyArrayObject *)out));
+        if (st != FT_OK) {
+            Py_CLEAR(out);
+            ft_py_raise(st);
+        }
+    }
+    Py_DECREF(ids);
+    return out;
+}
+
+static PyObject *CacheStore_counters(CacheStore *self, PyObject *unused) {
+    (void)unused;
+    if (!store_ready(self)) return NULL;
+    int64_t hits, misses;
+    ft_cache_counters(self->c, &hits, &misses);
+    return Py_BuildValue("(LL)", (long long)hits, (long long)misses);
+}
+
+/* The batch as the cache API returns it, around `values` (a new reference, stolen):
+ *   pooled -> values (n, C); padded -> (values (n, T, C), mask (n, T) int64);
+ *   ragged -> (values (rows, C), offsets (n + 1) int64). With device, values become a
+ *   fasttran.Tensor viewing the same memory. */
+static PyObject *finish_batch(CacheStore *st, PyObject *values, const int64_t *index, int64_t n, int64_t T, int ragged,
+                              int device) {
+    if (device) {
+        PyArrayObject *a = (PyArrayObject *)values;
+        int64_t shape[3];
+        for (int d = 0; d < PyArray_NDIM(a); d++) shape[d] = PyArray_DIM(a, d);
+        PyObject *t = ft_py_tensor_new(PyArray_DATA(a), PyArray_NDIM(a), shape, NULL, FT_F32,
+                                       (ft_device){FT_DEVICE_CPU, 0}, 0, values, NULL, NULL);
+        Py_DECREF(values);
+        if (!t) return NULL;
+        values = t;
+    }
+    if (!st->all_tokens) return values;
+    PyObject *aux;
+    if (ragged) {
+        npy_intp d[1] = {n + 1};
+        aux = PyArray_SimpleNew(1, d, NPY_INT64);
+        if (aux) {
+            int64_t *o = PyArray_DATA((PyArrayObject *)aux);
+            o[0] = 0;
+            for (int64_t p = 0; p < n; p++) o[p + 1] = o[p] + ft_cache_example_rows(st->c, index[p]);
+        }
+    } else {
+        npy_intp d[2] = {n, T};
+        aux = PyArray_SimpleNew(2, d, NPY_INT64);
+        if (aux) {
+            int64_t *m = PyArray_DATA((PyArrayObject *)aux);
+            for (int64_t p = 0; p < n; p++) {
+                const int64_t l = ft_cache_example_rows(st->c, index[p]);
+                for (int64_t t = 0; t < T; t++) m[p * T + t] = t < l;
+            }
+        }
+    }
+    if (!aux) { Py_DECREF(values); return NULL; }
+    return Py_BuildValue("(NN)", values, aux);
+}
+
+/* the values array's shape for a batch */
+static int batch_dims(CacheStore *st, const ft_cache_batch_info *info, int64_t n, int ragged, npy_intp *dims) {
+    if (!st->all_tokens || ragged) {
+        dims[0] = st->all_tokens ? info->rows : n;
+        dims[1] = st->C;
+        return 2;
+    }
+    dims[0] = n;
+    dims[1] = info->T;
+    dims[2] = st->C;
+    return 3;
+}
+
+/* read(*, example_ids, ragged=False, out=None, encoder=None, device=False, threads=0) -> batch.
+ * out: a writeable C-contiguous float32 array with room for the batch; the values are written at
+ * its start and returned as a view of it. encoder: the EncoderCore that computes uncached
+ * examples. threads: 0 = all of fasttran's threads. */
+static PyObject *CacheStore_read(CacheStore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"example_ids", "ragged", "out", "encoder", "device", "threads", NULL};
+    PyObject *ids_o, *out_o = Py_None, *enc_o = Py_None;
+    int ragged = 0, device = 0, threads = 0;
+    if (!store_ready(self) || !ft_py_keywords_only(args, "read()") ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "O|pOOpi", kwlist, &ids_o, &ragged, &out_o, &enc_o, &device, &threads))
+        return NULL;
+    ft_encoder *enc = NULL;
+    if (enc_o != Py_None && !(enc = ft_py_encoder_from(enc_o))) return NULL;
+    PyArrayObject *ids = int64_ids(ids_o, "example_ids");
+    if (!ids) return NULL;
+    const int64_t n = PyArray_DIM(ids, 0);
+    const ft_cache_layout layout = ragged ? FT_CACHE_RAGGED : FT_CACHE_PADDED;
+    PyObject *idx_o = PyArray_SimpleNew(1, PyArray_DIMS(ids), NPY_INT64), *values = NULL, *result = NULL;
+    if (!idx_o) goto done;
+    const int64_t *idx = PyArray_DATA((PyArrayObject *)idx_o);
+    ft_cache_batch_info info;
+    ft_status st = ft_cache_lookup(self->c, PyArray_DATA(ids), n, (int64_t *)idx);
+    if (st == FT_OK) st = ft_cache_batch_info_get(self->c, idx, n, layout, enc, &info);
+    if (st != FT_OK) { ft_py_raise(st); goto done; }
+    npy_intp dims[3];
+    const int nd = batch_dims(self, &info, n, ragged, dims);
+    if (out_o == Py_None) {
+        values = PyArray_SimpleNew(nd, dims, NPY_FLOAT32);
+    } else {
+        PyArrayObject *out = (PyArrayObject *)out_o;
+        if (!PyArray_Check(out_o) || PyArray_TYPE(out) != NPY_FLOAT32 || !PyArray_IS_C_CONTIGUOUS(out) ||
+            !PyArray_ISALIGNED(out) || !PyArray_ISWRITEABLE(out)) {
+            ft_py_fail(ft_errors.input_type, "out must be a writeable C-contiguous float32 NumPy array");
+            goto done;
+        }
+        if (PyArray_SIZE(out) < info.rows * self->C) {
+            ft_py_fail(ft_errors.input, "out has room for %zd floats, the batch needs %lld", (Py_ssize_t)PyArray_SIZE(out),
+                       (long long)(info.rows * self->C));
+            goto done;
+        }
+        Py_INCREF(PyArray_DESCR(out));
+        values = PyArray_NewFromDescr(&PyArray_Type, PyArray_DESCR(out), nd, dims, NULL, PyArray_DATA(out),
+                                      NPY_ARRAY_CARRAY, NULL);
+        if (values && PyArray_SetBaseObject((PyArrayObject *)values, Py_NewRef(out_o)) < 0) Py_CLEAR(values);
+    }
+    if (!values) goto done;
+    {
+        ft_py_cancel cs;
+        ft_py_cancel_begin(&cs);
+        const int prof = ft_profile_begin();   /* a synchronous cache read in the profiler's breakdown */
+        const uint64_t t0 = prof ? ft_profile_now() : 0;
+        st = ft_cache_read(self->c, idx, n, layout, PyArray_DATA((PyArrayObject *)values), (ft_device){FT_DEVICE_CPU, 0},
+                           (size_t)(info.rows * self->C), enc, threads, ft_py_cancel_check, &cs);
+        if (prof) ft_profile_end(FT_PE_cache_gather, t0);
+        ft_py_cancel_end(&cs);
+        if (st != FT_OK) { ft_py_raise_cache(st); goto done; }
+    }
+    result = finish_batch(self, values, idx, n, info.T, ragged, device);
+    values = NULL;
+done:
+    Py_XDECREF(values);
+    Py_XDECREF(idx_o);
+    Py_DECREF(ids);
+    return result;
+}
+
+/* ---- CacheReader ----------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    ft_cache_reader *r;
+    CacheStore *store;
+    PyObject *encoder;
+    Py_ssize_t steps;
+    int ragged, device;
+    int busy;            /* a thread is inside next() with the GIL released (the ring has one consumer) */
+    int close_asked;     /* close() came meanwhile: that thread closes when it returns */
+} CacheReader;
+
+static void reader_close(CacheReader *self) {
+    if (!self->r) return;
+    if (self->busy) {    /* another thread waits in next(): stop the producer, let it close */
+        self->close_asked = 1;
+        ft_cache_reader_stop(self->r);
+        return;
+    }
+    ft_cache_reader *r = self->r;
+    self->r = NULL;
+    Py_BEGIN_ALLOW_THREADS   /* joins the thread: a recompute in flight stops between layers */
+    ft_cache_reader_close(r);
+    Py_END_ALLOW_THREADS
+}
+
+static void CacheReader_dealloc(CacheReader *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    reader_close(self);
+    Py_XDECREF(self->store);
+    Py_XDECREF(self->encoder);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static void release_batch_capsule(PyObject *cap) {
+    ft_cache_batch_release(PyCapsule_GetPointer(cap, "fasttran.cache_batch"));
+}
+
+/* next() -> (example_ids (n,) int64, batch as read() returns it) */
+static PyObject *CacheReader_next(CacheReader *self) {
+    ft_cache_batch *b = NULL;
+    if (self->busy) return ft_py_fail(ft_errors.input, "this cache reader is being iterated by another thread");
+    for (;;) {
+        if (!self->r) return NULL;
+        int timed_out;
+        ft_status st;
+        self->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        st = ft_cache_reader_next(self->r, 100, &b, &timed_out);
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
+        if (self->close_asked) {   /* closed meanwhile by another thread: the iteration just ends */
+            if (b) ft_cache_batch_release(b);
+            ft_clear_error();
+            reader_close(self);
+            return NULL;
+        }
+        if (st != FT_OK) return ft_py_raise_cache(st);
+        if (!timed_out) break;
+        if (PyErr_CheckSignals() < 0) return NULL;   /* Ctrl-C while waiting */
+    }
+    if (!b) return NULL;   /* end of the epoch: StopIteration */
+    PyObject *cap = PyCapsule_New(b, "fasttran.cache_batch", release_batch_capsule);
+    if (!cap) { ft_cache_batch_release(b); return NULL; }
+    CacheStore *st = self->store;
+    const ft_cache_batch_info info = {b->rows, b->T, 0};
+    npy_intp dims[3];
+    const int nd = batch_dims(st, &info, b->n, self->ragged, dims);
+    PyObject *values = PyArray_SimpleNewFromData(nd, dims, NPY_FLOAT32, b->values);
+    if (!values || PyArray_SetBaseObject((PyArrayObject *)values, cap) < 0) {   /* steals cap */
+        if (!values) Py_DECREF(cap);
+        Py_XDECREF(values);
+        return NULL;
+    }
+    npy_intp nd1[1] = {b->n};
+    PyObject *ids = PyArray_SimpleNew(1, nd1, NPY_INT64);
+    if (!ids) { Py_DECREF(values); return NULL; }
+    const int64_t *all = PyArray_DATA(st->ids);
+    int64_t *o = PyArray_DATA((PyArrayObject *)ids);
+    for (int64_t k = 0; k < b->n; k++) o[k] = all[b->index[k]];
+    PyObject *batch = finish_batch(st, values, b->index, b->n, b->T, self->ragged, self->device);
+    if (!batch) { Py_DECREF(ids); return NULL; }
+    return Py_BuildValue("(NN)", ids, batch);
+}
+
+static PyObject *CacheReader_close(CacheReader *self, PyObject *unused) {
+    (void)unused;
+    reader_close(self);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t CacheReader_len(CacheReader *self) { return self->steps; }
+
+static PyObject *CacheReader_enter(PyObject *self, PyObject *unused) {
+    (void)unused;
+    return Py_NewRef(self);
+}
+
+static PyObject *CacheReader_exit(CacheReader *self, PyObject *args) {
+    (void)args;
+    reader_close(self);
+    Py_RETURN_NONE;
+}
+
+/* reader(*, order (n,) int64 example positions, batch_size, ragged=False, depth=2, encoder=None,
+ *        device=False, threads=1) -> CacheReader: one epoch, read on a C thread */
+static PyObject *CacheStore_reader(CacheStore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"order", "batch_size", "ragged", "depth", "encoder", "device", "threads", NULL};
+    PyObject *order_o, *enc_o = Py_None;
+    long long bs;
+    int ragged = 0, depth = 2, device = 0, threads = 1;
+    if (!store_ready(self) || !ft_py_keywords_only(args, "reader()") ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "OL|piOpi", kwlist, &order_o, &bs, &ragged, &depth, &enc_o, &device,
+                                     &threads))
+        return NULL;
+    ft_encoder *enc = NULL;
+    if (enc_o != Py_None && !(enc = ft_py_encoder_from(enc_o))) return NULL;
+    PyArrayObject *order = ft_py_want_array(order_o, "order", NPY_INT64, 1, 0);
+    if (!order) return NULL;
+    if (bs < 1 || depth < 1) return ft_py_fail(ft_errors.input, "batch_size and depth must be >= 1, got %lld and %d", bs, depth);
+    CacheReader *rd = PyObject_New(CacheReader, reader_type);
+    if (!rd) return NULL;
+    rd->r = NULL;
+    rd->store = (CacheStore *)Py_NewRef(self);
+    rd->encoder = enc ? Py_NewRef(enc_o) : NULL;
+    rd->steps = (Py_ssize_t)((PyArray_DIM(order, 0) + bs - 1) / bs);
+    rd->ragged = ragged;
+    rd->device = device;
+    rd->busy = rd->close_asked = 0;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_cache_reader_start(self->c, PyArray_DATA(order), PyArray_DIM(order, 0), bs,
+                               ragged ? FT_CACHE_RAGGED : FT_CACHE_PADDED, depth, enc, threads, &rd->r);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { Py_DECREF(rd); return ft_py_raise(st); }
+    return (PyObject *)rd;
+}
+
+static PyMethodDef CacheStore_methods[] = {
+    {"add_shard", (PyCFunction)(void (*)(void))CacheStore_add_shard, METH_VARARGS | METH_KEYWORDS,
+     "add_shard(*, name, examples, values, scales=None, file=None, crc32c=0): register a shard's rows."},
+    {"index_of", (PyCFunction)CacheStore_index_of, METH_O, "index_of(example_ids) -> positions (int64)."},
+    {"read", (PyCFunction)(void (*)(void))CacheStore_read, METH_VARARGS | METH_KEYWORDS,
+     "read(*, example_ids, ragged=False, out=None, encoder=None, device=False, threads=0) -> one batch."},
+    {"reader", (PyCFunction)(void (*)(void))CacheStore_reader, METH_VARARGS | METH_KEYWORDS,
+     "reader(*, order, batch_size, ragged=False, depth=2, encoder=None, device=False, threads=1) -> CacheReader."},
+    {"counters", (PyCFunction)CacheStore_counters, METH_NOARGS, "(hits, misses) so far."},
+    {NULL, NULL, 0, NULL}};
+
+static PyType_Slot CacheStore_slots[] = {
+    {Py_tp_dealloc, CacheStore_dealloc},
+    {Py_tp_init, CacheStore_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_methods, CacheStore_methods},
+    {Py_tp_doc, "The read side of an ActivationCache (csrc/cache/store.c)."},
+    {0, NULL}};
+
+static PyType_Spec CacheStore_spec = {"fasttran._C.CacheStore", sizeof(CacheStore), 0, Py_TPFLAGS_DEFAULT,
+                                      CacheStore_slots};
+
+static PyMethodDef CacheReader_methods[] = {
+    {"close", (PyCFunction)CacheReader_close, METH_NOARGS, "Stop the reader thread and wait for it."},
+    {"__enter__", CacheReader_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)CacheReader_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL}};
+
+static PyType_Slot CacheReader_slots[] = {
+    {Py_tp_dealloc, CacheReader_dealloc},
+    {Py_tp_iter, PyObject_SelfIter},
+    {Py_tp_iternext, CacheReader_next},
+    {Py_tp_methods, CacheReader_methods},
+    {Py_sq_length, CacheReader_len},
+    {Py_tp_doc, "One epoch of cache batches, read ahead on a C thread: yields (example_ids, batch)."},
+    {0, NULL}};
+
+static PyType_Spec CacheReader_spec = {"fasttran._C.CacheReader", sizeof(CacheReader), 0,
+                                       Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, CacheReader_slots};
+
+static PyMethodDef cache_methods[] = {
+    {"cache_encode", (PyCFunction)(void (*)(void))py_cache_encode, METH_VARARGS | METH_KEYWORDS,
+     "cache_encode(*, src, codec) -> (values, scales | None, (max_abs_err, sum_sq_err, sum_sq_ref))."},
+    {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS, "crc32c(data, crc=0): CRC-32C of a buffer."},
+    {"input_fingerprints", (PyCFunction)(void (*)(void))py_input_fingerprints, METH_VARARGS | METH_KEYWORDS,
+     "input_fingerprints(*, tokens, types, offsets) -> (N,) uint64 per-example input fingerprints."},
+    {NULL, NULL, 0, NULL}};
+
+static int add_type(PyObject *m, PyType_Spec *spec, const char *name, PyTypeObject **slot) {
+    PyObject *tp = PyType_FromModuleAndSpec(m, spec, NULL);
+    if (!tp) return -1;
+    int r = PyModule_AddObjectRef(m, name, tp);
+    if (r == 0) *slot = (PyTypeObject *)tp;   /* the module holds the reference */
+    Py_DECREF(tp);
+    return r;
+}
+
+int ft_py_add_cache_functions(PyObject *m) {
+    if (add_type(m, &CacheStore_spec, "CacheStore", &store_type) < 0 ||
+        add_type(m, &CacheReader_spec, "CacheReader", &reader_type) < 0)
+        return -1;
+    return PyModule_AddFunctions(m, cache_methods);
+}
