@@ -59,6 +59,12 @@ def default_lr(optimizer, head="classification"):
     return DEFAULT_LR[key]
 
 
+#: Top-layer fine-tuning (train_layers > 0): one learning rate for the layers and the head, the
+#: rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py measures them).
+DEFAULT_TOPK_LR = {"adamw": 5e-5, "lamb": 2e-3}
+_TEMPO = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout")
+
+
 class TrainingInterrupted(Exception):
     pass
 
@@ -95,7 +101,8 @@ class Trainer:
 
     def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
                  warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
-                 eps=1e-6, dropout=None, num_labels=None, show_progress=None):
+                 eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
+                 tempo=None):
         if isinstance(head, str):
             if head not in _HEADS:
                 raise InputError(f"unknown head {head!r}; choose one of {sorted(_HEADS)} or pass a head object")
@@ -103,8 +110,20 @@ class Trainer:
             raise InputTypeError(f"head must be a head object or a name, got {type(head).__name__}")
         if not isinstance(optimizer, str) or optimizer.lower() not in ("lamb", "adamw"):
             raise InputError(f"unknown optimizer {optimizer!r}; choose 'lamb' or 'adamw'")
+        if isinstance(train_layers, bool) or not isinstance(train_layers, (int, np.integer)) or train_layers < 0:
+            raise InputError(f"train_layers must be an int >= 0 (how many of the top encoder layers to train), "
+                             f"got {train_layers!r}")
+        if train_layers and head == "qa":
+            raise UnsupportedError("train_layers with a QA head is not available yet: train a QA head on frozen "
+                                   "features (train_layers=0)")
+        if pooling not in ("mean", "cls"):
+            raise InputError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        tempo = dict(tempo or {})
+        unknown = set(tempo) - set(_TEMPO)
+        if unknown:
+            raise InputError(f"unknown tempo option(s) {sorted(unknown)}; known: {list(_TEMPO)}")
         if lr is None:
-            lr = default_lr(optimizer, head)
+            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else default_lr(optimizer, head)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
             raise InputError(f"lr must be a finite number > 0 (or None for the default), got {lr!r}")
         if schedule not in SCHEDULES:
@@ -131,6 +150,10 @@ class Trainer:
         self.max_grad_norm, self.betas, self.eps = max_grad_norm, tuple(betas), float(eps)
         self.dropout, self.num_labels = dropout, num_labels
         self.show_progress = True if show_progress is None else bool(show_progress)
+        self.train_layers, self.pooling, self.tempo = int(train_layers), pooling, tempo
+        self.top = None              # TopLayers: the trained encoder layers (train_layers > 0)
+        self._pending = None         # layer weights and optimizer state loaded before the layers exist
+        self._encoder = None         # the encoder they come from (the cache's)
         self.optimizer = None
         self.history = []            # one dict per finished epoch (train_loss, seconds, eval_* ...)
         self.loss_curve = []         # (step, loss) of every step of this process's fit() calls
@@ -157,21 +180,82 @@ class Trainer:
             self.head = ClassificationHead(cache.hidden, max(2, k), dropout=0.1 if self.dropout is None else self.dropout,
                                            seed=self.seed, **_HEADS[self._head_name])
 
+    def _make_top(self, cache):
+        """The trained top layers, from the cache's encoder (train_layers > 0)."""
+        if not self.train_layers or self.top is not None:
+            return
+        from .finetune import TopLayers
+        self._encoder = cache.encoder
+        self.top = TopLayers(cache.encoder, self.train_layers, device="cpu", **self.tempo)
+        self._restore_pending()
+
+    def _restore_pending(self):
+        """A checkpoint's layer weights and optimizer state, into layers that exist now."""
+        if self._pending is not None and self.top is not None:
+            layers, opt = self._pending
+            self._pending = None
+            for name, view in self.top.named_parameters():
+                if name not in layers or layers[name].shape != view.shape:
+                    raise CheckpointError(f"the checkpoint's trained layers do not match this encoder ({name})")
+                view[...] = layers[name]
+            if opt is not None:
+                self.optimizer = None
+                self._make_optimizer()
+                load_flat_state(self.optimizer, *opt)
+
+    def _named_parameters(self):
+        return (self.top.named_parameters() if self.top is not None else []) + list(self.head.named_parameters())
+
     def _make_optimizer(self):
         if self.optimizer is None:
-            self.optimizer = make_optimizer(self.optimizer_name, self.head.named_parameters(), lr=self.lr,
+            self.optimizer = make_optimizer(self.optimizer_name, self._named_parameters(), lr=self.lr,
                                             betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                             max_grad_norm=self.max_grad_norm)
 
     def _check_source(self, cache, what="features"):
         if not isinstance(cache, ActivationCache):
             raise _not_a_cache(cache, what)
+        if self.train_layers:
+            return self._check_topk_source(cache, what)
         want = "all" if self.task == "qa" else ("cls", "mean")
         if (cache.positions == "all") != (self.task == "qa"):
             raise InputError(f"a {self.task} head needs a cache with positions={want!r}, this one has "
                              f"positions={cache.positions!r}")
         if self.head is not None and cache.hidden != self.head.hidden_size:
             raise InputError(f"the cache holds width {cache.hidden}, the head expects {self.head.hidden_size}")
+
+    def _check_topk_source(self, cache, what):
+        """Top-layer training reads every token's state at layer L - k, computed by the encoder
+        whose top layers it trains."""
+        enc = cache.encoder if self.top is None else self._encoder
+        if enc is None:
+            raise InputError(f"{what}: training the top {self.train_layers} layers needs the cache's encoder: open "
+                             "the cache with ActivationCache.open(path, encoder=...)")
+        L = enc.num_layers
+        if self.train_layers > L:
+            raise InputError(f"train_layers={self.train_layers} but the encoder has {L} layers")
+        if cache.positions != "all" or cache.layer != L - self.train_layers:
+            raise InputError(
+                f"{what}: training the top {self.train_layers} layers needs every token's state at layer "
+                f"{L - self.train_layers} (positions='all'); this cache holds positions={cache.positions!r} at layer "
+                f"{cache.layer}. Build it with trainer.cache_for(encoder, input_ids, attention_mask, token_type_ids)")
+        if cache.encoder is not None and self._encoder is not None and cache.encoder is not self._encoder:
+            from .cache.layout import model_fingerprint
+            if model_fingerprint(cache.encoder) != model_fingerprint(self._encoder):
+                raise CacheMismatchError(f"{what} comes from another encoder than the layers being trained")
+        if self.head is not None and cache.hidden != self.head.hidden_size:
+            raise InputError(f"the cache holds width {cache.hidden}, the head expects {self.head.hidden_size}")
+
+    def cache_for(self, encoder, input_ids, attention_mask=None, token_type_ids=None, **cache_kwargs):
+        """The ActivationCache top-layer training reads: every real token's state at layer
+        L - train_layers (positions='all'), built once, or reused from `disk_dir` when it holds it."""
+        if not self.train_layers:
+            raise InputError("cache_for() is for train_layers > 0; frozen-encoder heads take pooled features")
+        L = encoder.num_layers
+        if self.train_layers > L:
+            raise InputError(f"train_layers={self.train_layers} but the encoder has {L} layers")
+        return ActivationCache.build(encoder, input_ids, attention_mask, token_type_ids,
+                                     layer=L - self.train_layers, positions="all", **cache_kwargs)
 
     @staticmethod
     def _describe(features):
@@ -260,6 +344,30 @@ class Trainer:
         out[:, :w] = m[:, :w]
         return out
 
+    def _top_batch(self, cache, idx, batch):
+        """A ragged batch (rows (N, C), offsets (B + 1)) with the NaN check."""
+        x, offsets = batch
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if not np.isfinite(x).all():
+            bad = np.searchsorted(offsets, np.flatnonzero(~np.isfinite(x).all(1))[0], side="right") - 1
+            raise InputError(f"features of example {int(cache.example_ids[idx[bad]])} contain NaN or Inf")
+        return x, np.asarray(offsets, np.int64)
+
+    def _pool(self, out, offsets):
+        """(B, C) from the top layer's rows: mean over each example's tokens, or its first ([CLS])."""
+        if self.pooling == "cls":
+            return np.ascontiguousarray(out[offsets[:-1]])
+        n = np.diff(offsets).astype(np.float32)[:, None]
+        return np.ascontiguousarray(np.add.reduceat(out, offsets[:-1], axis=0) / n, dtype=np.float32)
+
+    def _pool_backward(self, dpooled, offsets):
+        n = np.diff(offsets)
+        if self.pooling == "cls":
+            d = np.zeros((int(offsets[-1]), dpooled.shape[1]), np.float32)
+            d[offsets[:-1]] = dpooled
+            return d
+        return np.repeat(dpooled / n[:, None].astype(np.float32), n, axis=0)
+
     def _batch(self, cache, ids, idx, batch):
         """Features of a batch as the head wants them, with the NaN check."""
         if self.task == "qa":
@@ -278,6 +386,7 @@ class Trainer:
         self._check_source(cache)
         if self.task != "qa":
             self._labels_array(targets)
+        self._make_top(cache)
         self._make_head(cache, targets if self.task != "qa" else None)
         self._check_source(cache)
         return self._check_targets(cache, targets)
@@ -290,16 +399,27 @@ class Trainer:
         total = steps_per_epoch * self.epochs
         warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
         grads = np.zeros_like(self.head.params)
-        return steps_per_epoch, total, warm, grads, list(self.head.views(grads).values())
+        gviews = list(self.head.views(grads).values())
+        if self.top is not None:
+            gviews = [g for _, g in self.top.named_gradients()] + gviews
+        return steps_per_epoch, total, warm, grads, gviews
 
     def _step(self, cache, y, ids, batch, grads, gviews, total, warm):
         """One training step on a gathered batch: head forward + backward in C, NaN check, one
         fused optimizer step. Returns (batch size, loss, correct predictions or 0)."""
         idx = cache.index_of(ids)
-        x, valid = self._batch(cache, ids, idx, batch)
         yb = y[:, idx] if self.task == "qa" else y[idx]
         correct = 0
-        if self.task == "qa":
+        if self.top is not None:
+            x, offsets = self._top_batch(cache, idx, batch)
+            out = self.top.forward(x, np.diff(offsets), training=True, seed=self.seed, step=self.global_step)
+            dpooled = np.empty((len(idx), self.head.hidden_size), np.float32)
+            logits, loss = self.head.step(self._pool(out, offsets), yb, grads=grads, dx=dpooled, training=True,
+                                          seed=self.seed, step=self.global_step)
+            correct = int((logits.argmax(1) == yb).sum())
+            if math.isfinite(loss):
+                self.top.backward(self._pool_backward(dpooled, offsets))
+        elif self.task == "qa":
             logits, loss = self.head.step(x, valid, yb, grads=grads, training=True, seed=self.seed, step=self.global_step)
         else:
             logits, loss = self.head.step(x, yb, grads=grads, training=True, seed=self.seed, step=self.global_step)
@@ -359,7 +479,8 @@ class Trainer:
             for epoch in range(first_epoch, self.epochs):
                 t0 = time.perf_counter()
                 start = first_batch if epoch == first_epoch else 0
-                it = cache.batches(self.batch_size, shuffle=True, seed=_epoch_seed(self.seed, epoch), start=start)
+                it = cache.batches(self.batch_size, shuffle=True, seed=_epoch_seed(self.seed, epoch), start=start,
+                                   ragged=self.top is not None)
                 stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 bar = stack.enter_context(progress(total=steps_per_epoch, initial=start, unit="step",
                                                    desc=f"epoch {epoch + 1}/{self.epochs}",
@@ -432,8 +553,14 @@ class Trainer:
         # a bar appears when the pass is slow (an uncached source runs the encoder)
         with progress(total=steps, desc="evaluate", unit="batch", leave=False, delay=1.0,
                       disable=not self.show_progress) as bar:
-            for ids, batch in cache.batches(batch_size, shuffle=False):
+            for ids, batch in cache.batches(batch_size, shuffle=False, ragged=self.top is not None):
                 idx = cache.index_of(ids)
+                if self.top is not None:
+                    x, offsets = self._top_batch(cache, idx, batch)
+                    out = self.top.forward(x, np.diff(offsets), training=False)
+                    outs.append(self.head.step(self._pool(out, offsets))[0])
+                    bar.update(1)
+                    continue
                 x, valid = self._batch(cache, ids, idx, batch)
                 if self.task == "qa":
                     lg, _ = self.head.step(x, valid)
@@ -592,7 +719,8 @@ class Trainer:
         return {"optimizer": self.optimizer_name, "lr": self.lr, "weight_decay": self.weight_decay,
                 "schedule": self.schedule, "warmup": self.warmup, "epochs": self.epochs,
                 "batch_size": self.batch_size, "seed": self.seed, "device": self.device,
-                "max_grad_norm": self.max_grad_norm, "betas": list(self.betas), "eps": self.eps}
+                "max_grad_norm": self.max_grad_norm, "betas": list(self.betas), "eps": self.eps,
+                "train_layers": self.train_layers, "pooling": self.pooling, "tempo": self.tempo}
 
     def save(self, path):
         """Write head weights and optimizer state (safetensors) and the trainer state (JSON),
@@ -602,6 +730,10 @@ class Trainer:
         os.makedirs(path, exist_ok=True)
         files = {"head.safetensors": write_safetensors(os.path.join(path, "head.safetensors"),
                                                        self.head.state_dict(), {"format": "fasttran-head"})}
+        if self.top is not None:
+            files["layers.safetensors"] = write_safetensors(
+                os.path.join(path, "layers.safetensors"), {n: np.array(v) for n, v in self.top.named_parameters()},
+                {"format": "fasttran-layers"})
         opt = None
         if self.optimizer is not None:
             opt, m, v = flat_state(self.optimizer)
@@ -642,11 +774,19 @@ class Trainer:
             raise CheckpointError(f"the checkpoint's head {state['head']} differs from this trainer's {self.head.config()}")
         self.head = self.head or head
         self.head.load_state_dict(head_t)
-        self.optimizer = None
-        self._make_optimizer()
+        opt = None
         if state.get("optimizer_state"):
             opt_t = read_safetensors(os.path.join(path, "optimizer.safetensors"), files["optimizer.safetensors"])
-            load_flat_state(self.optimizer, state["optimizer_state"], opt_t["exp_avg"], opt_t["exp_avg_sq"])
+            opt = (state["optimizer_state"], opt_t["exp_avg"], opt_t["exp_avg_sq"])
+        self.optimizer = None
+        if "layers.safetensors" in files:   # the trained layers: restored when they exist (_make_top)
+            layers = read_safetensors(os.path.join(path, "layers.safetensors"), files["layers.safetensors"])
+            self._pending = (layers, opt)
+            self._restore_pending()
+        else:
+            self._make_optimizer()
+            if opt is not None:
+                load_flat_state(self.optimizer, *opt)
         self.global_step = int(state["global_step"])
         self._pos = tuple(state["position"])
         self.history = state["history"]
@@ -659,6 +799,44 @@ class Trainer:
         self = cls(_Head.from_config(state["head"]), **dict(state["config"], **overrides))
         self._load_into(path, state)
         return self
+
+    def export(self, path):
+        """Write the fine-tuned encoder -- its frozen layers and the trained top layers -- in the
+        Hugging Face layout (config.json, model.safetensors, and the tokenizer files of the encoder's
+        checkpoint), loadable by Encoder.from_pretrained and transformers' BertModel; the head goes
+        beside it (head.safetensors + head.json). Returns `path`."""
+        if self.top is None or self._encoder is None:
+            raise InputError("export() writes an encoder with trained layers: train with train_layers > 0 first")
+        from .encoder import Encoder
+        src = self._encoder
+        clone = Encoder(src._raw_config, device="cpu")
+        clone._core.copy_weights_from(src._core)
+        self.top.export_to(clone)
+        os.makedirs(path, exist_ok=True)
+        clone.save_pretrained(path)
+        if src.path:
+            base = src.path if os.path.isdir(src.path) else os.path.dirname(src.path)
+            for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+                f = os.path.join(base, name)
+                if os.path.isfile(f):
+                    with open(f, "rb") as fh:
+                        _C.atomic_write(os.path.join(path, name), [fh.read()])
+        write_safetensors(os.path.join(path, "head.safetensors"), self.head.state_dict(), {"format": "fasttran-head"})
+        _C.atomic_write(os.path.join(path, "head.json"),
+                        [json.dumps({"head": self.head.config(), "pooling": self.pooling}, indent=1).encode()])
+        return path
+
+    def memory_report(self, batch_size=None, seq_len=128, budget_bytes=None):
+        """Bytes a top-layer training step holds, by category (weights, gradients, optimizer state,
+        saved activations by kind, workspace, total), for `batch_size` examples of `seq_len` tokens;
+        with `budget_bytes` also the largest batch that fits it. Tempo's options change the activations
+        (see fasttran.finetune.TopLayers)."""
+        if self.top is None:
+            raise InputError("memory_report() is for top-layer training: fit() with train_layers > 0 first")
+        rep = self.top.memory_report(batch_size or self.batch_size, seq_len)
+        if budget_bytes is not None:
+            rep["largest_batch"] = self.top.largest_batch(seq_len, budget_bytes)
+        return rep
 
     # ---- display ----------------------------------------------------------------------------------
     def __repr__(self):

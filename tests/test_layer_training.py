@@ -48,7 +48,7 @@ def torch_layers(ref, first, count, x, lengths, p_hidden=0.0, p_attn=0.0, seed=0
     h = x
     for layer in range(first, first + count):
         L = ref.encoder.layer[layer]
-        sites = [layer * 3 + s for s in range(3)]
+        sites = [16 + layer * 3 + s for s in range(3)]   # after the heads' sites 0..15
         pm = torch.from_numpy(keep_mask(seed, step, sites[0], P, p_attn)) if p_attn else None
         m1 = torch.from_numpy(keep_mask(seed, step, sites[1], N * C, p_hidden)).reshape(N, C) if p_hidden else None
         m2 = torch.from_numpy(keep_mask(seed, step, sites[2], N * C, p_hidden)).reshape(N, C) if p_hidden else None

@@ -30,8 +30,9 @@ const char *const ft_layer_act_kind_names[FT_LAYER_ACT_KINDS] = {
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* sites 0..15 belong to the heads (train/heads.c); layer l's sites follow */
 static uint64_t site_key(const ft_layer_batch *bt, int64_t layer, int site) {
-    return ft_dropout_key(bt->seed, bt->step, (uint64_t)layer * SITES + (uint64_t)site);
+    return ft_dropout_key(bt->seed, bt->step, 16 + (uint64_t)layer * SITES + (uint64_t)site);
 }
 
 void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, int64_t N, int64_t P,

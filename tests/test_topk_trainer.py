@@ -1,0 +1,109 @@
+"""Trainer(train_layers=k): the top k layers of the real all-MiniLM-L6-v2 and a head trained from a
+cache of layer L - k (every token's state), on real SST-2 sentences: the cache and the encoder in
+the loop give the same step; it learns; save/resume is exact; export loads in transformers with the
+same hidden states; memory report against what is allocated; bad input refused."""
+import numpy as np
+import pytest
+
+import fasttran
+from fasttran import ActivationCache, Trainer
+
+from conftest import sst2_file
+
+
+@pytest.fixture(scope="module")
+def data(enc):
+    from fasttran.data import load_sst2
+    s, y = load_sst2(sst2_file("train"))
+    ids, mask, types = enc.tokenize(s[:256])
+    return ids, mask, types, np.array(y[:256])
+
+
+def trainer(k=1, **kw):
+    args = dict(optimizer="adamw", lr=1e-4, epochs=1, batch_size=16, seed=3, show_progress=False, train_layers=k)
+    args.update(kw)
+    return Trainer("classification", **args)
+
+
+@pytest.fixture(scope="module")
+def cache1(enc, data):
+    ids, mask, types, _ = data
+    return trainer(1).cache_for(enc, ids, mask, types, show_progress=False)
+
+
+def test_first_step_matches_the_encoder_in_the_loop(enc, data, cache1):
+    """The top layer on cached layer-(L-1) states computes what the whole encoder computes: its
+    output pooled equals the encoder's mean-pooled output, for every example."""
+    from fasttran.finetune import TopLayers
+    ids, mask, types, _ = data
+    top = TopLayers(enc, 1)
+    x, offsets = cache1.get(cache1.example_ids[:20], ragged=True)
+    out = top.forward(x, np.diff(offsets))
+    pooled = trainer(1)._pool(out, offsets)
+    ref = enc.forward(ids[:20], mask[:20], types[:20], pooling="mean")
+    assert np.abs(pooled - ref).max() <= 1e-5
+
+
+def test_learns_and_resumes_exactly(enc, data, cache1, tmp_path):
+    y = data[3]
+    full = trainer(1, epochs=2)
+    hist = full.fit(cache1, y)
+    assert hist[1]["train_loss"] < hist[0]["train_loss"]
+    assert full.evaluate(cache1, y)["accuracy"] > 0.7
+    # stopped at step 5 of 32, saved, reloaded into a new Trainer, continued: the same weights
+    part = trainer(1, epochs=2)
+    part.fit(cache1, y, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=5)
+    back = Trainer.load(str(tmp_path / "ck"), show_progress=False)
+    back.fit(cache1, y, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    for (n, a), (_, b) in zip(full.top.named_parameters(), back.top.named_parameters()):
+        assert np.array_equal(a, b), n
+    assert np.array_equal(full.head.params, back.head.params)
+
+
+def test_export_loads_in_transformers_with_the_same_hidden_states(enc, data, cache1, tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import BertModel
+    ids, mask, types, y = data
+    tr = trainer(1)
+    tr.fit(cache1, y)
+    path = tr.export(str(tmp_path / "exported"))
+    ours = fasttran.Encoder.from_pretrained(path)
+    assert ours.tokenizer is not None
+    ref = BertModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        h = ref(input_ids=torch.as_tensor(ids[:8]), attention_mask=torch.as_tensor(mask[:8]),
+                token_type_ids=torch.as_tensor(types[:8])).last_hidden_state.numpy()
+    got = ours.forward(ids[:8], mask[:8], types[:8])
+    valid = mask[:8].astype(bool)
+    assert np.abs(got - h)[valid].max() <= 1e-4
+    # the trained layer really changed, the frozen ones did not
+    before = enc.forward(ids[:8], mask[:8], types[:8], output_layers=[enc.num_layers - 1, enc.num_layers])
+    after = ours.forward(ids[:8], mask[:8], types[:8], output_layers=[enc.num_layers - 1, enc.num_layers])
+    assert np.array_equal(before[0], after[0]) and np.abs(before[1] - after[1]).max() > 1e-3
+
+
+def test_memory_report_matches_what_is_allocated(enc, data, cache1):
+    tr = trainer(1, batch_size=8)
+    tr.fit(cache1, data[3], stop_at_step=1)
+    now, peak = tr.top.allocated()
+    rep = tr.memory_report(batch_size=8, seq_len=int(cache1.lengths.max()))
+    held = rep["weights"] + rep["gradients"] + sum(v for k, v in rep["activations"].items() if k != "input") \
+        + rep["workspace"]
+    assert peak <= held + 64 * 64   # a full batch of the longest examples bounds every real batch
+    big = tr.memory_report(32, 128, budget_bytes=1 << 30)
+    assert big["total"] > rep["total"] and big["largest_batch"] >= 32
+
+
+def test_bad_input(enc, data, cache1):
+    ids, mask, types, y = data
+    with pytest.raises(fasttran.InputError, match="train_layers must be an int >= 0"):
+        Trainer("classification", train_layers=-1)
+    with pytest.raises(fasttran.InputError, match="train_layers=7 but the encoder has 6 layers"):
+        trainer(7).cache_for(enc, ids, mask, types)
+    pooled = ActivationCache.build(enc, ids, mask, types, positions="mean", show_progress=False)
+    with pytest.raises(fasttran.InputError, match="needs every token's state at layer 5"):
+        trainer(1).fit(pooled, y)
+    with pytest.raises(fasttran.InputError, match="this cache holds positions='all' at layer 5"):
+        trainer(2).fit(cache1, y)
+    with pytest.raises(fasttran.InputError, match="tempo option"):
+        Trainer("classification", train_layers=1, tempo={"inplace_relu": True})
