@@ -1,0 +1,138 @@
+"""The top-k training step on the CPU: fasttran against PyTorch training the same layers on the same
+cached inputs (issue 17's CPU benchmark).
+
+    python -m pytest benchmarks/test_topk_step.py -s          (FASTTRAN_BENCH_ROUNDS=5 by default)
+
+One step = the top k layers forward in training mode (dropout 0.1) + mean pooling + a linear
+classification head + cross-entropy + backward + AdamW over layers and head (clipping at 1.0).
+fasttran: Trainer._step's pieces (TopLayers, the C head, the fused AdamW). PyTorch: transformers'
+BertLayer modules of the same weights, the same pooling and head, torch.optim.AdamW (foreach).
+Both on batches of 32 full sequences of 128 tokens (every token real), 2 threads, interleaved
+rounds, median wall and CPU time per step; the layers' outputs are checked to agree first.
+Architectures: all-MiniLM-L6-v2 (real weights) and BERT-base (random weights), k = 1, 2, 6."""
+import json
+import os
+import platform
+import time
+
+import numpy as np
+import pytest
+
+import fasttran
+
+torch = pytest.importorskip("torch")
+ROUNDS = int(os.environ.get("FASTTRAN_BENCH_ROUNDS", "5"))
+THREADS = int(os.environ.get("FASTTRAN_BENCH_THREADS", "2"))
+B, T = 32, 128
+
+
+def bert_base_dir(tmp):
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    m = BertModel(BertConfig())
+    m.save_pretrained(tmp)
+    return tmp
+
+
+def build(path, k, seed=0):
+    from transformers import BertModel
+    from fasttran.finetune import TopLayers
+    from fasttran.heads import ClassificationHead
+    enc = fasttran.Encoder.from_pretrained(path, load_tokenizer=False)
+    L, C = enc.num_layers, enc.hidden_size
+    top = TopLayers(enc, k, hidden_dropout=0.1, attention_dropout=0.1)
+    head = ClassificationHead(C, 2, dropout=0.1, seed=seed)
+    named = top.named_parameters() + list(head.named_parameters())
+    opt = fasttran.optim.AdamW(named, lr=5e-5, weight_decay=0.01, max_grad_norm=1.0)
+    hgrads = np.zeros_like(head.params)
+    gviews = [g for _, g in top.named_gradients()] + list(head.views(hgrads).values())
+
+    ref = BertModel.from_pretrained(path).train()
+    layers = torch.nn.ModuleList(ref.encoder.layer[L - k:])
+    lin = torch.nn.Linear(C, 2)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(head.tensors["classifier.weight"]))
+        lin.bias.copy_(torch.from_numpy(head.tensors["classifier.bias"]))
+    drop = torch.nn.Dropout(0.1)
+    topt = torch.optim.AdamW(list(layers.parameters()) + list(lin.parameters()), lr=5e-5, weight_decay=0.01,
+                             foreach=True)
+    return enc, top, head, opt, hgrads, gviews, layers, lin, drop, topt
+
+
+def fasttran_step(top, head, opt, hgrads, gviews, x, lengths, y, step):
+    out = top.forward(x, lengths, training=True, seed=1, step=step)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    pooled = np.ascontiguousarray(np.add.reduceat(out, offsets[:-1], axis=0) / lengths[:, None], np.float32)
+    dpooled = np.empty_like(pooled)
+    head.step(pooled, y, grads=hgrads, dx=dpooled, training=True, seed=1, step=step)
+    top.backward(np.repeat(dpooled / lengths[:, None].astype(np.float32), lengths, axis=0))
+    opt.step(gviews)
+
+
+def torch_step(layers, lin, drop, topt, xt, yt):
+    topt.zero_grad(set_to_none=True)
+    h = xt
+    for layer in layers:
+        o = layer(h)
+        h = o[0] if isinstance(o, tuple) else o
+    logits = lin(drop(h.mean(dim=1)))
+    loss = torch.nn.functional.cross_entropy(logits, yt)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(layers.parameters()) + list(lin.parameters()), 1.0)
+    topt.step()
+
+
+def timed(fn):
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+CASES = [("minilm", 1), ("minilm", 2), ("minilm", 6), ("bert-base", 1), ("bert-base", 2)]
+
+
+@pytest.mark.parametrize("arch,k", CASES, ids=[f"{a}-k{k}" for a, k in CASES])
+def test_topk_step_against_pytorch(arch, k, tmp_path):
+    fasttran.set_num_threads(THREADS)
+    torch.set_num_threads(THREADS)
+    path = fasttran.models.minilm_path() if arch == "minilm" else bert_base_dir(str(tmp_path / "bert-base"))
+    enc, top, head, opt, hgrads, gviews, layers, lin, drop, topt = build(path, k)
+    rng = np.random.default_rng(0)
+    # the cached inputs: the real encoder's layer L - k states of random token ids
+    ids = rng.integers(1000, 20000, (B, T))
+    x = np.ascontiguousarray(enc.forward(ids, output_layers=[enc.num_layers - k])[0].reshape(B * T, -1))
+    lengths = np.full(B, T, np.int32)
+    y = rng.integers(0, 2, B).astype(np.int32)
+    xt, yt = torch.from_numpy(x.reshape(B, T, -1)), torch.from_numpy(y.astype(np.int64))
+    # correctness first: the layers' eval-mode outputs agree
+    layers.eval()
+    with torch.no_grad():
+        h = xt
+        for layer in layers:
+            o = layer(h)
+            h = o[0] if isinstance(o, tuple) else o
+    assert np.abs(top.forward(x, lengths).reshape(B, T, -1) - h.numpy()).max() <= 1e-4
+    layers.train()
+    ours, theirs = [], []
+    fasttran_step(top, head, opt, hgrads, gviews, x, lengths, y, 0)    # warm-up
+    torch_step(layers, lin, drop, topt, xt, yt)
+    for r in range(ROUNDS):
+        pair = [("f", lambda: fasttran_step(top, head, opt, hgrads, gviews, x, lengths, y, r + 1)),
+                ("t", lambda: torch_step(layers, lin, drop, topt, xt, yt))]
+        for name, fn in (pair if r % 2 == 0 else pair[::-1]):
+            (ours if name == "f" else theirs).append(timed(fn))
+    fw, fc = np.median([a for a, _ in ours]), np.median([b for _, b in ours])
+    tw, tc = np.median([a for a, _ in theirs]), np.median([b for _, b in theirs])
+    load = os.getloadavg()[0]
+    row = {"arch": arch, "k": k, "batch": [B, T], "threads": THREADS, "rounds": ROUNDS,
+           "fasttran_s": fw, "fasttran_cpu_s": fc, "torch_s": tw, "torch_cpu_s": tc, "speedup": tw / fw,
+           "speedup_cpu": tc / fc, "load_avg": load, "cpu": platform.processor() or platform.machine(),
+           "isa": fasttran.build_info().get("cpu_kernels"), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d")}
+    print(f"\n{arch} k={k} {B}x{T}: fasttran {fw * 1e3:.0f} ms ({fc * 1e3:.0f} CPU), torch {tw * 1e3:.0f} ms "
+          f"({tc * 1e3:.0f} CPU): {tw / fw:.2f}x ({tc / fc:.2f}x CPU), load {load:.1f}")
+    out = os.path.join(os.path.dirname(__file__), "last_topk_step.json")
+    rows = json.load(open(out)) if os.path.exists(out) else []
+    rows = [r for r in rows if not (r["arch"] == arch and r["k"] == k)] + [row]
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
