@@ -61,7 +61,7 @@ def default_lr(optimizer, head="classification"):
 
 #: Top-layer fine-tuning (train_layers > 0): one learning rate for the layers and the head, the
 #: rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py measures them).
-DEFAULT_TOPK_LR = {"adamw": 5e-5, "lamb": 2e-3}
+DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
 _TEMPO = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout")
 
 

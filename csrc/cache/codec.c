@@ -28,7 +28,7 @@ ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float 
     if (!ft_cache_codec_ok(codec)) return ft_error(FT_ERR_DTYPE, "cache codec must be float32, float16, bfloat16 or int8, not %s", ft_dtype_name(codec));
     if (codec == FT_I8 && !scales) return ft_error(FT_ERR_INVALID_ARGUMENT, "int8 codec needs a scale per row");
     double max_err = 0.0, sq_err = 0.0, sq_ref = 0.0;
-#pragma omp parallel for schedule(static) reduction(max : max_err) reduction(+ : sq_err, sq_ref)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) reduction(max : max_err) reduction(+ : sq_err, sq_ref)
     for (int64_t r = 0; r < n; r++) {
         const float *x = src + r * C;
         double me = 0.0, se = 0.0, sr = 0.0;
@@ -155,7 +155,7 @@ void ft_cache_decode_group(float *const *dst, const char *const *src, const floa
 
 void ft_cache_decode(float *dst, const void *src, const float *scales, ft_dtype codec, int64_t n, int64_t C) {
     const size_t rb = (size_t)C * ft_dtype_size(codec);
-#pragma omp parallel for schedule(static) if (n * C > 65536)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (n * C > 65536)
     for (int64_t r = 0; r < n; r++)
         ft_cache_decode_row(dst + r * C, (const char *)src + (size_t)r * rb, scales ? scales[r] : 0.0f, codec, C);
 }
@@ -164,7 +164,7 @@ void ft_cache_decode(float *dst, const void *src, const float *scales, ft_dtype 
  * (seeded with its length), as one u64. Equal inputs give equal fingerprints. */
 void ft_input_fingerprints(const int32_t *tokens, const int32_t *types, const int64_t *offsets, int64_t n,
                            uint64_t *out) {
-#pragma omp parallel for schedule(static) if (n > 4096)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (n > 4096)
     for (int64_t i = 0; i < n; i++) {
         const int64_t a = offsets[i], len = offsets[i + 1] - offsets[i];
         const uint64_t hi = ft_crc32c(0x9E37u, tokens + a, (size_t)len * 4);

@@ -153,7 +153,7 @@ ft_status cpu_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_op
     double gnorm = NAN;
     float clip = 1.0f;
     if (cfg->max_grad_norm > 0.0 || cfg->check_finite) {
-#pragma omp parallel for schedule(static) if (par)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (par)
         for (size_t q = 0; q < nblk; q++) part[q] = sumsq(t[blk[q].t].grad + blk[q].a, blk[q].b - blk[q].a);
         double s = 0.0;
         for (size_t q = 0; q < nblk; q++) s += part[q];
@@ -174,7 +174,7 @@ ft_status cpu_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_op
     tensor_coefs(cfg, t, count, clip, coef);
 
     if (cfg->kind == FT_OPT_ADAMW) {
-#pragma omp parallel for schedule(static) if (par)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (par)
         for (size_t q = 0; q < nblk; q++) adamw_update(&t[blk[q].t], blk[q].a, blk[q].b, &coef[blk[q].t]);
     } else {
         for (size_t g0 = 0; g0 < count;) {
@@ -183,7 +183,7 @@ ft_status cpu_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_op
             while (g1 < count && gelems + t[g1].n <= OPT_GROUP_ELEMS) gelems += t[g1++].n;
             const size_t q0 = first[g0], q1 = first[g1];
             const int gpar = gelems >= OPT_PARALLEL_ELEMS;
-#pragma omp parallel for schedule(static) if (gpar)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (gpar)
             for (size_t q = q0; q < q1; q++)
                 lamb_moments(&t[blk[q].t], blk[q].a, blk[q].b, &coef[blk[q].t], part + 2 * q);
             /* trust ratio per tensor, then the update with it */
@@ -193,7 +193,7 @@ ft_status cpu_optim_step(ft_backend *be, const ft_optim_config *cfg, const ft_op
                 double phi = (su > 0.0 && sw > 0.0) ? sqrt(sw) / sqrt(su) : 1.0;
                 step[c] = (float)(cfg->groups[t[c].group].lr * phi);
             }
-#pragma omp parallel for schedule(static) if (gpar)
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (gpar)
             for (size_t q = q0; q < q1; q++)
                 lamb_apply(&t[blk[q].t], blk[q].a, blk[q].b, &coef[blk[q].t], step[blk[q].t]);
             g0 = g1;

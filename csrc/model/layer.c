@@ -86,9 +86,10 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
  *   dctx  = tmp Wo
  *   dbig  = d qkv                    attention backward (probs kept, dropout mask kept or recomputed)
  *                                                                                    -> dbqkv, dWqkv = dbig^T x
- *   g    += dbig Wqkv                d x (its residual path and the attention) */
+ *   g    += dbig Wqkv                d x (its residual path and the attention; skipped when nothing
+ *                                    below needs it) */
 ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
-                            const ft_layer_acts *a, const ft_layer_work *wk, const ft_layer_weights *gw) {
+                            const ft_layer_acts *a, const ft_layer_work *wk, const ft_layer_weights *gw, int want_dx) {
     const ft_bert_config *c = bt->cfg;
     const ft_layer_options *o = bt->opt;
     const int64_t N = bt->N, C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads;
@@ -122,6 +123,7 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
                                   o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch));
     FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * C, 0));
     FT_TRY(be->gemm(be, 1, 0, 3 * C, C, N, 1.0f, wk->dbig, 3 * C, a->x, C, 0.0f, gw->wqkv, C));
+    if (!want_dx) return FT_OK;   /* the bottom trained layer: nothing below needs d x */
     return be->gemm(be, 0, 0, N, C, 3 * C, 1.0f, wk->dbig, 3 * C, w->wqkv, C, 1.0f, wk->g, C);
 }
 
@@ -384,7 +386,8 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
     const int64_t N = s->batch.N, C = s->cfg.hidden_size;
     FT_TRY(s->be->copy(s->be, s->work.g, dout, (size_t)N * (size_t)C * sizeof(float)));
     for (int64_t l = s->count - 1; l >= 0; l--)
-        FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->w[l], &s->acts[l], &s->work, &s->gw[l]));
+        FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->w[l], &s->acts[l], &s->work, &s->gw[l],
+                                 l > 0 || dx != NULL));
     if (dx) FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
     s->ready = 0;
     return s->be->synchronize(s->be);

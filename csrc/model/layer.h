@@ -56,7 +56,8 @@ void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt,
 /* out = layer(x): keeps what the backward needs in `acts` (x is acts->x) */
 ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
                                  ft_layer_acts *acts, const ft_layer_work *work);
-/* work->g holds d out on entry and d x on exit; grads overwritten */
+/* work->g holds d out on entry and d x on exit (want_dx; else partial); grads overwritten */
 ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
-                            const ft_layer_acts *acts, const ft_layer_work *work, const ft_layer_weights *grads);
+                            const ft_layer_acts *acts, const ft_layer_work *work, const ft_layer_weights *grads,
+                            int want_dx);
 #endif
