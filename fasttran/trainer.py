@@ -420,8 +420,10 @@ class Trainer:
             if math.isfinite(loss):
                 self.top.backward(self._pool_backward(dpooled, offsets))
         elif self.task == "qa":
+            x, valid = self._batch(cache, ids, idx, batch)
             logits, loss = self.head.step(x, valid, yb, grads=grads, training=True, seed=self.seed, step=self.global_step)
         else:
+            x, _ = self._batch(cache, ids, idx, batch)
             logits, loss = self.head.step(x, yb, grads=grads, training=True, seed=self.seed, step=self.global_step)
             correct = int((logits.argmax(1) == yb).sum())
         if not math.isfinite(loss):
