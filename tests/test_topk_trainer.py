@@ -46,12 +46,15 @@ def test_first_step_matches_the_encoder_in_the_loop(enc, data, cache1):
 
 def test_learns_and_resumes_exactly(enc, data, cache1, tmp_path):
     y = data[3]
-    full = trainer(1, epochs=2)
+    # lr 3e-4: 256 sentences, two epochs (training accuracy 0.82 on the first 256 of the real train
+    # set, 0.85 on the shipped sample, against 0.51 and 0.59 for the majority class)
+    full = trainer(1, epochs=2, lr=3e-4)
     hist = full.fit(cache1, y)
     assert hist[1]["train_loss"] < hist[0]["train_loss"]
-    assert full.evaluate(cache1, y)["accuracy"] > 0.7
+    majority = max(y.mean(), 1 - y.mean())
+    assert full.evaluate(cache1, y)["accuracy"] > majority + 0.15
     # stopped at step 5 of 32, saved, reloaded into a new Trainer, continued: the same weights
-    part = trainer(1, epochs=2)
+    part = trainer(1, epochs=2, lr=3e-4)
     part.fit(cache1, y, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=5)
     back = Trainer.load(str(tmp_path / "ck"), show_progress=False)
     back.fit(cache1, y, checkpoint_dir=str(tmp_path / "ck"), resume=True)

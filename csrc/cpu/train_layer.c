@@ -223,31 +223,46 @@ size_t cpu_attention_train_scratch_bytes(ft_backend *be, int64_t B, int64_t T, i
 /* (sequence, head) tasks: the sequence of task j, its first row, length and probs offset */
 typedef struct { int64_t first, n, base; } seq_task;
 
-static seq_task *make_tasks(const int32_t *seqs, int64_t B, int64_t NH, int64_t *ntasks) {
-    seq_task *t = malloc((size_t)(B > 0 ? B : 1) * (size_t)NH * sizeof *t);
-    if (!t) return NULL;
+/* what attention's forward and backward both derive from their arguments */
+typedef struct {
+    seq_task *tasks;
+    int64_t ntasks, tmax, hs, ld;   /* tasks; the longest sequence; head size; qkv row stride */
+    float scale, keep_scale;        /* 1/sqrt(hs); 1/(1-p) */
+    uint32_t thr;                   /* dropout threshold, 0 when p == 0 */
+} attn_plan;
+
+static ft_status attn_plan_make(attn_plan *pl, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
+                                const char *op) {
+    pl->hs = C / NH;
+    pl->ld = 3 * C;
+    pl->scale = 1.0f / sqrtf((float)pl->hs);
+    pl->thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
+    pl->keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+    pl->tasks = malloc((size_t)(B > 0 ? B : 1) * (size_t)NH * sizeof *pl->tasks);
+    if (!pl->tasks) return ft_error(FT_ERR_NOMEM, "%s: out of memory", op);
     int64_t base = 0, k = 0;
+    pl->tmax = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = seqs[3 * b + 1];
-        for (int64_t h = 0; h < NH; h++) t[k++] = (seq_task){seqs[3 * b], n, base + h * n * n};
+        for (int64_t h = 0; h < NH; h++) pl->tasks[k++] = (seq_task){seqs[3 * b], n, base + h * n * n};
         base += NH * n * n;
+        pl->tmax = n > pl->tmax ? n : pl->tmax;
     }
-    *ntasks = k;
-    return t;
+    pl->ntasks = k;
+    return FT_OK;
 }
 
 ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
                                       float *scratch) {
     (void)be;
-    const int64_t hs = C / NH, ld = 3 * C;
-    const float scale = 1.0f / sqrtf((float)hs);
-    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
-    const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-    int64_t ntasks = 0, tmax = 0;
-    seq_task *tasks = make_tasks(seqs, B, NH, &ntasks);
-    if (!tasks) return ft_error(FT_ERR_NOMEM, "attention_train_forward: out of memory");
-    for (int64_t b = 0; b < B; b++) tmax = seqs[3 * b + 1] > tmax ? seqs[3 * b + 1] : tmax;
+    attn_plan pl;
+    ft_status st = attn_plan_make(&pl, seqs, B, C, NH, p, "attention_train_forward");
+    if (st != FT_OK) return st;
+    const int64_t hs = pl.hs, ld = pl.ld, ntasks = pl.ntasks, tmax = pl.tmax;
+    const float scale = pl.scale, keep_scale = pl.keep_scale;
+    const uint32_t thr = pl.thr;
+    const seq_task *tasks = pl.tasks;
     const int blas_threads = ft_blas_get_threads();
     ft_blas_set_threads(1);   /* each worker runs whole tasks */
 #pragma omp parallel num_threads(ft_num_threads())
@@ -282,7 +297,7 @@ ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, 
         }
     }
     ft_blas_set_threads(blas_threads);
-    free(tasks);
+    free(pl.tasks);
     return FT_OK;
 }
 
@@ -290,14 +305,13 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
                                  const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
                                  uint64_t key, float *scratch) {
     (void)be;
-    const int64_t hs = C / NH, ld = 3 * C;
-    const float scale = 1.0f / sqrtf((float)hs);
-    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
-    const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-    int64_t ntasks = 0, tmax = 0;
-    seq_task *tasks = make_tasks(seqs, B, NH, &ntasks);
-    if (!tasks) return ft_error(FT_ERR_NOMEM, "attention_backward: out of memory");
-    for (int64_t b = 0; b < B; b++) tmax = seqs[3 * b + 1] > tmax ? seqs[3 * b + 1] : tmax;
+    attn_plan pl;
+    ft_status st = attn_plan_make(&pl, seqs, B, C, NH, p, "attention_backward");
+    if (st != FT_OK) return st;
+    const int64_t hs = pl.hs, ld = pl.ld, ntasks = pl.ntasks, tmax = pl.tmax;
+    const float scale = pl.scale, keep_scale = pl.keep_scale;
+    const uint32_t thr = pl.thr;
+    const seq_task *tasks = pl.tasks;
     const int blas_threads = ft_blas_get_threads();
     ft_blas_set_threads(1);
 #pragma omp parallel num_threads(ft_num_threads())
@@ -347,7 +361,7 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
         }
     }
     ft_blas_set_threads(blas_threads);
-    free(tasks);
+    free(pl.tasks);
     return FT_OK;
 }
 
