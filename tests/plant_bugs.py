@@ -43,8 +43,8 @@ BUGS = [
      "    for (int64_t c = threadIdx.x; c <= C; c += blockDim.x)\n        o[c] = from_f<T>"),
     ("a kernel reading one element past its input (softmax max loop reads key T)",
      "csrc/cuda/attention.cu",
-     "for (int64_t j = lane; j < T; j += 32) if (m[j] != 0.0f) mx = fmaxf(mx, s[j]);",
-     "for (int64_t j = lane; j <= T; j += 32) if (m[j] != 0.0f) mx = fmaxf(mx, s[j]);"),
+     "    for (int64_t j = lane; j < nk; j += 32) mx = fmaxf(mx, s[j]);",
+     "    for (int64_t j = lane; j <= nk; j += 32) mx = fmaxf(mx, s[j]);"),
 ]
 
 MODES = [("plain", {}), ("seed", {"FASTTRAN_EMU_SEED": "1"}),
@@ -85,7 +85,13 @@ def main():
     ap.add_argument("--tests", nargs="*", default=["tests/test_backend_ops.py"])
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default=None, help="run only the bugs whose name contains this text")
     args = ap.parse_args()
+    bugs = [b for b in BUGS if args.only is None or args.only in b[0]]
+    for name, path, find, _ in bugs:   # every mutation must still apply before anything is built
+        n = open(os.path.join(ROOT, path)).read().count(find)
+        if n != 1:
+            raise SystemExit(f"bug {name!r}: the text to mutate occurs {n} times in {path}; update BUGS")
     tree = args.workdir or tempfile.mkdtemp(prefix="fasttran-bugs-")
     copy_tree(tree)
     print(f"tree copy: {tree}; tests: {' '.join(args.tests)}", flush=True)
@@ -96,11 +102,9 @@ def main():
             raise SystemExit(f"the unmutated tree fails in mode {mode}: {detail}")
     print("unmutated tree: passes in every mode", flush=True)
     results = []
-    for name, path, find, repl in BUGS:
+    for name, path, find, repl in bugs:
         src = os.path.join(tree, path)
         original = open(src).read()
-        if original.count(find) != 1:
-            raise SystemExit(f"bug {name!r}: the text to mutate occurs {original.count(find)} times in {path}")
         open(src, "w").write(original.replace(find, repl))
         t0 = time.time()
         try:
