@@ -3,6 +3,8 @@ gradients of every parameter and of the layer input against torch autograd in fl
 real layer weights; dropout masks reproduced in torch; each of Tempo's options on and off giving
 the same gradients and the activation bytes its design predicts. The CUDA backend runs the same
 tests on a GPU or the CUDA emulator."""
+import os
+
 import numpy as np
 import pytest
 
@@ -195,6 +197,39 @@ def test_each_tempo_option_keeps_the_gradients_and_saves_what_it_predicts(minilm
                  "inplace_layernorm": 2 * N * C * 4,                    # both LayerNorm inputs
                  "recompute_attention_dropout": B * NH * T * T}[option]  # the byte mask of the probabilities
     assert saved == 2 * predicted, (option, saved, 2 * predicted)
+
+
+def test_any_thread_count_gives_the_same_result(minilm):
+    """One thread, and more threads than CPUs set from another Python thread (whose OpenMP default
+    is still the CPU count: per-thread attention scratch must follow the backend's thread count,
+    not OpenMP's; it once overran its buffer here): the same outputs and gradients to fp32 rounding
+    (the layers' GEMMs are OpenBLAS's, whose blocking follows the thread count), long sequences."""
+    import threading
+    enc, _ = minilm
+    L = enc.num_layers
+    lengths = [300, 7, 211]
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((sum(lengths), enc.hidden_size)).astype(np.float32)
+    dout = rng.standard_normal(x.shape).astype(np.float32)
+    before = fasttran.get_num_threads()
+    results = []
+
+    def run():
+        results.append(run_fasttran(enc, L - 2, 2, x, lengths, dout, hidden_dropout=0.1, attention_dropout=0.1)[:3])
+    try:
+        for n in (1, 2 * (os.cpu_count() or 1) + 1):
+            fasttran.set_num_threads(n)
+            t = threading.Thread(target=run)
+            t.start()
+            t.join()
+    finally:
+        fasttran.set_num_threads(before)
+    assert len(results) == 2
+    (o1, g1, d1), (o2, g2, d2) = results
+    assert rel(o1, o2) <= 1e-6 and rel(d1, d2) <= 1e-5
+    for n in g1:   # the key bias's exact gradient is zero (see check_grads): its noise against the key weight's
+        scale = np.abs(g1[n.replace(".bias", ".weight")] if n.endswith("self.key.bias") else g1[n]).max()
+        assert np.abs(g1[n] - g2[n]).max() <= 1e-5 * scale, n
 
 
 def test_memory_report_agrees_with_what_is_allocated(minilm):

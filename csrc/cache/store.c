@@ -423,7 +423,7 @@ ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_l
         int nt = threads;
         if (nt <= 0) {
             const uint64_t want = out_bytes / FT_CACHE_BYTES_PER_THREAD;
-            nt = omp_get_max_threads();
+            nt = ft_num_threads();
             if (want < (uint64_t)nt) nt = want ? (int)want : 1;
         }
         const int64_t n_groups = (rows + FT_CACHE_GROUP - 1) / FT_CACHE_GROUP;

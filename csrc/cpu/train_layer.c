@@ -216,8 +216,8 @@ ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, cons
 }
 
 size_t cpu_attention_train_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t NH) {
-    (void)be; (void)B; (void)NH;   /* one (T, T) pair of score blocks per thread */
-    return (size_t)omp_get_max_threads() * 2 * (size_t)T * (size_t)T * sizeof(float);
+    (void)be; (void)B; (void)NH;   /* one (T, T) pair of score blocks per worker (ft_num_threads) */
+    return (size_t)ft_num_threads() * 2 * (size_t)T * (size_t)T * sizeof(float);
 }
 
 /* (sequence, head) tasks: the sequence of task j, its first row, length and probs offset */
