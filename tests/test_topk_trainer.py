@@ -110,3 +110,33 @@ def test_bad_input(enc, data, cache1):
         trainer(2).fit(cache1, y)
     with pytest.raises(fasttran.InputError, match="tempo option"):
         Trainer("classification", train_layers=1, tempo={"inplace_relu": True})
+
+
+def test_caches_of_another_model_or_another_dtype(enc, data, cache1, minilm_dir, tmp_path):
+    """A cache computed by another model (same shapes, other weights) is refused before anything is
+    trained; a float16 cache of the right layer trains (its states are widened on read) and
+    evaluates like the float32 one to fp16 rounding."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    ids, mask, types, y = data
+    other_dir = tmp_path / "other"
+    shutil.copytree(minilm_dir, other_dir)
+    weights = load_file(str(other_dir / "model.safetensors"))
+    name = next(n for n in weights if n.endswith("layer.0.output.dense.bias"))
+    weights[name] = weights[name] + np.float32(0.01)
+    save_file(weights, str(other_dir / "model.safetensors"))
+    other = fasttran.Encoder.from_pretrained(str(other_dir), load_tokenizer=False)
+    t = trainer(1)
+    other_cache = t.cache_for(other, ids[:32], mask[:32], types[:32], show_progress=False)
+    t.fit(cache1, y, stop_at_step=1)
+    before = [p.copy() for _, p in t.top.named_parameters()]
+    with pytest.raises(fasttran.CacheMismatchError, match="another encoder"):
+        t.fit(other_cache, y[:32])
+    assert all(np.array_equal(a, p) for a, (_, p) in zip(before, t.top.named_parameters()))
+
+    half = trainer(1).cache_for(enc, ids, mask, types, dtype="float16", show_progress=False)
+    b = trainer(1)
+    b.fit(half, y, stop_at_step=2)
+    assert b.global_step == 2
+    on32, on16 = t.evaluate(cache1, y), t.evaluate(half, y)
+    assert abs(on32["loss"] - on16["loss"]) <= 1e-3 and abs(on32["accuracy"] - on16["accuracy"]) <= 2 / len(y)
