@@ -63,6 +63,19 @@ def test_forward_breakdown_agrees_with_wall_time(enc, sst):
     assert "gemm" in p.ops_table() and "<table>" in p._repr_html_()
 
 
+def test_layers_above_the_deepest_output_are_not_run(enc, sst):
+    """A cache of layer l (top-k training's cache_for) runs l layers, not all of them, and gives the
+    same bits as the full forward's layer-l output."""
+    (ids, mask, types), _ = sst
+    ids, mask, types = ids[:8], mask[:8], types[:8]
+    full = enc.forward(ids, mask, types, output_layers=[2, enc.num_layers])[0]
+    for layer in (0, 2):
+        p = fasttran.profile(enc.forward, ids, mask, types, output_layers=[layer])
+        assert p.phases[0].ops.get("attention_forward", {"calls": 0})["calls"] == layer
+        if layer:
+            assert np.array_equal(p.result[0], full)
+
+
 def test_off_counts_nothing_and_profiles_do_not_nest(enc, sst):
     (ids, mask, types), _ = sst
     p = fasttran.profile(enc.forward, ids[:4], mask[:4], types[:4])

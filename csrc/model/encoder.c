@@ -463,10 +463,12 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     if (!ids || !ids->data) return ft_error(FT_ERR_INVALID_ARGUMENT, "input_ids is required");
     if (pooling < FT_POOL_NONE || pooling > FT_POOL_MEAN) return ft_error(FT_ERR_INVALID_ARGUMENT, "unknown pooling %d", (int)pooling);
     int want_hidden = 0, want_pooled = 0;
+    int64_t last = -1;   /* the deepest layer asked for: the layers above it are not run */
     for (int64_t l = 0; l <= L; l++) {
-        if (hidden_out && hidden_out[l]) want_hidden = 1;
-        if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) want_pooled = 1;
+        if (hidden_out && hidden_out[l]) want_hidden = 1, last = l;
+        if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) want_pooled = 1, last = l;
     }
+    if (last < 0) last = L;   /* nothing asked for: run the whole encoder, as a timing call would expect */
     fwd_buffers w;
     fwd_plan h;
     FT_TRY(ensure_workspace(e, B, T, &w, &h));
@@ -488,7 +490,7 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     if (N > 0)
         FT_TRY(be->embed_ln_forward(be, w.x, w.ids, w.types, w.positions, P + e->word, P + e->pos, P + e->type,
                                     P + e->emb_ln_g, P + e->emb_ln_b, N, C, c->layer_norm_eps));
-    for (int64_t l = 0; l <= L; l++) {
+    for (int64_t l = 0; l <= last; l++) {
         if (l > 0 && N > 0) {
             if (cancel && cancel(cancel_arg)) return ft_error(FT_ERR_INTERRUPTED, "forward interrupted");
             const ft_layer_offsets *o = &e->layers[l - 1];
