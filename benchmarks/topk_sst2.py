@@ -38,8 +38,8 @@ def load(split, limit=None):
 def run_fasttran(enc, k, tr_inputs, y, dev_inputs, ydev, args):
     import fasttran
     t = fasttran.Trainer("classification", optimizer="adamw", lr=args.lr, epochs=args.epochs, batch_size=32,
-                         seed=args.seed, train_layers=k, dropout=0.1, show_progress=False, warmup=0.1,
-                         weight_decay=0.01, max_grad_norm=1.0)
+                         seed=args.seed, train_layers=k, dropout=args.dropout, layer_dropout=args.dropout,
+                         show_progress=False, warmup=0.1, weight_decay=0.01, max_grad_norm=1.0)
     t0 = time.perf_counter()
     if k:
         cache = t.cache_for(enc, *tr_inputs, show_progress=False)
@@ -62,13 +62,13 @@ def torch_reference(enc_path, k, cache, y, dev, ydev, init_head, args):
     L, C = ref.config.num_hidden_layers, ref.config.hidden_size
     for m in ref.modules():   # the same dropout as fasttran's layers
         if isinstance(m, torch.nn.Dropout):
-            m.p = 0.1
+            m.p = args.dropout
     layers = torch.nn.ModuleList(ref.encoder.layer[L - k:]) if k else torch.nn.ModuleList()
     lin = torch.nn.Linear(C, 2)
     with torch.no_grad():
         lin.weight.copy_(torch.from_numpy(init_head["classifier.weight"]))
         lin.bias.copy_(torch.from_numpy(init_head["classifier.bias"]))
-    drop = torch.nn.Dropout(0.1)
+    drop = torch.nn.Dropout(args.dropout)
     named = [(n, p) for n, p in layers.named_parameters()] + [("classifier." + n, p) for n, p in lin.named_parameters()]
     no_decay = ("bias", "LayerNorm.weight", "LayerNorm.bias")
     groups = [{"params": [p for n, p in named if not any(s in n for s in no_decay)], "weight_decay": 0.01},
@@ -140,6 +140,9 @@ def main():
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dropout", type=float, default=0.1,
+                    help="dropout in the layers and before the head, both engines (0: the same computation "
+                         "in both, up to fp32 rounding)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "last_topk_sst2.json"))
     args = ap.parse_args()
@@ -165,7 +168,7 @@ def main():
         print(f"fasttran k={k}: cache {build:.1f} s, epochs {[round(v, 1) for v in row['fasttran_epoch_s']]} s, "
               f"dev accuracy {row['fasttran_dev_accuracy']}", flush=True)
         if not args.no_torch:
-            init = fasttran.ClassificationHead(enc.hidden_size, 2, dropout=0.1, seed=args.seed).state_dict()
+            init = fasttran.ClassificationHead(enc.hidden_size, 2, dropout=args.dropout, seed=args.seed).state_dict()
             secs, accs = torch_reference(path, k, cache, y, dev, ydev, init, a)
             row.update(torch_epoch_s=secs, torch_dev_accuracy=accs,
                        gap_points=100 * (row["fasttran_dev_accuracy"][-1] - accs[-1]))
@@ -173,6 +176,7 @@ def main():
         del cache, dev, t
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
             "threads": args.threads, "train": len(s), "dev": len(sd), "epochs": args.epochs,
+            "seed": args.seed, "dropout": args.dropout,
             "torch": torch.__version__, "load_avg": os.getloadavg(), "command": " ".join(sys.argv)}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

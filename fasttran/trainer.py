@@ -97,12 +97,17 @@ class Trainer:
     (`DEFAULT_LR`, from benchmarks/sweep_defaults.py). `warmup` is a fraction of all steps (< 1)
     or a step count. The head remembers the features it was trained on (model, layer,
     positions): evaluating it on another encoder's cache raises CacheMismatchError.
+
+    `train_layers=k` also trains the encoder's top k layers, from a cache of layer L - k
+    (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls"; `layer_dropout` is their
+    hidden and attention dropout (None: the checkpoint's), `dropout` the head's; `tempo` switches
+    Tempo's memory options (see fasttran.finetune.TopLayers).
     """
 
     def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
                  warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
-                 tempo=None):
+                 tempo=None, layer_dropout=None):
         if isinstance(head, str):
             if head not in _HEADS:
                 raise InputError(f"unknown head {head!r}; choose one of {sorted(_HEADS)} or pass a head object")
@@ -118,6 +123,10 @@ class Trainer:
                                    "features (train_layers=0)")
         if pooling not in ("mean", "cls"):
             raise InputError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        if layer_dropout is not None and (isinstance(layer_dropout, bool) or not isinstance(layer_dropout, (int, float))
+                                          or not 0.0 <= layer_dropout < 1.0):
+            raise InputError(f"layer_dropout must be a probability in [0, 1) (or None for the checkpoint's "
+                             f"hidden/attention dropout), got {layer_dropout!r}")
         tempo = dict(tempo or {})
         unknown = set(tempo) - set(_TEMPO)
         if unknown:
@@ -151,6 +160,7 @@ class Trainer:
         self.dropout, self.num_labels = dropout, num_labels
         self.show_progress = True if show_progress is None else bool(show_progress)
         self.train_layers, self.pooling, self.tempo = int(train_layers), pooling, tempo
+        self.layer_dropout = None if layer_dropout is None else float(layer_dropout)
         self.top = None              # TopLayers: the trained encoder layers (train_layers > 0)
         self._pending = None         # layer weights and optimizer state loaded before the layers exist
         self._encoder = None         # the encoder they come from (the cache's)
@@ -186,7 +196,9 @@ class Trainer:
             return
         from .finetune import TopLayers
         self._encoder = cache.encoder
-        self.top = TopLayers(cache.encoder, self.train_layers, device="cpu", **self.tempo)
+        drop = {} if self.layer_dropout is None else dict(hidden_dropout=self.layer_dropout,
+                                                          attention_dropout=self.layer_dropout)
+        self.top = TopLayers(cache.encoder, self.train_layers, device="cpu", **drop, **self.tempo)
         self._restore_pending()
 
     def _restore_pending(self):
@@ -722,7 +734,8 @@ class Trainer:
                 "schedule": self.schedule, "warmup": self.warmup, "epochs": self.epochs,
                 "batch_size": self.batch_size, "seed": self.seed, "device": self.device,
                 "max_grad_norm": self.max_grad_norm, "betas": list(self.betas), "eps": self.eps,
-                "train_layers": self.train_layers, "pooling": self.pooling, "tempo": self.tempo}
+                "train_layers": self.train_layers, "pooling": self.pooling, "tempo": self.tempo,
+                "layer_dropout": self.layer_dropout}
 
     def save(self, path):
         """Write head weights and optimizer state (safetensors) and the trainer state (JSON),

@@ -108,6 +108,9 @@ def test_bad_input(enc, data, cache1):
         trainer(1).fit(pooled, y)
     with pytest.raises(fasttran.InputError, match="this cache holds positions='all' at layer 5"):
         trainer(2).fit(cache1, y)
+    for bad in (1.0, -0.1, True, "0.1"):
+        with pytest.raises(fasttran.InputError, match="layer_dropout must be a probability"):
+            Trainer("classification", train_layers=1, layer_dropout=bad)
     with pytest.raises(fasttran.InputError, match="tempo option"):
         Trainer("classification", train_layers=1, tempo={"inplace_relu": True})
 
@@ -140,3 +143,19 @@ def test_caches_of_another_model_or_another_dtype(enc, data, cache1, minilm_dir,
     assert b.global_step == 2
     on32, on16 = t.evaluate(cache1, y), t.evaluate(half, y)
     assert abs(on32["loss"] - on16["loss"]) <= 1e-3 and abs(on32["accuracy"] - on16["accuracy"]) <= 2 / len(y)
+
+
+def test_layer_dropout_reaches_the_layers_and_the_checkpoint(enc, data, cache1, tmp_path):
+    """layer_dropout=None keeps the checkpoint's 0.1; a value sets both of the layers' dropouts and
+    survives save/load."""
+    y = data[3]
+    t = trainer(1)
+    t.fit(cache1, y, stop_at_step=1)
+    assert t.top.options["hidden_dropout"] == t.top.options["attention_dropout"] == pytest.approx(0.1)
+    t = trainer(1, layer_dropout=0.0, dropout=0.0)
+    t.fit(cache1, y, stop_at_step=1, checkpoint_dir=str(tmp_path / "ck"))
+    assert t.top.options["hidden_dropout"] == t.top.options["attention_dropout"] == 0.0
+    back = Trainer.load(str(tmp_path / "ck"), show_progress=False)
+    assert back.layer_dropout == 0.0
+    back.fit(cache1, y, checkpoint_dir=str(tmp_path / "ck"), resume=True, stop_at_step=2)
+    assert back.top.options["hidden_dropout"] == 0.0
