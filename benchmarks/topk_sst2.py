@@ -2,16 +2,18 @@
 configuration in PyTorch + transformers, from the same initial weights, inputs, batch order and
 hyper-parameters; dev accuracy and per-epoch times side by side, the cache build included.
 
-    python benchmarks/topk_sst2.py [--k 1 2 6] [--epochs 1] [--lr 5e-5] [--limit N] [--threads 2]
+    python benchmarks/topk_sst2.py [--k 0 1 2 6] [--epochs 1] [--lr 5e-5] [--seed 0] [--dropout 0.1]
+                                   [--limit N] [--threads 2]
 
 Data: $FASTTRAN_DATA/sst2/{train,dev}.tsv (default ../shared/data). Model: all-MiniLM-L6-v2.
 fasttran: the cache of layer L - k (every token's state, float32) is built once; every epoch reads
 it and trains the top k layers + a linear head on mean-pooled outputs with AdamW (weight decay 0.01
 except biases and LayerNorm, clipping at 1.0, linear schedule with 10% warmup, dropout 0.1 in the
-layers and before the head). PyTorch: transformers' BertLayer modules of the same top k layers and
+layers and before the head, --dropout). PyTorch: transformers' BertLayer modules of the same top k layers and
 an nn.Linear with the head's initial weights, fed the same cached states (padded batches with an
 attention mask), the same examples in the same order per step, torch.optim.AdamW with the same
-parameter groups and schedule; its dropout draws from torch's generator (the only difference).
+parameter groups and schedule; its dropout draws from torch's generator (the only difference;
+--dropout 0 makes both runs the same computation up to fp32 rounding).
 The frozen-encoder baseline (k = 0: a head on mean-pooled final states) is trained the same way.
 Writes benchmarks/last_topk_sst2.json."""
 import argparse
