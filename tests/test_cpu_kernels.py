@@ -1,5 +1,5 @@
-"""The CPU backend's guarantees on every kernel path it can take (AVX-512, AVX2+FMA, portable
-C): a token's result depends only on its own sequence and the weights, never on the batch it
+"""The CPU backend's guarantees on every kernel path it can take (AMX, AVX-512, AVX2+FMA,
+portable C): a token's result depends only on its own sequence and the weights, never on the batch it
 is in, the padding around it or the thread count; every path stays within 1e-4 of
 transformers; and the thread count comes from the environment and this process's CPUs.
 
@@ -78,6 +78,8 @@ def _supported_isas():
         isas.append("avx2")
     if " avx512f" in flags:
         isas.append("avx512")
+        if " amx_bf16" in flags and " amx_tile" in flags and " avx512_bf16" in flags:
+            isas.append("amx")   # the OS may still refuse the tiles: then the child reports avx512
     return isas
 
 
@@ -93,7 +95,7 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(str(tmp_path_factory.mktemp("kern")), **CFG)
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
 def test_every_kernel_path_is_invariant_and_accurate(ckpt, tmp_path, isa):
     if isa not in _supported_isas():
         pytest.skip(f"this CPU has no {isa}")
@@ -140,3 +142,68 @@ def test_thread_count_from_environment_and_affinity():
     assert run({}, "pin")["default"] == 1   # one CPU in the affinity mask: one thread
     n = len(os.sched_getaffinity(0))
     assert 1 <= run({})["default"] <= n
+
+
+# runs in the subprocess: the linear layer of one kernel path against float64
+ACCURACY = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+import fasttran
+import test_backend_ops as T
+isa = sys.argv[1]
+assert fasttran.build_info()["cpu_kernels"] == isa, fasttran.build_info()["cpu_kernels"]
+be = T.Backend(-1)
+
+def linear(x, w, bias, act):
+    M, K = x.shape
+    N = w.shape[0]
+    px, pw, pb = be.upload(x), be.upload(w), be.upload(bias)
+    out = be.alloc(M * N * 4)
+    wp = be.alloc(be.fn["packed_weight_bytes"](be.addr, N, K))
+    be.check(be.fn["pack_weight"](be.addr, wp, pw, N, K), "pack_weight")
+    be.check(be.fn["linear_forward"](be.addr, out, px, pw, wp, pb, M, K, N, act), "linear_forward")
+    return be.download(out, (M, N), np.float32)
+
+report = {}
+# the epilogue's activations: K = 1 and w = 1, so the GEMM is exact and only the activation errs
+x = np.concatenate([np.linspace(-6, 12, 40001), [0.0, 1e-30, -1e-30, 1e-8, -1e-8]]).astype(np.float32)
+x64 = x.astype(np.float64)
+from math import erf, tanh
+refs = {0: 0.5 * x64 * (1 + np.vectorize(erf)(x64 / np.sqrt(2))),
+        1: 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3))),
+        2: np.maximum(x64, 0), 3: np.tanh(x64)}
+for act, ref in refs.items():
+    got = linear(x[:, None], np.ones((1, 1), np.float32), np.zeros(1, np.float32), act)[:, 0].astype(np.float64)
+    err = np.abs(got - ref) / (np.abs(ref) + 1e-30)
+    report[f"act{act}"] = float(np.max(np.where(np.abs(ref) > 1e-6, err, np.abs(got - ref) / 1e-6)))
+# the GEMM: a short row block, K and N off every tile size; the bar is a float32 GEMM's own error
+rng = np.random.default_rng(1)
+M, K, N = 50, 1000, 70
+a = rng.standard_normal((M, K)).astype(np.float32)
+w = rng.standard_normal((N, K)).astype(np.float32)
+ref = a.astype(np.float64) @ w.astype(np.float64).T
+seq = np.zeros((M, N), np.float32)        # one float32 chain per element, multiply then add
+for k in range(K):
+    seq = seq + np.outer(a[:, k], w[:, k]).astype(np.float32)
+got = linear(a, w, np.zeros(N, np.float32), -1)
+report["gemm"] = float(np.abs(got - ref).max())
+report["gemm_float32_chain"] = float(np.abs(seq - ref).max())
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
+def test_every_kernel_path_computes_at_float32_accuracy(isa):
+    """The linear layer of each path: its activations within 3e-6 relative of float64 wherever
+    |act(x)| > 1e-6 (the float32 input's own rounding, amplified by exp(-x^2 / 2), costs up to
+    ~2e-6 at x = -5), and its GEMM (AMX: bf16x6, amx.h) no less accurate than a float32
+    multiply-add chain."""
+    if isa not in _supported_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    r = _run(ACCURACY, isa, os.path.dirname(os.path.abspath(__file__)), env={"FASTTRAN_CPU_ISA": isa})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    for act in range(4):
+        assert rep[f"act{act}"] <= 3e-6, (isa, act, rep)
+    assert rep["gemm"] <= 1.5 * rep["gemm_float32_chain"], rep

@@ -24,31 +24,6 @@ size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t
     return 0;   /* per-thread scratch is allocated by the op for the longest sequence */
 }
 
-/* s[0..n) = softmax(scale * s) in place (max and sum in fixed lanes, rowfun.h) */
-static void softmax_row(float *s, int64_t n, float scale) {
-    float lane[FT_LANES];
-    for (int l = 0; l < FT_LANES; l++) lane[l] = -INFINITY;
-    int64_t j = 0;
-    for (; j + FT_LANES <= n; j += FT_LANES)
-        for (int l = 0; l < FT_LANES; l++) {
-            float v = scale * s[j + l];
-            s[j + l] = v;
-            lane[l] = v > lane[l] ? v : lane[l];
-        }
-    for (int l = 0; j + l < n; l++) {
-        float v = scale * s[j + l];
-        s[j + l] = v;
-        lane[l] = v > lane[l] ? v : lane[l];
-    }
-    float mx = lane[0];
-    for (int l = 1; l < FT_LANES; l++) mx = lane[l] > mx ? lane[l] : mx;   /* max: exact in any order */
-#pragma omp simd
-    for (j = 0; j < n; j++) s[j] = ft_expf(s[j] - mx);
-    const float inv = 1.0f / ft_row_sum(s, n);
-#pragma omp simd
-    for (j = 0; j < n; j++) s[j] *= inv;
-}
-
 /* one (sequence, head): q points at the head's columns of the sequence's first row */
 static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, int64_t nq, int64_t nk, int64_t hs,
                          int64_t ld, int64_t C, float scale, float *kp, float *S, float *qpad) {
@@ -77,7 +52,7 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
             const int n = (int)(nk - p * nr < nr ? nk - p * nr : nr);
             kr->tile(hs, qa, lda, kp + p * hs * nr, nr, S + p * nr, lds, m, n, 0);
         }
-        for (int i = 0; i < m; i++) softmax_row(S + i * lds, nk, scale);
+        for (int i = 0; i < m; i++) ft_cpu_softmax_row(S + i * lds, nk, scale);
         /* out (m x hs) = P V, P read in place from S */
         for (int64_t d0 = 0; d0 < hs; d0 += nr) {
             const int n = (int)(hs - d0 < nr ? hs - d0 : nr);

@@ -3,9 +3,14 @@
  * all three whatever -march says; the CPU decides which may run. */
 #include "kernels.h"
 
+#include "amx.h"
+#include "rowfun.h"
+#include "vecmath.h"
+
 #include "fasttran.h"
 
 #include <immintrin.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,9 +62,11 @@ __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const floa
 
 /* ---- AVX2 + FMA: 6 x 16 (12 ymm accumulators) ------------------------------------------- */
 #define MR256 6
-__attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float *a, int64_t lda, const float *b,
-                                                          int64_t ldb, float *c, int64_t ldc, int m, int n,
-                                                          int accumulate) {
+/* full: n == 16, plain loads of B (masked loads give the same values, at a third of the rate) */
+__attribute__((target("avx2,fma"), always_inline)) static inline void body_avx2(int64_t K, const float *a, int64_t lda,
+                                                                              const float *b, int64_t ldb, float *c,
+                                                                              int64_t ldc, int m, int n, int accumulate,
+                                                                              const int full) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane);
@@ -67,8 +74,8 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float
 #pragma GCC unroll 6
     for (int i = 0; i < MR256; i++) {
         if (accumulate && i < m) {
-            c0[i] = _mm256_maskload_ps(c + i * ldc, m0);
-            c1[i] = _mm256_maskload_ps(c + i * ldc + 8, m1);
+            c0[i] = full ? _mm256_loadu_ps(c + i * ldc) : _mm256_maskload_ps(c + i * ldc, m0);
+            c1[i] = full ? _mm256_loadu_ps(c + i * ldc + 8) : _mm256_maskload_ps(c + i * ldc + 8, m1);
         } else {
             c0[i] = _mm256_setzero_ps();
             c1[i] = _mm256_setzero_ps();
@@ -77,7 +84,8 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float
     const int64_t l3 = 3 * lda, l5 = 5 * lda;
     for (int64_t k = 0; k < K; k++) {
         _mm_prefetch((const char *)(b + (k + 8) * ldb), _MM_HINT_T0);
-        const __m256 b0 = _mm256_maskload_ps(b + k * ldb, m0), b1 = _mm256_maskload_ps(b + k * ldb + 8, m1);
+        const __m256 b0 = full ? _mm256_loadu_ps(b + k * ldb) : _mm256_maskload_ps(b + k * ldb, m0);
+        const __m256 b1 = full ? _mm256_loadu_ps(b + k * ldb + 8) : _mm256_maskload_ps(b + k * ldb + 8, m1);
         const float *p = a + k;
         const float *av[MR256] = {p, p + lda, p + 2 * lda, p + l3, p + 4 * lda, p + l5};
 #pragma GCC unroll 6
@@ -90,10 +98,21 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float
 #pragma GCC unroll 6
     for (int i = 0; i < MR256; i++) {
         if (i < m) {
-            _mm256_maskstore_ps(c + i * ldc, m0, c0[i]);
-            _mm256_maskstore_ps(c + i * ldc + 8, m1, c1[i]);
+            if (full) {
+                _mm256_storeu_ps(c + i * ldc, c0[i]);
+                _mm256_storeu_ps(c + i * ldc + 8, c1[i]);
+            } else {
+                _mm256_maskstore_ps(c + i * ldc, m0, c0[i]);
+                _mm256_maskstore_ps(c + i * ldc + 8, m1, c1[i]);
+            }
         }
     }
+}
+__attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float *a, int64_t lda, const float *b,
+                                                          int64_t ldb, float *c, int64_t ldc, int m, int n,
+                                                          int accumulate) {
+    if (n == 16) body_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate, 1);
+    else body_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate, 0);
 }
 
 /* ---- portable C: 4 x 16, multiply then add (this file is ISO C: no contraction into FMA) -- */
@@ -115,12 +134,152 @@ static void tile_generic(int64_t K, const float *a, int64_t lda, const float *b,
         for (int j = 0; j < n; j++) c[i * ldc + j] = acc[i][j];
 }
 
+/* ---- epilogues: c = act(c + bias) over a tile, on the kernel set's registers ----------------- */
+__attribute__((target("avx512f"))) static void epilogue_avx512(float *c, int64_t ldc, int m, int n, const float *bias,
+                                                               int act) {
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias + j) : _mm512_setzero_ps();
+        for (int i = 0; i < m; i++) {
+            __m512 v = _mm512_maskz_loadu_ps(k, c + i * ldc + j);
+            if (bias) v = _mm512_add_ps(v, b);
+            _mm512_mask_storeu_ps(c + i * ldc + j, k, ft_act512(v, act));
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void epilogue_avx2(float *c, int64_t ldc, int m, int n, const float *bias,
+                                                              int act) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int j = 0; j < n; j += 8) {
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane);
+        const __m256 b = bias ? _mm256_maskload_ps(bias + j, k) : _mm256_setzero_ps();
+        for (int i = 0; i < m; i++) {
+            __m256 v = _mm256_maskload_ps(c + i * ldc + j, k);
+            if (bias) v = _mm256_add_ps(v, b);
+            _mm256_maskstore_ps(c + i * ldc + j, k, ft_act256(v, act));
+        }
+    }
+}
+
+void ft_cpu_epilogue(float *c, int64_t ldc, int m, int n, const float *bias, int act) {
+    const ft_cpu_kernel *kr = ft_cpu_kernel_get();
+    if (ft_vec_act(act) && kr->tile == tile_avx512) {
+        epilogue_avx512(c, ldc, m, n, bias, act);
+    } else if (ft_vec_act(act) && kr->tile == tile_avx2) {
+        epilogue_avx2(c, ldc, m, n, bias, act);
+    } else {   /* portable C, and tanh everywhere (libm's tanhf) */
+        for (int i = 0; i < m; i++) {
+            float *r = c + i * ldc;
+            if (bias)
+                for (int j = 0; j < n; j++) r[j] += bias[j];
+            if (act >= 0) ft_activation_row(r, n, (ft_activation)act);
+        }
+    }
+}
+
+/* ---- softmax of a score row: s = softmax(scale s) in place --------------------------------- */
+/* The max is exact in any order; the sum adds element j into lane j % 16 in order of j, then
+ * folds the lanes in rowfun.h's tree: the same order as ft_row_sum, on registers. */
+__attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t n, float scale) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 v = _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(k, s + j));
+        _mm512_mask_storeu_ps(s + j, k, v);
+        mx = _mm512_mask_max_ps(mx, k, v, mx);
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = ft_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m));
+        _mm512_mask_storeu_ps(s + j, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    float lane[FT_LANES];
+    _mm512_storeu_ps(lane, sum);
+    const __m512 inv = _mm512_set1_ps(1.0f / ft_fold_lanes(lane));
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n, float scale) {
+    const __m256i lane_id = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)), lane_id);
+        const __m256 v = _mm256_mul_ps(sc, _mm256_maskload_ps(s + j, k));
+        _mm256_maskstore_ps(s + j, k, v);
+        mx = _mm256_blendv_ps(mx, _mm256_max_ps(v, mx), _mm256_castsi256_ps(k));
+    }
+    float l8[8];
+    _mm256_storeu_ps(l8, mx);
+    float top = l8[0];
+    for (int l = 1; l < 8; l++) top = l8[l] > top ? l8[l] : top;
+    const __m256 m = _mm256_set1_ps(top);
+    /* lanes j % 16: two accumulators, elements [16c, 16c + 8) and [16c + 8, 16c + 16) */
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)), lane_id);
+        const __m256 e = ft_exp256(_mm256_sub_ps(_mm256_maskload_ps(s + j, k), m));
+        _mm256_maskstore_ps(s + j, k, e);
+        const int half = (int)((j / 8) & 1);
+        sum[half] = _mm256_add_ps(sum[half], _mm256_and_ps(e, _mm256_castsi256_ps(k)));
+    }
+    float lane[FT_LANES];
+    _mm256_storeu_ps(lane, sum[0]);
+    _mm256_storeu_ps(lane + 8, sum[1]);
+    const __m256 inv = _mm256_set1_ps(1.0f / ft_fold_lanes(lane));
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)), lane_id);
+        _mm256_maskstore_ps(s + j, k, _mm256_mul_ps(_mm256_maskload_ps(s + j, k), inv));
+    }
+}
+
+static void softmax_generic(float *s, int64_t n, float scale) {
+    float lane[FT_LANES];
+    for (int l = 0; l < FT_LANES; l++) lane[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + FT_LANES <= n; j += FT_LANES)
+        for (int l = 0; l < FT_LANES; l++) {
+            float v = scale * s[j + l];
+            s[j + l] = v;
+            lane[l] = v > lane[l] ? v : lane[l];
+        }
+    for (int l = 0; j + l < n; l++) {
+        float v = scale * s[j + l];
+        s[j + l] = v;
+        lane[l] = v > lane[l] ? v : lane[l];
+    }
+    float mx = lane[0];
+    for (int l = 1; l < FT_LANES; l++) mx = lane[l] > mx ? lane[l] : mx;   /* max: exact in any order */
+#pragma omp simd
+    for (j = 0; j < n; j++) s[j] = ft_expf(s[j] - mx);
+    const float inv = 1.0f / ft_row_sum(s, n);
+#pragma omp simd
+    for (j = 0; j < n; j++) s[j] *= inv;
+}
+
+void ft_cpu_softmax_row(float *s, int64_t n, float scale) {
+    const ft_tile_fn tile = ft_cpu_kernel_get()->tile;
+    if (tile == tile_avx512) softmax_avx512(s, n, scale);
+    else if (tile == tile_avx2) softmax_avx2(s, n, scale);
+    else softmax_generic(s, n, scale);
+}
+
 /* ---- choice --------------------------------------------------------------------------------- */
 static const ft_cpu_kernel kernels[] = {
-    {"avx512", MR512, 32, tile_avx512},
-    {"avx2", MR256, 16, tile_avx2},
-    {"generic", MRG, NRG, tile_generic},
+    {"amx", MR512, 32, tile_avx512, 1},
+    {"avx512", MR512, 32, tile_avx512, 0},
+    {"avx2", MR256, 16, tile_avx2, 0},
+    {"generic", MRG, NRG, tile_generic, 0},
 };
+#define N_KERNELS 4
 
 static const ft_cpu_kernel *chosen;
 static pthread_once_t choose_once = PTHREAD_ONCE_INIT;
@@ -128,8 +287,9 @@ static pthread_once_t choose_once = PTHREAD_ONCE_INIT;
 static int supported(int k) {
     __builtin_cpu_init();
     switch (k) {
-    case 0: return __builtin_cpu_supports("avx512f");
-    case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case 0: return __builtin_cpu_supports("avx512f") && ft_amx_usable();
+    case 1: return __builtin_cpu_supports("avx512f");
+    case 2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     default: return 1;
     }
 }
@@ -140,13 +300,13 @@ static void choose(void) {
     while (!supported(best)) best++;
     chosen = &kernels[best];
     if (want && *want && strcmp(want, "auto") != 0) {
-        for (int k = 0; k < 3; k++)
+        for (int k = 0; k < N_KERNELS; k++)
             if (strcmp(want, kernels[k].name) == 0) {
                 if (supported(k)) chosen = &kernels[k];
                 else fprintf(stderr, "fasttran: FASTTRAN_CPU_ISA=%s is not supported by this CPU; using %s\n", want, chosen->name);
                 return;
             }
-        fprintf(stderr, "fasttran: unknown FASTTRAN_CPU_ISA=%s (expected avx512, avx2, generic or auto); using %s\n",
+        fprintf(stderr, "fasttran: unknown FASTTRAN_CPU_ISA=%s (expected amx, avx512, avx2, generic or auto); using %s\n",
                 want, chosen->name);
     }
 }

@@ -1,6 +1,9 @@
 /* The CPU backend's matrix micro-kernels: one register tile of C (MR x NR) += A B over a
  * K range, for AVX-512, AVX2+FMA and portable C, chosen once at run time (CPUID, or the
- * FASTTRAN_CPU_ISA environment variable: avx512 | avx2 | generic).
+ * FASTTRAN_CPU_ISA environment variable: amx | avx512 | avx2 | generic).
+ *
+ * "amx" is "avx512" whose linear layers run on Intel's AMX tiles instead, at float32 accuracy
+ * (amx.h); attention keeps the AVX-512 tile.
  *
  * The one rule that makes the encoder's results independent of the batch, the padding and the
  * thread count: every C element is one sequential chain over k = 0..K-1 (an FMA per k on the
@@ -22,10 +25,18 @@ typedef void (*ft_tile_fn)(int64_t K, const float *a, int64_t lda, const float *
                            int64_t ldc, int m, int n, int accumulate);
 
 typedef struct {
-    const char *name;   /* "avx512", "avx2", "generic" */
+    const char *name;   /* "amx", "avx512", "avx2", "generic" */
     int mr, nr;
     ft_tile_fn tile;
+    int amx;            /* 1: linear layers run on the AMX tiles (amx.h); `tile` serves the rest */
 } ft_cpu_kernel;
+
+/* c (m x n tile, row stride ldc) = act(c + bias): bias (n) or NULL, act an ft_activation or -1;
+ * on the kernel set's registers (vecmath.h; tanh with libm's tanhf), portable C on "generic" */
+void ft_cpu_epilogue(float *c, int64_t ldc, int m, int n, const float *bias, int act);
+
+/* s[0..n) = softmax(scale s) in place: max, exp, sum in 16 fixed lanes (rowfun.h's order) */
+void ft_cpu_softmax_row(float *s, int64_t n, float scale);
 
 /* The kernel set of this process (chosen on first call). */
 const ft_cpu_kernel *ft_cpu_kernel_get(void);

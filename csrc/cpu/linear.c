@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/status.h"
+#include "amx.h"
 #include "cpu_ops.h"
 #include "kernels.h"
 #include "mathfun.h"
@@ -39,8 +40,17 @@ static int64_t NCB(const ft_cpu_kernel *kr) {
     return cols < kr->nr ? kr->nr : cols > 512 ? 512 : cols;
 }
 
+/* AMX: columns per task so that its block of packed weights (6 bytes per element) fills about
+ * half of L2 */
+static int64_t NCB_amx(int64_t K) {
+    const int64_t kp = (K + 31) / 32 * 32;
+    int64_t cols = l2_budget_floats() * (int64_t)sizeof(float) / (6 * kp) / FT_AMX_NR * FT_AMX_NR;
+    return cols < FT_AMX_NR ? FT_AMX_NR : cols > 512 ? 512 : cols;
+}
+
 size_t cpu_packed_weight_bytes(ft_backend *be, int64_t N, int64_t K) {
     (void)be;
+    if (ft_cpu_kernel_get()->amx) return ft_amx_packed_bytes(N, K);
     const int64_t nr = ft_cpu_kernel_get()->nr;
     return (size_t)((N + nr - 1) / nr) * (size_t)nr * (size_t)K * sizeof(float);
 }
@@ -48,6 +58,11 @@ size_t cpu_packed_weight_bytes(ft_backend *be, int64_t N, int64_t K) {
 ft_status cpu_pack_weight(ft_backend *be, float *packed, const float *w, int64_t N, int64_t K) {
     (void)be;
     const int64_t nr = ft_cpu_kernel_get()->nr, panels = (N + nr - 1) / nr;
+    if (ft_cpu_kernel_get()->amx) {
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads())
+        for (int64_t p = 0; p < panels; p++) ft_amx_pack_panel((uint16_t *)packed, w, N, K, p);
+        return FT_OK;
+    }
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads())
     for (int64_t p = 0; p < panels; p++) {
         float *dst = packed + p * K * nr;
@@ -58,18 +73,6 @@ ft_status cpu_pack_weight(ft_backend *be, float *packed, const float *w, int64_t
             }
     }
     return FT_OK;
-}
-
-/* out (m x n tile, stride ld) = act(out + bias) */
-static void tile_epilogue(float *c, int64_t ld, int m, int n, const float *bias, int act) {
-    for (int i = 0; i < m; i++) {
-        float *r = c + i * ld;
-        if (bias) {
-#pragma omp simd
-            for (int j = 0; j < n; j++) r[j] += bias[j];
-        }
-        if (act >= 0) ft_activation_row(r, n, (ft_activation)act);
-    }
 }
 
 typedef struct {
@@ -89,11 +92,16 @@ static int64_t kblock(const ft_cpu_kernel *kr, int64_t K) {
     return (K + blocks - 1) / blocks;
 }
 
-/* rows [r0, r1) x panels [p0, p1) of one linear layer; pad: MR x KC floats for a short block */
+/* rows [r0, r1) x panels [p0, p1) of one linear layer; pad: the thread's scratch (task_scratch) */
 static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
                      float *pad) {
     const int mr = kr->mr, nr = kr->nr;
     const int64_t K = a->K, N = a->N, KC = kblock(kr, K);
+    if (kr->amx) {   /* all of K per block (amx.h); the residual rows get their bias in the LayerNorm */
+        ft_amx_linear_rows(a->x, K, r0, r1, (const uint16_t *)a->w, N, p0, p1, a->out, a->residual ? NULL : a->bias,
+                           a->residual ? -1 : a->act, pad);
+        goto rows_done;
+    }
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const int last = k0 + kc == K;
@@ -113,27 +121,36 @@ static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, 
                 float *c = a->out + r * N + p * nr;
                 kr->tile(kc, ar, lda, a->w + p * K * nr + k0 * nr, nr, c, N, m, n, k0 > 0);
                 if (last && !a->residual && (a->bias || a->act >= 0))
-                    tile_epilogue(c, N, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
+                    ft_cpu_epilogue(c, N, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
             }
         }
     }
+rows_done:
     if (a->residual)   /* the task holds whole rows: residual + bias + LayerNorm while they are hot */
         for (int64_t r = r0; r < r1; r++)
             ft_bias_residual_ln_row(a->out + r * N, a->residual + r * N, a->out + r * N, a->bias, a->gamma, a->beta,
                                     N, a->eps);
 }
 
+/* bytes of a thread's scratch for tasks of up to mc rows: a zero-padded copy of a short block of
+ * A (MR x KC floats), or for AMX the split rows and the accumulators */
+static size_t task_scratch(const ft_cpu_kernel *kr, int64_t mc, int64_t K) {
+    const size_t bytes = kr->amx ? ft_amx_scratch_bytes(mc, K) : (size_t)kr->mr * kblock(kr, K) * sizeof(float);
+    return (bytes + 63) & ~(size_t)63;
+}
+
 static ft_status run_linear(const linear_args *a) {
     const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int nt = ft_num_threads();
     const int64_t panels = (a->N + kr->nr - 1) / kr->nr, want = 4 * (int64_t)nt;
+    const int64_t granule = kr->amx ? FT_AMX_MR : kr->mr;   /* rows of a full block */
     int64_t mc = MC, chunks = 1;
     if (a->residual) {   /* whole rows per task: shrink the row blocks until there are enough tasks */
         int64_t per = (a->M + want - 1) / want;
-        per = (per + kr->mr - 1) / kr->mr * kr->mr;
+        per = (per + granule - 1) / granule * granule;
         mc = per < MC ? per : MC;
     } else {             /* column blocks that fit L2, more of them when there are few row blocks */
-        const int64_t rb = (a->M + MC - 1) / MC, per_block = NCB(kr) / kr->nr;
+        const int64_t rb = (a->M + MC - 1) / MC, per_block = (kr->amx ? NCB_amx(a->K) : NCB(kr)) / kr->nr;
         chunks = (panels + per_block - 1) / per_block;
         if (rb * chunks < want) chunks = (want + rb - 1) / rb;
         if (chunks > panels) chunks = panels;
@@ -143,7 +160,7 @@ static ft_status run_linear(const linear_args *a) {
     int failed = 0;
 #pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
     {
-        float *ap = aligned_alloc(64, ((size_t)kr->mr * kblock(kr, a->K) * sizeof(float) + 63) & ~(size_t)63);
+        float *ap = aligned_alloc(64, task_scratch(kr, mc, a->K));
         if (!ap) {
 #pragma omp atomic write
             failed = 1;
@@ -151,7 +168,7 @@ static ft_status run_linear(const linear_args *a) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             if (!ap) continue;
-            const int64_t rb = t / chunks, ch = t % chunks;
+            const int64_t ch = t / row_blocks, rb = t % row_blocks;   /* chunk-major: a chunk of weights stays in L2 */
             const int64_t r0 = rb * mc, r1 = r0 + mc < a->M ? r0 + mc : a->M;
             const int64_t p0 = ch * per_chunk, p1 = p0 + per_chunk < panels ? p0 + per_chunk : panels;
             if (p0 < p1) run_task(kr, a, r0, r1, p0, p1, ap);

@@ -52,11 +52,11 @@ static inline float ft_gelu_erf(float x) {
     return 0.5f * x * (x < 0 ? c : 2.0f - c);
 }
 
-/* GELU, tanh form (gelu_new / gelu_pytorch_tanh): tanh(y) = 1 - 2 / (exp(2y) + 1) */
+/* GELU, tanh form (gelu_new / gelu_pytorch_tanh): 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)),
+ * which keeps its relative accuracy where 1 + tanh(y) would cancel (x < -3) */
 static inline float ft_gelu_tanh(float x) {
     float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-    float th = 1.0f - 2.0f / (ft_expf(2.0f * y) + 1.0f);
-    return 0.5f * x * (1.0f + th);
+    return x / (1.0f + ft_expf(-2.0f * y));
 }
 
 #endif

@@ -447,7 +447,7 @@ const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */
 int ft_num_threads(void);               /* threads of the CPU backend (see core/threads.c) */
 void ft_set_num_threads(int n);
 int ft_default_threads(void);           /* FASTTRAN_NUM_THREADS, OMP_NUM_THREADS, else CPUs this process may use */
-const char *ft_cpu_isa(void);           /* CPU kernels in use: "avx512", "avx2" or "generic" */
+const char *ft_cpu_isa(void);           /* CPU kernels in use: "amx", "avx512", "avx2" or "generic" */
 int ft_cuda_compiled(void);              /* the CUDA backend library (nvcc) is installed */
 int ft_cuda_emulated(void);              /* FASTTRAN_CUDA_EMU is set and the emulated backend is installed */
 /* Try to load the CUDA backend; returns FT_OK and the device count, or an error saying why. */

@@ -1,0 +1,50 @@
+/* Linear layers on Intel AMX (Sapphire Rapids and later) at float32 accuracy: "bf16x6".
+ *
+ * Every float32 x is split into three bfloat16 parts, x = h + m + l (h = bf16(x),
+ * m = bf16(x - h), l = bf16(x - h - m)): 24 significant bits, all of x but its last rounding.
+ * A product a b is then the six terms of order <= 2,
+ *     a_h b_h  +  (a_h b_m + a_h b_l + a_m b_m + a_m b_h + a_l b_h),
+ * dropping a_m b_l, a_l b_m, a_l b_l (below 2^-26 of |a b|). The tiles multiply bf16 pairs
+ * exactly and add in float32. The main term and the five corrections add into two separate
+ * accumulators, so the large one is rounded only as often as a float32 GEMM rounds and the
+ * small one's roundings are 2^-8 smaller; out = main + corrections. Measured on MiniLM's weights:
+ * the error against float64 is that of a float32 GEMM (tests/test_cpu_kernels.py); three terms
+ * (bf16x3, dropping those of order 2) were about 10x less accurate in the same simulation: not
+ * used.
+ *
+ * The same invariance rule as the SIMD kernels (kernels.h): a row's result depends only on
+ * its own row and the weights. Rows go through the tiles 32 at a time (zero rows fill a short
+ * block), the K order (steps of 32, the six terms in a fixed order) never depends on M, N,
+ * the blocking or the thread.
+ *
+ * Weights are packed once (ft_amx_pack_panel): panel p holds output columns [32p, 32p + 32),
+ * per K step of 32 the three parts of two 16-column halves, each a 16 x 64-byte tile of
+ * (k pair, column, k parity) -- the tiles' VNNI layout -- K and the columns zero-padded. */
+#ifndef FT_CPU_AMX_H
+#define FT_CPU_AMX_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define FT_AMX_NR 32   /* columns per panel */
+#define FT_AMX_MR 32   /* rows per block */
+
+/* 1 when this CPU has AMX-BF16 and AVX512-BF16 and the OS let this process use the tiles
+ * (asked once: arch_prctl ARCH_REQ_XCOMP_PERM); 0 otherwise, and always 0 in builds whose
+ * compiler has no AMX support. */
+int ft_amx_usable(void);
+
+/* bytes of the packed copy of an (N, K) weight */
+size_t ft_amx_packed_bytes(int64_t N, int64_t K);
+
+/* pack panel p (output columns [32p, 32p + 32)) of w (N, K) into its place in dst */
+void ft_amx_pack_panel(uint16_t *dst, const float *w, int64_t N, int64_t K, int64_t p);
+
+/* bytes of one thread's scratch for blocks of up to `rows` rows of K */
+size_t ft_amx_scratch_bytes(int64_t rows, int64_t K);
+
+/* out[r, c] = sum_k x[r, k] w[c, k] (+ bias[c], then act) for rows [r0, r1) of x (row stride K)
+ * and the output columns of panels [p0, p1); out has row stride N. act: an ft_activation or
+ * -1. scratch: ft_amx_scratch_bytes(r1 - r0, K), 64-byte aligned. */
+void ft_amx_linear_rows(const float *x, int64_t K, int64_t r0, int64_t r1, const uint16_t *wp, int64_t N,
+                        int64_t p0, int64_t p1, float *out, const float *bias, int act, void *scratch);
+#endif

@@ -1,0 +1,117 @@
+/* The activations of the linear layers' epilogues on whole SIMD registers (AVX-512, AVX2+FMA):
+ * mathfun.h's formulas (Cephes exp with a Cody-Waite reduction, the erfc of Numerical Recipes'
+ * Chebyshev fit) evaluated with FMA, and 1 / (1 + z / 2) as a reciprocal estimate refined by
+ * one Newton step. Elementwise, so a value never depends on its neighbours; the bits differ
+ * from mathfun.h's (FMA), accuracy does not: GELU within 3e-6 relative of float64 wherever
+ * |GELU(x)| > 1e-6 (tests/test_cpu_kernels.py). Include only from files that use the target attributes. */
+#ifndef FT_CPU_VECMATH_H
+#define FT_CPU_VECMATH_H
+#include <immintrin.h>
+
+#include "fasttran.h"
+
+#define FT_EXP_LO -87.33f
+#define FT_EXP_HI 88.37f
+#define FT_LOG2E 1.44269504088896341f
+#define FT_LN2_HI 0.693359375f
+#define FT_LN2_LO -2.12194440e-4f
+#define FT_EXP_POLY(FMA, SET1, p, r)                                                                   \
+    p = FMA(p, r, SET1(1.3981999507e-3f)); p = FMA(p, r, SET1(8.3334519073e-3f));                     \
+    p = FMA(p, r, SET1(4.1665795894e-2f)); p = FMA(p, r, SET1(1.6666665459e-1f));                     \
+    p = FMA(p, r, SET1(5.0000001201e-1f))
+#define FT_ERFC_POLY(FMA, SET1, q, t)                                                                  \
+    q = FMA(q, t, SET1(-0.82215223f)); q = FMA(q, t, SET1(1.48851587f));                              \
+    q = FMA(q, t, SET1(-1.13520398f)); q = FMA(q, t, SET1(0.27886807f));                              \
+    q = FMA(q, t, SET1(-0.18628806f)); q = FMA(q, t, SET1(0.09678418f));                              \
+    q = FMA(q, t, SET1(0.37409196f)); q = FMA(q, t, SET1(1.00002368f));                               \
+    q = FMA(q, t, SET1(-1.26551223f))
+
+/* ---- AVX-512 -------------------------------------------------------------------------------- */
+#define FT_V512 __attribute__((target("avx512f"), always_inline)) static inline
+FT_V512 __m512 ft_exp512(__m512 x) {   /* NaN stays NaN (max/min return their second operand) */
+    x = _mm512_min_ps(_mm512_set1_ps(FT_EXP_HI), _mm512_max_ps(_mm512_set1_ps(FT_EXP_LO), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(FT_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(FT_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(FT_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    FT_EXP_POLY(_mm512_fmadd_ps, _mm512_set1_ps, p, r);
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+FT_V512 __m512 ft_rcp512(__m512 d) {   /* 1 / d for d >= 1: 14-bit estimate, one Newton step */
+    const __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+}
+/* act(x) for GELU (both forms) and ReLU; -1: none. Tanh is not here: 1 - 2 / (exp(2x) + 1) loses
+ * its relative accuracy near 0, so callers keep libm's tanhf for it (ft_vec_act). */
+FT_V512 __m512 ft_act512(__m512 x, int act) {
+    switch (act) {
+    case FT_ACT_GELU_ERF: {   /* 0.5 x erfc(-x / sqrt 2) */
+        const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
+        const __m512 t = ft_rcp512(_mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.0f)));
+        __m512 q = _mm512_set1_ps(0.17087277f);
+        FT_ERFC_POLY(_mm512_fmadd_ps, _mm512_set1_ps, q, t);
+        /* -z^2 + q as -(x / 2) x + q, one rounding: z itself is rounded, and erfc's relative
+         * error grows with 2 z^2 times the error of its argument */
+        const __m512 hx = _mm512_mul_ps(x, _mm512_set1_ps(0.5f));
+        const __m512 c = _mm512_mul_ps(t, ft_exp512(_mm512_fnmadd_ps(hx, x, q)));
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x),
+                             _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(2.0f), c), c));
+    }
+    case FT_ACT_GELU_TANH: {  /* 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)) (mathfun.h) */
+        const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+        const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+        const __m512 d = _mm512_add_ps(ft_exp512(_mm512_mul_ps(y, _mm512_set1_ps(-2.0f))), _mm512_set1_ps(1.0f));
+        return _mm512_div_ps(x, d);
+    }
+    case FT_ACT_RELU: return _mm512_max_ps(x, _mm512_setzero_ps());   /* NaN -> 0, as x > 0 ? x : 0 */
+    default: return x;
+    }
+}
+
+/* ---- AVX2 + FMA ----------------------------------------------------------------------------- */
+#define FT_V256 __attribute__((target("avx2,fma"), always_inline)) static inline
+FT_V256 __m256 ft_exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(FT_EXP_HI), _mm256_max_ps(_mm256_set1_ps(FT_EXP_LO), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(FT_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(FT_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(FT_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    FT_EXP_POLY(_mm256_fmadd_ps, _mm256_set1_ps, p, r);
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+FT_V256 __m256 ft_rcp256(__m256 d) {   /* 1 / d for d >= 1: 12-bit estimate, one Newton step */
+    const __m256 r = _mm256_rcp_ps(d);
+    return _mm256_fmadd_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(1.0f)), r);
+}
+FT_V256 __m256 ft_act256(__m256 x, int act) {
+    switch (act) {
+    case FT_ACT_GELU_ERF: {
+        const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(0.70710678118654752f));
+        const __m256 t = ft_rcp256(_mm256_fmadd_ps(z, _mm256_set1_ps(0.5f), _mm256_set1_ps(1.0f)));
+        __m256 q = _mm256_set1_ps(0.17087277f);
+        FT_ERFC_POLY(_mm256_fmadd_ps, _mm256_set1_ps, q, t);
+        const __m256 hx = _mm256_mul_ps(x, _mm256_set1_ps(0.5f));
+        const __m256 c = _mm256_mul_ps(t, ft_exp256(_mm256_fnmadd_ps(hx, x, q)));
+        const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+        return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x),
+                             _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(2.0f), c), c, neg));
+    }
+    case FT_ACT_GELU_TANH: {
+        const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+        const __m256 d = _mm256_add_ps(ft_exp256(_mm256_mul_ps(y, _mm256_set1_ps(-2.0f))), _mm256_set1_ps(1.0f));
+        return _mm256_div_ps(x, d);
+    }
+    case FT_ACT_RELU: return _mm256_max_ps(x, _mm256_setzero_ps());
+    default: return x;
+    }
+}
+
+/* whether ft_act512 / ft_act256 compute `act` (-1 counts: nothing to compute) */
+static inline int ft_vec_act(int act) { return act != FT_ACT_TANH; }
+#endif
