@@ -18,11 +18,17 @@ instruction sets, the load average and the versions; benchmarks/last_cpu_peers.j
 raw numbers.
 
   python -m pytest benchmarks/test_cpu_peers.py -s                      # this CPU's best kernels
-  FASTTRAN_CPU_ISA=avx2 CT2_FORCE_CPU_ISA=AVX2 OPENBLAS_CORETYPE=Haswell MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-      ONEDNN_MAX_CPU_ISA=AVX2 python -m pytest benchmarks/test_cpu_peers.py -s   # AVX2 kernels forced
-(CTranslate2 and torch do their GEMMs in MKL / oneDNN, which CT2_FORCE_CPU_ISA does not reach: the
-MKL and oneDNN variables force those too. ONNX Runtime has no switch to force its AVX2 kernels;
-it keeps the best the CPU has.)
+
+AVX2 kernels forced, for every engine at once: benchmarks/avx2_only.c, preloaded, makes this process
+see an AVX2 machine (Haswell's feature set: no AVX-512, no AMX) through the CPUID instruction
+itself, so each library's own detection picks its AVX2 kernels -- ONNX Runtime's MLAS included,
+which has no switch of its own:
+  cc -O2 -shared -fPIC benchmarks/avx2_only.c -o /tmp/avx2_only.so
+  LD_PRELOAD=/tmp/avx2_only.so python -m pytest benchmarks/test_cpu_peers.py -s -p no:faulthandler
+(-p no:faulthandler: the preload answers CPUID from a SIGSEGV handler, which pytest's faulthandler
+would replace.) The first line printed says what each engine detected. The switches alone
+(FASTTRAN_CPU_ISA=avx2 CT2_FORCE_CPU_ISA=AVX2 OPENBLAS_CORETYPE=Haswell MKL_ENABLE_INSTRUCTIONS=AVX2
+ONEDNN_MAX_CPU_ISA=AVX2) reach every engine but ONNX Runtime.
 
 test_steady_under_load: the same SST-2 encode for fasttran and torch, alone and next to one busy
 process (`python -c "while True: pass"`), interleaved; the slowdown factors are compared.
@@ -63,7 +69,12 @@ def cpu_description():
     except OSError:
         pass
     isa = [x for x in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if x in flags]
-    return {"cpu": name, "isa": isa, "cores": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg()}
+    # what the engines detect (CPUID: avx2_only.c changes it, /proc/cpuinfo above keeps the hardware's)
+    detected = {"fasttran": fasttran.build_info()["cpu_kernels"], "openblas": fasttran.build_info()["blas"],
+                "torch": torch.backends.cpu.get_cpu_capability(),
+                "cpuid_masked_to_avx2": "LD_PRELOAD" in os.environ and "avx2_only" in os.environ["LD_PRELOAD"]}
+    return {"cpu": name, "isa": isa, "cores": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(),
+            "detected": detected}
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +264,9 @@ def save():
 
 def test_print_machine():
     d = cpu_description()
-    print(f"\nCPU: {d['cpu']}; ISA: {' '.join(d['isa'])}; CPUs for this process: {d['cores']}; "
-          f"fasttran kernels: {fasttran.build_info()['cpu_kernels']}; OpenBLAS: {fasttran.build_info()['blas']}; "
+    print(f"\nCPU: {d['cpu']}; ISA (hardware): {' '.join(d['isa'])}; CPUs for this process: {d['cores']}; "
+          f"detected: fasttran kernels {d['detected']['fasttran']}, torch {d['detected']['torch']}, "
+          f"OpenBLAS {d['detected']['openblas']}; CPUID masked to AVX2: {d['detected']['cpuid_masked_to_avx2']}; "
           f"threads: {THREADS}; load avg: {d['load_avg']}")
 
 

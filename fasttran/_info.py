@@ -94,8 +94,18 @@ def get_num_threads():
 
 def set_num_threads(n):
     """Set the threads used by fasttran's CPU backend, for every thread that calls into it.
-    Results do not depend on it: only the speed does."""
+    Results do not depend on it: only the speed does.
+
+    A process forked after fasttran ran parallel work runs on one thread (GNU OpenMP's thread
+    team does not survive fork(); a team would wait forever for threads that were not copied):
+    start worker processes with the "spawn" or "forkserver" method to give them more."""
     from .errors import InputError
     if isinstance(n, bool) or not isinstance(n, int):
         raise InputError(f"set_num_threads takes a positive int, got {n!r}")
     _C.set_num_threads(n)
+    if n > 1 and _C.num_threads() == 1:
+        import warnings
+        warnings.warn("fasttran runs on one thread in this process: it was forked after fasttran ran parallel "
+                      "work, and OpenMP's threads do not survive fork(). Start workers with "
+                      "multiprocessing.get_context('spawn') or 'forkserver' to use more threads.",
+                      RuntimeWarning, stacklevel=2)

@@ -207,3 +207,38 @@ def test_every_kernel_path_computes_at_float32_accuracy(isa):
     for act in range(4):
         assert rep[f"act{act}"] <= 3e-6, (isa, act, rep)
     assert rep["gemm"] <= 1.5 * rep["gemm_float32_chain"], rep
+
+
+FORK = r"""
+import json, os, sys, warnings
+import numpy as np
+import fasttran
+enc = fasttran.Encoder.from_pretrained(sys.argv[1])
+fasttran.set_num_threads(2)
+ids = np.random.default_rng(0).integers(1, 99, (5, 30)); mask = np.ones_like(ids)
+before = enc.forward(ids, mask, pooling="mean")         # the parent's thread team now exists
+pid = os.fork()
+if pid == 0:
+    code = 0 if np.array_equal(enc.forward(ids, mask, pooling="mean"), before) else 3
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fasttran.set_num_threads(4)
+    if fasttran.get_num_threads() != 1 or not any("spawn" in str(x.message) for x in w):
+        code = 4
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+after = enc.forward(ids, mask, pooling="mean")            # the parent keeps its threads
+print(json.dumps({"child": os.waitstatus_to_exitcode(status), "parent_same": bool(np.array_equal(after, before)),
+                  "parent_threads": fasttran.get_num_threads()}))
+"""
+
+
+def test_a_forked_child_computes_on_one_thread_instead_of_hanging(ckpt):
+    """GNU OpenMP's team does not survive fork(): before the fix the child's first forward
+    waited forever. Now it runs on one thread, gives the same bits, and says why it will not
+    take more (the timeout turns a hang into a failure)."""
+    r = subprocess.run([sys.executable, "-c", FORK, ckpt], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep == {"child": 0, "parent_same": True, "parent_threads": 2}, rep

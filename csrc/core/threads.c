@@ -7,6 +7,11 @@
  * Every parallel region names ft_num_threads() explicitly, so set_num_threads() holds for every
  * calling thread (OpenMP's own setting is per thread: a prefetch thread would not see it).
  *
+ * Fork: GNU OpenMP's team cannot cross fork() -- a child that enters a parallel region after
+ * its parent ran one waits forever for threads that were not copied. A child forked after the
+ * parent ran a parallel region therefore runs fasttran on one thread (set_num_threads cannot
+ * raise it; the spawn and forkserver start methods give a fresh process that can).
+ *
  * Waiting: fasttran/__init__.py sets OMP_WAIT_POLICY=passive before the OpenMP runtime loads
  * (unless the user set it): a worker that finishes early sleeps instead of spinning, so on a
  * machine shared with a busy process the core goes to the thread that still has work. */
@@ -34,6 +39,16 @@ static void blas_jobs_on_openmp(int sync, openblas_dojob_callback dojob, int num
 }
 
 static atomic_int g_threads;
+static atomic_int g_team_used;        /* a parallel region of more than one thread may have run */
+static atomic_int g_forked_single;    /* this process was forked after that: one thread only */
+
+static void after_fork_in_child(void) {
+    if (atomic_load(&g_team_used)) {
+        atomic_store(&g_forked_single, 1);
+        atomic_store(&g_threads, 1);
+        ft_blas_set_threads(1);
+    }
+}
 
 /* CPUs allowed by a cgroup quota file holding "quota period" (v2 cpu.max) or by two v1 files;
  * 0 when there is no limit or nothing to read */
@@ -115,6 +130,7 @@ int ft_default_threads(void) {
 
 static pthread_once_t threads_once = PTHREAD_ONCE_INIT;
 static void threads_init(void) {
+    pthread_atfork(NULL, NULL, after_fork_in_child);
     ft_blas_set_threads_callback(blas_jobs_on_openmp);
     int n = ft_default_threads();
     atomic_store(&g_threads, n);
@@ -124,12 +140,17 @@ void ft_blas_use_openmp(void) { pthread_once(&threads_once, threads_init); }
 
 int ft_num_threads(void) {
     pthread_once(&threads_once, threads_init);
-    return atomic_load(&g_threads);
+    const int n = atomic_load(&g_threads);
+    if (n > 1 && !atomic_load(&g_team_used)) atomic_store(&g_team_used, 1);   /* every region asks first */
+    return n;
 }
+
+int ft_forked_single_thread(void) { return atomic_load(&g_forked_single); }
 
 void ft_set_num_threads(int n) {
     pthread_once(&threads_once, threads_init);
     if (n < 1) n = 1;
+    if (atomic_load(&g_forked_single)) n = 1;   /* see "Fork" above */
     atomic_store(&g_threads, n);
     omp_set_num_threads(n);   /* this thread's OpenMP default too, for code outside fasttran's regions */
     ft_blas_set_threads(n);

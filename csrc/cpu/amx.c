@@ -25,45 +25,6 @@ size_t ft_amx_scratch_bytes(int64_t rows, int64_t K) {
            + 2 * FT_AMX_MR * FT_AMX_NR * sizeof(float);                                         /* main, corr */
 }
 
-/* ---- the split x = h + m + l (scalar: packing; vector: the rows, same rounding) ------------ */
-static uint16_t bf16_rne(float f) {   /* round to nearest even, as VCVTNEPS2BF16; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);   /* denormal: signed 0 */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static void split_scalar(float x, uint16_t part[PARTS]) {
-    part[0] = bf16_rne(x);
-    float r = x - bf16_value(part[0]);
-    if (!(fabsf(r) < INFINITY)) r = 0.0f;   /* x infinite, NaN or beyond bf16's range: h carries it */
-    part[1] = bf16_rne(r);
-    part[2] = bf16_rne(r - bf16_value(part[1]));
-}
-
-void ft_amx_pack_panel(uint16_t *dst, const float *w, int64_t N, int64_t K, int64_t p) {
-    const int64_t S = steps_of(K);
-    uint16_t *panel = dst + p * S * PARTS * 2 * TILE_ELEMS;
-    for (int64_t s = 0; s < S; s++)
-        for (int half = 0; half < 2; half++)
-            for (int r = 0; r < 16; r++)
-                for (int j = 0; j < 16; j++)
-                    for (int e = 0; e < 2; e++) {
-                        const int64_t col = p * FT_AMX_NR + half * 16 + j, k = s * STEP + 2 * r + e;
-                        uint16_t part[PARTS];
-                        split_scalar(col < N && k < K ? w[col * K + k] : 0.0f, part);
-                        for (int q = 0; q < PARTS; q++)
-                            panel[((s * PARTS + q) * 2 + half) * TILE_ELEMS + r * 32 + j * 2 + e] = part[q];
-                    }
-}
-
 #if defined(__x86_64__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
                             (defined(__clang__) && __clang_major__ >= 12))
 #define FT_HAVE_AMX 1
@@ -115,33 +76,77 @@ AMX static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* the three bf16 parts of 32 floats (v0: elements 0-15, v1: 16-31), each 32 bf16 in element
+ * order: h = bf16(x) rounded to nearest even, m = bf16(x - h), l = bf16(x - h - m), the
+ * subtractions exact. x infinite, NaN or beyond bf16's range: h carries it, m = l = 0. */
+AMX static inline void split32(__m512 v0, __m512 v1, __m512i part[PARTS]) {
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    for (int q = 0; q < PARTS; q++) {
+        part[q] = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+        if (q == PARTS - 1) break;
+        const __m512 p0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(part[q])), 16));
+        const __m512 p1 = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(part[q], 1)), 16));
+        v0 = _mm512_sub_ps(v0, p0);
+        v1 = _mm512_sub_ps(v1, p1);
+        v0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(v0), inf, _CMP_LT_OQ), v0);
+        v1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(v1), inf, _CMP_LT_OQ), v1);
+    }
+}
+
+/* k mask for the 32 elements of step s: (lo, hi) halves */
+static inline void step_masks(int64_t K, int64_t s, __mmask16 *lo, __mmask16 *hi) {
+    const int64_t left = K - s * STEP;
+    *lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    *hi = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+}
+
 /* rows [0, m) of x (row stride K; rows m..31 zero) -> a (S steps x PARTS x 32 rows x 32 bf16) */
 AMX static void split_rows(uint16_t *a, const float *x, int64_t K, int m) {
     const int64_t S = steps_of(K);
-    const __m512 inf = _mm512_set1_ps(INFINITY);
     for (int64_t s = 0; s < S; s++) {
-        const int64_t k0 = s * STEP, left = K - k0;
-        const __mmask16 k_lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-        const __mmask16 k_hi = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+        __mmask16 k_lo, k_hi;
+        step_masks(K, s, &k_lo, &k_hi);
         uint16_t *dst = a + s * PARTS * FT_AMX_MR * STEP;
         for (int i = 0; i < FT_AMX_MR; i++) {
             __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
             if (i < m) {
-                v0 = _mm512_maskz_loadu_ps(k_lo, x + i * K + k0);
-                v1 = _mm512_maskz_loadu_ps(k_hi, x + i * K + k0 + 16);
+                v0 = _mm512_maskz_loadu_ps(k_lo, x + i * K + s * STEP);
+                v1 = _mm512_maskz_loadu_ps(k_hi, x + i * K + s * STEP + 16);
+            }
+            __m512i part[PARTS];
+            split32(v0, v1, part);
+            for (int q = 0; q < PARTS; q++) _mm512_storeu_si512(dst + (q * FT_AMX_MR + i) * STEP, part[q]);
+        }
+    }
+}
+
+/* Panel p: per step, per 16-column half, each column's 32 k split at once (its weights are
+ * contiguous), then the 16 x 16 pairs transposed into the tile's rows (pair r of column j at
+ * row r, position j). Columns past N and k past K are zero. */
+AMX void ft_amx_pack_panel(uint16_t *dst, const float *w, int64_t N, int64_t K, int64_t p) {
+    const int64_t S = steps_of(K);
+    uint32_t *panel = (uint32_t *)(dst + p * S * PARTS * 2 * TILE_ELEMS);
+    uint32_t col_pairs[PARTS][16][16] __attribute__((aligned(64)));   /* [part][column][pair] */
+    for (int64_t s = 0; s < S; s++) {
+        __mmask16 k_lo, k_hi;
+        step_masks(K, s, &k_lo, &k_hi);
+        for (int half = 0; half < 2; half++) {
+            for (int j = 0; j < 16; j++) {
+                const int64_t col = p * FT_AMX_NR + half * 16 + j;
+                __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
+                if (col < N) {
+                    v0 = _mm512_maskz_loadu_ps(k_lo, w + col * K + s * STEP);
+                    v1 = _mm512_maskz_loadu_ps(k_hi, w + col * K + s * STEP + 16);
+                }
+                __m512i part[PARTS];
+                split32(v0, v1, part);
+                for (int q = 0; q < PARTS; q++) _mm512_store_si512(col_pairs[q][j], part[q]);
             }
             for (int q = 0; q < PARTS; q++) {
-                const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);   /* RNE, 32 bf16 */
-                _mm512_storeu_si512(dst + (q * FT_AMX_MR + i) * STEP, p);
-                if (q == PARTS - 1) break;
-                const __m512 p0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16));
-                const __m512 p1 = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16));
-                v0 = _mm512_sub_ps(v0, p0);   /* exact */
-                v1 = _mm512_sub_ps(v1, p1);
-                /* x infinite, NaN or beyond bf16's range: h carries it, the rest is 0 */
-                v0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(v0), inf, _CMP_LT_OQ), v0);
-                v1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(v1), inf, _CMP_LT_OQ), v1);
+                uint32_t *tile = panel + ((s * PARTS + q) * 2 + half) * (TILE_ELEMS / 2);
+                for (int r = 0; r < 16; r++)
+                    for (int j = 0; j < 16; j++) tile[r * 16 + j] = col_pairs[q][j][r];
             }
         }
     }
@@ -231,8 +236,11 @@ AMX void ft_amx_linear_rows(const float *x, int64_t K, int64_t r0, int64_t r1, c
     }
     _tile_release();
 }
-#else
+#else   /* no AMX in this compiler: ft_amx_usable() is 0, so nothing below is ever called */
 int ft_amx_usable(void) { return 0; }
+void ft_amx_pack_panel(uint16_t *dst, const float *w, int64_t N, int64_t K, int64_t p) {
+    (void)dst; (void)w; (void)N; (void)K; (void)p;
+}
 void ft_amx_linear_rows(const float *x, int64_t K, int64_t r0, int64_t r1, const uint16_t *wp, int64_t N,
                         int64_t p0, int64_t p1, float *out, const float *bias, int act, void *scratch) {
     (void)x; (void)K; (void)r0; (void)r1; (void)wp; (void)N; (void)p0; (void)p1; (void)out; (void)bias;
