@@ -6,7 +6,7 @@
  * One task per (sequence, head), run by any thread: K^T is packed into key panels once, then
  * per block of MR query rows: S = Q K^T (the micro-kernel, K = head size, Q read in place),
  * softmax with the scale in place, then P V into the head's columns of ctx (the micro-kernel,
- * K = keys, P read in place). Every score and every output element is one chain in a
+ * K = keys, P read in place, V packed into panels once per task). Every score and every output element is one chain in a
  * fixed order (kernels.h, rowfun.h), so a query row's result depends on its own sequence only,
  * not on the rows computed beside it or on the thread count. A sequence with no real key gets a
  * zero output, as transformers' default (SDPA) path and torch's SDPA give. */
@@ -26,17 +26,34 @@ size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t
 
 /* one (sequence, head): q points at the head's columns of the sequence's first row */
 static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, int64_t nq, int64_t nk, int64_t hs,
-                         int64_t ld, int64_t C, float scale, float *kp, float *S, float *qpad) {
+                         int64_t ld, int64_t C, float scale, float *kp, float *vp, float *S, float *qpad) {
     const int mr = kr->mr, nr = kr->nr;
     const float *k = q + C, *v = q + 2 * C;
     const int64_t kpanels = (nk + nr - 1) / nr, lds = kpanels * nr;
-    /* K^T in panels: panel p, element (d, j) = K[p nr + j][d] */
+    /* K^T in panels: panel p, element (d, j) = K[p nr + j][d]; a key's row is read once,
+     * contiguous (each key sits in its own page), its elements written down a panel column */
     for (int64_t p = 0; p < kpanels; p++)
-        for (int64_t d = 0; d < hs; d++)
-            for (int j = 0; j < nr; j++) {
-                const int64_t key = p * nr + j;
-                kp[(p * hs + d) * nr + j] = key < nk ? k[key * ld + d] : 0.0f;
+        for (int j = 0; j < nr; j++) {
+            const int64_t key = p * nr + j;
+            float *col = kp + p * hs * nr + j;
+            if (key < nk) {
+                const float *kr_row = k + key * ld;
+                for (int64_t d = 0; d < hs; d++) col[d * nr] = kr_row[d];
+            } else {
+                for (int64_t d = 0; d < hs; d++) col[d * nr] = 0.0f;
             }
+        }
+    /* V in panels of nr head columns, rows contiguous (read in place, each of its rows would sit
+     * in another page: one TLB entry per key) */
+    const int64_t vpanels = (hs + nr - 1) / nr;
+    for (int64_t p = 0; p < vpanels; p++) {
+        const int64_t n = hs - p * nr < nr ? hs - p * nr : nr;
+        for (int64_t key = 0; key < nk; key++) {
+            float *row = vp + (p * nk + key) * nr;
+            memcpy(row, v + key * ld + p * nr, (size_t)n * sizeof(float));
+            if (n < nr) memset(row + n, 0, (size_t)(nr - n) * sizeof(float));
+        }
+    }
     for (int64_t i0 = 0; i0 < nq; i0 += mr) {
         const int m = (int)(nq - i0 < mr ? nq - i0 : mr);
         const float *qa = q + i0 * ld;
@@ -54,9 +71,9 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
         }
         for (int i = 0; i < m; i++) ft_cpu_softmax_row(S + i * lds, nk, scale);
         /* out (m x hs) = P V, P read in place from S */
-        for (int64_t d0 = 0; d0 < hs; d0 += nr) {
-            const int n = (int)(hs - d0 < nr ? hs - d0 : nr);
-            kr->tile(nk, S, lds, v + d0, ld, out + i0 * C + d0, C, m, n, 0);
+        for (int64_t p = 0; p < vpanels; p++) {
+            const int n = (int)(hs - p * nr < nr ? hs - p * nr : nr);
+            kr->tile(nk, S, lds, vp + p * nk * nr, nr, out + i0 * C + p * nr, C, m, n, 0);
         }
     }
 }
@@ -70,8 +87,9 @@ ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, co
     int64_t maxk = 0;
     for (int64_t b = 0; b < B; b++) maxk = seqs[3 * b + 1] > maxk ? seqs[3 * b + 1] : maxk;
     const int64_t lds = (maxk + kr->nr - 1) / kr->nr * kr->nr;
-    /* per thread: K^T panels, one block of scores, a padded Q block */
-    const size_t floats = (size_t)(lds * hs + kr->mr * lds + hs * kr->mr);
+    /* per thread: K^T panels, V panels, one block of scores, a padded Q block */
+    const int64_t hsp = (hs + kr->nr - 1) / kr->nr * kr->nr;
+    const size_t floats = (size_t)(lds * hs + maxk * hsp + kr->mr * lds + hs * kr->mr);
     const int nt = ft_num_threads();
     const int64_t tasks = B * NH;
     int failed = 0;
@@ -92,8 +110,8 @@ ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, co
                 for (int64_t i = 0; i < nq; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
                 continue;
             }
-            float *kp = buf, *S = kp + lds * hs, *qpad = S + kr->mr * lds;
-            head_forward(kr, out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, kp, S, qpad);
+            float *kp = buf, *vp = kp + lds * hs, *S = vp + maxk * hsp, *qpad = S + kr->mr * lds;
+            head_forward(kr, out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, kp, vp, S, qpad);
         }
         free(buf);
     }

@@ -182,19 +182,17 @@ void ft_cpu_epilogue(float *c, int64_t ldc, int m, int n, const float *bias, int
 /* The max is exact in any order; the sum adds element j into lane j % 16 in order of j, then
  * folds the lanes in rowfun.h's tree: the same order as ft_row_sum, on registers. */
 __attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t n, float scale) {
-    const __m512 sc = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 v = _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(k, s + j));
-        _mm512_mask_storeu_ps(s + j, k, v);
-        mx = _mm512_mask_max_ps(mx, k, v, mx);
+        mx = _mm512_mask_max_ps(mx, k, _mm512_maskz_loadu_ps(k, s + j), mx);
     }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    /* exp(scale s - scale max) with the scale in the FMA (scale > 0: the max of s is that of scale s) */
+    const __m512 sc = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 e = ft_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m));
+        const __m512 e = ft_exp512(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + j), sc, shift));
         _mm512_mask_storeu_ps(s + j, k, e);
         sum = _mm512_mask_add_ps(sum, k, sum, e);
     }
@@ -209,24 +207,21 @@ __attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t 
 
 __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n, float scale) {
     const __m256i lane_id = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 sc = _mm256_set1_ps(scale);
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 8) {
         const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)), lane_id);
-        const __m256 v = _mm256_mul_ps(sc, _mm256_maskload_ps(s + j, k));
-        _mm256_maskstore_ps(s + j, k, v);
-        mx = _mm256_blendv_ps(mx, _mm256_max_ps(v, mx), _mm256_castsi256_ps(k));
+        mx = _mm256_blendv_ps(mx, _mm256_max_ps(_mm256_maskload_ps(s + j, k), mx), _mm256_castsi256_ps(k));
     }
     float l8[8];
     _mm256_storeu_ps(l8, mx);
     float top = l8[0];
     for (int l = 1; l < 8; l++) top = l8[l] > top ? l8[l] : top;
-    const __m256 m = _mm256_set1_ps(top);
+    const __m256 sc = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-scale * top);
     /* lanes j % 16: two accumulators, elements [16c, 16c + 8) and [16c + 8, 16c + 16) */
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t j = 0; j < n; j += 8) {
         const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)), lane_id);
-        const __m256 e = ft_exp256(_mm256_sub_ps(_mm256_maskload_ps(s + j, k), m));
+        const __m256 e = ft_exp256(_mm256_fmadd_ps(_mm256_maskload_ps(s + j, k), sc, shift));
         _mm256_maskstore_ps(s + j, k, e);
         const int half = (int)((j / 8) & 1);
         sum[half] = _mm256_add_ps(sum[half], _mm256_and_ps(e, _mm256_castsi256_ps(k)));
