@@ -42,7 +42,8 @@ typedef struct {
     /* bytes of `scratch` attention_forward needs for B sequences of at most T rows, NH heads */   \
     S(size_t, attention_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))         \
     /* bytes of `scratch` attention_train_forward / attention_backward need for B sequences of at  \
-     * most T rows, NH heads */                                                                    \
+     * most T rows, NH heads; the ops get the size they were given (scratch_bytes) and never use  \
+     * more, whatever set_num_threads did in between */                                           \
     S(size_t, attention_train_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))   \
     /* bytes of a packed copy of an (N, K) weight for linear_*_forward; 0 = the backend reads the \
      * weight as it is (w_packed is then ignored) */                                               \
@@ -149,12 +150,12 @@ typedef struct {
      * qkv (N, 3C): Q, K, V at column offsets 0, C, 2C. */                                         \
     X(attention_train_forward, (ft_backend *be, float *ctx, float *probs, uint8_t *dmask,          \
                                 const float *qkv, const int32_t *seqs, int64_t B, int64_t C,        \
-                                int64_t NH, float p, uint64_t key, float *scratch), (be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch))                 \
+                                int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes), (be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch, scratch_bytes))                 \
     /* dqkv (N, 3C) = the gradients of Q, K and V from dctx (N, C), with the forward's probs and  \
      * dmask (or the same p and key) */                                                            \
     X(attention_backward, (ft_backend *be, float *dqkv, const float *dctx, const float *qkv,       \
                            const float *probs, const uint8_t *dmask, const int32_t *seqs, int64_t B, \
-                           int64_t C, int64_t NH, float p, uint64_t key, float *scratch), (be, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch))                \
+                           int64_t C, int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes), (be, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch, scratch_bytes))                \
     /* dh (N, C) = the backward of mean pooling: row r of sequence b (rows [first[b], first[b] +  \
      * count[b]), device int32) gets dout[b] / count[b] (CLS pooling: count 1); rows of no        \
      * sequence get 0 */                                                                           \

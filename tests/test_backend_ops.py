@@ -135,6 +135,10 @@ class Scratch:       # scratch sized by one of the backend's own *_scratch_bytes
     def __init__(self, B, T, NH, service="attention_scratch_bytes"): self.bt, self.service = (B, T, NH), service
 
 
+class ScratchSize:   # the size in bytes of the Scratch argument `name`
+    def __init__(self, name): self.name = name
+
+
 class Packed:        # the backend's packed copy of the weight argument `name` (N, K), made by pack_weight
     def __init__(self, name, N, K): self.name, self.N, self.K = name, N, K
 
@@ -155,7 +159,7 @@ def poison(shape, dtype):
 
 def run_case(be, op, args):
     """Run `op` on backend `be` with the case's arguments; returns {name: output array}."""
-    ptrs, outs, structs = {}, {}, {}
+    ptrs, outs, structs, sizes = {}, {}, {}, {}
     extra = {k: v for k, v in args.items() if k.startswith("_")}
     for name, v in list(extra.items()) + list(args.items()):
         if name in ptrs:
@@ -167,7 +171,8 @@ def run_case(be, op, args):
             ptrs[name] = be.upload(init)
             outs[name] = v
         elif isinstance(v, Scratch):
-            ptrs[name] = be.alloc(be.fn[v.service](be.addr, *v.bt))
+            sizes[name] = be.fn[v.service](be.addr, *v.bt)
+            ptrs[name] = be.alloc(sizes[name])
         elif isinstance(v, Host):
             ptrs[name] = v.a.ctypes.data
     for name, v in args.items():
@@ -188,6 +193,8 @@ def run_case(be, op, args):
             call.append(ctypes.addressof(structs[name]))
         elif v is None:
             call.append(None)
+        elif isinstance(v, ScratchSize):
+            call.append(sizes[v.name])
         elif name in ptrs:
             call.append(ptrs[name])
         else:
@@ -623,7 +630,8 @@ def _attn_train(lengths, NH, hs, p, keep_mask):
         return dict(ctx=Out((N, C), tol=2e-5), probs=Out((total,), tol=2e-6),
                     dmask=Out((total,), np.uint8) if keep_mask else None, qkv=In(f32(rng, N, 3 * C)), seqs=Host(seqs),
                     B=len(lens), C=C, NH=NH, p=p, key=int(rng.integers(0, 2**63)),
-                    scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"))
+                    scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"),
+                    scratch_bytes=ScratchSize("scratch"))
     return build
 
 
@@ -646,7 +654,8 @@ def _attn_backward(lengths, NH, hs, p, keep_mask):
         dmask = (rng.random(probs.size) > p).astype(np.uint8)
         return dict(dqkv=Out((N, 3 * C), tol=5e-5), dctx=In(f32(rng, N, C)), qkv=In(f32(rng, N, 3 * C)),
                     probs=In(probs), dmask=In(dmask) if keep_mask else None, seqs=Host(seqs), B=len(lens), C=C, NH=NH,
-                    p=p, key=int(rng.integers(0, 2**63)), scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"))
+                    p=p, key=int(rng.integers(0, 2**63)), scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"),
+                    scratch_bytes=ScratchSize("scratch"))
     return build
 
 
@@ -697,6 +706,34 @@ def test_cpu_op_writes_every_output(op, ident, build):
     for name, v in args.items():
         if isinstance(v, Out) and v.dtype.kind == "f":
             assert np.isfinite(got[name]).all(), f"{op}: {name} has unwritten (NaN) or non-finite elements"
+
+
+@pytest.mark.parametrize("op", ["attention_train_forward", "attention_backward"])
+def test_cpu_attention_training_never_uses_more_scratch_than_it_was_given(op):
+    """The scratch is sized for the thread count of the moment (one pair of score blocks per
+    worker); another Python thread may raise the count before the op runs. The op takes the size
+    it was given and runs no more workers than that holds: with room for one worker and three
+    threads it gives the same result (the guard pages of a tight allocation would catch a write
+    past it under ASan), and with no room at all it refuses."""
+    build = dict(CASES[op])[f"{op}-128-64-4h16-p0.1"]
+    be = Backend(-1)
+    old = fasttran.get_num_threads()
+    try:
+        fasttran.set_num_threads(1)
+        ref = run_case(be, op, build(np.random.default_rng(7)))
+        fasttran.set_num_threads(3)
+        args = build(np.random.default_rng(7))
+        one_worker = 2 * 128 * 128 * 4
+        args["scratch"] = In(np.zeros(one_worker // 4, np.float32))
+        args["scratch_bytes"] = one_worker
+        got = run_case(be, op, args)
+        for name in got:
+            assert np.array_equal(got[name], ref[name]), name
+        args["scratch_bytes"] = one_worker - 4
+        with pytest.raises(AssertionError, match="holds no worker"):
+            run_case(be, op, args)
+    finally:
+        fasttran.set_num_threads(old)
 
 
 cuda = pytest.mark.skipif(not fasttran.cuda_available(),

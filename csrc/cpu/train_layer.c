@@ -252,20 +252,38 @@ static ft_status attn_plan_make(attn_plan *pl, const int32_t *seqs, int64_t B, i
     return FT_OK;
 }
 
+/* the team for a scratch of scratch_bytes: one (T, T) pair of score blocks per worker, at most
+ * ft_num_threads() workers -- never more than the scratch holds, even when another thread
+ * raised the thread count after the caller sized it */
+static ft_status scratch_workers(const attn_plan *pl, size_t scratch_bytes, const char *op, int *workers) {
+    const size_t slot = 2 * (size_t)pl->tmax * (size_t)pl->tmax * sizeof(float);
+    const size_t fit = slot ? scratch_bytes / slot : (size_t)ft_num_threads();
+    if (fit < 1) {
+        free(pl->tasks);
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "%s: a scratch of %zu bytes holds no worker's score blocks (%zu bytes)",
+                        op, scratch_bytes, slot);
+    }
+    const int nt = ft_num_threads();
+    *workers = fit < (size_t)nt ? (int)fit : nt;
+    return FT_OK;
+}
+
 ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
-                                      float *scratch) {
+                                      float *scratch, size_t scratch_bytes) {
     (void)be;
     attn_plan pl;
     ft_status st = attn_plan_make(&pl, seqs, B, C, NH, p, "attention_train_forward");
     if (st != FT_OK) return st;
+    int workers = 1;
+    if ((st = scratch_workers(&pl, scratch_bytes, "attention_train_forward", &workers)) != FT_OK) return st;
     const int64_t hs = pl.hs, ld = pl.ld, ntasks = pl.ntasks, tmax = pl.tmax;
     const float scale = pl.scale, keep_scale = pl.keep_scale;
     const uint32_t thr = pl.thr;
     const seq_task *tasks = pl.tasks;
     const int blas_threads = ft_blas_get_threads();
     ft_blas_set_threads(1);   /* each worker runs whole tasks */
-#pragma omp parallel num_threads(ft_num_threads())
+#pragma omp parallel num_threads(workers)
     {
         float *Pd = scratch + (size_t)omp_get_thread_num() * 2 * (size_t)tmax * (size_t)tmax;
 #pragma omp for schedule(dynamic, 1)
@@ -303,18 +321,20 @@ ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, 
 
 ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
                                  const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
-                                 uint64_t key, float *scratch) {
+                                 uint64_t key, float *scratch, size_t scratch_bytes) {
     (void)be;
     attn_plan pl;
     ft_status st = attn_plan_make(&pl, seqs, B, C, NH, p, "attention_backward");
     if (st != FT_OK) return st;
+    int workers = 1;
+    if ((st = scratch_workers(&pl, scratch_bytes, "attention_backward", &workers)) != FT_OK) return st;
     const int64_t hs = pl.hs, ld = pl.ld, ntasks = pl.ntasks, tmax = pl.tmax;
     const float scale = pl.scale, keep_scale = pl.keep_scale;
     const uint32_t thr = pl.thr;
     const seq_task *tasks = pl.tasks;
     const int blas_threads = ft_blas_get_threads();
     ft_blas_set_threads(1);
-#pragma omp parallel num_threads(ft_num_threads())
+#pragma omp parallel num_threads(workers)
     {
         float *Pd = scratch + (size_t)omp_get_thread_num() * 2 * (size_t)tmax * (size_t)tmax;
         float *dS = Pd + (size_t)tmax * (size_t)tmax;

@@ -39,6 +39,7 @@ typedef struct {
     float *dctx;         /* (N, C) */
     float *dbig;         /* (N, max(I, 3C))  GELU / QKV gradients */
     float *attn_scratch; /* attention_train_scratch_bytes */
+    size_t attn_scratch_bytes;
 } ft_layer_work;
 
 typedef struct {
