@@ -4,6 +4,7 @@ is in, the padding around it or the thread count; every path stays within 1e-4 o
 transformers; and the thread count comes from the environment and this process's CPUs.
 
 Each path runs in a subprocess (FASTTRAN_CPU_ISA is read once per process)."""
+import functools
 import json
 import os
 import subprocess
@@ -78,9 +79,19 @@ def _supported_isas():
         isas.append("avx2")
     if " avx512f" in flags:
         isas.append("avx512")
-        if " amx_bf16" in flags and " amx_tile" in flags and " avx512_bf16" in flags:
-            isas.append("amx")   # the OS may still refuse the tiles: then the child reports avx512
+        if " amx_bf16" in flags and " amx_tile" in flags and " avx512_bf16" in flags and _os_allows_amx():
+            isas.append("amx")
     return isas
+
+
+@functools.lru_cache(maxsize=None)
+def _os_allows_amx():
+    """The CPU has AMX, but the kernel must also grant this process the tile state (Linux >= 5.16,
+    arch_prctl): fasttran falls back to avx512 when it does not, so ask a fresh process."""
+    r = subprocess.run([sys.executable, "-c", "import fasttran; print(fasttran.build_info()['cpu_kernels'])"],
+                       env={**os.environ, "FASTTRAN_CPU_ISA": "amx", "PYTHONPATH": ROOT}, capture_output=True,
+                       text=True, timeout=120)
+    return r.returncode == 0 and r.stdout.strip().endswith("amx")
 
 
 def _run(code, *args, env=None):
