@@ -76,10 +76,16 @@ AMX static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* the three bf16 parts of 32 floats (v0: elements 0-15, v1: 16-31), each 32 bf16 in element
- * order: h = bf16(x) rounded to nearest even, m = bf16(x - h), l = bf16(x - h - m), the
- * subtractions exact. x infinite, NaN or beyond bf16's range: h carries it, m = l = 0. */
-AMX static inline void split32(__m512 v0, __m512 v1, __m512i part[PARTS]) {
+/* the three bf16 parts of the 32 floats at src (element e read where mask lo/hi has bit e / e-16;
+ * src NULL: 32 zeros), each 32 bf16 in element order: h = bf16(x) rounded to nearest even,
+ * m = bf16(x - h), l = bf16(x - h - m), the subtractions exact. x infinite, NaN or beyond bf16's
+ * range: h carries it, m = l = 0. */
+AMX static inline void split32(const float *src, __mmask16 lo, __mmask16 hi, __m512i part[PARTS]) {
+    __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
+    if (src) {
+        v0 = _mm512_maskz_loadu_ps(lo, src);
+        v1 = _mm512_maskz_loadu_ps(hi, src + 16);
+    }
     const __m512 inf = _mm512_set1_ps(INFINITY);
     for (int q = 0; q < PARTS; q++) {
         part[q] = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
@@ -109,13 +115,8 @@ AMX static void split_rows(uint16_t *a, const float *x, int64_t K, int m) {
         step_masks(K, s, &k_lo, &k_hi);
         uint16_t *dst = a + s * PARTS * FT_AMX_MR * STEP;
         for (int i = 0; i < FT_AMX_MR; i++) {
-            __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
-            if (i < m) {
-                v0 = _mm512_maskz_loadu_ps(k_lo, x + i * K + s * STEP);
-                v1 = _mm512_maskz_loadu_ps(k_hi, x + i * K + s * STEP + 16);
-            }
             __m512i part[PARTS];
-            split32(v0, v1, part);
+            split32(i < m ? x + i * K + s * STEP : NULL, k_lo, k_hi, part);
             for (int q = 0; q < PARTS; q++) _mm512_storeu_si512(dst + (q * FT_AMX_MR + i) * STEP, part[q]);
         }
     }
@@ -134,13 +135,8 @@ AMX void ft_amx_pack_panel(uint16_t *dst, const float *w, int64_t N, int64_t K, 
         for (int half = 0; half < 2; half++) {
             for (int j = 0; j < 16; j++) {
                 const int64_t col = p * FT_AMX_NR + half * 16 + j;
-                __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
-                if (col < N) {
-                    v0 = _mm512_maskz_loadu_ps(k_lo, w + col * K + s * STEP);
-                    v1 = _mm512_maskz_loadu_ps(k_hi, w + col * K + s * STEP + 16);
-                }
                 __m512i part[PARTS];
-                split32(v0, v1, part);
+                split32(col < N ? w + col * K + s * STEP : NULL, k_lo, k_hi, part);
                 for (int q = 0; q < PARTS; q++) _mm512_store_si512(col_pairs[q][j], part[q]);
             }
             for (int q = 0; q < PARTS; q++) {
