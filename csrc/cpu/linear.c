@@ -4,12 +4,15 @@
  *
  * Packed layout (per kernel set, NR = its panel width): panel p holds output columns
  * [p NR, p NR + NR) as K rows of NR floats, element (k, j) = W[p NR + j][k]; the last panel is
- * zero-padded. A GEMM is cut into tasks of up to MC rows x a range of panels, run in any order
- * by any thread (dynamic schedule: a thread slowed by another process takes fewer tasks);
- * inside a task the K range is cut into KC blocks; the task's KC x (its columns) block of
+ * zero-padded (AMX: amx.h's bf16x6 layout). A GEMM is cut into tasks of up to MC rows x a range
+ * of panels, run in any order by any thread (dynamic schedule: a thread slowed by another
+ * process takes fewer tasks), column range first so that consecutive tasks share their weights
+ * in L2. Inside a task the K range is cut into KC blocks; the task's KC x (its columns) block of
  * weights stays in L2 while each block of MR rows of x, read in place from L1, sweeps across it
- * (A's rows are never packed: only a last block of fewer than MR rows is copied, zero-padded). None of this changes a single
- * bit of the result (kernels.h): every element is one chain over k in order. */
+ * (A's rows are never packed: only a last block of fewer than MR rows is copied, zero-padded);
+ * on AMX the task's rows are split once and each 32 x 32 block runs all of K in the tiles
+ * (ft_amx_linear_rows). None of this changes a single bit of the result (kernels.h, amx.h):
+ * every element is one chain over k in a fixed order. */
 #include <math.h>
 #include <stdlib.h>
 #include <unistd.h>
