@@ -103,8 +103,8 @@ AMX static inline void split32(const float *src, __mmask16 lo, __mmask16 hi, __m
 /* k mask for the 32 elements of step s: (lo, hi) halves */
 static inline void step_masks(int64_t K, int64_t s, __mmask16 *lo, __mmask16 *hi) {
     const int64_t left = K - s * STEP;
-    *lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-    *hi = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+    *lo = ft_mask16(left);
+    *hi = ft_mask16(left - 16);
 }
 
 /* rows [0, m) of x (row stride K; rows m..31 zero) -> a (S steps x PARTS x 32 rows x 32 bf16) */
@@ -201,8 +201,7 @@ AMX void ft_amx_linear_rows(const float *x, int64_t K, int64_t r0, int64_t r1, c
         const uint16_t *b = wp + p * S * PARTS * 2 * TILE_ELEMS;
         const int64_t c0 = p * FT_AMX_NR;
         const int n = (int)(N - c0 < FT_AMX_NR ? N - c0 : FT_AMX_NR);
-        const __mmask16 n_lo = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-        const __mmask16 n_hi = n >= 32 ? 0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+        const __mmask16 n_lo = ft_mask16(n), n_hi = ft_mask16(n - 16);
         __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
         if (bias) {
             b_lo = _mm512_maskz_loadu_ps(n_lo, bias + c0);

@@ -21,8 +21,7 @@
 __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const float *a, int64_t lda, const float *b,
                                                             int64_t ldb, float *c, int64_t ldc, int m, int n,
                                                             int accumulate) {
-    const __mmask16 m0 = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-    const __mmask16 m1 = n >= 32 ? (__mmask16)0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : (__mmask16)0;
+    const __mmask16 m0 = ft_mask16(n), m1 = ft_mask16(n - 16);
     __m512 c0[MR512], c1[MR512];
 #pragma GCC unroll 12
     for (int i = 0; i < MR512; i++) {
@@ -67,9 +66,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void body_avx2(
                                                                               const float *b, int64_t ldb, float *c,
                                                                               int64_t ldc, int m, int n, int accumulate,
                                                                               const int full) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
-    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane);
+    const __m256i m0 = ft_mask8(n), m1 = ft_mask8(n - 8);
     __m256 c0[MR256], c1[MR256];
 #pragma GCC unroll 6
     for (int i = 0; i < MR256; i++) {
@@ -138,7 +135,7 @@ static void tile_generic(int64_t K, const float *a, int64_t lda, const float *b,
 __attribute__((target("avx512f"))) static void epilogue_avx512(float *c, int64_t ldc, int m, int n, const float *bias,
                                                                int act) {
     for (int j = 0; j < n; j += 16) {
-        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 k = ft_mask16(n - j);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias + j) : _mm512_setzero_ps();
         for (int i = 0; i < m; i++) {
             __m512 v = _mm512_maskz_loadu_ps(k, c + i * ldc + j);
@@ -150,9 +147,8 @@ __attribute__((target("avx512f"))) static void epilogue_avx512(float *c, int64_t
 
 __attribute__((target("avx2,fma"))) static void epilogue_avx2(float *c, int64_t ldc, int m, int n, const float *bias,
                                                               int act) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int j = 0; j < n; j += 8) {
-        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane);
+        const __m256i k = ft_mask8(n - j);
         const __m256 b = bias ? _mm256_maskload_ps(bias + j, k) : _mm256_setzero_ps();
         for (int i = 0; i < m; i++) {
             __m256 v = _mm256_maskload_ps(c + i * ldc + j, k);
@@ -184,14 +180,14 @@ void ft_cpu_epilogue(float *c, int64_t ldc, int m, int n, const float *bias, int
 __attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t n, float scale) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 k = ft_mask16(n - j);
         mx = _mm512_mask_max_ps(mx, k, _mm512_maskz_loadu_ps(k, s + j), mx);
     }
     /* exp(scale s - scale max) with the scale in the FMA (scale > 0: the max of s is that of scale s) */
     const __m512 sc = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 k = ft_mask16(n - j);
         const __m512 e = ft_exp512(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + j), sc, shift));
         _mm512_mask_storeu_ps(s + j, k, e);
         sum = _mm512_mask_add_ps(sum, k, sum, e);
@@ -200,16 +196,15 @@ __attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t 
     _mm512_storeu_ps(lane, sum);
     const __m512 inv = _mm512_set1_ps(1.0f / ft_fold_lanes(lane));
     for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 k = ft_mask16(n - j);
         _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
     }
 }
 
 __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n, float scale) {
-    const __m256i lane_id = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 8) {
-        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)), lane_id);
+        const __m256i k = ft_mask8(n - j);
         mx = _mm256_blendv_ps(mx, _mm256_max_ps(_mm256_maskload_ps(s + j, k), mx), _mm256_castsi256_ps(k));
     }
     float l8[8];
@@ -220,7 +215,7 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n
     /* lanes j % 16: two accumulators, elements [16c, 16c + 8) and [16c + 8, 16c + 16) */
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t j = 0; j < n; j += 8) {
-        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)), lane_id);
+        const __m256i k = ft_mask8(n - j);
         const __m256 e = ft_exp256(_mm256_fmadd_ps(_mm256_maskload_ps(s + j, k), sc, shift));
         _mm256_maskstore_ps(s + j, k, e);
         const int half = (int)((j / 8) & 1);
@@ -231,7 +226,7 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n
     _mm256_storeu_ps(lane + 8, sum[1]);
     const __m256 inv = _mm256_set1_ps(1.0f / ft_fold_lanes(lane));
     for (int64_t j = 0; j < n; j += 8) {
-        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)), lane_id);
+        const __m256i k = ft_mask8(n - j);
         _mm256_maskstore_ps(s + j, k, _mm256_mul_ps(_mm256_maskload_ps(s + j, k), inv));
     }
 }

@@ -7,6 +7,7 @@
 #ifndef FT_CPU_VECMATH_H
 #define FT_CPU_VECMATH_H
 #include <immintrin.h>
+#include <stdint.h>
 
 #include "fasttran.h"
 
@@ -25,6 +26,11 @@
     q = FMA(q, t, SET1(-0.18628806f)); q = FMA(q, t, SET1(0.09678418f));                              \
     q = FMA(q, t, SET1(0.37409196f)); q = FMA(q, t, SET1(1.00002368f));                               \
     q = FMA(q, t, SET1(-1.26551223f))
+
+/* lanes [0, left) of a 16-lane AVX-512 register (left clamped to 0..16) */
+static inline __mmask16 ft_mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
 
 /* ---- AVX-512 -------------------------------------------------------------------------------- */
 #define FT_V512 __attribute__((target("avx512f"), always_inline)) static inline
@@ -73,6 +79,11 @@ FT_V512 __m512 ft_act512(__m512 x, int act) {
 
 /* ---- AVX2 + FMA ----------------------------------------------------------------------------- */
 #define FT_V256 __attribute__((target("avx2,fma"), always_inline)) static inline
+/* lanes [0, left) of an 8-lane AVX2 register (left clamped to 0..8), for maskload / maskstore */
+FT_V256 __m256i ft_mask8(int64_t left) {
+    const int n = left >= 8 ? 8 : left <= 0 ? 0 : (int)left;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 FT_V256 __m256 ft_exp256(__m256 x) {
     x = _mm256_min_ps(_mm256_set1_ps(FT_EXP_HI), _mm256_max_ps(_mm256_set1_ps(FT_EXP_LO), x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(FT_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
