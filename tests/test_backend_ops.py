@@ -264,7 +264,11 @@ def _gemm(ta, tb, M, N, K, alpha=1.0, beta=0.0, pad=0):
 
 for (ta, tb, M, N, K, al, bt, pad) in [(0, 0, 1, 1, 1, 1.0, 0.0, 0), (0, 1, 7, 509, 17, 1.0, 0.0, 0),
                                        (1, 0, 33, 5, 64, 0.5, 1.0, 3), (1, 1, 3, 129, 130, 1.0, 0.0, 0),
-                                       (0, 1, 130, 96, 1, 2.0, 1.0, 1), (0, 0, 64, 64, 768, 1.0, 0.0, 0)]:
+                                       (0, 1, 130, 96, 1, 2.0, 1.0, 1), (0, 0, 64, 64, 768, 1.0, 0.0, 0),
+                                       # large enough for the CPU's AMX gemm (ft_cpu_gemm_on_amx): every
+                                       # transpose, short row blocks and panels, k past a step of 32
+                                       (0, 0, 97, 75, 333, 0.5, 1.0, 3), (0, 1, 97, 75, 333, 1.0, 0.0, 0),
+                                       (1, 0, 97, 75, 333, 1.0, 0.0, 0), (1, 1, 97, 75, 333, -1.5, 0.5, 1)]:
     case("gemm", f"{'NT'[ta]}{'NT'[tb]}-{M}x{N}x{K}" + ("-beta" if bt else "") + ("-ld" if pad else ""))(
         _gemm(ta, tb, M, N, K, al, bt, pad))
 

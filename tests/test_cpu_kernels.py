@@ -200,6 +200,29 @@ for k in range(K):
 got = linear(a, w, np.zeros(N, np.float32), -1)
 report["gemm"] = float(np.abs(got - ref).max())
 report["gemm_float32_chain"] = float(np.abs(seq - ref).max())
+
+# the backend's gemm op (AMX: ft_cpu_amx_gemm, transposed operands read k-major in place), every
+# transpose, alpha and beta, leading dimensions past the row: against float64, the same bar
+M, N, K = 97, 75, 700
+a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+seq = np.zeros((M, N), np.float32)
+for k in range(K):
+    seq = seq + np.outer(a[:, k], b[k]).astype(np.float32)
+prod = a.astype(np.float64) @ b.astype(np.float64)
+chain = float(np.abs(seq - prod).max())
+for ta in (0, 1):
+    for tb in (0, 1):
+        alpha, beta, pad = (1.0, 0.0, 0) if ta == tb else (-0.5, 1.5, 3)
+        A = np.ascontiguousarray(a.T if ta else a); B = np.ascontiguousarray(b.T if tb else b)
+        A = np.pad(A, ((0, 0), (0, pad))); B = np.pad(B, ((0, 0), (0, pad)))
+        C0 = rng.standard_normal((M, N + pad)).astype(np.float32)
+        pa, pb, pc = be.upload(A), be.upload(B), be.upload(C0)
+        be.check(be.fn["gemm"](be.addr, ta, tb, M, N, K, alpha, pa, A.shape[1], pb, B.shape[1], beta, pc, N + pad), "gemm")
+        got = be.download(pc, (M, N + pad), np.float32)
+        want = alpha * prod + beta * C0[:, :N].astype(np.float64)
+        beta_rounding = 2 * float(np.finfo(np.float32).eps) * float(np.abs(want).max())
+        report[f"gemm_op_{ta}{tb}"] = float(np.abs(got[:, :N] - want).max()) / (abs(alpha) * chain + beta_rounding)
+        report[f"gemm_op_{ta}{tb}_pad_untouched"] = bool(np.array_equal(got[:, N:], C0[:, N:]))
 print(json.dumps(report))
 """
 
@@ -209,7 +232,8 @@ def test_every_kernel_path_computes_at_float32_accuracy(isa):
     """The linear layer of each path: its activations within 3e-6 relative of float64 wherever
     |act(x)| > 1e-6 (the float32 input's own rounding, amplified by exp(-x^2 / 2), costs up to
     ~2e-6 at x = -5), and its GEMM (AMX: bf16x6, amx.h) no less accurate than a float32
-    multiply-add chain."""
+    multiply-add chain; so is the backend's gemm op (AMX's own, or OpenBLAS) for every transpose,
+    alpha, beta and leading dimension."""
     if isa not in _supported_isas():
         pytest.skip(f"this CPU has no {isa}")
     r = _run(ACCURACY, isa, os.path.dirname(os.path.abspath(__file__)), env={"FASTTRAN_CPU_ISA": isa})
@@ -218,6 +242,8 @@ def test_every_kernel_path_computes_at_float32_accuracy(isa):
     for act in range(4):
         assert rep[f"act{act}"] <= 3e-6, (isa, act, rep)
     assert rep["gemm"] <= 1.5 * rep["gemm_float32_chain"], rep
+    for t in ("00", "01", "10", "11"):
+        assert rep[f"gemm_op_{t}"] <= 1.5 and rep[f"gemm_op_{t}_pad_untouched"], (t, rep)
 
 
 FORK = r"""

@@ -36,15 +36,43 @@ int ft_amx_usable(void);
 /* bytes of the packed copy of an (N, K) weight */
 size_t ft_amx_packed_bytes(int64_t N, int64_t K);
 
-/* pack panel p (output columns [32p, 32p + 32)) of w (N, K) into its place in dst */
-void ft_amx_pack_panel(uint16_t *dst, const float *w, int64_t N, int64_t K, int64_t p);
+/* Where a matrix's (line, k) element lives: line-major (k contiguous: src[line * ld + k]) or
+ * k-major (src[k * ld + line], a transposed operand of a GEMM, read through 16 x 16 register
+ * transposes: never copied whole) */
+typedef struct {
+    const float *src;
+    int64_t ld;
+    int kmajor;
+} ft_amx_matrix;
 
-/* bytes of one thread's scratch for blocks of up to `rows` rows of K */
-size_t ft_amx_scratch_bytes(int64_t rows, int64_t K);
+/* pack panel p (output columns [32p, 32p + 32)) of the (N, K) weight w into its place in dst */
+void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p);
 
-/* out[r, c] = sum_k x[r, k] w[c, k] (+ bias[c], then act) for rows [r0, r1) of x (row stride K)
- * and the output columns of panels [p0, p1); out has row stride N. act: an ft_activation or
- * -1. scratch: ft_amx_scratch_bytes(r1 - r0, K), 64-byte aligned. */
-void ft_amx_linear_rows(const float *x, int64_t K, int64_t r0, int64_t r1, const uint16_t *wp, int64_t N,
-                        int64_t p0, int64_t p1, float *out, const float *bias, int act, void *scratch);
+#define FT_AMX_KSTEPS 8   /* K steps of 32 per K block */
+
+/* K per K block (at most FT_AMX_KSTEPS steps): a task's weights are read one K block at a time */
+int64_t ft_amx_kblock(int64_t K);
+
+/* bytes of one thread's scratch for blocks of up to `rows` rows of K and `panels` panels */
+size_t ft_amx_scratch_bytes(int64_t rows, int64_t K, int64_t panels);
+
+/* One product out = alpha (x w^T) + beta out, or out = act(x w^T + bias):
+ * x (M, K) as an ft_amx_matrix; w packed (N, K); out (M, N) with row stride ldo; beta 0: out is
+ * only written; bias (N) or NULL; act an ft_activation or -1 (bias, act with alpha 1, beta 0
+ * and out_t 0 only). */
+typedef struct {
+    ft_amx_matrix x;
+    int64_t K, N;
+    const uint16_t *wp;
+    float *out;
+    int64_t ldo;
+    int out_t;              /* 1: out is stored transposed, element (r, c) at out[c * ldo + r] */
+    float alpha, beta;
+    const float *bias;
+    int act;
+} ft_amx_product;
+
+/* rows [r0, r1) x the output columns of panels [p0, p1) of one product. scratch:
+ * ft_amx_scratch_bytes(r1 - r0, K, p1 - p0), 64-byte aligned. */
+void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int64_t p0, int64_t p1, void *scratch);
 #endif

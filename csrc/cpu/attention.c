@@ -9,11 +9,15 @@
  * K = keys, P read in place, V packed into panels once per task). Every score and every output element is one chain in a
  * fixed order (kernels.h, rowfun.h), so a query row's result depends on its own sequence only,
  * not on the rows computed beside it or on the thread count. A sequence with no real key gets a
- * zero output, as transformers' default (SDPA) path and torch's SDPA give. */
+ * zero output, as transformers' default (SDPA) path and torch's SDPA give.
+ *
+ * A training forward (attention_train_forward, train_layer.c) runs the same tasks: each row of
+ * probabilities is also kept for the backward, then dropped out in place before P V. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/rng.h"
 #include "core/status.h"
 #include "cpu_ops.h"
 #include "kernels.h"
@@ -24,9 +28,21 @@ size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t
     return 0;   /* per-thread scratch is allocated by the op for the longest sequence */
 }
 
-/* one (sequence, head): q points at the head's columns of the sequence's first row */
+/* A training forward's extras for one (sequence, head): the probabilities kept for the backward
+ * and the dropout applied to them before P V */
+typedef struct {
+    float *probs;        /* (n, n) softmax output, row stride n */
+    uint8_t *dmask;      /* (n, n) 1 = kept, or NULL */
+    uint64_t key, base;  /* element (i, j) keeps ft_dropout_keep(key, base + i n + j) */
+    uint32_t thr;        /* 0: no dropout */
+    float keep_scale;
+} head_train;
+
+/* one (sequence, head): q points at the head's columns of the sequence's first row; tr: NULL
+ * for inference */
 static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, int64_t nq, int64_t nk, int64_t hs,
-                         int64_t ld, int64_t C, float scale, float *kp, float *vp, float *S, float *qpad) {
+                         int64_t ld, int64_t C, float scale, float *kp, float *vp, float *S, float *qpad,
+                         const head_train *tr) {
     const int mr = kr->mr, nr = kr->nr;
     const float *k = q + C, *v = q + 2 * C;
     const int64_t kpanels = (nk + nr - 1) / nr, lds = kpanels * nr;
@@ -69,7 +85,15 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
             const int n = (int)(nk - p * nr < nr ? nk - p * nr : nr);
             kr->tile(hs, qa, lda, kp + p * hs * nr, nr, S + p * nr, lds, m, n, 0);
         }
-        for (int i = 0; i < m; i++) ft_cpu_softmax_row(S + i * lds, nk, scale);
+        for (int i = 0; i < m; i++) {
+            float *row = S + i * lds;
+            ft_cpu_softmax_row(row, nk, scale);
+            if (!tr) continue;
+            const int64_t e = (i0 + i) * nk;   /* the row's first element in the (nq, nk) block */
+            memcpy(tr->probs + e, row, (size_t)nk * sizeof(float));
+            if (tr->thr) ft_cpu_dropout_row(row, tr->dmask ? tr->dmask + e : NULL, nk, tr->key, tr->base + e, tr->thr,
+                                            tr->keep_scale);
+        }
         /* out (m x hs) = P V, P read in place from S */
         for (int64_t p = 0; p < vpanels; p++) {
             const int n = (int)(hs - p * nr < nr ? hs - p * nr : nr);
@@ -78,22 +102,35 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
     }
 }
 
-ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs, int64_t B,
-                                int64_t C, int64_t NH, float *scratch) {
-    (void)be; (void)scratch;
+/* the (sequence, head) tasks on at most `workers` threads; probs NULL: inference, else a
+ * training forward (every query row real: nq = nk) whose (sequence b, head h) block of probs
+ * starts at NH sum_{b' < b} n_b'^2 + h n_b^2 */
+static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH,
+                               int workers, float *probs, uint8_t *dmask, float p, uint64_t key) {
     const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int64_t hs = C / NH, ld = 3 * C;
     const float scale = 1.0f / sqrtf((float)hs);
     int64_t maxk = 0;
     for (int64_t b = 0; b < B; b++) maxk = seqs[3 * b + 1] > maxk ? seqs[3 * b + 1] : maxk;
+    int64_t *base = NULL;
+    if (probs) {
+        if (!(base = malloc((size_t)(B > 0 ? B : 1) * sizeof *base)))
+            return ft_error(FT_ERR_NOMEM, "attention_train_forward: out of memory");
+        int64_t at = 0;
+        for (int64_t b = 0; b < B; b++) {
+            base[b] = at;
+            at += NH * (int64_t)seqs[3 * b + 1] * seqs[3 * b + 1];
+        }
+    }
     const int64_t lds = (maxk + kr->nr - 1) / kr->nr * kr->nr;
     /* per thread: K^T panels, V panels, one block of scores, a padded Q block */
     const int64_t hsp = (hs + kr->nr - 1) / kr->nr * kr->nr;
     const size_t floats = (size_t)(lds * hs + maxk * hsp + kr->mr * lds + hs * kr->mr);
-    const int nt = ft_num_threads();
     const int64_t tasks = B * NH;
+    const uint32_t thr = probs && p > 0.0f ? ft_dropout_threshold(p) : 0;
+    const float keep_scale = probs && p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
     int failed = 0;
-#pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
+#pragma omp parallel num_threads(tasks < workers ? (int)tasks : workers)
     {
         float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
         if (!buf) {
@@ -104,17 +141,36 @@ ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, co
         for (int64_t t = 0; t < tasks; t++) {
             if (!buf) continue;
             const int64_t b = t / NH, h = t % NH;
-            const int64_t first = seqs[3 * b], nk = seqs[3 * b + 1], nq = seqs[3 * b + 2];
+            const int64_t first = seqs[3 * b], nk = seqs[3 * b + 1], nq = probs ? nk : seqs[3 * b + 2];
             float *out = ctx + first * C + h * hs;
             if (nk == 0) {   /* no real key: zero output */
                 for (int64_t i = 0; i < nq; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
                 continue;
             }
+            head_train tr, *trp = NULL;
+            if (probs) {
+                const int64_t at = base[b] + h * nk * nk;
+                tr = (head_train){probs + at, dmask ? dmask + at : NULL, key, (uint64_t)at, thr, keep_scale};
+                trp = &tr;
+            }
             float *kp = buf, *vp = kp + lds * hs, *S = vp + maxk * hsp, *qpad = S + kr->mr * lds;
-            head_forward(kr, out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, kp, vp, S, qpad);
+            head_forward(kr, out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, kp, vp, S, qpad, trp);
         }
         free(buf);
     }
+    free(base);
     if (failed) return ft_error(FT_ERR_NOMEM, "out of memory for attention scratch");
     return FT_OK;
+}
+
+ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs, int64_t B,
+                                int64_t C, int64_t NH, float *scratch) {
+    (void)be; (void)scratch;
+    return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, 0.0f, 0);
+}
+
+ft_status ft_cpu_attention_train_heads(float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
+                                       int workers) {
+    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, dmask, p, key);
 }

@@ -1,4 +1,4 @@
-/* The CPU backend table: host memory, OpenBLAS GEMMs, the fused ops of rowops.c and
+/* The CPU backend table: host memory, GEMMs (OpenBLAS, or AMX where linear.c takes them), the fused ops of rowops.c and
  * attention.c. */
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +40,7 @@ ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t 
                           float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
                           float beta, float *C, int64_t ldc) {
     (void)be;
+    if (ft_cpu_gemm_on_amx(M, N, K)) return ft_cpu_amx_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "GEMM of %lld x %lld x %lld exceeds 32-bit BLAS indices",
                         (long long)M, (long long)N, (long long)K);

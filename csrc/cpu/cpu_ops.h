@@ -12,4 +12,22 @@ FT_BACKEND_SERVICES(FT_CPU_SERVICE)
 FT_BACKEND_OPS(FT_CPU_OP)
 #undef FT_CPU_SERVICE
 #undef FT_CPU_OP
+
+/* gemm on the linear layers' AMX kernels (linear.c), same contract as the op: taken when the
+ * kernel set is "amx" and the product is large enough to pay for packing op(B) once per call
+ * (ft_cpu_gemm_on_amx); OpenBLAS otherwise */
+int ft_cpu_gemm_on_amx(int64_t M, int64_t N, int64_t K);
+ft_status ft_cpu_amx_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+
+/* row[0..n) = row * keep_scale where ft_dropout_keep(key, e0 + j, thr), else 0; mask[j] = kept
+ * (mask NULL: not stored). Vectorised over j (train_ops.c). */
+void ft_cpu_dropout_row(float *row, uint8_t *mask, int64_t n, uint64_t key, uint64_t e0, uint32_t thr,
+                        float keep_scale);
+
+/* attention_train_forward's work (attention.c): the inference tasks, keeping each (sequence,
+ * head)'s probabilities and dropping them out before P V, on at most `workers` threads */
+ft_status ft_cpu_attention_train_heads(float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
+                                       int workers);
 #endif

@@ -10,8 +10,8 @@
  * in L2. Inside a task the K range is cut into KC blocks; the task's KC x (its columns) block of
  * weights stays in L2 while each block of MR rows of x, read in place from L1, sweeps across it
  * (A's rows are never packed: only a last block of fewer than MR rows is copied, zero-padded);
- * on AMX the task's rows are split once and each 32 x 32 block runs all of K in the tiles
- * (ft_amx_linear_rows). None of this changes a single bit of the result (kernels.h, amx.h):
+ * on AMX the task's rows are split into bf16 parts one K block at a time and each 32 x 32 block
+ * meets the task's panels in the tiles (ft_amx_linear_rows). None of this changes a single bit of the result (kernels.h, amx.h):
  * every element is one chain over k in a fixed order. */
 #include <math.h>
 #include <stdlib.h>
@@ -45,11 +45,10 @@ static int64_t NCB(const ft_cpu_kernel *kr) {
     return cols < kr->nr ? kr->nr : cols > 512 ? 512 : cols;
 }
 
-/* AMX: columns per task so that its block of packed weights (6 bytes per element) fills about
+/* AMX: columns per task so that its K block of packed weights (6 bytes per element) fills about
  * half of L2 */
 static int64_t NCB_amx(int64_t K) {
-    const int64_t kp = (K + 31) / 32 * 32;
-    int64_t cols = l2_budget_floats() * (int64_t)sizeof(float) / (6 * kp) / FT_AMX_NR * FT_AMX_NR;
+    int64_t cols = l2_budget_floats() * (int64_t)sizeof(float) / (6 * ft_amx_kblock(K)) / FT_AMX_NR * FT_AMX_NR;
     return cols < FT_AMX_NR ? FT_AMX_NR : cols > 512 ? 512 : cols;
 }
 
@@ -65,7 +64,7 @@ ft_status cpu_pack_weight(ft_backend *be, float *packed, const float *w, int64_t
     const int64_t nr = ft_cpu_kernel_get()->nr, panels = (N + nr - 1) / nr;
     if (ft_cpu_kernel_get()->amx) {
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads())
-        for (int64_t p = 0; p < panels; p++) ft_amx_pack_panel((uint16_t *)packed, w, N, K, p);
+        for (int64_t p = 0; p < panels; p++) ft_amx_pack_panel((uint16_t *)packed, (ft_amx_matrix){w, K, 0}, N, K, p);
         return FT_OK;
     }
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads())
@@ -81,13 +80,18 @@ ft_status cpu_pack_weight(ft_backend *be, float *packed, const float *w, int64_t
 }
 
 typedef struct {
-    const float *x, *w;     /* x (M, K); w packed */
-    float *out;             /* (M, N) */
+    const float *x, *w;     /* x (M, K) with row stride ldx (AMX: or k-major, x_kmajor); w packed */
+    int64_t ldx;
+    int x_kmajor;
+    float *out;             /* (M, N) with row stride ldo (AMX: or stored transposed, out_t) */
+    int64_t ldo;
+    int out_t;
     int64_t M, K, N;
+    float alpha, beta;      /* AMX: out = alpha x w^T + beta out; elsewhere 1 and 0 */
     const float *bias;      /* (N) or NULL */
     int act;                /* ft_activation, or -1 for none */
     const float *residual;  /* (M, N): out = LN(residual + out + bias) per row, or NULL */
-    const float *gamma, *beta;
+    const float *gamma, *beta_ln;
     float eps;
 } linear_args;
 
@@ -102,9 +106,10 @@ static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, 
                      float *pad) {
     const int mr = kr->mr, nr = kr->nr;
     const int64_t K = a->K, N = a->N, KC = kblock(kr, K);
-    if (kr->amx) {   /* all of K per block (amx.h); the residual rows get their bias in the LayerNorm */
-        ft_amx_linear_rows(a->x, K, r0, r1, (const uint16_t *)a->w, N, p0, p1, a->out, a->residual ? NULL : a->bias,
-                           a->residual ? -1 : a->act, pad);
+    if (kr->amx) {   /* K blocks inside (amx.c); the residual rows get their bias in the LayerNorm */
+        const ft_amx_product g = {{a->x, a->ldx, a->x_kmajor}, K, N, (const uint16_t *)a->w, a->out, a->ldo, a->out_t,
+                                  a->alpha, a->beta, a->residual ? NULL : a->bias, a->residual ? -1 : a->act};
+        ft_amx_linear_rows(&g, r0, r1, p0, p1, pad);
         goto rows_done;
     }
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -114,33 +119,33 @@ static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, 
          * (in L1) is used across all of it */
         for (int64_t r = r0; r < r1; r += mr) {
             const int m = (int)(r1 - r < mr ? r1 - r : mr);
-            const float *ar = a->x + r * K + k0;
-            int64_t lda = K;
+            const float *ar = a->x + r * a->ldx + k0;
+            int64_t lda = a->ldx;
             if (m < mr) {   /* a short block: a zero-padded copy */
-                ft_copy_rows(pad, ar, K, m, kc, mr);
+                ft_copy_rows(pad, ar, a->ldx, m, kc, mr);
                 ar = pad;
                 lda = kc;
             }
             for (int64_t p = p0; p < p1; p++) {
                 const int n = (int)(N - p * nr < nr ? N - p * nr : nr);
-                float *c = a->out + r * N + p * nr;
-                kr->tile(kc, ar, lda, a->w + p * K * nr + k0 * nr, nr, c, N, m, n, k0 > 0);
+                float *c = a->out + r * a->ldo + p * nr;
+                kr->tile(kc, ar, lda, a->w + p * K * nr + k0 * nr, nr, c, a->ldo, m, n, k0 > 0);
                 if (last && !a->residual && (a->bias || a->act >= 0))
-                    ft_cpu_epilogue(c, N, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
+                    ft_cpu_epilogue(c, a->ldo, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
             }
         }
     }
 rows_done:
     if (a->residual)   /* the task holds whole rows: residual + bias + LayerNorm while they are hot */
         for (int64_t r = r0; r < r1; r++)
-            ft_bias_residual_ln_row(a->out + r * N, a->residual + r * N, a->out + r * N, a->bias, a->gamma, a->beta,
-                                    N, a->eps);
+            ft_bias_residual_ln_row(a->out + r * a->ldo, a->residual + r * N, a->out + r * a->ldo, a->bias, a->gamma,
+                                    a->beta_ln, N, a->eps);
 }
 
 /* bytes of a thread's scratch for tasks of up to mc rows: a zero-padded copy of a short block of
  * A (MR x KC floats), or for AMX the split rows and the accumulators */
-static size_t task_scratch(const ft_cpu_kernel *kr, int64_t mc, int64_t K) {
-    const size_t bytes = kr->amx ? ft_amx_scratch_bytes(mc, K) : (size_t)kr->mr * kblock(kr, K) * sizeof(float);
+static size_t task_scratch(const ft_cpu_kernel *kr, int64_t mc, int64_t K, int64_t panels) {
+    const size_t bytes = kr->amx ? ft_amx_scratch_bytes(mc, K, panels) : (size_t)kr->mr * kblock(kr, K) * sizeof(float);
     return (bytes + 63) & ~(size_t)63;
 }
 
@@ -165,7 +170,7 @@ static ft_status run_linear(const linear_args *a) {
     int failed = 0;
 #pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
     {
-        float *ap = aligned_alloc(64, task_scratch(kr, mc, a->K));
+        float *ap = aligned_alloc(64, task_scratch(kr, mc, a->K, per_chunk));
         if (!ap) {
 #pragma omp atomic write
             failed = 1;
@@ -188,7 +193,7 @@ ft_status cpu_linear_forward(ft_backend *be, float *out, const float *x, const f
                              const float *bias, int64_t M, int64_t K, int64_t N, int act) {
     (void)be; (void)w;
     if (M == 0) return FT_OK;
-    linear_args a = {x, w_packed, out, M, K, N, bias, act, NULL, NULL, NULL, 0.0f};
+    linear_args a = {x, w_packed, K, 0, out, N, 0, M, K, N, 1.0f, 0.0f, bias, act, NULL, NULL, NULL, 0.0f};
     return run_linear(&a);
 }
 
@@ -198,6 +203,38 @@ ft_status cpu_linear_residual_ln_forward(ft_backend *be, float *out, const float
                                          float eps) {
     (void)be; (void)w;
     if (M == 0) return FT_OK;
-    linear_args a = {x, w_packed, out, M, K, N, bias, -1, residual, gamma, beta, eps};
+    linear_args a = {x, w_packed, K, 0, out, N, 0, M, K, N, 1.0f, 0.0f, bias, -1, residual, gamma, beta, eps};
     return run_linear(&a);
+}
+
+/* A product of at least 32 x 32 x 64 and 2^20 multiply-adds: below that, packing op(B) costs more
+ * than the tiles save (the classification head's 2-column GEMMs stay on OpenBLAS) */
+int ft_cpu_gemm_on_amx(int64_t M, int64_t N, int64_t K) {
+    return M >= 32 && N >= 32 && K >= 64 && M * N * K >= (int64_t)1 << 20 && ft_cpu_kernel_get()->amx;
+}
+
+/* C = alpha op(A) op(B) + beta C as the product x w^T of amx.h, each operand read in place,
+ * line-major or k-major (a transposed operand: A^T's lines are A's columns). The operand with
+ * fewer lines is packed once for the call, the other split block by block in the tasks: for
+ * M >= N, x = op(A) (M, K) and w = op(B)^T (N, K); for M < N, C^T = op(B)^T op(A)^T, x = op(B)^T,
+ * w = op(A), C stored transposed (the weight gradients of a layer, M = out < N = in, run twice as
+ * fast so). The orientation depends on the shape alone, and every C element is one fixed chain
+ * over k whatever the threads (amx.h). */
+ft_status ft_cpu_amx_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (M == 0 || N == 0) return FT_OK;
+    const ft_amx_matrix opA = {A, lda, trans_a}, opBt = {B, ldb, !trans_b};   /* op(A) (M, K), op(B)^T (N, K) */
+    const int swap = M < N;
+    const ft_amx_matrix x = swap ? opBt : opA, w = swap ? opA : opBt;
+    const int64_t rows = swap ? N : M, cols = swap ? M : N, panels = (cols + FT_AMX_NR - 1) / FT_AMX_NR;
+    uint16_t *wp = aligned_alloc(64, (ft_amx_packed_bytes(cols, K) + 63) & ~(size_t)63);
+    if (!wp) return ft_error(FT_ERR_NOMEM, "out of memory packing a %lld x %lld GEMM operand", (long long)cols,
+                             (long long)K);
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads())
+    for (int64_t p = 0; p < panels; p++) ft_amx_pack_panel(wp, w, cols, K, p);
+    linear_args a = {x.src, (const float *)wp, x.ld, x.kmajor, C, ldc, swap, rows, K, cols, alpha, beta,
+                     NULL, -1, NULL, NULL, NULL, 0.0f};
+    const ft_status st = run_linear(&a);
+    free(wp);
+    return st;
 }

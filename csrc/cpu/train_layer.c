@@ -277,46 +277,11 @@ ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, 
     if (st != FT_OK) return st;
     int workers = 1;
     if ((st = scratch_workers(&pl, scratch_bytes, "attention_train_forward", &workers)) != FT_OK) return st;
-    const int64_t hs = pl.hs, ld = pl.ld, ntasks = pl.ntasks, tmax = pl.tmax;
-    const float scale = pl.scale, keep_scale = pl.keep_scale;
-    const uint32_t thr = pl.thr;
-    const seq_task *tasks = pl.tasks;
-    const int blas_threads = ft_blas_get_threads();
-    ft_blas_set_threads(1);   /* each worker runs whole tasks */
-#pragma omp parallel num_threads(workers)
-    {
-        float *Pd = scratch + (size_t)omp_get_thread_num() * 2 * (size_t)tmax * (size_t)tmax;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < ntasks; j++) {
-            const int64_t n = tasks[j].n, h = j % NH;
-            if (n == 0) continue;
-            const float *q = qkv + tasks[j].first * ld + h * hs, *k = q + C, *v = q + 2 * C;
-            float *P = probs + tasks[j].base;
-            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)n, (blasint)hs, scale, q,
-                          (blasint)ld, k, (blasint)ld, 0.0f, P, (blasint)n);
-            for (int64_t i = 0; i < n; i++) {
-                float *s = P + i * n, mx = -INFINITY, sum = 0.0f;
-                for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
-                for (int64_t c = 0; c < n; c++) { s[c] = expf(s[c] - mx); sum += s[c]; }
-                const float inv = 1.0f / sum;
-                for (int64_t c = 0; c < n; c++) s[c] *= inv;
-            }
-            const float *pd = P;
-            if (thr) {
-                for (int64_t i = 0; i < n * n; i++) {
-                    const int keep = ft_dropout_keep(key, (uint64_t)(tasks[j].base + i), thr);
-                    if (dmask) dmask[tasks[j].base + i] = (uint8_t)keep;
-                    Pd[i] = keep ? P[i] * keep_scale : 0.0f;
-                }
-                pd = Pd;
-            }
-            ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, 1.0f, pd,
-                          (blasint)n, v, (blasint)ld, 0.0f, ctx + tasks[j].first * C + h * hs, (blasint)C);
-        }
-    }
-    ft_blas_set_threads(blas_threads);
     free(pl.tasks);
-    return FT_OK;
+    /* the packed-panel kernels of inference attention (attention.c): the scratch only bounds the
+     * team here, each worker packs its panels in its own buffer */
+    (void)scratch;
+    return ft_cpu_attention_train_heads(ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, workers);
 }
 
 ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
@@ -347,9 +312,13 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
             float *dq = dqkv + tasks[j].first * ld + h * hs, *dk = dq + C, *dv = dq + 2 * C;
             const float *P = probs + base, *pd = P;
             if (thr) {
-                for (int64_t i = 0; i < n * n; i++) {
-                    const int keep = dmask ? dmask[base + i] : ft_dropout_keep(key, (uint64_t)(base + i), thr);
-                    Pd[i] = keep ? P[i] * keep_scale : 0.0f;
+                if (dmask) {
+                    const uint8_t *mk = dmask + base;
+#pragma omp simd
+                    for (int64_t i = 0; i < n * n; i++) Pd[i] = mk[i] ? P[i] * keep_scale : 0.0f;
+                } else {
+                    memcpy(Pd, P, (size_t)(n * n) * sizeof(float));
+                    ft_cpu_dropout_row(Pd, NULL, n * n, key, (uint64_t)base, thr, keep_scale);
                 }
                 pd = Pd;
             }
@@ -362,15 +331,20 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
             for (int64_t i = 0; i < n; i++) {
                 float *d = dS + i * n;
                 const float *pr = P + i * n;
-                float dot = 0.0f;
-                for (int64_t c = 0; c < n; c++) {
-                    if (thr) {
-                        const int64_t e = base + i * n + c;
-                        const int keep = dmask ? dmask[e] : ft_dropout_keep(key, (uint64_t)e, thr);
-                        d[c] = keep ? d[c] * keep_scale : 0.0f;
+                if (thr) {
+                    const int64_t e = base + i * n;
+                    if (dmask) {
+                        const uint8_t *mk = dmask + e;
+#pragma omp simd
+                        for (int64_t c = 0; c < n; c++) d[c] = mk[c] ? d[c] * keep_scale : 0.0f;
+                    } else {
+                        ft_cpu_dropout_row(d, NULL, n, key, (uint64_t)e, thr, keep_scale);
                     }
-                    dot += d[c] * pr[c];
                 }
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t c = 0; c < n; c++) dot += d[c] * pr[c];
+#pragma omp simd
                 for (int64_t c = 0; c < n; c++) d[c] = pr[c] * (d[c] - dot);
             }
             /* dQ (n, hs) = dS K scale;  dK (n, hs) = dS^T Q scale */

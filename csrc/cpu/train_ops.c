@@ -16,6 +16,21 @@ ft_status cpu_dropout(ft_backend *be, float *y, const float *x, int64_t n, float
     return FT_OK;
 }
 
+void ft_cpu_dropout_row(float *row, uint8_t *mask, int64_t n, uint64_t key, uint64_t e0, uint32_t thr,
+                        float keep_scale) {
+    if (mask) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) {
+            const int keep = ft_dropout_keep(key, e0 + (uint64_t)j, thr);
+            mask[j] = (uint8_t)keep;
+            row[j] = keep ? row[j] * keep_scale : 0.0f;
+        }
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) row[j] = ft_dropout_keep(key, e0 + (uint64_t)j, thr) ? row[j] * keep_scale : 0.0f;
+    }
+}
+
 ft_status cpu_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n) {
     (void)be;
 #pragma omp parallel for simd schedule(static) num_threads(ft_num_threads()) if (n > 65536)
