@@ -190,39 +190,43 @@ for act, ref in refs.items():
     report[f"act{act}"] = float(np.max(np.where(np.abs(ref) > 1e-6, err, np.abs(got - ref) / 1e-6)))
 # the GEMM: a short row block, K and N off every tile size; the bar is a float32 GEMM's own error
 rng = np.random.default_rng(1)
-M, K, N = 50, 1000, 70
-a = rng.standard_normal((M, K)).astype(np.float32)
-w = rng.standard_normal((N, K)).astype(np.float32)
-ref = a.astype(np.float64) @ w.astype(np.float64).T
-seq = np.zeros((M, N), np.float32)        # one float32 chain per element, multiply then add
-for k in range(K):
-    seq = seq + np.outer(a[:, k], w[:, k]).astype(np.float32)
-got = linear(a, w, np.zeros(N, np.float32), -1)
-report["gemm"] = float(np.abs(got - ref).max())
-report["gemm_float32_chain"] = float(np.abs(seq - ref).max())
+for M, K, N, name in ((50, 1000, 70, "gemm"), (50, 1700, 70, "gemm_long_k")):   # 1700: AMX's K blocks
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    ref = a.astype(np.float64) @ w.astype(np.float64).T
+    seq = np.zeros((M, N), np.float32)        # one float32 chain per element, multiply then add
+    for k in range(K):
+        seq = seq + np.outer(a[:, k], w[:, k]).astype(np.float32)
+    got = linear(a, w, np.zeros(N, np.float32), -1)
+    report[name] = float(np.abs(got - ref).max())
+    report[name + "_float32_chain"] = float(np.abs(seq - ref).max())
 
 # the backend's gemm op (AMX: ft_cpu_amx_gemm, transposed operands read k-major in place), every
-# transpose, alpha and beta, leading dimensions past the row: against float64, the same bar
-M, N, K = 97, 75, 700
-a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
-seq = np.zeros((M, N), np.float32)
-for k in range(K):
-    seq = seq + np.outer(a[:, k], b[k]).astype(np.float32)
-prod = a.astype(np.float64) @ b.astype(np.float64)
-chain = float(np.abs(seq - prod).max())
-for ta in (0, 1):
-    for tb in (0, 1):
-        alpha, beta, pad = (1.0, 0.0, 0) if ta == tb else (-0.5, 1.5, 3)
-        A = np.ascontiguousarray(a.T if ta else a); B = np.ascontiguousarray(b.T if tb else b)
-        A = np.pad(A, ((0, 0), (0, pad))); B = np.pad(B, ((0, 0), (0, pad)))
-        C0 = rng.standard_normal((M, N + pad)).astype(np.float32)
-        pa, pb, pc = be.upload(A), be.upload(B), be.upload(C0)
-        be.check(be.fn["gemm"](be.addr, ta, tb, M, N, K, alpha, pa, A.shape[1], pb, B.shape[1], beta, pc, N + pad), "gemm")
-        got = be.download(pc, (M, N + pad), np.float32)
-        want = alpha * prod + beta * C0[:, :N].astype(np.float64)
-        beta_rounding = 2 * float(np.finfo(np.float32).eps) * float(np.abs(want).max())
-        report[f"gemm_op_{ta}{tb}"] = float(np.abs(got[:, :N] - want).max()) / (abs(alpha) * chain + beta_rounding)
-        report[f"gemm_op_{ta}{tb}_pad_untouched"] = bool(np.array_equal(got[:, N:], C0[:, N:]))
+# transpose, alpha and beta, leading dimensions past the row: against float64, the same bar; K = 1700
+# runs AMX's K in blocks (more than FT_AMX_WHOLE_K steps, the last one short), M < N the
+# transposed orientation
+for M, N, K in ((97, 75, 700), (40, 72, 1700)):
+    a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+    seq = np.zeros((M, N), np.float32)
+    for k in range(K):
+        seq = seq + np.outer(a[:, k], b[k]).astype(np.float32)
+    prod = a.astype(np.float64) @ b.astype(np.float64)
+    chain = float(np.abs(seq - prod).max())
+    for ta in (0, 1):
+        for tb in (0, 1):
+            alpha, beta, pad = (1.0, 0.0, 0) if ta == tb else (-0.5, 1.5, 3)
+            A = np.ascontiguousarray(a.T if ta else a); B = np.ascontiguousarray(b.T if tb else b)
+            A = np.pad(A, ((0, 0), (0, pad))); B = np.pad(B, ((0, 0), (0, pad)))
+            C0 = rng.standard_normal((M, N + pad)).astype(np.float32)
+            pa, pb, pc = be.upload(A), be.upload(B), be.upload(C0)
+            be.check(be.fn["gemm"](be.addr, ta, tb, M, N, K, alpha, pa, A.shape[1], pb, B.shape[1], beta, pc, N + pad),
+                     "gemm")
+            got = be.download(pc, (M, N + pad), np.float32)
+            want = alpha * prod + beta * C0[:, :N].astype(np.float64)
+            beta_rounding = 2 * float(np.finfo(np.float32).eps) * float(np.abs(want).max())
+            key = f"gemm_op_{ta}{tb}_K{K}"
+            report[key] = float(np.abs(got[:, :N] - want).max()) / (abs(alpha) * chain + beta_rounding)
+            report[key + "_pad_untouched"] = bool(np.array_equal(got[:, N:], C0[:, N:]))
 print(json.dumps(report))
 """
 
@@ -242,8 +246,11 @@ def test_every_kernel_path_computes_at_float32_accuracy(isa):
     for act in range(4):
         assert rep[f"act{act}"] <= 3e-6, (isa, act, rep)
     assert rep["gemm"] <= 1.5 * rep["gemm_float32_chain"], rep
-    for t in ("00", "01", "10", "11"):
-        assert rep[f"gemm_op_{t}"] <= 1.5 and rep[f"gemm_op_{t}_pad_untouched"], (t, rep)
+    assert rep["gemm_long_k"] <= 1.5 * rep["gemm_long_k_float32_chain"], rep
+    ops = [k for k in rep if k.startswith("gemm_op_") and not k.endswith("_pad_untouched")]
+    assert len(ops) == 8, rep
+    for k in ops:
+        assert rep[k] <= 1.5 and rep[k + "_pad_untouched"], (k, rep)
 
 
 FORK = r"""

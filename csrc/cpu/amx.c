@@ -21,12 +21,12 @@ size_t ft_amx_packed_bytes(int64_t N, int64_t K) {
 
 int64_t ft_amx_kblock(int64_t K) {
     const int64_t S = steps_of(K);
-    return (S < FT_AMX_KSTEPS ? S : FT_AMX_KSTEPS) * STEP;
+    return (S <= FT_AMX_WHOLE_K ? S : FT_AMX_KSTEPS) * STEP;
 }
 
 size_t ft_amx_scratch_bytes(int64_t rows, int64_t K, int64_t panels) {
     const int64_t blocks = (rows + FT_AMX_MR - 1) / FT_AMX_MR, kb_steps = ft_amx_kblock(K) / STEP;
-    const int64_t accs = steps_of(K) > FT_AMX_KSTEPS ? blocks * panels : 1;
+    const int64_t accs = steps_of(K) > FT_AMX_WHOLE_K ? blocks * panels : 1;
     return (size_t)blocks * (size_t)kb_steps * PARTS * FT_AMX_MR * STEP * sizeof(uint16_t)   /* split rows */
            + (size_t)accs * 2 * FT_AMX_MR * FT_AMX_NR * sizeof(float)                        /* main, corr */
            + FT_AMX_MR * STEP * sizeof(float);                                               /* k-major lines */
@@ -314,9 +314,10 @@ AMX static void store_transposed(const ft_amx_product *g, const float *acc_main,
     }
 }
 
-/* K in blocks of FT_AMX_KSTEPS steps: the task's rows are split one K block at a time and each
- * block of 32 rows meets every panel's slice of that K block (in L2) before the next; with
- * several K blocks the accumulators of every (row block, panel) wait in scratch between them */
+/* K in one block (up to FT_AMX_WHOLE_K steps) or in blocks of FT_AMX_KSTEPS steps: the task's
+ * rows are split one K block at a time and each block of 32 rows meets every panel's slice of
+ * that K block (in L2) before the next; with several K blocks the accumulators of every (row
+ * block, panel) wait in scratch between them */
 AMX void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
                             void *scratch) {
     const int64_t K = g->K, N = g->N, S = steps_of(K), rows = r1 - r0, blocks = (rows + FT_AMX_MR - 1) / FT_AMX_MR;

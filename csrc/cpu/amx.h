@@ -48,7 +48,8 @@ typedef struct {
 /* pack panel p (output columns [32p, 32p + 32)) of the (N, K) weight w into its place in dst */
 void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p);
 
-#define FT_AMX_KSTEPS 8   /* K steps of 32 per K block */
+#define FT_AMX_KSTEPS 8     /* K steps of 32 per K block... */
+#define FT_AMX_WHOLE_K 48   /* ...when K has more steps than this; else one block of all of K */
 
 /* K per K block (at most FT_AMX_KSTEPS steps): a task's weights are read one K block at a time */
 int64_t ft_amx_kblock(int64_t K);
