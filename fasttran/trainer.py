@@ -99,7 +99,8 @@ class Trainer:
     positions): evaluating it on another encoder's cache raises CacheMismatchError.
 
     `train_layers=k` also trains the encoder's top k layers, from a cache of layer L - k
-    (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls"; `layer_dropout` is their
+    (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls" (a QA head takes every
+    token's state of the top layer, padded per batch, and returns its gradient); `layer_dropout` is their
     hidden and attention dropout (None: the checkpoint's), `dropout` the head's; `tempo` switches
     Tempo's memory options (see fasttran.finetune.TopLayers).
     """
@@ -118,9 +119,6 @@ class Trainer:
         if isinstance(train_layers, bool) or not isinstance(train_layers, (int, np.integer)) or train_layers < 0:
             raise InputError(f"train_layers must be an int >= 0 (how many of the top encoder layers to train), "
                              f"got {train_layers!r}")
-        if train_layers and head == "qa":
-            raise UnsupportedError("train_layers with a QA head is not available yet: train a QA head on frozen "
-                                   "features (train_layers=0)")
         if pooling not in ("mean", "cls"):
             raise InputError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
         if layer_dropout is not None and (isinstance(layer_dropout, bool) or not isinstance(layer_dropout, (int, float))
@@ -372,6 +370,16 @@ class Trainer:
         n = np.diff(offsets).astype(np.float32)[:, None]
         return np.ascontiguousarray(np.add.reduceat(out, offsets[:-1], axis=0) / n, dtype=np.float32)
 
+    def _qa_padded(self, cache, ids, out, offsets):
+        """The top layer's rows as the QA head takes them: (B, T, C) zero-padded token states, T
+        the longest example, and the (B, T) context mask; `where` (B, T) marks the real rows."""
+        n = np.diff(offsets)
+        T = int(n.max()) if len(n) else 0
+        where = np.arange(T)[None, :] < n[:, None]
+        x = np.zeros((len(n), T, out.shape[1]), np.float32)
+        x[where] = out
+        return x, self._context(cache, ids, T), where
+
     def _pool_backward(self, dpooled, offsets):
         n = np.diff(offsets)
         if self.pooling == "cls":
@@ -422,7 +430,16 @@ class Trainer:
         idx = cache.index_of(ids)
         yb = y[:, idx] if self.task == "qa" else y[idx]
         correct = 0
-        if self.top is not None:
+        if self.top is not None and self.task == "qa":   # token states -> span head, and back
+            x, offsets = self._top_batch(cache, idx, batch)
+            out = self.top.forward(x, np.diff(offsets), training=True, seed=self.seed, step=self.global_step)
+            xp, valid, where = self._qa_padded(cache, ids, out, offsets)
+            dxp = np.empty_like(xp)
+            logits, loss = self.head.step(xp, valid, yb, grads=grads, dx=dxp, training=True, seed=self.seed,
+                                          step=self.global_step)
+            if math.isfinite(loss):
+                self.top.backward(np.ascontiguousarray(dxp[where]))
+        elif self.top is not None:
             x, offsets = self._top_batch(cache, idx, batch)
             out = self.top.forward(x, np.diff(offsets), training=True, seed=self.seed, step=self.global_step)
             dpooled = np.empty((len(idx), self.head.hidden_size), np.float32)
@@ -572,10 +589,13 @@ class Trainer:
                 if self.top is not None:
                     x, offsets = self._top_batch(cache, idx, batch)
                     out = self.top.forward(x, np.diff(offsets), training=False)
-                    outs.append(self.head.step(self._pool(out, offsets))[0])
-                    bar.update(1)
-                    continue
-                x, valid = self._batch(cache, ids, idx, batch)
+                    if self.task != "qa":
+                        outs.append(self.head.step(self._pool(out, offsets))[0])
+                        bar.update(1)
+                        continue
+                    x, valid, _ = self._qa_padded(cache, ids, out, offsets)
+                else:
+                    x, valid = self._batch(cache, ids, idx, batch)
                 if self.task == "qa":
                     lg, _ = self.head.step(x, valid)
                     for j in range(len(idx)):   # per example: (2, its own length)
