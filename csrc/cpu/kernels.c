@@ -262,6 +262,36 @@ void ft_cpu_softmax_row(float *s, int64_t n, float scale) {
     else softmax_generic(s, n, scale);
 }
 
+/* ---- activation backward of a row: dh = df act'(x) ------------------------------------------ */
+__attribute__((target("avx512f"))) static void act_grad_avx512(float *dh, const float *df, const float *x, int64_t n,
+                                                               int act) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = ft_mask16(n - j);
+        const __m512 g = ft_act_grad512(_mm512_maskz_loadu_ps(k, x + j), act);
+        _mm512_mask_storeu_ps(dh + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, df + j), g));
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void act_grad_avx2(float *dh, const float *df, const float *x, int64_t n,
+                                                              int act) {
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256i k = ft_mask8(n - j);
+        const __m256 g = ft_act_grad256(_mm256_maskload_ps(x + j, k), act);
+        _mm256_maskstore_ps(dh + j, k, _mm256_mul_ps(_mm256_maskload_ps(df + j, k), g));
+    }
+}
+
+void ft_cpu_act_grad_row(float *dh, const float *df, const float *x, int64_t n, int act) {
+    const ft_tile_fn tile = ft_cpu_kernel_get()->tile;
+    if (tile == tile_avx512) {
+        act_grad_avx512(dh, df, x, n, act);
+    } else if (tile == tile_avx2) {
+        act_grad_avx2(dh, df, x, n, act);
+    } else {
+        for (int64_t j = 0; j < n; j++) dh[j] = df[j] * ft_act_gradf(x[j], (ft_activation)act);
+    }
+}
+
 /* ---- choice --------------------------------------------------------------------------------- */
 static const ft_cpu_kernel kernels[] = {
     {"amx", MR512, 32, tile_avx512, 1},

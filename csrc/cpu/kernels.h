@@ -38,6 +38,10 @@ void ft_cpu_epilogue(float *c, int64_t ldc, int m, int n, const float *bias, int
 /* s[0..n) = softmax(scale s) in place: max, exp, sum in 16 fixed lanes (rowfun.h's order) */
 void ft_cpu_softmax_row(float *s, int64_t n, float scale);
 
+/* dh[0..n) = df * act'(x) on the kernel set's registers (vecmath.h's ft_act_grad512/256; the
+ * portable path: mathfun.h's ft_act_gradf); dh may alias df */
+void ft_cpu_act_grad_row(float *dh, const float *df, const float *x, int64_t n, int act);
+
 /* The kernel set of this process (chosen on first call). */
 const ft_cpu_kernel *ft_cpu_kernel_get(void);
 

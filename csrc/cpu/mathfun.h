@@ -59,4 +59,24 @@ static inline float ft_gelu_tanh(float x) {
     return x / (1.0f + ft_expf(-2.0f * y));
 }
 
+/* act'(x) (the training backward's reference form; vecmath.h's ft_act_grad512/256 on registers) */
+static inline float ft_act_gradf(float x, ft_activation act) {
+    switch (act) {
+    case FT_ACT_GELU_ERF: {   /* Phi(x) + x phi(x), Phi(x) = erfc(-x / sqrt 2) / 2 */
+        const float z = (x < 0 ? -x : x) * 0.70710678118654752f, c = ft_erfcf_pos(z);
+        return 0.5f * (x < 0 ? c : 2.0f - c) + x * ft_expf(-0.5f * x * x) * 0.39894228040143268f;
+    }
+    case FT_ACT_GELU_TANH: {
+        const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        const float t = 1.0f - 2.0f / (ft_expf(2.0f * u) + 1.0f);
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * x * x);
+    }
+    case FT_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    default: {
+        const float t = 1.0f - 2.0f / (ft_expf(2.0f * x) + 1.0f);
+        return 1.0f - t * t;
+    }
+    }
+}
+
 #endif

@@ -1,53 +1,30 @@
 /* Training ops of an encoder layer on the CPU (backend.h, "training of encoder layers"): the
  * LayerNorm forward that keeps its statistics and its backward, the activation forward that keeps
  * what its backward needs and its backward, attention over packed sequences with its backward.
- * Activations and their derivatives come from core/activation.h (double precision, the same source
- * as the CUDA ops); dropout masks from core/rng.h. Row loops are independent and column sums
- * (dgamma, dbeta) run over fixed row chunks reduced in order, so results do not depend on the
- * thread count. */
+ * The activations and their derivatives run on the kernel set's registers (the linear layers'
+ * epilogue, ft_cpu_act_grad_row: vecmath.h); Tempo's recovery of GELU's input from its output uses
+ * core/activation.h (double precision, the same source as the CUDA ops); dropout masks come from
+ * core/rng.h. Row loops are independent and column sums (dgamma, dbeta) run over fixed row chunks
+ * reduced in order, so results do not depend on the thread count. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "blas.h"
 #include "core/activation.h"
 #include "core/rng.h"
 #include "core/status.h"
 #include "cpu_ops.h"
+#include "kernels.h"
 #include "mathfun.h"
+#include "rowfun.h"
 
 #define LN_CHUNK 64   /* rows per partial column sum */
 
-/* The activations and their derivatives in float with the vectorisable exp / erfc of mathfun.h
- * (core/activation.h's double versions are the reference; these agree to ~1e-7 relative) */
-static inline float act_value(float x, ft_activation act) {
-    switch (act) {
-    case FT_ACT_GELU_ERF: return ft_gelu_erf(x);
-    case FT_ACT_GELU_TANH: return ft_gelu_tanh(x);
-    case FT_ACT_RELU: return x > 0.0f ? x : 0.0f;
-    default: return 1.0f - 2.0f / (ft_expf(2.0f * x) + 1.0f);
-    }
-}
-
-static inline float act_grad(float x, ft_activation act) {
-    switch (act) {
-    case FT_ACT_GELU_ERF: {   /* Phi(x) + x phi(x), Phi(x) = erfc(-x / sqrt 2) / 2 */
-        const float z = (x < 0 ? -x : x) * 0.70710678118654752f, c = ft_erfcf_pos(z);
-        return 0.5f * (x < 0 ? c : 2.0f - c) + x * ft_expf(-0.5f * x * x) * 0.39894228040143268f;
-    }
-    case FT_ACT_GELU_TANH: {
-        const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-        const float t = 1.0f - 2.0f / (ft_expf(2.0f * u) + 1.0f);
-        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * x * x);
-    }
-    case FT_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
-    default: {
-        const float t = 1.0f - 2.0f / (ft_expf(2.0f * x) + 1.0f);
-        return 1.0f - t * t;
-    }
-    }
-}
-
+/* Per row: o = dropout(y + bias) + residual, kept as the LayerNorm input when asked, then the
+ * LayerNorm of inference (rowfun.h: statistics in 16 fixed lanes; with p = 0 the same bits as
+ * linear_residual_ln_forward's rows) and its statistics */
 ft_status cpu_residual_ln_train_forward(ft_backend *be, float *out, float *ln_in, float *stats, const float *residual,
                                         const float *y, const float *bias, const float *gamma, const float *beta,
                                         int64_t N, int64_t C, float eps, float p, uint64_t key) {
@@ -58,19 +35,20 @@ ft_status cpu_residual_ln_train_forward(ft_backend *be, float *out, float *ln_in
     for (int64_t r = 0; r < N; r++) {
         const float *a = residual + r * C, *b = y + r * C;
         float *o = out + r * C;
-        double sum = 0.0;
-        for (int64_t c = 0; c < C; c++) {
-            float v = b[c] + bias[c];
-            if (thr) v = ft_dropout_keep(key, (uint64_t)(r * C + c), thr) ? v * scale : 0.0f;
-            v += a[c];
-            o[c] = v;
-            sum += v;
+        if (thr) {   /* one elementwise pass: out may alias residual or y */
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) {
+                const float v = b[c] + bias[c];
+                o[c] = (ft_dropout_keep(key, (uint64_t)(r * C + c), thr) ? v * scale : 0.0f) + a[c];
+            }
+        } else {
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) o[c] = (b[c] + bias[c]) + a[c];
         }
         if (ln_in) memcpy(ln_in + r * C, o, (size_t)C * sizeof(float));
-        const float mean = (float)(sum / (double)C);
-        double var = 0.0;
-        for (int64_t c = 0; c < C; c++) { double d = (double)o[c] - mean; var += d * d; }
-        const float rstd = 1.0f / sqrtf((float)(var / (double)C) + eps);
+        const float mean = ft_row_sum(o, C) / (float)C;
+        const float rstd = 1.0f / sqrtf(ft_row_sqdev(o, C, mean) / (float)C + eps);
+#pragma omp simd
         for (int64_t c = 0; c < C; c++) o[c] = (o[c] - mean) * rstd * gamma[c] + beta[c];
         stats[2 * r] = mean;
         stats[2 * r + 1] = rstd;
@@ -78,12 +56,10 @@ ft_status cpu_residual_ln_train_forward(ft_backend *be, float *out, float *ln_in
     return FT_OK;
 }
 
-static inline float ln_xhat(const float *saved, const float *stats, const float *gamma, const float *beta, int64_t r,
-                            int64_t c, int64_t C, int from_output) {
-    const float s = saved[r * C + c];
-    return from_output ? (s - beta[c]) / gamma[c] : (s - stats[2 * r]) * stats[2 * r + 1];
-}
-
+/* One pass over row chunks: per row the normalised input (from the saved input and the row's
+ * statistics, or from the output: Tempo), its share of dgamma / dbeta (double, per chunk, reduced
+ * in chunk order: the thread count never changes a bit), then dx. A row's dx is written after
+ * its dy was read, so dx may alias dy. */
 ft_status cpu_layernorm_backward(ft_backend *be, float *dx, float *dgamma, float *dbeta, const float *dy,
                                  const float *saved, const float *stats, const float *gamma, const float *beta,
                                  int64_t N, int64_t C, int saved_is_output) {
@@ -91,39 +67,57 @@ ft_status cpu_layernorm_backward(ft_backend *be, float *dx, float *dgamma, float
     const int64_t chunks = (N + LN_CHUNK - 1) / LN_CHUNK;
     double *partial = calloc((size_t)(chunks ? chunks : 1) * 2 * (size_t)C, sizeof(double));
     if (!partial) return ft_error(FT_ERR_NOMEM, "layernorm_backward: out of memory for %lld partial sums", (long long)chunks);
-    /* the column sums read dy and the saved input before dx (which may alias dy) is written */
-#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 32768)
-    for (int64_t k = 0; k < chunks; k++) {
-        double *sg = partial + k * 2 * C, *sb = sg + C;
-        const int64_t r1 = (k + 1) * LN_CHUNK < N ? (k + 1) * LN_CHUNK : N;
-        for (int64_t r = k * LN_CHUNK; r < r1; r++)
-            for (int64_t c = 0; c < C; c++) {
-                const float d = dy[r * C + c];
-                sg[c] += (double)d * ln_xhat(saved, stats, gamma, beta, r, c, C, saved_is_output);
-                sb[c] += d;
+    int failed = 0;
+#pragma omp parallel num_threads(ft_num_threads()) if (N * C > 32768)
+    {
+        float *xh = malloc((size_t)(C ? C : 1) * 2 * sizeof(float)), *g = xh + C;
+        if (!xh) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < chunks; k++) {
+            if (!xh) continue;
+            double *sg = partial + k * 2 * C, *sb = sg + C;
+            const int64_t r1 = (k + 1) * LN_CHUNK < N ? (k + 1) * LN_CHUNK : N;
+            for (int64_t r = k * LN_CHUNK; r < r1; r++) {
+                const float *sv = saved + r * C, *d = dy + r * C;
+                const float mean = stats[2 * r], rstd = stats[2 * r + 1];
+                if (saved_is_output) {
+#pragma omp simd
+                    for (int64_t c = 0; c < C; c++) xh[c] = (sv[c] - beta[c]) / gamma[c];
+                } else {
+#pragma omp simd
+                    for (int64_t c = 0; c < C; c++) xh[c] = (sv[c] - mean) * rstd;
+                }
+                double s1 = 0.0, s2 = 0.0;
+#pragma omp simd reduction(+ : s1, s2)
+                for (int64_t c = 0; c < C; c++) {
+                    sg[c] += (double)d[c] * xh[c];
+                    sb[c] += d[c];
+                    g[c] = d[c] * gamma[c];
+                    s1 += g[c];
+                    s2 += (double)g[c] * xh[c];
+                }
+                const float m1 = (float)(s1 / (double)C), m2 = (float)(s2 / (double)C);
+                float *o = dx + r * C;
+#pragma omp simd
+                for (int64_t c = 0; c < C; c++) o[c] = rstd * (g[c] - m1 - xh[c] * m2);
             }
+        }
+        free(xh);
+    }
+    if (failed) {
+        free(partial);
+        return ft_error(FT_ERR_NOMEM, "layernorm_backward: out of memory for a row buffer");
     }
     for (int64_t c = 0; c < C; c++) {
-        double g = 0.0, b = 0.0;
-        for (int64_t k = 0; k < chunks; k++) { g += partial[k * 2 * C + c]; b += partial[k * 2 * C + C + c]; }
-        dgamma[c] = (float)g;
-        dbeta[c] = (float)b;
+        double gs = 0.0, bs = 0.0;
+        for (int64_t k = 0; k < chunks; k++) { gs += partial[k * 2 * C + c]; bs += partial[k * 2 * C + C + c]; }
+        dgamma[c] = (float)gs;
+        dbeta[c] = (float)bs;
     }
     free(partial);
-#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 32768)
-    for (int64_t r = 0; r < N; r++) {
-        double s1 = 0.0, s2 = 0.0;
-        for (int64_t c = 0; c < C; c++) {
-            const float g = dy[r * C + c] * gamma[c];
-            s1 += g;
-            s2 += (double)g * ln_xhat(saved, stats, gamma, beta, r, c, C, saved_is_output);
-        }
-        const float m1 = (float)(s1 / (double)C), m2 = (float)(s2 / (double)C), rstd = stats[2 * r + 1];
-        for (int64_t c = 0; c < C; c++) {
-            const float g = dy[r * C + c] * gamma[c];
-            dx[r * C + c] = rstd * (g - m1 - ln_xhat(saved, stats, gamma, beta, r, c, C, saved_is_output) * m2);
-        }
-    }
     return FT_OK;
 }
 
@@ -142,6 +136,7 @@ ft_status cpu_bias_act_train_forward(ft_backend *be, float *f, float *pre, uint8
             bits[t] = byte;
         }
     }
+    /* f = act(h + bias) row by row on the kernel set's registers: the linear layers' epilogue */
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (total > 65536)
     for (int64_t r = 0; r < N; r++) {
         float *fr = f + r * K;
@@ -150,20 +145,8 @@ ft_status cpu_bias_act_train_forward(ft_backend *be, float *f, float *pre, uint8
 #pragma omp simd
             for (int64_t c = 0; c < K; c++) pre[r * K + c] = hr[c] + bias[c];
         }
-        switch (act) {   /* one loop per activation, so each vectorises */
-        case FT_ACT_GELU_ERF:
-#pragma omp simd
-            for (int64_t c = 0; c < K; c++) fr[c] = act_value(hr[c] + bias[c], FT_ACT_GELU_ERF);
-            break;
-        case FT_ACT_GELU_TANH:
-#pragma omp simd
-            for (int64_t c = 0; c < K; c++) fr[c] = act_value(hr[c] + bias[c], FT_ACT_GELU_TANH);
-            break;
-        default:
-#pragma omp simd
-            for (int64_t c = 0; c < K; c++) fr[c] = act_value(hr[c] + bias[c], act);
-            break;
-        }
+        if (fr != hr) memcpy(fr, hr, (size_t)K * sizeof(float));
+        ft_cpu_epilogue(fr, K, 1, (int)K, bias, (int)act);
     }
     return FT_OK;
 }
@@ -189,29 +172,12 @@ ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, cons
             } else {
                 x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, (int)act);
             }
-            dh[i] = df[i] * act_grad((float)x, act);
+            dh[i] = df[i] * ft_act_gradf((float)x, act);
         }
         return FT_OK;
     }
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (total > 16384)
-    for (int64_t r = 0; r < N; r++) {
-        const float *x = saved + r * K, *d = df + r * K;
-        float *o = dh + r * K;
-        switch (act) {
-        case FT_ACT_GELU_ERF:
-#pragma omp simd
-            for (int64_t c = 0; c < K; c++) o[c] = d[c] * act_grad(x[c], FT_ACT_GELU_ERF);
-            break;
-        case FT_ACT_GELU_TANH:
-#pragma omp simd
-            for (int64_t c = 0; c < K; c++) o[c] = d[c] * act_grad(x[c], FT_ACT_GELU_TANH);
-            break;
-        default:
-#pragma omp simd
-            for (int64_t c = 0; c < K; c++) o[c] = d[c] * act_grad(x[c], act);
-            break;
-        }
-    }
+    for (int64_t r = 0; r < N; r++) ft_cpu_act_grad_row(dh + r * K, df + r * K, saved + r * K, K, (int)act);
     return FT_OK;
 }
 

@@ -77,6 +77,46 @@ FT_V512 __m512 ft_act512(__m512 x, int act) {
     }
 }
 
+/* act'(x) for the training backward, every activation (tanh from 1 - 2 / (exp(2x) + 1): its
+ * derivative 1 - t^2 keeps its accuracy): the formulas of train_layer.c's act_grad */
+FT_V512 __m512 ft_act_grad512(__m512 x, int act) {
+    switch (act) {
+    case FT_ACT_GELU_ERF: {   /* Phi(x) + x phi(x) */
+        const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
+        const __m512 t = ft_rcp512(_mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.0f)));
+        __m512 q = _mm512_set1_ps(0.17087277f);
+        FT_ERFC_POLY(_mm512_fmadd_ps, _mm512_set1_ps, q, t);
+        const __m512 hx = _mm512_mul_ps(x, _mm512_set1_ps(0.5f));
+        const __m512 c = _mm512_mul_ps(t, ft_exp512(_mm512_fnmadd_ps(hx, x, q)));   /* erfc(|x| / sqrt 2) */
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 half_c = _mm512_mul_ps(_mm512_set1_ps(0.5f), c);
+        const __m512 Phi = _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(1.0f), half_c), half_c);
+        const __m512 phi = _mm512_mul_ps(ft_exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hx), x)),
+                                         _mm512_set1_ps(0.39894228040143268f));
+        return _mm512_fmadd_ps(x, phi, Phi);
+    }
+    case FT_ACT_GELU_TANH: {
+        const __m512 xx = _mm512_mul_ps(x, x);
+        const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                       _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), xx), x, x));
+        const __m512 th = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+            _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(ft_exp512(_mm512_add_ps(u, u)), _mm512_set1_ps(1.0f))));
+        const __m512 sech2 = _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f));
+        const __m512 du = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                        _mm512_fmadd_ps(_mm512_set1_ps(0.134145f), xx, _mm512_set1_ps(1.0f)));
+        return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), sech2), du,
+                               _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_add_ps(_mm512_set1_ps(1.0f), th)));
+    }
+    case FT_ACT_RELU:
+        return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+    default: {   /* tanh */
+        const __m512 th = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+            _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(ft_exp512(_mm512_add_ps(x, x)), _mm512_set1_ps(1.0f))));
+        return _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f));
+    }
+    }
+}
+
 /* ---- AVX2 + FMA ----------------------------------------------------------------------------- */
 #define FT_V256 __attribute__((target("avx2,fma"), always_inline)) static inline
 /* lanes [0, left) of an 8-lane AVX2 register (left clamped to 0..8), for maskload / maskstore */
@@ -120,6 +160,44 @@ FT_V256 __m256 ft_act256(__m256 x, int act) {
     }
     case FT_ACT_RELU: return _mm256_max_ps(x, _mm256_setzero_ps());
     default: return x;
+    }
+}
+
+FT_V256 __m256 ft_act_grad256(__m256 x, int act) {   /* ft_act_grad512 on 8 lanes */
+    switch (act) {
+    case FT_ACT_GELU_ERF: {
+        const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(0.70710678118654752f));
+        const __m256 t = ft_rcp256(_mm256_fmadd_ps(z, _mm256_set1_ps(0.5f), _mm256_set1_ps(1.0f)));
+        __m256 q = _mm256_set1_ps(0.17087277f);
+        FT_ERFC_POLY(_mm256_fmadd_ps, _mm256_set1_ps, q, t);
+        const __m256 hx = _mm256_mul_ps(x, _mm256_set1_ps(0.5f));
+        const __m256 c = _mm256_mul_ps(t, ft_exp256(_mm256_fnmadd_ps(hx, x, q)));
+        const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+        const __m256 half_c = _mm256_mul_ps(_mm256_set1_ps(0.5f), c);
+        const __m256 Phi = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), half_c), half_c, neg);
+        const __m256 phi = _mm256_mul_ps(ft_exp256(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), hx), x)),
+                                         _mm256_set1_ps(0.39894228040143268f));
+        return _mm256_fmadd_ps(x, phi, Phi);
+    }
+    case FT_ACT_GELU_TANH: {
+        const __m256 xx = _mm256_mul_ps(x, x);
+        const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                       _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), xx), x, x));
+        const __m256 th = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+            _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(ft_exp256(_mm256_add_ps(u, u)), _mm256_set1_ps(1.0f))));
+        const __m256 sech2 = _mm256_fnmadd_ps(th, th, _mm256_set1_ps(1.0f));
+        const __m256 du = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                        _mm256_fmadd_ps(_mm256_set1_ps(0.134145f), xx, _mm256_set1_ps(1.0f)));
+        return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), sech2), du,
+                               _mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_add_ps(_mm256_set1_ps(1.0f), th)));
+    }
+    case FT_ACT_RELU:
+        return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_set1_ps(1.0f));
+    default: {
+        const __m256 th = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+            _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(ft_exp256(_mm256_add_ps(x, x)), _mm256_set1_ps(1.0f))));
+        return _mm256_fnmadd_ps(th, th, _mm256_set1_ps(1.0f));
+    }
     }
 }
 
