@@ -16,6 +16,18 @@ from .errors import InputError
 _MiB = 1 << 20
 
 
+def mean_rows(out, offsets):
+    """(B, C) means of the row ranges [offsets[b], offsets[b + 1]) of out (N, C): mean pooling of
+    packed sequences. One contiguous column sum per sequence (np.add.reduceat over axis 0 runs
+    element by element: 22 ms against 0.6 ms for 32 x 128 rows of 768)."""
+    C = out.shape[1]
+    pooled = np.empty((len(offsets) - 1, C), np.float32)
+    for b in range(len(offsets) - 1):
+        a, e = int(offsets[b]), int(offsets[b + 1])
+        pooled[b] = out[a:e].sum(axis=0) / max(e - a, 1)
+    return pooled
+
+
 class TopLayers:
     """Encoder layers [L - k, L) as one trainable stack: parameters and gradients in one flat buffer
     each, with named views (`named_parameters()`, `named_gradients()`)."""

@@ -367,8 +367,8 @@ class Trainer:
         """(B, C) from the top layer's rows: mean over each example's tokens, or its first ([CLS])."""
         if self.pooling == "cls":
             return np.ascontiguousarray(out[offsets[:-1]])
-        n = np.diff(offsets).astype(np.float32)[:, None]
-        return np.ascontiguousarray(np.add.reduceat(out, offsets[:-1], axis=0) / n, dtype=np.float32)
+        from .finetune import mean_rows
+        return mean_rows(out, offsets)
 
     def _qa_padded(self, cache, ids, out, offsets):
         """The top layer's rows as the QA head takes them: (B, T, C) zero-padded token states, T
