@@ -188,6 +188,19 @@ for act, ref in refs.items():
     got = linear(x[:, None], np.ones((1, 1), np.float32), np.zeros(1, np.float32), act)[:, 0].astype(np.float64)
     err = np.abs(got - ref) / (np.abs(ref) + 1e-30)
     report[f"act{act}"] = float(np.max(np.where(np.abs(ref) > 1e-6, err, np.abs(got - ref) / 1e-6)))
+# the activations' derivatives (bias_act_backward with df = 1: the training backward's
+# ft_cpu_act_grad_row), against float64, absolute (the derivatives are O(1) and GELU's crosses 0)
+xg = np.concatenate([np.linspace(-10, 10, 40001), [0.0, 1e-30, -1e-30]]).astype(np.float32)
+g64 = xg.astype(np.float64)
+Phi = 0.5 * (1 + np.vectorize(erf)(g64 / np.sqrt(2)))
+u = np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3)
+grads = {0: Phi + g64 * np.exp(-g64 ** 2 / 2) / np.sqrt(2 * np.pi),
+         1: 0.5 * (1 + np.tanh(u)) + 0.5 * g64 * (1 - np.tanh(u) ** 2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * g64 ** 2),
+         2: (g64 > 0).astype(np.float64), 3: 1 - np.tanh(g64) ** 2}
+for act, ref in grads.items():
+    px, pd, ph = be.upload(xg), be.upload(np.ones_like(xg)), be.alloc(xg.nbytes)
+    be.check(be.fn["bias_act_backward"](be.addr, ph, pd, px, None, None, None, None, 1, len(xg), 1, act), "bias_act_backward")
+    report[f"grad{act}"] = float(np.abs(be.download(ph, (len(xg),), np.float32) - ref).max())
 # the GEMM: a short row block, K and N off every tile size; the bar is a float32 GEMM's own error
 rng = np.random.default_rng(1)
 for M, K, N, name in ((50, 1000, 70, "gemm"), (50, 1700, 70, "gemm_long_k")):   # 1700: AMX's K blocks
@@ -237,7 +250,8 @@ def test_every_kernel_path_computes_at_float32_accuracy(isa):
     |act(x)| > 1e-6 (the float32 input's own rounding, amplified by exp(-x^2 / 2), costs up to
     ~2e-6 at x = -5), and its GEMM (AMX: bf16x6, amx.h) no less accurate than a float32
     multiply-add chain; so is the backend's gemm op (AMX's own, or OpenBLAS) for every transpose,
-    alpha, beta and leading dimension."""
+    alpha, beta and leading dimension. The activations' derivatives of the training backward
+    within 3e-6 of float64."""
     if isa not in _supported_isas():
         pytest.skip(f"this CPU has no {isa}")
     r = _run(ACCURACY, isa, os.path.dirname(os.path.abspath(__file__)), env={"FASTTRAN_CPU_ISA": isa})
@@ -245,6 +259,7 @@ def test_every_kernel_path_computes_at_float32_accuracy(isa):
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     for act in range(4):
         assert rep[f"act{act}"] <= 3e-6, (isa, act, rep)
+        assert rep[f"grad{act}"] <= 3e-6, (isa, act, rep)   # measured 2e-6 (tanh form), 2.2e-7 (erf)
     assert rep["gemm"] <= 1.5 * rep["gemm_float32_chain"], rep
     assert rep["gemm_long_k"] <= 1.5 * rep["gemm_long_k_float32_chain"], rep
     ops = [k for k in rep if k.startswith("gemm_op_") and not k.endswith("_pad_untouched")]
