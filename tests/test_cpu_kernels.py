@@ -240,6 +240,17 @@ for M, N, K in ((97, 75, 700), (40, 72, 1700)):
             key = f"gemm_op_{ta}{tb}_K{K}"
             report[key] = float(np.abs(got[:, :N] - want).max()) / (abs(alpha) * chain + beta_rounding)
             report[key + "_pad_untouched"] = bool(np.array_equal(got[:, N:], C0[:, N:]))
+# a tall product (AMX: row-block tasks that split their rows once for every chunk of weights) gives
+# each row the bits it has in a short one (chunk tasks), and float32 accuracy
+M, N, K = 1250, 75, 333
+a, w = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
+tall, short = linear(a, w, np.zeros(N, np.float32), -1), linear(a[:40], w, np.zeros(N, np.float32), -1)
+seq = np.zeros((M, N), np.float32)
+for k in range(K):
+    seq = seq + np.outer(a[:, k], w[:, k]).astype(np.float32)
+ref = a.astype(np.float64) @ w.astype(np.float64).T
+report["tall_rows_equal_short"] = bool(np.array_equal(tall[:40], short))
+report["tall_vs_chain"] = float(np.abs(tall - ref).max()) / float(np.abs(seq - ref).max())
 print(json.dumps(report))
 """
 
@@ -262,6 +273,7 @@ def test_every_kernel_path_computes_at_float32_accuracy(isa):
         assert rep[f"grad{act}"] <= 3e-6, (isa, act, rep)   # measured 2e-6 (tanh form), 2.2e-7 (erf)
     assert rep["gemm"] <= 1.5 * rep["gemm_float32_chain"], rep
     assert rep["gemm_long_k"] <= 1.5 * rep["gemm_long_k_float32_chain"], rep
+    assert rep["tall_rows_equal_short"] and rep["tall_vs_chain"] <= 1.5, rep
     ops = [k for k in rep if k.startswith("gemm_op_") and not k.endswith("_pad_untouched")]
     assert len(ops) == 8, rep
     for k in ops:

@@ -319,7 +319,7 @@ AMX static void store_transposed(const ft_amx_product *g, const float *acc_main,
  * that K block (in L2) before the next; with several K blocks the accumulators of every (row
  * block, panel) wait in scratch between them */
 AMX void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
-                            void *scratch) {
+                            void *scratch, int split) {
     const int64_t K = g->K, N = g->N, S = steps_of(K), rows = r1 - r0, blocks = (rows + FT_AMX_MR - 1) / FT_AMX_MR;
     const int64_t kb_steps = ft_amx_kblock(K) / STEP, a_block = kb_steps * PARTS * FT_AMX_MR * STEP;
     const int64_t panel_elems = S * PARTS * 2 * TILE_ELEMS, acc_elems = 2 * FT_AMX_MR * FT_AMX_NR;
@@ -332,8 +332,9 @@ AMX void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int
     configure_tiles();
     for (int64_t s0 = 0; s0 < S; s0 += kb_steps) {
         const int64_t s1 = s0 + kb_steps < S ? s0 + kb_steps : S, last = s1 == S;
-        for (int64_t bl = 0; bl < blocks; bl++)
-            split_rows(a + bl * a_block, g->x, r1, K, r0 + bl * FT_AMX_MR, s0, s1, buf);
+        if (split || several)
+            for (int64_t bl = 0; bl < blocks; bl++)
+                split_rows(a + bl * a_block, g->x, r1, K, r0 + bl * FT_AMX_MR, s0, s1, buf);
         for (int64_t p = p0; p < p1; p++) {
             const uint16_t *b = g->wp + p * panel_elems + s0 * PARTS * 2 * TILE_ELEMS;
             const int64_t c0 = p * FT_AMX_NR;
@@ -392,7 +393,7 @@ void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int
     (void)dst; (void)w; (void)N; (void)K; (void)p;
 }
 void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
-                        void *scratch) {
-    (void)g; (void)r0; (void)r1; (void)p0; (void)p1; (void)scratch;
+                        void *scratch, int split) {
+    (void)g; (void)r0; (void)r1; (void)p0; (void)p1; (void)scratch; (void)split;
 }
 #endif

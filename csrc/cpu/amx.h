@@ -74,6 +74,9 @@ typedef struct {
 } ft_amx_product;
 
 /* rows [r0, r1) x the output columns of panels [p0, p1) of one product. scratch:
- * ft_amx_scratch_bytes(r1 - r0, K, p1 - p0), 64-byte aligned. */
-void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int64_t p0, int64_t p1, void *scratch);
+ * ft_amx_scratch_bytes(r1 - r0, K, p1 - p0), 64-byte aligned. split 0: K is one block
+ * (ft_amx_kblock(K) >= K) and scratch already holds these rows split by the previous call (the
+ * same rows, other panels); 1: split them first. */
+void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int64_t p0, int64_t p1, void *scratch,
+                        int split);
 #endif
