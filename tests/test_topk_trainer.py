@@ -25,6 +25,17 @@ def trainer(k=1, **kw):
     return Trainer("classification", **args)
 
 
+def assert_resumes_exactly(full, part, cache, targets, tmp_path):
+    """`part` (configured as `full` was) stopped after 5 steps, saved, reloaded into a new
+    Trainer and continued ends with `full`'s layers and head, bit for bit."""
+    part.fit(cache, targets, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=5)
+    back = Trainer.load(str(tmp_path / "ck"), show_progress=False)
+    back.fit(cache, targets, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    for (n, a), (_, b) in zip(full.top.named_parameters(), back.top.named_parameters()):
+        assert np.array_equal(a, b), n
+    assert np.array_equal(full.head.params, back.head.params)
+
+
 @pytest.fixture(scope="module")
 def cache1(enc, data):
     ids, mask, types, _ = data
@@ -54,13 +65,7 @@ def test_learns_and_resumes_exactly(enc, data, cache1, tmp_path):
     majority = max(y.mean(), 1 - y.mean())
     assert full.evaluate(cache1, y)["accuracy"] > majority + 0.15
     # stopped at step 5 of 32, saved, reloaded into a new Trainer, continued: the same weights
-    part = trainer(1, epochs=2, lr=3e-4)
-    part.fit(cache1, y, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=5)
-    back = Trainer.load(str(tmp_path / "ck"), show_progress=False)
-    back.fit(cache1, y, checkpoint_dir=str(tmp_path / "ck"), resume=True)
-    for (n, a), (_, b) in zip(full.top.named_parameters(), back.top.named_parameters()):
-        assert np.array_equal(a, b), n
-    assert np.array_equal(full.head.params, back.head.params)
+    assert_resumes_exactly(full, trainer(1, epochs=2, lr=3e-4), cache1, y, tmp_path)
 
 
 def test_export_loads_in_transformers_with_the_same_hidden_states(enc, data, cache1, tmp_path):
@@ -206,10 +211,4 @@ def test_qa_head_trains_the_top_layers(enc, qa_data, tmp_path):
         assert np.array_equal(np.isinf(lg), np.broadcast_to(valid[j, :n] == 0, lg.shape))
         assert np.abs(np.where(np.isinf(lg), 0, lg - ref[:, j, :n])).max() <= 1e-4
     # stopped after 5 steps, saved, reloaded, continued: the same layers and head
-    part = qa()
-    part.fit(cache, spans, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=5)
-    back = Trainer.load(str(tmp_path / "ck"), show_progress=False)
-    back.fit(cache, spans, checkpoint_dir=str(tmp_path / "ck"), resume=True)
-    for (n, a), (_, b) in zip(tr.top.named_parameters(), back.top.named_parameters()):
-        assert np.array_equal(a, b), n
-    assert np.array_equal(tr.head.params, back.head.params)
+    assert_resumes_exactly(tr, qa(), cache, spans, tmp_path)
