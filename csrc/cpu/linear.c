@@ -11,8 +11,8 @@
  * weights stays in L2 while each block of MR rows of x, read in place from L1, sweeps across it
  * (A's rows are never packed: only a last block of fewer than MR rows is copied, zero-padded);
  * on AMX the task's rows are split into bf16 parts one K block at a time and each 32 x 32 block
- * meets the task's panels in the tiles (ft_amx_linear_rows). None of this changes a single bit of the result (kernels.h, amx.h):
- * every element is one chain over k in a fixed order. */
+ * meets the task's panels in the tiles (ft_amx_linear_rows). None of this changes a single bit
+ * of the result (kernels.h, amx.h): every element is one chain over k in a fixed order. */
 #include <math.h>
 #include <stdlib.h>
 #include <unistd.h>
