@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 5
+#define FT_BACKEND_ABI 6
 
 typedef struct ft_backend ft_backend;
 
@@ -39,8 +39,9 @@ typedef struct {
     S(ft_status, copy, (ft_backend *be, void *dst, const void *src, size_t bytes))                \
     S(ft_status, synchronize, (ft_backend *be))                                                    \
     S(void, destroy, (ft_backend *be))                                                             \
-    /* bytes of `scratch` attention_forward needs for B sequences of at most T rows, NH heads */   \
-    S(size_t, attention_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))         \
+    /* bytes of `scratch` attention_forward (storage type dt) needs for B sequences of at most T    \
+     * rows, NH heads */                                                                           \
+    S(size_t, attention_scratch_bytes, (ft_backend *be, ft_dtype dt, int64_t B, int64_t T, int64_t NH)) \
     /* bytes of `scratch` attention_train_forward / attention_backward need for B sequences of at  \
      * most T rows, NH heads; the ops get the size they were given (scratch_bytes) and never use  \
      * more, whatever set_num_threads did in between */                                           \
@@ -54,35 +55,40 @@ typedef struct {
     X(gemm, (ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, \
              const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,      \
              int64_t ldc), (be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))                                                                         \
-    /* ---- encoder ops (fp32). Activations are "packed rows": the encoder keeps only the rows   \
-     * it computes (real tokens, then any padded ones asked for), sequence by sequence. ---- */    \
+    /* ---- encoder ops. Activations are "packed rows": the encoder keeps only the rows it       \
+     * computes (real tokens, then any padded ones asked for), sequence by sequence. dt is the    \
+     * storage type of the weights and activations (FT_F32, FT_F16 or FT_BF16; the CPU computes  \
+     * in FT_F32 only): products accumulate in float32, LayerNorm and softmax statistics are      \
+     * float32, every stored value is rounded once to dt. pool_forward and scatter_rows write     \
+     * float32 whatever dt is (the encoder's outputs). ---- */                                    \
     /* packed (packed_weight_bytes) = w (N, K) in the backend's layout for linear_*_forward */     \
     X(pack_weight, (ft_backend *be, float *packed, const float *w, int64_t N, int64_t K), (be, packed, w, N, K))          \
     /* out (M, N) = act(x (M, K) w^T + bias); w (N, K) and its packed copy; bias (N) or NULL;     \
      * act an ft_activation or -1 for none. out must not alias x. */                              \
-    X(linear_forward, (ft_backend *be, float *out, const float *x, const float *w,                 \
-                       const float *w_packed, const float *bias, int64_t M, int64_t K, int64_t N,  \
-                       int act), (be, out, x, w, w_packed, bias, M, K, N, act))                                                                   \
+    X(linear_forward, (ft_backend *be, ft_dtype dt, void *out, const void *x, const void *w,       \
+                       const float *w_packed, const void *bias, int64_t M, int64_t K, int64_t N,   \
+                       int act), (be, dt, out, x, w, w_packed, bias, M, K, N, act))                \
     /* out (M, N) = LayerNorm(residual + (x w^T + bias)) per row; out aliases neither x nor       \
      * residual */                                                                                 \
-    X(linear_residual_ln_forward, (ft_backend *be, float *out, const float *x, const float *w,    \
-                                   const float *w_packed, const float *bias, const float *residual, \
-                                   const float *gamma, const float *beta, int64_t M, int64_t K,     \
-                                   int64_t N, float eps), (be, out, x, w, w_packed, bias, residual, gamma, beta, M, K, N, eps))                                           \
+    X(linear_residual_ln_forward, (ft_backend *be, ft_dtype dt, void *out, const void *x,          \
+                                   const void *w, const float *w_packed, const void *bias,          \
+                                   const void *residual, const void *gamma, const void *beta,       \
+                                   int64_t M, int64_t K, int64_t N, float eps), (be, dt, out, x, w, w_packed, bias, residual, gamma, beta, M, K, N, eps)) \
     /* out (N, C) row r = LayerNorm(word[ids[r]] + type[types[r]] + pos[positions[r]]); types NULL: 0 */\
-    X(embed_ln_forward, (ft_backend *be, float *out, const int32_t *ids, const int32_t *types,     \
-                         const int32_t *positions, const float *word, const float *pos,            \
-                         const float *type, const float *gamma, const float *beta, int64_t N,      \
-                         int64_t C, float eps), (be, out, ids, types, positions, word, pos, type, gamma, beta, N, C, eps))                                                    \
+    X(embed_ln_forward, (ft_backend *be, ft_dtype dt, void *out, const int32_t *ids,               \
+                         const int32_t *types, const int32_t *positions, const void *word,         \
+                         const void *pos, const void *type, const void *gamma, const void *beta,   \
+                         int64_t N, int64_t C, float eps), (be, dt, out, ids, types, positions, word, pos, type, gamma, beta, N, C, eps)) \
     /* dst (N, C) = row broadcast of bias (C): prefill before a beta=1 GEMM */                    \
     X(broadcast_rows, (ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C), (be, dst, bias, N, C))        \
     /* ctx (rows, C) = per (sequence b, head h): softmax(Q K^T / sqrt(C/NH)) V; qkv (rows, 3C)    \
      * with Q, K, V at column offsets 0, C, 2C. seqs: HOST memory, (B, 3) int32 = first row,     \
      * key rows, query rows of sequence b: its queries are rows [first, first + query rows) and   \
      * its keys the first `key rows` of them (no mask: every key is real). A sequence with no key \
-     * gets a zero output. scratch: attention_scratch_bytes(B, max query rows, NH). */           \
-    X(attention_forward, (ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs,      \
-                          int64_t B, int64_t C, int64_t NH, float *scratch), (be, ctx, qkv, seqs, B, C, NH, scratch))                       \
+     * gets a zero output. scratch: attention_scratch_bytes(dt, B, max query rows, NH). */       \
+    X(attention_forward, (ft_backend *be, ft_dtype dt, void *ctx, const void *qkv,                 \
+                          const int32_t *seqs, int64_t B, int64_t C, int64_t NH, void *scratch),   \
+      (be, dt, ctx, qkv, seqs, B, C, NH, scratch))                                                 \
     /* h (N, K) = act(h + bias) in place */                                                        \
     X(bias_act_forward, (ft_backend *be, float *h, const float *bias, int64_t N, int64_t K,       \
                          ft_activation act), (be, h, bias, N, K, act))                                                       \
@@ -90,13 +96,13 @@ typedef struct {
     X(bias_residual_ln_forward, (ft_backend *be, float *out, const float *residual, const float *y, \
                                  const float *bias, const float *gamma, const float *beta,        \
                                  int64_t N, int64_t C, float eps), (be, out, residual, y, bias, gamma, beta, N, C, eps))                                 \
-    /* out (B, C) row b = mean of rows [first[b], first[b] + count[b]) of h (rows, C); count 0    \
-     * gives zeros (CLS pooling: count 1) */                                                      \
-    X(pool_forward, (ft_backend *be, float *out, const float *h, const int32_t *first,             \
-                     const int32_t *count, int64_t B, int64_t C), (be, out, h, first, count, B, C))                                  \
-    /* dst row index[r] = src row r, for r < N; rows are C floats */                              \
-    X(scatter_rows, (ft_backend *be, float *dst, const float *src, const int32_t *index, int64_t N, \
-                     int64_t C), (be, dst, src, index, N, C))                                                                   \
+    /* out (B, C) float32, row b = mean of rows [first[b], first[b] + count[b]) of h (rows, C) in  \
+     * dt; count 0 gives zeros (CLS pooling: count 1) */                                          \
+    X(pool_forward, (ft_backend *be, ft_dtype dt, float *out, const void *h, const int32_t *first, \
+                     const int32_t *count, int64_t B, int64_t C), (be, dt, out, h, first, count, B, C)) \
+    /* dst (float32) row index[r] = src (dt) row r, for r < N; rows are C values */               \
+    X(scatter_rows, (ft_backend *be, ft_dtype dt, float *dst, const void *src, const int32_t *index, \
+                     int64_t N, int64_t C), (be, dt, dst, src, index, N, C))                       \
     /* ---- training (heads, optimizers) ---- */                                                  \
     /* y (n) = x * keep(key, i) / (1 - p); y may alias x. keep() is ft_dropout_keep (core/rng.h), \
      * so the same call on a gradient applies the same mask (the backward pass). */               \

@@ -234,13 +234,20 @@ class Encoder:
             reason = no_gpu_reason()
             if reason:
                 raise NoGPUError(f"device {device!r}: there is no usable GPU: {reason}. Use device='cpu'")
+        elif self.dtype != "float32":
+            raise UnsupportedError(f"dtype={self.dtype!r} runs on CUDA only: the CPU backend computes in float32. "
+                                   "Use device='cuda' or dtype='float32'")
         c = self.config
+        if self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
+            raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
+                                   "half-precision attention takes head sizes up to 128. Use dtype='float32'")
         return _C.EncoderCore(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
             num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
             max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
             layer_norm_eps=float(c["layer_norm_eps"]), activation=_ACTIVATIONS[c["hidden_act"]],
-            pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]))
+            pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]),
+            dtype=self.dtype)
 
     def to(self, device):
         """Move the weights to `device` ('cpu', 'cuda', 'cuda:N') and run there from now on.
@@ -256,10 +263,6 @@ class Encoder:
     def _parse_dtype(dtype):
         if dtype not in _DTYPES:
             raise InputError(f"dtype must be one of {', '.join(map(repr, _DTYPES))}, got {dtype!r}")
-        if dtype != "float32":
-            # half-precision weights/activations belong to the CUDA kernels, which still need a
-            # run on a GPU before they can be offered (see docs/architecture.md)
-            raise UnsupportedError(f"dtype={dtype!r} is not available in this build: the encoder computes in float32")
         return dtype
 
     @staticmethod
@@ -497,7 +500,8 @@ class Encoder:
         src = f", path={self.path!r}" if self.path else ""
         return (f"Encoder(bert, layers={c['num_hidden_layers']}, hidden={c['hidden_size']}, "
                 f"heads={c['num_attention_heads']}, intermediate={c['intermediate_size']}, "
-                f"params={self.num_parameters / 1e6:.1f}M, device={self.device!r}{src})")
+                f"params={self.num_parameters / 1e6:.1f}M, device={self.device!r}"
+                + (f", dtype={self.dtype!r}" if self.dtype != "float32" else "") + f"{src})")
 
     def _repr_html_(self):
         import html

@@ -27,7 +27,9 @@ SIZES = _C._abi_sizes()
 
 # ---- calling a backend table through ctypes ------------------------------------------------------
 _SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "uint64_t": ctypes.c_uint64,
-            "size_t": ctypes.c_size_t, "ft_activation": ctypes.c_int, "ft_pooling": ctypes.c_int}
+            "size_t": ctypes.c_size_t, "ft_activation": ctypes.c_int, "ft_pooling": ctypes.c_int,
+            "ft_dtype": ctypes.c_int}
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}   # ft_dtype
 _RETURNS = {"ft_status": ctypes.c_int, "void": None, "size_t": ctypes.c_size_t}
 
 
@@ -171,7 +173,9 @@ def run_case(be, op, args):
             ptrs[name] = be.upload(init)
             outs[name] = v
         elif isinstance(v, Scratch):
-            sizes[name] = be.fn[v.service](be.addr, *v.bt)
+            # a service with a storage type takes the case's (float32 unless the case says)
+            dt = (args.get("dt", 0),) if be.params[v.service][1][0] == "dt" else ()
+            sizes[name] = be.fn[v.service](be.addr, *dt, *v.bt)
             ptrs[name] = be.alloc(sizes[name])
         elif isinstance(v, Host):
             ptrs[name] = v.a.ctypes.data
@@ -185,6 +189,9 @@ def run_case(be, op, args):
     for name, t in be.params[op]:
         if name == "be":
             call.append(be.addr)
+            continue
+        if name == "dt" and name not in args:   # the encoder ops' storage type: float32 unless the case says
+            call.append(0)
             continue
         assert name in args, f"the case for {op} has no argument {name!r}"
         v = args[name]
@@ -759,3 +766,175 @@ def test_cuda_op_matches_cpu(op, ident, build):
     ref = run_case(Backend(-1), op, args)
     got = run_case(Backend(0), op, args)
     compare(op, args, ref, got)
+
+
+# ---- half precision (CUDA only): the encoder ops in float16 / bfloat16 against float64 ------------
+# The CPU computes in float32 only (it refuses another storage type), so the reference here is
+# float64 over the very inputs the op was given (already rounded to the storage type); the
+# tolerance is that of values stored in the type, a few roundings deep.
+def to_half(a, dt):
+    """float array -> the storage type's bits (uint16), rounded to nearest even"""
+    a = np.ascontiguousarray(a, np.float32)
+    if dt == "float16":
+        return a.astype(np.float16).view(np.uint16)
+    u = a.view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_half(bits, dt):
+    if dt == "float16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+HALF_TOL = {"float16": 1.5e-3, "bfloat16": 1.2e-2}
+
+
+def _ln(x, gamma, beta, eps):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * gamma + beta
+
+
+def _act64(x, act):
+    from scipy.special import erf
+    if act == 0:
+        return 0.5 * x * (1 + erf(x / np.sqrt(2)))
+    if act == 1:
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    if act == 2:
+        return np.maximum(x, 0)
+    return np.tanh(x)
+
+
+class HalfIn:
+    """an input rounded to the storage type: .bits go to the device, .x (float64) to the reference"""
+    def __init__(self, a, dt):
+        self.bits, self.x = to_half(a, dt), from_half(to_half(a, dt), dt)
+
+
+def _half_attention(lengths, NH, hs, pq, dt):
+    lens = np.asarray(lengths, np.int64)
+    nq = lens + pq * (lens > 0)
+    first = np.concatenate([[0], np.cumsum(nq)[:-1]])
+    seqs = np.stack([first, lens, nq], axis=1).astype(np.int32)
+    N, C, T = int(nq.sum()), NH * hs, int(max(nq.max(), 1))
+
+    def build(rng):
+        qkv = HalfIn(rng.standard_normal((N, 3 * C)) * 1.5, dt)
+        ref = np.zeros((N, C))
+        for b in range(len(lens)):
+            f, k, q = seqs[b]
+            for h in range(NH):
+                Q = qkv.x[f:f + q, h * hs:(h + 1) * hs]
+                K = qkv.x[f:f + k, C + h * hs:C + (h + 1) * hs]
+                V = qkv.x[f:f + k, 2 * C + h * hs:2 * C + (h + 1) * hs]
+                if k == 0:
+                    continue
+                s = Q @ K.T / np.sqrt(hs)
+                p = np.exp(s - s.max(1, keepdims=True))
+                ref[f:f + q, h * hs:(h + 1) * hs] = (p / p.sum(1, keepdims=True)) @ V
+        args = dict(dt=DTYPE_CODES[dt], ctx=Out((N, C), np.uint16), qkv=In(qkv.bits), seqs=Host(seqs), B=len(lens),
+                    C=C, NH=NH, scratch=Scratch(len(lens), T, NH))
+        return args, {"ctx": ref}
+    return build
+
+
+def _half_linear(M, K, N, act, bias, dt, residual=False):
+    def build(rng):
+        x = HalfIn(rng.standard_normal((M, K)), dt)
+        w = HalfIn(rng.standard_normal((N, K)) / np.sqrt(K), dt)
+        b = HalfIn(rng.standard_normal(N) * 0.5, dt) if bias else None
+        y = x.x @ w.x.T + (b.x if bias else 0)
+        args = dict(dt=DTYPE_CODES[dt], out=Out((M, N), np.uint16), x=In(x.bits), w=In(w.bits), w_packed=None,
+                    bias=In(b.bits) if bias else None, M=M, K=K, N=N)
+        if residual:
+            r, g, be = HalfIn(rng.standard_normal((M, N)), dt), HalfIn(1 + 0.2 * rng.standard_normal(N), dt), \
+                HalfIn(0.2 * rng.standard_normal(N), dt)
+            args.update(residual=In(r.bits), gamma=In(g.bits), beta=In(be.bits), eps=1e-12)
+            return args, {"out": _ln(y + r.x, g.x, be.x, 1e-12)}
+        args["act"] = act
+        return args, {"out": y if act < 0 else _act64(y, act)}
+    return build
+
+
+def _half_embed(N, C, dt, V=50, P=520, TV=3):
+    def build(rng):
+        word, pos, typ = (HalfIn(rng.standard_normal((n, C)), dt) for n in (V, P, TV))
+        g, be = HalfIn(1 + 0.1 * rng.standard_normal(C), dt), HalfIn(0.1 * rng.standard_normal(C), dt)
+        ids, positions, types = rng.integers(0, V, N), rng.integers(0, P, N), rng.integers(0, TV, N)
+        ref = _ln(word.x[ids] + typ.x[types] + pos.x[positions], g.x, be.x, 1e-12)
+        return dict(dt=DTYPE_CODES[dt], out=Out((N, C), np.uint16), ids=In(ids.astype(np.int32)),
+                    types=In(types.astype(np.int32)), positions=In(positions.astype(np.int32)), word=In(word.bits),
+                    pos=In(pos.bits), type=In(typ.bits), gamma=In(g.bits), beta=In(be.bits), N=N, C=C,
+                    eps=1e-12), {"out": ref}
+    return build
+
+
+def _half_pool(lengths, C, cls, dt):
+    def build(rng):
+        lens = np.asarray(lengths, np.int32)
+        first = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+        count = (np.minimum(lens, 1) if cls else lens).astype(np.int32)
+        h = HalfIn(rng.standard_normal((max(int(lens.sum()), 1), C)), dt)
+        ref = np.stack([h.x[f:f + n].mean(0) if n else np.zeros(C) for f, n in zip(first, count)])
+        return dict(dt=DTYPE_CODES[dt], out=Out((len(lens), C)), h=In(h.bits), first=In(first), count=In(count),
+                    B=len(lens), C=C), {"out": ref}
+    return build
+
+
+def _half_scatter(N, C, rows, dt):
+    def build(rng):
+        src = HalfIn(rng.standard_normal((N, C)), dt)
+        index = rng.permutation(rows)[:N]
+        ref = np.zeros((rows, C))
+        ref[index] = src.x
+        return dict(dt=DTYPE_CODES[dt], dst=Out((rows, C), init=np.zeros((rows, C), np.float32)), src=In(src.bits),
+                    index=In(index.astype(np.int32)), N=N, C=C), {"dst": ref}
+    return build
+
+
+HALF_CASES = []
+for dt in ("bfloat16", "float16"):
+    for lens, NH, hs, pq in [([1], 1, 1, 0), ([7, 2], 3, 5, 0), ([3, 70, 1], 2, 17, 4), ([131, 40], 2, 32, 0),
+                             ([0, 33, 12, 0], 4, 16, 2), ([65], 2, 64, 0), ([20, 9], 1, 128, 3), ([40], 1, 100, 0)]:
+        HALF_CASES.append((f"attention_forward-{dt}-" + "-".join(map(str, lens)) + f"-{NH}h{hs}-pad{pq}",
+                           "attention_forward", _half_attention(lens, NH, hs, pq, dt), dt))
+    for M, K, N, act, bias in [(1, 1, 1, -1, True), (7, 33, 17, 0, True), (70, 72, 216, -1, True), (33, 64, 150, 0, True),
+                               (13, 150, 72, -1, False), (5, 64, 130, 1, True), (3, 40, 9, 2, True), (4, 24, 8, 3, False),
+                               (0, 8, 8, -1, True)]:
+        HALF_CASES.append((f"linear_forward-{dt}-{M}x{K}x{N}-act{act}" + ("" if bias else "-nobias"), "linear_forward",
+                           _half_linear(M, K, N, act, bias, dt), dt))
+    for M, K, N, bias in [(1, 1, 1, True), (7, 33, 17, True), (70, 150, 72, True), (9, 72, 72, False)]:
+        HALF_CASES.append((f"linear_residual_ln_forward-{dt}-{M}x{K}x{N}" + ("" if bias else "-nobias"),
+                           "linear_residual_ln_forward", _half_linear(M, K, N, -1, bias, dt, residual=True), dt))
+    for N, C in [(1, 1), (14, 33), (60, 384), (3, 1025)]:
+        HALF_CASES.append((f"embed_ln_forward-{dt}-{N}x{C}", "embed_ln_forward", _half_embed(N, C, dt), dt))
+    for lens, C, cls in [([1], 1, True), ([7, 0, 3], 33, False), ([50, 20], 72, False), ([5, 4, 1, 2], 130, True)]:
+        HALF_CASES.append((f"pool_forward-{dt}-{len(lens)}seq-{C}-{'cls' if cls else 'mean'}", "pool_forward",
+                           _half_pool(lens, C, cls, dt), dt))
+    for N, C, rows in [(1, 1, 1), (7, 33, 12), (0, 4, 3)]:
+        HALF_CASES.append((f"scatter_rows-{dt}-{N}x{C}-into{rows}", "scatter_rows", _half_scatter(N, C, rows, dt), dt))
+
+
+@cuda
+@pytest.mark.parametrize("ident,op,build,dt", [pytest.param(*c, id=c[0]) for c in HALF_CASES])
+def test_cuda_half_op_matches_float64(ident, op, build, dt):
+    """Every output element within the type's tolerance of float64 over the rounded inputs
+    (outputs poisoned before: an element never written fails)"""
+    args, ref = build(np.random.default_rng(zlib.crc32(ident.encode())))
+    got = run_case(Backend(0), op, args)
+    for name, want in ref.items():
+        out = args[name]
+        a = from_half(got[name], dt) if out.dtype == np.uint16 else got[name].astype(np.float64)
+        tol = HALF_TOL[dt] * (1 + np.abs(want))
+        bad = ~(np.abs(a - want) <= tol)
+        assert not bad.any(), (f"{ident}: {name} off at {int(bad.sum())} of {a.size} (first {np.argwhere(bad)[0].tolist()}: "
+                               f"got {a[bad][0]!r}, float64 {want[bad][0]!r})")
+
+
+@cuda
+@pytest.mark.parametrize("op", ["linear_forward", "attention_forward", "pool_forward"])
+def test_cpu_refuses_half_precision_with_the_reason(op):
+    args, _ = dict((c[1], c) for c in HALF_CASES)[op][2](np.random.default_rng(0))
+    with pytest.raises(AssertionError, match="the CPU backend computes in float32, not bfloat16|not float16"):
+        run_case(Backend(-1), op, args)

@@ -173,7 +173,7 @@ def linear(x, w, bias, act):
     out = be.alloc(M * N * 4)
     wp = be.alloc(be.fn["packed_weight_bytes"](be.addr, N, K))
     be.check(be.fn["pack_weight"](be.addr, wp, pw, N, K), "pack_weight")
-    be.check(be.fn["linear_forward"](be.addr, out, px, pw, wp, pb, M, K, N, act), "linear_forward")
+    be.check(be.fn["linear_forward"](be.addr, 0, out, px, pw, wp, pb, M, K, N, act), "linear_forward")
     return be.download(out, (M, N), np.float32)
 
 report = {}

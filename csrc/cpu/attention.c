@@ -23,8 +23,8 @@
 #include "kernels.h"
 #include "rowfun.h"
 
-size_t cpu_attention_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t NH) {
-    (void)be; (void)B; (void)T; (void)NH;
+size_t cpu_attention_scratch_bytes(ft_backend *be, ft_dtype dt, int64_t B, int64_t T, int64_t NH) {
+    (void)be; (void)dt; (void)B; (void)T; (void)NH;
     return 0;   /* per-thread scratch is allocated by the op for the longest sequence */
 }
 
@@ -163,9 +163,10 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
     return FT_OK;
 }
 
-ft_status cpu_attention_forward(ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs, int64_t B,
-                                int64_t C, int64_t NH, float *scratch) {
+ft_status cpu_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
+                                int64_t B, int64_t C, int64_t NH, void *scratch) {
     (void)be; (void)scratch;
+    FT_CPU_F32_ONLY(dt, "attention_forward");
     return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, 0.0f, 0);
 }
 

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "core/status.h"
 
 #define FT_CPU_SERVICE(ret, name, params) ret cpu_##name params;
 #define FT_CPU_OP(name, params, args) ft_status cpu_##name params;
@@ -12,6 +13,14 @@ FT_BACKEND_SERVICES(FT_CPU_SERVICE)
 FT_BACKEND_OPS(FT_CPU_OP)
 #undef FT_CPU_SERVICE
 #undef FT_CPU_OP
+
+/* the encoder ops' storage type: the CPU computes in float32 only */
+#define FT_CPU_F32_ONLY(dt, op)                                                                       \
+    do {                                                                                            \
+        if ((dt) != FT_F32)                                                                         \
+            return ft_error(FT_ERR_UNSUPPORTED, "%s: the CPU backend computes in float32, not %s; "  \
+                            "half precision runs on CUDA", op, ft_dtype_name(dt));                  \
+    } while (0)
 
 /* gemm on the linear layers' AMX kernels (linear.c), same contract as the op: taken when the
  * kernel set is "amx" and the product is large enough to pay for packing op(B) once per call

@@ -199,19 +199,21 @@ static ft_status run_linear(const linear_args *a) {
     return FT_OK;
 }
 
-ft_status cpu_linear_forward(ft_backend *be, float *out, const float *x, const float *w, const float *w_packed,
-                             const float *bias, int64_t M, int64_t K, int64_t N, int act) {
+ft_status cpu_linear_forward(ft_backend *be, ft_dtype dt, void *out, const void *x, const void *w,
+                             const float *w_packed, const void *bias, int64_t M, int64_t K, int64_t N, int act) {
     (void)be; (void)w;
+    FT_CPU_F32_ONLY(dt, "linear_forward");
     if (M == 0) return FT_OK;
     linear_args a = {x, w_packed, K, 0, out, N, 0, M, K, N, 1.0f, 0.0f, bias, act, NULL, NULL, NULL, 0.0f};
     return run_linear(&a);
 }
 
-ft_status cpu_linear_residual_ln_forward(ft_backend *be, float *out, const float *x, const float *w,
-                                         const float *w_packed, const float *bias, const float *residual,
-                                         const float *gamma, const float *beta, int64_t M, int64_t K, int64_t N,
+ft_status cpu_linear_residual_ln_forward(ft_backend *be, ft_dtype dt, void *out, const void *x, const void *w,
+                                         const float *w_packed, const void *bias, const void *residual,
+                                         const void *gamma, const void *beta, int64_t M, int64_t K, int64_t N,
                                          float eps) {
     (void)be; (void)w;
+    FT_CPU_F32_ONLY(dt, "linear_residual_ln_forward");
     if (M == 0) return FT_OK;
     linear_args a = {x, w_packed, K, 0, out, N, 0, M, K, N, 1.0f, 0.0f, bias, -1, residual, gamma, beta, eps};
     return run_linear(&a);

@@ -8,10 +8,13 @@
 
 #define ROWS_PER_CHUNK 32
 
-ft_status cpu_embed_ln_forward(ft_backend *be, float *out, const int32_t *ids, const int32_t *types,
-                               const int32_t *positions, const float *word, const float *pos, const float *type,
-                               const float *gamma, const float *beta, int64_t N, int64_t C, float eps) {
+ft_status cpu_embed_ln_forward(ft_backend *be, ft_dtype dt, void *out_, const int32_t *ids, const int32_t *types,
+                               const int32_t *positions, const void *word_, const void *pos_, const void *type_,
+                               const void *gamma, const void *beta, int64_t N, int64_t C, float eps) {
     (void)be;
+    FT_CPU_F32_ONLY(dt, "embed_ln_forward");
+    float *out = out_;
+    const float *word = word_, *pos = pos_, *type = type_;
 #pragma omp parallel for schedule(dynamic, ROWS_PER_CHUNK) num_threads(ft_num_threads())
     for (int64_t r = 0; r < N; r++) {
         const float *w = word + (int64_t)ids[r] * C;
@@ -55,9 +58,11 @@ ft_status cpu_bias_residual_ln_forward(ft_backend *be, float *out, const float *
     return FT_OK;
 }
 
-ft_status cpu_pool_forward(ft_backend *be, float *out, const float *h, const int32_t *first, const int32_t *count,
-                           int64_t B, int64_t C) {
+ft_status cpu_pool_forward(ft_backend *be, ft_dtype dt, float *out, const void *h_, const int32_t *first,
+                           const int32_t *count, int64_t B, int64_t C) {
     (void)be;
+    FT_CPU_F32_ONLY(dt, "pool_forward");
+    const float *h = h_;
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (B * C > 65536)
     for (int64_t b = 0; b < B; b++) {
         float *o = out + b * C;
@@ -75,9 +80,11 @@ ft_status cpu_pool_forward(ft_backend *be, float *out, const float *h, const int
     return FT_OK;
 }
 
-ft_status cpu_scatter_rows(ft_backend *be, float *dst, const float *src, const int32_t *index, int64_t N,
-                           int64_t C) {
+ft_status cpu_scatter_rows(ft_backend *be, ft_dtype dt, float *dst, const void *src_, const int32_t *index,
+                           int64_t N, int64_t C) {
     (void)be;
+    FT_CPU_F32_ONLY(dt, "scatter_rows");
+    const float *src = src_;
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 65536)
     for (int64_t r = 0; r < N; r++) memcpy(dst + (int64_t)index[r] * C, src + r * C, (size_t)C * sizeof(float));
     return FT_OK;

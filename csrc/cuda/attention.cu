@@ -1,19 +1,166 @@
-// Attention on the GPU over packed sequences (backend.h): per sequence, S = Q K^T * scale with
-// cuBLAS strided-batched GEMMs over its heads (queries = its rows, keys = its first `keys` rows,
-// all real), a softmax kernel over S in place, then P V written straight into the head's
-// columns of ctx. S is materialised (NH, rows, keys) per sequence in fp32 scratch; the fused
-// kernel that never writes S (flash-style) is the next step and has to be measured against this
-// one on a GPU first (see the CUDA issue's closing note).
+// Attention on the GPU over packed sequences (backend.h): queries = a sequence's rows, keys = its
+// first `keys` rows, all real (no mask anywhere).
+//
+// float32: per sequence, S = Q K^T * scale by strided-batched cuBLAS SGEMMs over its heads, a
+// softmax kernel over S in place, then P V written straight into the head's columns of ctx; S
+// is materialised (NH, rows, keys) per sequence in fp32 scratch (true fp32, as the reference).
+//
+// float16 / bfloat16: one fused kernel for the whole batch (FlashAttention's online softmax), on
+// the tensor cores through WMMA (16 x 16 x 16, float32 accumulation), so the emulator runs it
+// too. A block takes 64 query rows of one (sequence, head) -- 16 per warp -- and sweeps the
+// sequence's real keys in tiles of 32: S = Q K^T (float), the running row maximum and sum in
+// float32 registers (a lane pair per row), P = exp2(S - max) rounded to the storage type, the
+// float32 output rows rescaled and P V added. S never reaches global memory; no padded key is
+// read. The head size is padded with zeros to D = 16, 32, 64 or 128 in shared memory (head
+// sizes up to 128: every BERT-family model). The sequence table is copied to the device into
+// `scratch` (attention_scratch_bytes = B x 12 bytes).
 //
 // A sequence with no real key gets a zero output, the same as transformers' SDPA path and the
 // CPU backend.
 #include <math.h>
 
+#include <mma.h>
+
 #include "cuda_common.cuh"
 
 using namespace ftcuda;
+using namespace nvcuda;
 
 namespace {
+
+constexpr int ATT_WARPS = 4, ATT_BQ = 16 * ATT_WARPS, ATT_BK = 32;
+
+// the fused kernel's shared memory, padded rows (WMMA: ldm a multiple of 8 halves / 4 floats,
+// every tile 32-byte aligned)
+template <int D> struct att_layout {
+    static constexpr int DP = D + 8;        // halves per row of the Q, K, V tiles
+    static constexpr int SP = ATT_BK + 4;   // floats per row of the scores
+    static constexpr int PP = ATT_BK + 8;   // halves per row of the probabilities
+    static constexpr int OP = D + 4;        // floats per row of the output accumulator
+    static constexpr size_t q = 0, k = q + (size_t)ATT_BQ * DP * 2, v = k + (size_t)ATT_BK * DP * 2,
+                            s = v + (size_t)ATT_BK * DP * 2, p = s + (size_t)ATT_BQ * SP * 4,
+                            o = p + (size_t)ATT_BQ * PP * 2, bytes = o + (size_t)ATT_BQ * OP * 4;
+};
+
+// ctx rows of sequence blockIdx.y, head blockIdx.x / tiles, query tile blockIdx.x % tiles
+template <typename T, int D>
+__global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs, int64_t C, int hs, int tiles,
+                                       float scale_log2) {
+    typedef att_layout<D> L;
+    FT_DYNAMIC_SHARED(unsigned char, smem);
+    T *Qs = reinterpret_cast<T *>(smem + L::q), *Ks = reinterpret_cast<T *>(smem + L::k);
+    T *Vs = reinterpret_cast<T *>(smem + L::v), *Ps = reinterpret_cast<T *>(smem + L::p);
+    float *Ss = reinterpret_cast<float *>(smem + L::s), *Os = reinterpret_cast<float *>(smem + L::o);
+    const int64_t b = blockIdx.y;
+    const int tile = blockIdx.x % tiles, head = blockIdx.x / tiles;
+    const int64_t first = seqs[3 * b], nk = seqs[3 * b + 1], nq = seqs[3 * b + 2];
+    const int64_t q0 = (int64_t)tile * ATT_BQ;
+    if (q0 >= nq) return;   // the whole block: before any barrier
+    const int64_t ld = 3 * C;
+    const T *qg = qkv + first * ld + (int64_t)head * hs, *kg = qg + C, *vg = qg + 2 * C;
+    T *og = ctx + first * C + (int64_t)head * hs;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int64_t nrows = nq - q0 < ATT_BQ ? nq - q0 : ATT_BQ;
+    if (nk == 0) {   // no real key: zeros
+        for (int64_t i = tid; i < nrows * hs; i += blockDim.x) og[(q0 + i / hs) * C + i % hs] = from_f<T>(0.0f);
+        return;
+    }
+    for (int i = tid; i < ATT_BQ * D; i += blockDim.x) {
+        const int r = i / D, d = i % D;
+        Qs[r * L::DP + d] = r < nrows && d < hs ? qg[(q0 + r) * ld + d] : from_f<T>(0.0f);
+        Os[r * L::OP + d] = 0.0f;
+    }
+    __syncthreads();
+    const int row = lane >> 1, half = lane & 1;   // a lane pair per row of this warp's 16
+    const T *Q = Qs + warp * 16 * L::DP;
+    float *S = Ss + warp * 16 * L::SP, *O = Os + warp * 16 * L::OP;
+    T *P = Ps + warp * 16 * L::PP;
+    float m = -INFINITY, l = 0.0f;   // the row's running maximum (log2 units) and sum
+    for (int64_t k0 = 0; k0 < nk; k0 += ATT_BK) {
+        for (int i = tid; i < ATT_BK * D; i += blockDim.x) {
+            const int r = i / D, d = i % D;
+            const bool real = k0 + r < nk && d < hs;
+            Ks[r * L::DP + d] = real ? kg[(k0 + r) * ld + d] : from_f<T>(0.0f);
+            Vs[r * L::DP + d] = real ? vg[(k0 + r) * ld + d] : from_f<T>(0.0f);
+        }
+        __syncthreads();
+        // S (16 x BK) = Q K^T
+        for (int j = 0; j < ATT_BK / 16; j++) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::fill_fragment(acc, 0.0f);
+            for (int d = 0; d < D; d += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+                wmma::load_matrix_sync(fa, Q + d, L::DP);
+                wmma::load_matrix_sync(fb, Ks + j * 16 * L::DP + d, L::DP);
+                wmma::mma_sync(acc, fa, fb, acc);
+            }
+            wmma::store_matrix_sync(S + j * 16, acc, L::SP, wmma::mem_row_major);
+        }
+        __syncwarp();
+        // online softmax over this lane's half of the row's columns
+        float *sr = S + row * L::SP;
+        const int c0 = half * (ATT_BK / 2);
+        float mx = -INFINITY;
+        for (int c = c0; c < c0 + ATT_BK / 2; c++) {
+            const float s = k0 + c < nk ? sr[c] * scale_log2 : -INFINITY;
+            sr[c] = s;
+            mx = fmaxf(mx, s);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        const float m_new = fmaxf(m, mx);   // finite: every tile holds a real key
+        const float alpha = exp2f(m - m_new);
+        float sum = 0.0f;
+        for (int c = c0; c < c0 + ATT_BK / 2; c++) {
+            const float p = exp2f(sr[c] - m_new);
+            P[row * L::PP + c] = from_f<T>(p);
+            sum += p;
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        l = l * alpha + sum;
+        m = m_new;
+        for (int d = half * (D / 2); d < (half + 1) * (D / 2); d++) O[row * L::OP + d] *= alpha;
+        __syncwarp();
+        // O (16 x D) += P V
+        for (int d = 0; d < D; d += 16) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::load_matrix_sync(acc, O + d, L::OP, wmma::mem_row_major);
+            for (int j = 0; j < ATT_BK / 16; j++) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+                wmma::load_matrix_sync(fa, P + j * 16, L::PP);
+                wmma::load_matrix_sync(fb, Vs + j * 16 * L::DP + d, L::DP);
+                wmma::mma_sync(acc, fa, fb, acc);
+            }
+            wmma::store_matrix_sync(O + d, acc, L::OP, wmma::mem_row_major);
+        }
+        __syncthreads();   // K and V are overwritten next
+    }
+    const float inv = 1.0f / l;
+    const int r = warp * 16 + row;
+    if (r < nrows)
+        for (int d = half; d < hs; d += 2) og[(q0 + r) * C + d] = from_f<T>(O[row * L::OP + d] * inv);
+}
+
+template <typename T, int D>
+ft_status flash_attention_launch(cuda_ctx *c, T *ctx, const T *qkv, const int32_t *seqs_dev, int64_t B, int64_t C,
+                                 int64_t NH, int tiles) {
+    const size_t bytes = att_layout<D>::bytes;
+    constexpr auto flash_attention = flash_attention_kernel<T, D>;
+    if (bytes > 48 * 1024)
+        FT_CU(cudaFuncSetAttribute(flash_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+              "attention shared memory");
+    const int hs = (int)(C / NH);
+    const float scale_log2 = 1.4426950408889634f / sqrtf((float)hs);
+    for (int64_t b0 = 0; b0 < B; b0 += 65535) {   // gridDim.y <= 65535
+        const int64_t nb = B - b0 < 65535 ? B - b0 : 65535;
+        dim3 grid((unsigned)(tiles * NH), (unsigned)nb);
+        FT_LAUNCH(flash_attention, grid, ATT_WARPS * 32, bytes, c->stream)(
+            ctx, qkv, seqs_dev + 3 * b0, C, hs, tiles, scale_log2);
+        FT_TRY(launched("attention_forward"));
+    }
+    return FT_OK;
+}
 
 // one warp per score row: max-subtracted softmax in place (every key is real)
 __global__ void softmax_kernel(float *S, int64_t rows, int64_t nk) {
@@ -37,12 +184,13 @@ __global__ void softmax_kernel(float *S, int64_t rows, int64_t nk) {
 
 }  // namespace
 
-size_t cuda_attention_scratch_bytes(ft_backend *, int64_t B, int64_t T, int64_t NH) {
+size_t cuda_attention_scratch_bytes(ft_backend *, ft_dtype dt, int64_t B, int64_t T, int64_t NH) {
+    if (dt != FT_F32) return (size_t)B * 3 * sizeof(int32_t);   // the fused kernel: the sequence table
     return (size_t)B * (size_t)NH * (size_t)T * (size_t)T * sizeof(float);
 }
 
-ft_status cuda_attention_forward(ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs, int64_t B,
-                                 int64_t C, int64_t NH, float *scratch) {
+static ft_status attention_f32(ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs, int64_t B,
+                               int64_t C, int64_t NH, float *scratch) {
     cuda_ctx *c = ctx_of(be);
     const int64_t hs = C / NH, ld = 3 * C;
     const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
@@ -72,4 +220,38 @@ ft_status cuda_attention_forward(ft_backend *be, float *ctx, const float *qkv, c
         S += NH * nq * nk;
     }
     return FT_OK;
+}
+
+ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
+                                 int64_t B, int64_t C, int64_t NH, void *scratch) {
+    if (dt == FT_F32) return attention_f32(be, (float *)ctx, (const float *)qkv, seqs, B, C, NH, (float *)scratch);
+    if (dt != FT_F16 && dt != FT_BF16) return dtype_error(dt, "attention_forward");
+    const int64_t hs = C / NH;
+    if (hs > 128)
+        return g_host->error(FT_ERR_UNSUPPORTED, "attention_forward: head size %lld; half-precision attention takes "
+                             "head sizes up to 128 (use dtype float32 for this model)", (long long)hs);
+    int64_t max_rows = 0;
+    for (int64_t b = 0; b < B; b++) max_rows = seqs[3 * b + 2] > max_rows ? seqs[3 * b + 2] : max_rows;
+    if (max_rows == 0) return FT_OK;
+    const int64_t tiles = (max_rows + ATT_BQ - 1) / ATT_BQ;
+    if (tiles * NH > 0x7fffffff)
+        return g_host->error(FT_ERR_INVALID_ARGUMENT, "attention_forward: %lld heads x %lld query tiles is too many",
+                             (long long)NH, (long long)tiles);
+    cuda_ctx *c = ctx_of(be);
+    int32_t *seqs_dev = (int32_t *)scratch;
+    // pageable source: the copy has read it when the call returns
+    FT_CU(cudaMemcpyAsync(seqs_dev, seqs, (size_t)B * 3 * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
+          "attention sequence table");
+    return with_dtype(dt, "attention_forward", [&](auto tag) -> ft_status {
+        typedef decltype(tag) T;
+        if constexpr (sizeof(T) == 2) {
+            T *o = (T *)ctx;
+            const T *x = (const T *)qkv;
+            if (hs <= 16) return flash_attention_launch<T, 16>(c, o, x, seqs_dev, B, C, NH, (int)tiles);
+            if (hs <= 32) return flash_attention_launch<T, 32>(c, o, x, seqs_dev, B, C, NH, (int)tiles);
+            if (hs <= 64) return flash_attention_launch<T, 64>(c, o, x, seqs_dev, B, C, NH, (int)tiles);
+            return flash_attention_launch<T, 128>(c, o, x, seqs_dev, B, C, NH, (int)tiles);
+        }
+        return dtype_error(dt, "attention_forward");
+    });
 }

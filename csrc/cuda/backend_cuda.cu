@@ -17,10 +17,14 @@ using namespace ftcuda;
 ft_status cuda_alloc(ft_backend *be, size_t bytes, void **out) {
     CU(cudaSetDevice(ctx_of(be)->device), "cudaSetDevice");
     cudaError_t e = cudaMalloc(out, bytes ? bytes : 1);
-    if (e != cudaSuccess)
+    if (e != cudaSuccess) {
+        // cudaGetLastError would report this failure at the next launch check (stale): clear it
+        cudaGetLastError();
+        *out = nullptr;
         return g_host->error(e == cudaErrorMemoryAllocation ? FT_ERR_NOMEM : FT_ERR_DEVICE,
                              "cannot allocate %zu bytes on %s: %s", bytes, ctx_of(be)->name,
                              cudaGetErrorString(e));
+    }
     return FT_OK;
 }
 
@@ -50,6 +54,7 @@ void cuda_destroy(ft_backend *be) {
     cudaSetDevice(c->device);
     if (c->opt_ws) cudaFree(c->opt_ws);
     if (c->train_ws) cudaFree(c->train_ws);
+    lt_release(c);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);

@@ -1,7 +1,10 @@
 // Shared pieces of the CUDA backend: the context, error helpers and block reductions.
 #ifndef FT_CUDA_COMMON_CUH
 #define FT_CUDA_COMMON_CUH
+#include <cublasLt.h>
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "backend.h"
@@ -10,16 +13,34 @@
 // FT_LAUNCH(kernel, grid, block, shared bytes, stream)(arguments...): every launch site uses it, so
 // the CUDA emulator (csrc/cuda_emu, FASTTRAN_CUDA=emu) can run the same source on the CPU
 #define FT_LAUNCH(kernel, grid, block, shmem, stream) kernel<<<(grid), (block), (shmem), (stream)>>>
+// dynamic shared memory as bytes (one declaration shared by every kernel instantiation)
+#define FT_DYNAMIC_SHARED(T, name) extern __shared__ __align__(128) T name[]
 #endif
 
 namespace ftcuda {
 
 extern const ft_host_api *g_host;
 
+// A cuBLASLt matmul planned once per (dtype, shape, epilogue) and kept: the layouts, the operation
+// descriptor (its bias pointer set per call) and the algorithm the heuristic chose
+struct lt_plan {
+    ft_dtype dt;
+    int64_t M, N, K;
+    int epilogue, accumulate;   // accumulate: D = A B + C (beta = 1)
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+};
+enum { LT_PLANS = 64 };
+
 struct cuda_ctx {
     int device;
     cudaStream_t stream;   // all work of this backend runs here (non-blocking)
     cublasHandle_t blas;
+    cublasLtHandle_t lt;   // half-precision projections (linear.cu), made on first use
+    void *lt_ws;           // its workspace, allocated once (LT_WORKSPACE bytes)
+    lt_plan plans[LT_PLANS];
+    int n_plans, next_plan;
     char name[32];
     void *opt_ws;          // optimizer tables and partial sums (optim.cu), grown as needed
     size_t opt_ws_bytes;
@@ -64,6 +85,32 @@ __device__ inline float block_sum(float v, float *shared32) {
 // element type <-> float, so one kernel source serves fp32 / fp16 / bf16
 template <typename T> __device__ inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ inline T from_f(float x) { return static_cast<T>(x); }
+
+inline ft_status dtype_error(ft_dtype dt, const char *op) {
+    return g_host->error(FT_ERR_DTYPE, "%s: storage type %d is not float32, float16 or bfloat16", op, (int)dt);
+}
+
+// f(T()) with T the storage type of dt: the one place an op's dtype becomes a template argument
+template <typename F> inline ft_status with_dtype(ft_dtype dt, const char *op, F &&f) {
+    switch (dt) {
+    case FT_F32: return f(float());
+    case FT_F16: return f(__half());
+    case FT_BF16: return f(__nv_bfloat16());
+    default: return dtype_error(dt, op);
+    }
+}
+
+inline cudaDataType_t cuda_type(ft_dtype dt) {
+    return dt == FT_F16 ? CUDA_R_16F : dt == FT_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+// release the cuBLASLt state of a backend (backend_cuda.cu's destroy)
+void lt_release(cuda_ctx *c);
+// rowops.cu in any storage type: h = act(h + bias) in place (bias may be NULL; act an
+// ft_activation); out = LayerNorm(residual + y + bias) (residual and bias may be NULL)
+ft_status act_rows(cuda_ctx *c, ft_dtype dt, void *h, const void *bias, int64_t N, int64_t I, int act);
+ft_status layernorm_rows(cuda_ctx *c, ft_dtype dt, void *out, const void *residual, const void *y, const void *bias,
+                         const void *gamma, const void *beta, int64_t N, int64_t C, float eps);
 
 }  // namespace ftcuda
 

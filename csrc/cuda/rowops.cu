@@ -46,17 +46,18 @@ __global__ void embed_ln_kernel(T *out, const int32_t *ids, const int32_t *types
     layernorm_row(o, gamma, beta, C, sum, eps, sh);
 }
 
-// out (N, C) = LN((y + bias) + residual); out may alias residual or y; bias may be NULL
+// out (N, C) = LN((y + bias) + residual); out may alias residual or y; bias and residual may be NULL
 template <typename T>
 __global__ void bias_residual_ln_kernel(T *out, const T *residual, const T *y, const T *bias, const T *gamma,
                                         const T *beta, int64_t C, float eps) {
     __shared__ float sh[32];
     const int64_t r = blockIdx.x;
-    const T *a = residual + r * C, *b = y + r * C;
+    const T *a = residual ? residual + r * C : nullptr, *b = y + r * C;
     T *o = out + r * C;
     float sum = 0.0f;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        float v = (bias ? to_f(b[c]) + to_f(bias[c]) : to_f(b[c])) + to_f(a[c]);
+        float v = bias ? to_f(b[c]) + to_f(bias[c]) : to_f(b[c]);
+        if (a) v += to_f(a[c]);
         o[c] = from_f<T>(v);
         sum += to_f(o[c]);
     }
@@ -87,20 +88,20 @@ __global__ void broadcast_rows_kernel(T *dst, const T *bias, int64_t total, int6
 // sum / max(count, 1e-9) (count 0 gives 0; CLS pooling is count 1). Grid (B, column blocks): the
 // batch on x, which has room for any batch size
 template <typename T>
-__global__ void pool_kernel(T *out, const T *h, const int32_t *first, const int32_t *count, int64_t C) {
+__global__ void pool_kernel(float *out, const T *h, const int32_t *first, const int32_t *count, int64_t C) {
     const int64_t b = blockIdx.x, c = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
     if (c >= C) return;
     const T *hb = h + (int64_t)first[b] * C;
     float acc = 0.0f;
     for (int64_t t = 0; t < count[b]; t++) acc += to_f(hb[t * C + c]);
-    out[b * C + c] = from_f<T>(acc / fmaxf((float)count[b], 1e-9f));
+    out[b * C + c] = acc / fmaxf((float)count[b], 1e-9f);
 }
 
-// dst row index[r] = src row r
+// dst (float) row index[r] = src row r
 template <typename T>
-__global__ void scatter_rows_kernel(T *dst, const T *src, const int32_t *index, int64_t total, int64_t C) {
+__global__ void scatter_rows_kernel(float *dst, const T *src, const int32_t *index, int64_t total, int64_t C) {
     for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x)
-        dst[(int64_t)index[k / C] * C + k % C] = src[k];
+        dst[(int64_t)index[k / C] * C + k % C] = to_f(src[k]);
 }
 
 unsigned grid_for(int64_t total, int threads) {
@@ -110,13 +111,17 @@ unsigned grid_for(int64_t total, int threads) {
 
 }  // namespace
 
-ft_status cuda_embed_ln_forward(ft_backend *be, float *out, const int32_t *ids, const int32_t *types,
-                                const int32_t *positions, const float *word, const float *pos, const float *type,
-                                const float *gamma, const float *beta, int64_t N, int64_t C, float eps) {
+ft_status cuda_embed_ln_forward(ft_backend *be, ft_dtype dt, void *out, const int32_t *ids, const int32_t *types,
+                                const int32_t *positions, const void *word, const void *pos, const void *type,
+                                const void *gamma, const void *beta, int64_t N, int64_t C, float eps) {
     if (N == 0) return FT_OK;   // a grid of no blocks is not a launch CUDA accepts
-    FT_LAUNCH(embed_ln_kernel<float>, (unsigned)N, row_threads(C), 0, ctx_of(be)->stream)(
-        out, ids, types, positions, word, pos, type, gamma, beta, C, eps);
-    return launched("embed_ln_forward");
+    return with_dtype(dt, "embed_ln_forward", [&](auto tag) {
+        typedef decltype(tag) T;
+        FT_LAUNCH(embed_ln_kernel<T>, (unsigned)N, row_threads(C), 0, ctx_of(be)->stream)(
+            (T *)out, ids, types, positions, (const T *)word, (const T *)pos, (const T *)type, (const T *)gamma,
+            (const T *)beta, C, eps);
+        return launched("embed_ln_forward");
+    });
 }
 
 ft_status cuda_broadcast_rows(ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C) {
@@ -124,30 +129,58 @@ ft_status cuda_broadcast_rows(ft_backend *be, float *dst, const float *bias, int
     return launched("broadcast_rows");
 }
 
+namespace ftcuda {
+
+ft_status act_rows(cuda_ctx *c, ft_dtype dt, void *h, const void *bias, int64_t N, int64_t I, int act) {
+    if (N * I == 0) return FT_OK;
+    return with_dtype(dt, "bias_act_forward", [&](auto tag) {
+        typedef decltype(tag) T;
+        FT_LAUNCH(bias_act_kernel<T>, grid_for(N * I, 256), 256, 0, c->stream)((T *)h, (const T *)bias, N * I, I, act);
+        return launched("bias_act_forward");
+    });
+}
+
+ft_status layernorm_rows(cuda_ctx *c, ft_dtype dt, void *out, const void *residual, const void *y, const void *bias,
+                         const void *gamma, const void *beta, int64_t N, int64_t C, float eps) {
+    if (N == 0) return FT_OK;
+    return with_dtype(dt, "bias_residual_ln_forward", [&](auto tag) {
+        typedef decltype(tag) T;
+        FT_LAUNCH(bias_residual_ln_kernel<T>, (unsigned)N, row_threads(C), 0, c->stream)(
+            (T *)out, (const T *)residual, (const T *)y, (const T *)bias, (const T *)gamma, (const T *)beta, C, eps);
+        return launched("bias_residual_ln_forward");
+    });
+}
+
+}  // namespace ftcuda
+
 ft_status cuda_bias_act_forward(ft_backend *be, float *h, const float *bias, int64_t N, int64_t I, ft_activation act) {
-    FT_LAUNCH(bias_act_kernel<float>, grid_for(N * I, 256), 256, 0, ctx_of(be)->stream)(h, bias, N * I, I, (int)act);
-    return launched("bias_act_forward");
+    return act_rows(ctx_of(be), FT_F32, h, bias, N, I, (int)act);
 }
 
 ft_status cuda_bias_residual_ln_forward(ft_backend *be, float *out, const float *residual, const float *y,
-                                const float *bias, const float *gamma, const float *beta, int64_t N, int64_t C,
-                                float eps) {
-    if (N == 0) return FT_OK;
-    FT_LAUNCH(bias_residual_ln_kernel<float>, (unsigned)N, row_threads(C), 0, ctx_of(be)->stream)(
-        out, residual, y, bias, gamma, beta, C, eps);
-    return launched("bias_residual_ln_forward");
+                                        const float *bias, const float *gamma, const float *beta, int64_t N, int64_t C,
+                                        float eps) {
+    return layernorm_rows(ctx_of(be), FT_F32, out, residual, y, bias, gamma, beta, N, C, eps);
 }
 
-ft_status cuda_pool_forward(ft_backend *be, float *out, const float *h, const int32_t *first, const int32_t *count,
-                            int64_t B, int64_t C) {
+ft_status cuda_pool_forward(ft_backend *be, ft_dtype dt, float *out, const void *h, const int32_t *first,
+                            const int32_t *count, int64_t B, int64_t C) {
     if (B == 0 || C == 0) return FT_OK;
-    dim3 grid((unsigned)B, (unsigned)((C + 127) / 128));
-    FT_LAUNCH(pool_kernel<float>, grid, 128, 0, ctx_of(be)->stream)(out, h, first, count, C);
-    return launched("pool_forward");
+    return with_dtype(dt, "pool_forward", [&](auto tag) {
+        typedef decltype(tag) T;
+        dim3 grid((unsigned)B, (unsigned)((C + 127) / 128));
+        FT_LAUNCH(pool_kernel<T>, grid, 128, 0, ctx_of(be)->stream)(out, (const T *)h, first, count, C);
+        return launched("pool_forward");
+    });
 }
 
-ft_status cuda_scatter_rows(ft_backend *be, float *dst, const float *src, const int32_t *index, int64_t N, int64_t C) {
+ft_status cuda_scatter_rows(ft_backend *be, ft_dtype dt, float *dst, const void *src, const int32_t *index, int64_t N,
+                            int64_t C) {
     if (N * C == 0) return FT_OK;
-    FT_LAUNCH(scatter_rows_kernel<float>, grid_for(N * C, 256), 256, 0, ctx_of(be)->stream)(dst, src, index, N * C, C);
-    return launched("scatter_rows");
+    return with_dtype(dt, "scatter_rows", [&](auto tag) {
+        typedef decltype(tag) T;
+        FT_LAUNCH(scatter_rows_kernel<T>, grid_for(N * C, 256), 256, 0, ctx_of(be)->stream)(dst, (const T *)src, index,
+                                                                                            N * C, C);
+        return launched("scatter_rows");
+    });
 }

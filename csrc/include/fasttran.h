@@ -82,7 +82,11 @@ typedef struct ft_encoder ft_encoder;
 /* Cancel callback: called between layers; return non-zero to stop with FT_ERR_INTERRUPTED. */
 typedef int (*ft_cancel_fn)(void *arg);
 
-ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_encoder **out);
+/* dtype: the storage type of the weights and activations on the device: FT_F32 everywhere,
+ * FT_F16 / FT_BF16 on CUDA (float32 accumulation and statistics). The host copy of the weights
+ * (ft_encoder_tensor_info, save) is float32 whatever dtype is. */
+ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_dtype dtype, ft_encoder **out);
+ft_dtype ft_encoder_dtype(const ft_encoder *enc);
 void ft_encoder_free(ft_encoder *enc);
 const ft_bert_config *ft_encoder_config(const ft_encoder *enc);
 int ft_encoder_has_pooler(const ft_encoder *enc);

@@ -91,12 +91,19 @@ static ft_status check_config(const ft_bert_config *c) {
     return FT_OK;
 }
 
-ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_encoder **out) {
+ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_dtype dtype, ft_encoder **out) {
     *out = NULL;
     FT_TRY(check_config(cfg));
+    if (dtype != FT_F32 && dtype != FT_F16 && dtype != FT_BF16)
+        return ft_error(FT_ERR_DTYPE, "an encoder computes in float32, float16 or bfloat16, not %s", ft_dtype_name(dtype));
+    if (dtype != FT_F32 && device.kind == FT_DEVICE_CPU)
+        return ft_error(FT_ERR_UNSUPPORTED, "dtype %s: the CPU backend computes in float32 (half precision runs on "
+                        "CUDA); use dtype float32 on the CPU", ft_dtype_name(dtype));
     ft_encoder *e = calloc(1, sizeof *e);
     if (!e) return ft_error(FT_ERR_NOMEM, "out of memory");
     e->cfg = *cfg;
+    e->dtype = dtype;
+    e->esz = ft_dtype_size(dtype);
     pthread_mutex_init(&e->lock, NULL);
     ft_status st = FT_OK;
     if (device.kind == FT_DEVICE_CPU) e->be = ft_backend_cpu();
@@ -108,7 +115,7 @@ ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_enco
     }
     if (st == FT_OK) {
         if (e->be->device.kind == FT_DEVICE_CPU) e->params = e->host_params;
-        else st = e->be->alloc(e->be, e->n_params * sizeof(float), (void **)&e->params);
+        else st = e->be->alloc(e->be, e->n_params * e->esz, &e->params);
     }
     if (st != FT_OK) { ft_encoder_free(e); return st; }
     *out = e;
@@ -132,6 +139,7 @@ void ft_encoder_free(ft_encoder *e) {
 }
 
 const ft_bert_config *ft_encoder_config(const ft_encoder *e) { return &e->cfg; }
+ft_dtype ft_encoder_dtype(const ft_encoder *e) { return e->dtype; }
 int ft_encoder_has_pooler(const ft_encoder *e) { return e->has_pooler; }
 size_t ft_encoder_param_count(const ft_encoder *e) { return e->n_params; }
 size_t ft_encoder_workspace_bytes(const ft_encoder *e) { return e->ws_bytes; }
@@ -154,10 +162,31 @@ ft_status ft_encoder_copy_weights(ft_encoder *dst, const ft_encoder *src) {
         return ft_error(FT_ERR_INVALID_ARGUMENT, "copy_weights: the two encoders have different configs");
     memcpy(dst->host_params, src->host_params, src->n_params * sizeof(float));
     dst->has_pooler = src->has_pooler;
-    dst->packed_ok = 0;
-    if (dst->params != dst->host_params)
-        FT_TRY(dst->be->upload(dst->be, dst->params, dst->host_params, dst->n_params * sizeof(float)));
-    return dst->be->synchronize(dst->be);
+    return ft_encoder_sync_params(dst);
+}
+
+/* After host_params changed: the backend's copy (in the encoder's dtype), packed copies made
+ * again on the next forward. Half precision is converted in slices through a small host buffer. */
+ft_status ft_encoder_sync_params(ft_encoder *e) {
+    e->packed_ok = 0;
+    if (e->params == (void *)e->host_params) return FT_OK;
+    if (e->dtype == FT_F32) {
+        FT_TRY(e->be->upload(e->be, e->params, e->host_params, e->n_params * sizeof(float)));
+        return e->be->synchronize(e->be);
+    }
+    enum { SLICE = 1 << 20 };
+    void *buf = malloc((size_t)SLICE * e->esz);
+    if (!buf) return ft_error(FT_ERR_NOMEM, "out of memory converting the parameters to %s", ft_dtype_name(e->dtype));
+    ft_status st = FT_OK;
+    for (size_t k = 0; st == FT_OK && k < e->n_params; k += SLICE) {
+        const size_t n = e->n_params - k < SLICE ? e->n_params - k : SLICE;
+        ft_convert_from_f32(buf, e->dtype, e->host_params + k, n);
+        st = e->be->upload(e->be, (char *)e->params + k * e->esz, buf, n * e->esz);
+        /* the copy reads buf before it returns (pageable memory); wait anyway before reusing it */
+        if (st == FT_OK) st = e->be->synchronize(e->be);
+    }
+    free(buf);
+    return st;
 }
 
 /* ---- loading and saving ------------------------------------------------------------------ */
@@ -231,13 +260,10 @@ ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const cha
     ft_st_close(&f);
     if (st != FT_OK) return st;
     e->has_pooler = pooler_found == 2;
-    e->packed_ok = 0;
     if (!e->has_pooler)   /* half a pooler is as good as none */
         memset(e->host_params + e->pooler_w, 0,
                (e->n_params - e->pooler_w) * sizeof(float));
-    if (e->params != e->host_params)
-        FT_TRY(e->be->upload(e->be, e->params, e->host_params, e->n_params * sizeof(float)));
-    return FT_OK;
+    return ft_encoder_sync_params(e);
 }
 
 ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_dtype dtype) {
@@ -298,7 +324,7 @@ static ft_status ensure_packed(ft_encoder *e) {
         size_t off = per_layer * (size_t)l;
         for (int k = 0; k < 4; k++) {
             *dst[k] = off;
-            if (sizes[k]) FT_TRY(be->pack_weight(be, e->packed + off, e->params + src[k], shapes[k][0], shapes[k][1]));
+            if (sizes[k]) FT_TRY(be->pack_weight(be, e->packed + off, (const float *)e->params + src[k], shapes[k][0], shapes[k][1]));
             off += sizes[k];
         }
     }
@@ -314,7 +340,8 @@ static ft_status ensure_packed(ft_encoder *e) {
  * queries only, never keys (no mask needed anywhere), so a ragged batch computes its real
  * tokens and nothing else, and a row's result does not depend on the padding around it. */
 typedef struct {
-    float *x, *t, *ctx, *big, *scratch, *pooled, *stage;
+    void *x, *t, *ctx, *big, *scratch;   /* in the encoder's dtype */
+    float *pooled, *stage;
     int32_t *ids, *types, *positions, *src, *pool_first, *pool_count;
 } fwd_buffers;
 
@@ -331,10 +358,11 @@ static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffe
     const int64_t C = e->cfg.hidden_size, I = e->cfg.intermediate_size, N = B * T;
     const int64_t wide = I > 3 * C ? I : 3 * C;   /* qkv (N, 3C) and ffn (N, I) share a buffer */
     const int host_mem = e->be->device.kind == FT_DEVICE_CPU;
+    const size_t es = e->esz;
     enum { NW = 13 };
     size_t sizes[NW] = {
-        align64((size_t)N * C * 4), align64((size_t)N * C * 4), align64((size_t)N * C * 4),
-        align64((size_t)N * wide * 4), align64(e->be->attention_scratch_bytes(e->be, B, T, e->cfg.num_heads)),
+        align64((size_t)N * C * es), align64((size_t)N * C * es), align64((size_t)N * C * es),
+        align64((size_t)N * wide * es), align64(e->be->attention_scratch_bytes(e->be, e->dtype, B, T, e->cfg.num_heads)),
         align64((size_t)B * C * 4), host_mem ? 0 : align64((size_t)N * C * 4),
         align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4),
         align64((size_t)B * 4), align64((size_t)B * 4)};
@@ -484,45 +512,48 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     FT_TRY(be->upload(be, w.pool_count, h.pool_count, (size_t)B * 4));
     const int host_mem = be->device.kind == FT_DEVICE_CPU;
 
-    const float *P = e->params;
+    const ft_dtype dt = e->dtype;
+    const char *Pb = e->params;
+#define P(off) ((const void *)(Pb + (off) * e->esz))
     const float *Pk = e->packed;   /* NULL when the backend packs nothing */
 #define PACKED(off) (Pk ? Pk + (off) : NULL)
     if (N > 0)
-        FT_TRY(be->embed_ln_forward(be, w.x, w.ids, w.types, w.positions, P + e->word, P + e->pos, P + e->type,
-                                    P + e->emb_ln_g, P + e->emb_ln_b, N, C, c->layer_norm_eps));
+        FT_TRY(be->embed_ln_forward(be, dt, w.x, w.ids, w.types, w.positions, P(e->word), P(e->pos), P(e->type),
+                                    P(e->emb_ln_g), P(e->emb_ln_b), N, C, c->layer_norm_eps));
     for (int64_t l = 0; l <= last; l++) {
         if (l > 0 && N > 0) {
             if (cancel && cancel(cancel_arg)) return ft_error(FT_ERR_INTERRUPTED, "forward interrupted");
             const ft_layer_offsets *o = &e->layers[l - 1];
             /* qkv (N, 3C) = x Wqkv^T + bqkv: one GEMM for Q, K and V */
-            FT_TRY(be->linear_forward(be, w.big, w.x, P + o->wqkv, PACKED(o->pqkv), P + o->bqkv, N, C, 3 * C, -1));
-            FT_TRY(be->attention_forward(be, w.ctx, w.big, h.seqs, B, C, NH, w.scratch));
+            FT_TRY(be->linear_forward(be, dt, w.big, w.x, P(o->wqkv), PACKED(o->pqkv), P(o->bqkv), N, C, 3 * C, -1));
+            FT_TRY(be->attention_forward(be, dt, w.ctx, w.big, h.seqs, B, C, NH, w.scratch));
             /* t = LN(x + ctx Wo^T + bo) */
-            FT_TRY(be->linear_residual_ln_forward(be, w.t, w.ctx, P + o->wo, PACKED(o->po), P + o->bo, w.x,
-                                                  P + o->ln1_g, P + o->ln1_b, N, C, C, c->layer_norm_eps));
+            FT_TRY(be->linear_residual_ln_forward(be, dt, w.t, w.ctx, P(o->wo), PACKED(o->po), P(o->bo), w.x,
+                                                  P(o->ln1_g), P(o->ln1_b), N, C, C, c->layer_norm_eps));
             /* big (N, I) = act(t W1^T + b1) */
-            FT_TRY(be->linear_forward(be, w.big, w.t, P + o->w1, PACKED(o->p1), P + o->b1, N, C, I, c->activation));
+            FT_TRY(be->linear_forward(be, dt, w.big, w.t, P(o->w1), PACKED(o->p1), P(o->b1), N, C, I, c->activation));
             /* x = LN(t + big W2^T + b2) */
-            FT_TRY(be->linear_residual_ln_forward(be, w.x, w.big, P + o->w2, PACKED(o->p2), P + o->b2, w.t,
-                                                  P + o->ln2_g, P + o->ln2_b, N, I, C, c->layer_norm_eps));
+            FT_TRY(be->linear_residual_ln_forward(be, dt, w.x, w.big, P(o->w2), PACKED(o->p2), P(o->b2), w.t,
+                                                  P(o->ln2_g), P(o->ln2_b), N, I, C, c->layer_norm_eps));
         }
-        if (hidden_out && hidden_out[l]) {   /* every position was computed (with_pad) */
+        if (hidden_out && hidden_out[l]) {   /* every position was computed (with_pad); float32 out */
             const size_t bytes = (size_t)N * C * 4;
-            if (h.identity) FT_TRY((on_device ? be->copy : be->download)(be, hidden_out[l], w.x, bytes));
-            else if (on_device || host_mem) FT_TRY(be->scatter_rows(be, hidden_out[l], w.x, w.src, N, C));
+            if (h.identity && dt == FT_F32) FT_TRY((on_device ? be->copy : be->download)(be, hidden_out[l], w.x, bytes));
+            else if (on_device || host_mem) FT_TRY(be->scatter_rows(be, dt, hidden_out[l], w.x, w.src, N, C));
             else {
-                FT_TRY(be->scatter_rows(be, w.stage, w.x, w.src, N, C));
+                FT_TRY(be->scatter_rows(be, dt, w.stage, w.x, w.src, N, C));
                 FT_TRY(be->download(be, hidden_out[l], w.stage, bytes));
             }
         }
         if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) {
             /* device outputs (and host memory on the CPU): pool straight into the output */
             float *dst = on_device || host_mem ? pooled_out[l] : w.pooled;
-            FT_TRY(be->pool_forward(be, dst, w.x, w.pool_first, w.pool_count, B, C));
+            FT_TRY(be->pool_forward(be, dt, dst, w.x, w.pool_first, w.pool_count, B, C));
             if (dst != pooled_out[l]) FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
         }
     }
 #undef PACKED
+#undef P
     return be->synchronize(be);
 }
 

@@ -25,8 +25,10 @@ typedef struct {
 struct ft_encoder {
     ft_bert_config cfg;
     ft_backend *be;
-    float *params;            /* backend memory, n_params floats */
-    float *host_params;       /* host copy (== params on the CPU) for save and inspection */
+    ft_dtype dtype;           /* storage type of params and activations: F32, or F16/BF16 on CUDA */
+    size_t esz;               /* its size in bytes */
+    void *params;             /* backend memory, n_params values of dtype */
+    float *host_params;       /* float32 master copy (== params on the CPU) for save and inspection */
     size_t n_params;
     ft_param_view *views;
     size_t n_views;
@@ -45,5 +47,8 @@ struct ft_encoder {
     size_t host_ws_bytes;
     pthread_mutex_t lock;
 };
+
+/* host_params changed: refresh the backend's copy (in dtype) and drop the packed copies */
+ft_status ft_encoder_sync_params(ft_encoder *e);
 
 #endif

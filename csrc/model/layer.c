@@ -422,8 +422,5 @@ ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *e) {
     for (int64_t l = 0; l < s->count; l++)
         FT_TRY(s->be->download(s->be, e->host_params + e->layers[s->first + l].wqkv,
                                s->params + (size_t)l * s->layer_floats, s->layer_floats * sizeof(float)));
-    e->packed_ok = 0;   /* the backend's packed copies are remade on the next forward */
-    if (e->params != e->host_params)
-        FT_TRY(e->be->upload(e->be, e->params, e->host_params, e->n_params * sizeof(float)));
-    return e->be->synchronize(e->be);
+    return ft_encoder_sync_params(e);   /* device copy; packed copies remade on the next forward */
 }

@@ -33,15 +33,23 @@ ft_encoder *ft_py_encoder_from(PyObject *obj) {
 static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                              "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "activation",
-                             "pad_token_id", "device_index", NULL};
+                             "pad_token_id", "device_index", "dtype", NULL};
     ft_bert_config c;
     int act = 0, device_index = -1;
+    const char *dtype = "float32";
     memset(&c, 0, sizeof c);
-    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|i", kwlist, &c.vocab_size, &c.hidden_size,
+    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|is", kwlist, &c.vocab_size, &c.hidden_size,
                                      &c.num_layers, &c.num_heads, &c.intermediate_size,
                                      &c.max_position_embeddings, &c.type_vocab_size, &c.layer_norm_eps, &act,
-                                     &c.pad_token_id, &device_index))
+                                     &c.pad_token_id, &device_index, &dtype))
         return -1;
+    ft_dtype dt = FT_DTYPE_COUNT;
+    for (int k = 0; k < FT_DTYPE_COUNT; k++)
+        if (strcmp(dtype, ft_dtype_name((ft_dtype)k)) == 0) dt = (ft_dtype)k;
+    if (dt != FT_F32 && dt != FT_F16 && dt != FT_BF16) {
+        ft_py_fail(ft_errors.input, "dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
+        return -1;
+    }
     if (act < FT_ACT_GELU_ERF || act > FT_ACT_TANH) {
         ft_py_fail(ft_errors.input, "activation code %d is not one of _C.ACTIVATIONS", act);
         return -1;
@@ -55,7 +63,7 @@ static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     ft_status st;
     ft_encoder *e = NULL;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_encoder_create(&c, dev, &e);
+    st = ft_encoder_create(&c, dev, dt, &e);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) { ft_py_raise(st); return -1; }
     self->enc = e;
@@ -298,6 +306,12 @@ static PyObject *EncoderCore_tensor(EncoderCore *self, PyObject *arg) {
     return a;
 }
 
+static PyObject *EncoderCore_get_dtype(EncoderCore *self, void *c) {
+    (void)c;
+    if (!ready(self)) return NULL;
+    return PyUnicode_FromString(ft_dtype_name(ft_encoder_dtype(self->enc)));
+}
+
 static PyObject *EncoderCore_get_has_pooler(EncoderCore *self, void *c) {
     (void)c;
     if (!ready(self)) return NULL;
@@ -336,6 +350,7 @@ static PyMethodDef EncoderCore_methods[] = {
 
 static PyGetSetDef EncoderCore_getset[] = {
     {"has_pooler", (getter)EncoderCore_get_has_pooler, NULL, "whether the checkpoint had pooler weights", NULL},
+    {"dtype", (getter)EncoderCore_get_dtype, NULL, "storage type of weights and activations on the device", NULL},
     {"num_parameters", (getter)EncoderCore_get_num_parameters, NULL, "float parameters in the table", NULL},
     {"device", (getter)EncoderCore_get_device, NULL, "'cpu' or 'cuda:N'", NULL},
     {"workspace_bytes", (getter)EncoderCore_get_workspace_bytes, NULL, "bytes in the activation workspace", NULL},
