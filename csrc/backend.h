@@ -38,6 +38,12 @@ typedef struct {
     /* copy within the backend's memory (device to device) */                                     \
     S(ft_status, copy, (ft_backend *be, void *dst, const void *src, size_t bytes))                \
     S(ft_status, synchronize, (ft_backend *be))                                                    \
+    /* the device's free and total memory, and what this backend holds for itself (cuBLASLt and  \
+     * optimizer workspaces; not the buffers it handed out) */                                    \
+    S(ft_status, memory_info, (ft_backend *be, size_t *free_bytes, size_t *total_bytes, size_t *own_bytes)) \
+    /* float32 products on TF32 tensor cores (on != 0) or in true fp32 (0, the default); the CPU    \
+     * has no TF32 and ignores it */                                                              \
+    S(ft_status, set_tf32, (ft_backend *be, int on))                                               \
     S(void, destroy, (ft_backend *be))                                                             \
     /* bytes of `scratch` attention_forward (storage type dt) needs for B sequences of at most T    \
      * rows, NH heads */                                                                           \

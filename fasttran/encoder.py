@@ -212,12 +212,22 @@ class Encoder:
     ``(batch, hidden)``; ``encode`` embeds texts like sentence-transformers.
     """
 
-    def __init__(self, config, device="cpu", dtype="float32", _source="config"):
+    def __init__(self, config, device="cpu", dtype="float32", allow_tf32=False, _source="config"):
         """A blank encoder (zero weights) for a config dict; use :meth:`from_pretrained` to
-        load a checkpoint. (`_source` names the config in error messages.)"""
+        load a checkpoint. (`_source` names the config in error messages.)
+
+        dtype: "float32" (every device), "bfloat16" or "float16" (CUDA: weights and activations in
+        half precision, float32 accumulation and LayerNorm/softmax statistics, float32 outputs).
+        allow_tf32: a float32 encoder on CUDA runs its products on TF32 tensor cores (inputs rounded
+        to a 10-bit mantissa, relative error about 5e-4 per product input; about 1e-3 relative on
+        the last hidden states of BERT-size models); off by default (true fp32). No effect on the
+        CPU or in half precision."""
         self.config = parse_bert_config(config, _source)
         self._raw_config = dict(config)
         self.dtype = self._parse_dtype(dtype)
+        if not isinstance(allow_tf32, bool):
+            raise InputTypeError(f"allow_tf32 must be True or False, got {allow_tf32!r}")
+        self.allow_tf32 = allow_tf32
         self._core = self._make_core(self._parse_device(device))
         self.path = None
         self.tokenizer = None
@@ -241,13 +251,16 @@ class Encoder:
         if self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
             raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
                                    "half-precision attention takes head sizes up to 128. Use dtype='float32'")
-        return _C.EncoderCore(
+        core = _C.EncoderCore(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
             num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
             max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
             layer_norm_eps=float(c["layer_norm_eps"]), activation=_ACTIVATIONS[c["hidden_act"]],
             pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]),
             dtype=self.dtype)
+        if self.allow_tf32:
+            core.set_tf32(True)
+        return core
 
     def to(self, device):
         """Move the weights to `device` ('cpu', 'cuda', 'cuda:N') and run there from now on.
@@ -280,7 +293,7 @@ class Encoder:
 
     # ---- loading and saving ---------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, device="cpu", prefix=None, load_tokenizer=True, dtype="float32"):
+    def from_pretrained(cls, path, device="cpu", prefix=None, load_tokenizer=True, dtype="float32", allow_tf32=False):
         """Load a Hugging Face BERT checkpoint directory (config.json + model.safetensors), a
         sentence-transformers directory, or a model.safetensors file with config.json beside
         it; a Hugging Face Hub id ("sentence-transformers/all-MiniLM-L6-v2") is fetched into the
@@ -296,7 +309,7 @@ class Encoder:
                 raw = json.load(f)
         except ValueError as e:
             raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
-        enc = cls(raw, device, dtype, _source=config_file)
+        enc = cls(raw, device, dtype, allow_tf32, _source=config_file)
         enc._core.load(weights, prefix=prefix)
         enc.path = os.path.abspath(os.fspath(path))
         if max_len:
@@ -495,13 +508,27 @@ class Encoder:
             ("device", self.device), ("tokenizer", self.tokenizer is not None),
         ]
 
+    def memory_report(self):
+        """What this encoder holds, in bytes: ``parameters`` (the weights where they compute, in
+        its dtype), ``packed_weights`` (the CPU's packed copies), ``workspace`` (activations,
+        grown to the largest batch so far), ``backend`` (its device's own workspaces: cuBLASLt,
+        optimizer), ``host`` (besides: the float32 master weights of a CUDA encoder, staging),
+        ``total_device`` (the sum on the device), and ``device_free`` / ``device_total`` (the
+        device's memory now; on the CPU, the machine's)."""
+        r = dict(self._core.memory_report())
+        on_device = ("parameters", "workspace", "backend") if self.device != "cpu" else ()
+        r["total_device"] = sum(r[k] for k in on_device)
+        r["device"], r["dtype"] = self.device, self.dtype
+        return r
+
     def __repr__(self):
         c = self.config
         src = f", path={self.path!r}" if self.path else ""
         return (f"Encoder(bert, layers={c['num_hidden_layers']}, hidden={c['hidden_size']}, "
                 f"heads={c['num_attention_heads']}, intermediate={c['intermediate_size']}, "
                 f"params={self.num_parameters / 1e6:.1f}M, device={self.device!r}"
-                + (f", dtype={self.dtype!r}" if self.dtype != "float32" else "") + f"{src})")
+                + (f", dtype={self.dtype!r}" if self.dtype != "float32" else "")
+                + (", allow_tf32=True" if self.allow_tf32 else "") + f"{src})")
 
     def _repr_html_(self):
         import html

@@ -334,3 +334,42 @@ def test_half_precision_outputs_padding_device_and_weights(tmp_path):
     assert _rel(enc.forward(ids, mask, types), other.forward(ids, mask, types), np.ones(mask.shape, bool)) <= 3e-2
     with pytest.raises(fasttran.UnsupportedError, match="runs on CUDA only"):
         enc.to("cpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batch_too_large_is_refused_with_what_fits_and_the_encoder_stays_usable(tmp_path, dtype):
+    """60000 x 512 tokens fit on no device: MemoryError naming the largest batch that fits; the
+    next forward works (no stale CUDA error, no half-grown workspace); memory_report adds up."""
+    import re
+    path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
+    enc = fasttran.Encoder.from_pretrained(path, device="cuda", dtype=dtype)
+    ids, mask, types = batch(np.random.default_rng(4), 4, 33, pad_frac=0.3)
+    ref = enc.forward(ids, mask, types)
+    big = np.ones((60000, 512), np.int32)
+    with pytest.raises(MemoryError, match="the largest batch of 512-token sequences that fits is about") as info:
+        enc.forward(big, big, np.zeros_like(big))
+    fits = int(re.search(r"fits is about (\d+)", str(info.value)).group(1))
+    assert 0 < fits < 60000, str(info.value)
+    assert np.array_equal(enc.forward(ids, mask, types), ref)
+    rep = enc.memory_report()
+    n = enc.num_parameters
+    assert rep["parameters"] == n * (4 if dtype == "float32" else 2) and rep["packed_weights"] == 0
+    assert rep["host"] >= 4 * n and rep["workspace"] > 0 and rep["dtype"] == dtype and rep["device"] == "cuda:0"
+    assert rep["total_device"] == rep["parameters"] + rep["workspace"] + rep["backend"]
+    assert 0 < rep["device_free"] <= rep["device_total"]
+
+
+def test_allow_tf32_rounds_fp32_products_and_states_its_error(tmp_path):
+    """allow_tf32=True: the fp32 encoder's products on TF32 (inputs rounded to 10-bit mantissas):
+    measurably further from float64 than true fp32, within the 5e-3 the docs state; off by default."""
+    path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
+    ids, mask, types = batch(np.random.default_rng(9), 3, 40, pad_frac=0.4)
+    valid = mask.astype(bool)
+    ref = hf_hidden_states(path, ids, mask, types, double=True)[-1]
+    exact = fasttran.Encoder.from_pretrained(path, device="cuda")
+    tf32 = fasttran.Encoder.from_pretrained(path, device="cuda", allow_tf32=True)
+    assert not exact.allow_tf32 and "allow_tf32=True" in repr(tf32)
+    e32, etf = _rel(exact.forward(ids, mask, types), ref, valid), _rel(tf32.forward(ids, mask, types), ref, valid)
+    assert e32 <= 1e-5 and 10 * e32 < etf <= 5e-3, (e32, etf)
+    with pytest.raises(fasttran.InputTypeError, match="allow_tf32"):
+        fasttran.Encoder.from_pretrained(path, allow_tf32="yes")

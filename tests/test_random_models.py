@@ -117,3 +117,15 @@ def test_sequence_with_no_real_token(checkpoint):
         assert np.abs(a[1] - b[1]).max() <= 1e-4
         assert np.abs(a[0] - b[0])[mask[0].astype(bool)].max() <= 1e-4
     np.testing.assert_allclose(enc.forward(ids[[0]], mask[[0]], types[[0]])[0], ours[-1][0], atol=1e-5)
+
+
+def test_memory_report_on_the_cpu(tmp_path):
+    path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
+    enc = fasttran.Encoder.from_pretrained(path)
+    before = enc.memory_report()
+    assert before["workspace"] == 0 and before["packed_weights"] == 0
+    enc.forward(*batch(np.random.default_rng(0), 4, 33, pad_frac=0.3))
+    r = enc.memory_report()
+    assert r["parameters"] == 4 * enc.num_parameters and r["device"] == "cpu" and r["dtype"] == "float32"
+    assert r["workspace"] > 0 and r["packed_weights"] > 0 and r["total_device"] == 0
+    assert 0 < r["device_free"] <= r["device_total"]

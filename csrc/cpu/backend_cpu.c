@@ -2,6 +2,7 @@
  * attention.c. */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "blas.h"
 #include "core/status.h"
@@ -34,6 +35,17 @@ ft_status cpu_download(ft_backend *be, void *host_dst, const void *src, size_t b
 }
 
 ft_status cpu_synchronize(ft_backend *be) { (void)be; return FT_OK; }
+
+ft_status cpu_set_tf32(ft_backend *be, int on) { (void)be; (void)on; return FT_OK; }
+
+ft_status cpu_memory_info(ft_backend *be, size_t *free_bytes, size_t *total_bytes, size_t *own_bytes) {
+    (void)be;
+    const long page = sysconf(_SC_PAGESIZE), avail = sysconf(_SC_AVPHYS_PAGES), total = sysconf(_SC_PHYS_PAGES);
+    *free_bytes = page > 0 && avail > 0 ? (size_t)page * (size_t)avail : 0;
+    *total_bytes = page > 0 && total > 0 ? (size_t)page * (size_t)total : 0;
+    *own_bytes = 0;
+    return FT_OK;
+}
 void cpu_destroy(ft_backend *be) { (void)be; /* static table */ }
 
 ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,

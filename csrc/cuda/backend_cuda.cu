@@ -44,6 +44,20 @@ ft_status cuda_download(ft_backend *be, void *dst, const void *src, size_t bytes
     return FT_OK;
 }
 
+ft_status cuda_set_tf32(ft_backend *be, int on) {
+    FT_CUBLAS(cublasSetMathMode(ctx_of(be)->blas, on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+              "cublasSetMathMode");
+    return FT_OK;
+}
+
+ft_status cuda_memory_info(ft_backend *be, size_t *free_bytes, size_t *total_bytes, size_t *own_bytes) {
+    cuda_ctx *c = ctx_of(be);
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    CU(cudaMemGetInfo(free_bytes, total_bytes), "cudaMemGetInfo");
+    *own_bytes = c->opt_ws_bytes + c->train_ws_bytes + (c->lt_ws ? ftcuda::LT_WORKSPACE : 0);
+    return FT_OK;
+}
+
 ft_status cuda_synchronize(ft_backend *be) {
     CU(cudaStreamSynchronize(ctx_of(be)->stream), "cudaStreamSynchronize");
     return FT_OK;

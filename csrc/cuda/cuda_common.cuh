@@ -32,6 +32,7 @@ struct lt_plan {
     cublasLtMatmulAlgo_t algo;
 };
 enum { LT_PLANS = 64 };
+constexpr size_t LT_WORKSPACE = 32u << 20;   // cuBLASLt's workspace per backend: NVIDIA's advice for Hopper
 
 struct cuda_ctx {
     int device;

@@ -23,8 +23,6 @@ using namespace ftcuda;
 
 namespace {
 
-constexpr size_t LT_WORKSPACE = 32u << 20;   // NVIDIA's recommendation for Hopper
-
 ft_status lt_fail(cublasStatus_t st, const char *what) { return blas_fail(st, what); }
 
 void plan_release(lt_plan *p) {

@@ -87,11 +87,26 @@ typedef int (*ft_cancel_fn)(void *arg);
  * (ft_encoder_tensor_info, save) is float32 whatever dtype is. */
 ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_dtype dtype, ft_encoder **out);
 ft_dtype ft_encoder_dtype(const ft_encoder *enc);
+/* float32 encoders on CUDA: products on TF32 tensor cores (inputs rounded to 10-bit mantissas,
+ * float32 accumulation) when on != 0; true fp32 by default. No effect on the CPU or in half
+ * precision. */
+ft_status ft_encoder_set_tf32(ft_encoder *enc, int on);
 void ft_encoder_free(ft_encoder *enc);
 const ft_bert_config *ft_encoder_config(const ft_encoder *enc);
 int ft_encoder_has_pooler(const ft_encoder *enc);
 size_t ft_encoder_param_count(const ft_encoder *enc);   /* float elements */
 size_t ft_encoder_workspace_bytes(const ft_encoder *enc);
+
+/* What an encoder holds, in bytes, and what its device has left. */
+typedef struct {
+    size_t parameters;       /* the weights where they compute (in the encoder's dtype) */
+    size_t packed_weights;   /* the backend's packed copies of the layer weights (CPU) */
+    size_t workspace;        /* activations: grown to the largest batch so far, never shrunk */
+    size_t backend;          /* the backend's own workspaces (cuBLASLt, optimizer, training) */
+    size_t host;             /* on the host besides: the float32 master weights (CUDA), staging */
+    size_t device_free, device_total;
+} ft_encoder_memory;
+ft_status ft_encoder_memory_report(ft_encoder *enc, ft_encoder_memory *out);
 
 /* Load weights from a safetensors file. `prefix` is stripped from tensor names ("" or
  * "bert."); pass NULL to detect it. Every tensor of the model must be present with the right

@@ -140,9 +140,29 @@ void ft_encoder_free(ft_encoder *e) {
 
 const ft_bert_config *ft_encoder_config(const ft_encoder *e) { return &e->cfg; }
 ft_dtype ft_encoder_dtype(const ft_encoder *e) { return e->dtype; }
+
+ft_status ft_encoder_set_tf32(ft_encoder *e, int on) {
+    pthread_mutex_lock(&e->lock);
+    ft_status st = e->be->set_tf32(e->be, on);
+    pthread_mutex_unlock(&e->lock);
+    return st;
+}
 int ft_encoder_has_pooler(const ft_encoder *e) { return e->has_pooler; }
 size_t ft_encoder_param_count(const ft_encoder *e) { return e->n_params; }
 size_t ft_encoder_workspace_bytes(const ft_encoder *e) { return e->ws_bytes; }
+
+ft_status ft_encoder_memory_report(ft_encoder *e, ft_encoder_memory *m) {
+    memset(m, 0, sizeof *m);
+    pthread_mutex_lock(&e->lock);
+    const int on_host = e->params == (void *)e->host_params;
+    m->parameters = e->n_params * e->esz;
+    m->packed_weights = e->packed_floats * sizeof(float);
+    m->workspace = e->ws_bytes;
+    m->host = e->host_ws_bytes + (on_host ? 0 : e->n_params * sizeof(float));
+    ft_status st = e->be->memory_info(e->be, &m->device_free, &m->device_total, &m->backend);
+    pthread_mutex_unlock(&e->lock);
+    return st;
+}
 size_t ft_encoder_num_tensors(const ft_encoder *e) { return e->n_views; }
 
 ft_status ft_encoder_tensor_info(const ft_encoder *e, size_t i, const char **name, int *ndim,
@@ -372,7 +392,21 @@ static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffe
         if (e->ws) e->be->free(e->be, e->ws);
         e->ws = NULL;
         e->ws_bytes = 0;
-        FT_TRY(e->be->alloc(e->be, total, &e->ws));
+        ft_status st = e->be->alloc(e->be, total, &e->ws);
+        if (st == FT_ERR_NOMEM) {   /* say what fits: the workspace grows linearly with the batch */
+            e->ws = NULL;
+            size_t free_b = 0, total_b = 0, own = 0;
+            if (e->be->memory_info(e->be, &free_b, &total_b, &own) != FT_OK) free_b = 0;
+            ft_clear_error();
+            const double per_seq = (double)total / (double)B;
+            const long long fits = (long long)((double)free_b / per_seq);
+            return ft_error(FT_ERR_NOMEM, "a batch of %lld x %lld tokens needs %.1f MiB of activations on %s and %.1f MiB "
+                            "are free: the largest batch of %lld-token sequences that fits is about %lld; split the "
+                            "batch into chunks of at most that many sequences (the encoder stays usable)",
+                            (long long)B, (long long)T, total / 1048576.0, e->be->name, free_b / 1048576.0, (long long)T,
+                            fits);
+        }
+        FT_TRY(st);
         e->ws_bytes = total;
     }
     char *p = e->ws;

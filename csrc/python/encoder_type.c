@@ -306,6 +306,31 @@ static PyObject *EncoderCore_tensor(EncoderCore *self, PyObject *arg) {
     return a;
 }
 
+static PyObject *EncoderCore_memory_report(EncoderCore *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self)) return NULL;
+    ft_encoder_memory m;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_encoder_memory_report(self->enc, &m);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "parameters", (unsigned long long)m.parameters, "packed_weights",
+                         (unsigned long long)m.packed_weights, "workspace", (unsigned long long)m.workspace,
+                         "backend", (unsigned long long)m.backend, "host", (unsigned long long)m.host,
+                         "device_free", (unsigned long long)m.device_free, "device_total",
+                         (unsigned long long)m.device_total);
+}
+
+static PyObject *EncoderCore_set_tf32(EncoderCore *self, PyObject *arg) {
+    if (!ready(self)) return NULL;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    ft_status st = ft_encoder_set_tf32(self->enc, on);
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *EncoderCore_get_dtype(EncoderCore *self, void *c) {
     (void)c;
     if (!ready(self)) return NULL;
@@ -345,6 +370,9 @@ static PyMethodDef EncoderCore_methods[] = {
      " -> (hidden, pooled)."},
     {"copy_weights_from", (PyCFunction)EncoderCore_copy_weights_from, METH_O, "copy all weights of another core."},
     {"tensors", (PyCFunction)EncoderCore_tensors, METH_NOARGS, "[(name, shape)] of the parameter table."},
+    {"set_tf32", (PyCFunction)EncoderCore_set_tf32, METH_O, "set_tf32(on): fp32 products on TF32 tensor cores (CUDA)."},
+    {"memory_report", (PyCFunction)EncoderCore_memory_report, METH_NOARGS,
+     "memory_report() -> {parameters, packed_weights, workspace, backend, host, device_free, device_total} in bytes."},
     {"tensor", (PyCFunction)EncoderCore_tensor, METH_O, "tensor(i): copy of parameter i."},
     {NULL, NULL, 0, NULL}};
 
