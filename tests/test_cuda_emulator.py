@@ -29,7 +29,7 @@ def emu():
     sig = {"block_sum": [F, F, ctypes.c_int, ctypes.c_int, ctypes.c_int], "shuffles": [I, I, ctypes.c_int, ctypes.c_int],
            "half_warp": [F, F], "early_exit": [F, ctypes.c_int, ctypes.c_int], "broken": [ctypes.c_int, F],
            "out_of_bounds": [ctypes.c_int, ctypes.c_int], "bad_launch": [], "convert": [F, U16, U16, F, F, ctypes.c_int],
-           "wmma_half": [U16, U16, F], "wmma_tf32": [F, F, F],
+           "wmma_half": [U16, U16, F], "wmma_tf32": [F, F, F], "wmma_operand": [ctypes.c_int, ctypes.c_int],
            "lt_gelu_bias": [U16, U16, U16, U16, U16, ctypes.c_int, ctypes.c_int, ctypes.c_int],
            "gemm_ex": [U16, U16, U16, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]}
     for name, args in sig.items():
@@ -254,3 +254,14 @@ print(int(x.sum()))
 def test_a_bad_check_mode_is_refused():
     r = run_mode({"FASTTRAN_EMU_CHECK": "barier"}, "import fasttran; print(fasttran.build_info()['cuda'])")
     assert "unknown mode 'barier'" in r.stdout, r.stdout + r.stderr
+
+
+def test_wmma_operands_must_be_aligned_as_on_a_gpu(emu):
+    """load/store_matrix_sync: pointer 32-byte aligned, ldm a multiple of 16 bytes (CUDA's rules;
+    a GPU faults or computes garbage otherwise), and dynamic shared memory 128-byte aligned"""
+    assert emu.ftemu_selftest_wmma_operand(16, 16) == 0, emu.message()     # 32 bytes in
+    assert emu.ftemu_selftest_wmma_operand(0, 24) == 0, emu.message()      # ldm 48 bytes
+    assert emu.ftemu_selftest_wmma_operand(8, 16) != 0
+    assert "misaligned pointer" in emu.message() and "wmma::load_matrix_sync" in emu.message()
+    assert emu.ftemu_selftest_wmma_operand(0, 12) != 0
+    assert "bad leading dimension" in emu.message()

@@ -62,6 +62,7 @@ inline void fill_fragment(fragment<Use, M, N, K, T, L> &f, const V &v) {
 template <typename Use, int M, int N, int K, typename T, typename L, typename P>
 inline void load_matrix_sync(fragment<Use, M, N, K, T, L> &f, const P *p, unsigned ldm,
                              const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ftemu::wmma_operand(p, ldm, sizeof(P), "wmma::load_matrix_sync", file, line);
     detail::warp_arrive(file, line);
     static_assert(!std::is_same<Use, accumulator>::value, "an accumulator load needs a layout_t");
     static_assert(detail::valid_shape<T, M, N, K>(), "not a wmma shape");
@@ -74,6 +75,7 @@ inline void load_matrix_sync(fragment<Use, M, N, K, T, L> &f, const P *p, unsign
 template <int M, int N, int K, typename T, typename P>
 inline void load_matrix_sync(fragment<accumulator, M, N, K, T> &f, const P *p, unsigned ldm, layout_t layout,
                              const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ftemu::wmma_operand(p, ldm, sizeof(P), "wmma::load_matrix_sync", file, line);
     detail::warp_arrive(file, line);
     typedef typename fragment<accumulator, M, N, K, T>::storage_element_type E;
     for (int r = 0; r < M; r++)
@@ -84,6 +86,7 @@ inline void load_matrix_sync(fragment<accumulator, M, N, K, T> &f, const P *p, u
 template <int M, int N, int K, typename T, typename P>
 inline void store_matrix_sync(P *p, const fragment<accumulator, M, N, K, T> &f, unsigned ldm, layout_t layout,
                               const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ftemu::wmma_operand(p, ldm, sizeof(P), "wmma::store_matrix_sync", file, line);
     detail::warp_arrive(file, line);
     for (int r = 0; r < M; r++)
         for (int c = 0; c < N; c++)

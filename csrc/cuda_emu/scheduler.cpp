@@ -570,6 +570,20 @@ void wmma_arrive(const char *file, int line) {
     warp_collective(WOP_WMMA, lanes == 32 ? 0xffffffffu : (1u << lanes) - 1, 0, 0, 32, file, line);
 }
 
+void wmma_operand(const void *p, unsigned ldm, size_t elem_bytes, const char *what, const char *file, int line) {
+    thread_state *t = cur();
+    block_state *b = blk();
+    if (!t) return;
+    const bool aligned = ((uintptr_t)p & 31) == 0, ld_ok = ((size_t)ldm * elem_bytes) % 16 == 0;
+    if (aligned && ld_ok) return;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s at %s:%d: %s (pointer %p must be 32-byte aligned, ldm %u x %zu bytes a multiple "
+             "of 16)", what, base_name(file), line, !aligned ? "misaligned pointer" : "bad leading dimension", p, ldm,
+             elem_bytes);
+    block_fail(b, cudaErrorLaunchFailure, buf);
+    back_to_scheduler_final();
+}
+
 cudaError_t set_max_dynamic_shared(const void *fn, int bytes) {
     if (bytes < 0 || (size_t)bytes > MAX_DYNAMIC_SHARED)
         return fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: %d bytes of dynamic shared memory exceeds the "
@@ -691,7 +705,9 @@ int run_grid(const char *kernel, const void *kernel_id, dim3 grid, dim3 block, s
                                                                     "stacks", kernel);
     install_fault_handler();
     os_thread_resources &res = g_res;
-    if (res.dynamic_shared.size() < shared) res.dynamic_shared.resize(shared);
+    // 128-byte aligned, as `extern __shared__ __align__(128)` is on a GPU (WMMA tiles need 32)
+    if (res.dynamic_shared.size() < shared + 128) res.dynamic_shared.resize(shared + 128);
+    unsigned char *dyn = res.dynamic_shared.data() + ((128 - ((uintptr_t)res.dynamic_shared.data() & 127)) & 127);
 
     const uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
     const settings &cfg = config();
@@ -708,7 +724,7 @@ int run_grid(const char *kernel, const void *kernel_id, dim3 grid, dim3 block, s
     memset(static_cast<void *>(&b), 0, sizeof b);
     b.block_dim = block;
     b.grid_dim = grid;
-    b.dynamic_shared = shared ? res.dynamic_shared.data() : nullptr;
+    b.dynamic_shared = shared ? dyn : nullptr;
     b.dynamic_shared_bytes = shared;
     b.n = (unsigned)nthreads;
     b.kernel = kernel;

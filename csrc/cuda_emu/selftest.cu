@@ -154,6 +154,15 @@ __global__ void wmma_tf32_kernel(const float *A, const float *B, float *C) {
     wmma::store_matrix_sync(C, c, 16, wmma::mem_row_major);
 }
 
+// a 16 x 16 fp16 load from A + offset with leading dimension ldm (alignment rules)
+__global__ void wmma_operand_kernel(const __half *A, int offset, int ldm, float *C) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+    wmma::load_matrix_sync(a, A + offset, (unsigned)ldm);
+    wmma::fill_fragment(c, (float)a.x[0]);
+    wmma::store_matrix_sync(C, c, 16, wmma::mem_row_major);
+}
+
 template <typename T> T *to_device(const T *host, size_t n) {
     T *d = nullptr;
     if (cudaMalloc(&d, n * sizeof(T) + 1) != cudaSuccess) return nullptr;
@@ -280,6 +289,16 @@ EXPORT int ftemu_selftest_wmma_half(const unsigned short *A, const unsigned shor
     cudaMemcpy(C, dC, 256 * 4, cudaMemcpyDeviceToHost);
     cudaFree(dA); cudaFree(dB); cudaFree(dC);
     return e == cudaSuccess ? (cudaGetLastError(), 0) : report(e);
+}
+
+EXPORT int ftemu_selftest_wmma_operand(int offset, int ldm) {
+    cudaGetLastError();
+    __half *dA = to_device<__half>(nullptr, 4096);
+    float *dC = to_device<float>(nullptr, 256);
+    FT_LAUNCH(wmma_operand_kernel, 1, 32, 0, 0)(dA, offset, ldm, dC);
+    cudaError_t e = cudaGetLastError();
+    cudaFree(dA); cudaFree(dC);
+    return e == cudaSuccess ? 0 : report(e);
 }
 
 EXPORT int ftemu_selftest_wmma_tf32(const float *A, const float *B, float *C) {
