@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The device runs the CUDA issues need, one phase per call of the lent GPU machine (each call is
+# limited to 10 minutes; the machine keeps the build between calls while it stays warm).
+# Logs, JUnit files and benchmark JSON go under $OUT (default ./gpu-out).
+#
+#   bash .ci/gpu_session.sh build      # wheels from .whl/ (carried), FASTTRAN_CUDA=1 build (~90 s)
+#   bash .ci/gpu_session.sh test       # the CUDA tests on the device (fp32, bf16/fp16, TF32, OOM)
+#   bash .ci/gpu_session.sh sanitize   # compute-sanitizer memcheck (leaks), racecheck, synccheck, initcheck
+#   bash .ci/gpu_session.sh bench      # benchmarks/test_gpu_encoder.py (bf16 vs SDPA and torch.compile)
+#   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
+#
+# Carry: .whl (the scipy-openblas32 wheel for python 3.12, see the device README) and, for the real
+# MiniLM case, .minilm-bf16 (config.json + model.safetensors in bf16: FASTTRAN_MINILM_BF16).
+set -u -o pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FASTTRAN_CUDA=1 FASTTRAN_CUDA_ARCHS=${FASTTRAN_CUDA_ARCHS:-90}
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+fi
+export PYTHONPATH=/tmp/site:$PWD
+[ -d .minilm-bf16 ] && export FASTTRAN_MINILM_BF16=$PWD/.minilm-bf16
+CUDA_TESTS="tests/test_backend_ops.py tests/test_cuda.py tests/test_layer_training.py"
+
+phase_build() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" \
+        | tee -a "$OUT/device.txt"
+    python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; return 1; }
+    python3 -c "import fasttran, json; print(json.dumps(fasttran.build_info()['cuda']))" | tee "$OUT/build_info.json"
+}
+
+phase_test() {
+    python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" $CUDA_TESTS 2>&1 | tee "$OUT/cuda-tests.log" | tail -30
+}
+
+phase_sanitize() {
+    local cs=compute-sanitizer t
+    command -v $cs >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
+    # the half-precision, fp32 encoder and optimizer paths; a subset keeps each tool inside the limit
+    local sel="half or awkward_fp32 or lamb or adamw or too_large"
+    for t in "memcheck --leak-check full" racecheck synccheck initcheck; do
+        local name=${t%% *}
+        timeout 140 $cs --tool $t --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py \
+            -k "$sel" >"$OUT/sanitize-$name.log" 2>&1
+        echo "$name: exit $? ($(grep -c '=========' "$OUT/sanitize-$name.log") sanitizer lines)"
+        grep -m5 "ERROR SUMMARY\|LEAK SUMMARY" "$OUT/sanitize-$name.log"
+    done
+}
+
+phase_bench() {
+    python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_encoder.py 2>&1 | tee "$OUT/gpu-encoder.log" | tail -40
+    cp benchmarks/last_gpu_encoder.json "$OUT/" 2>/dev/null || true
+}
+
+case "${1:-all}" in
+    build) phase_build ;;
+    test) phase_test ;;
+    sanitize) phase_sanitize ;;
+    bench) phase_bench ;;
+    all) phase_build && phase_test && phase_sanitize ;;
+    *) echo "usage: $0 build|test|sanitize|bench|all" >&2; exit 2 ;;
+esac
