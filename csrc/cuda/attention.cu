@@ -42,6 +42,27 @@ template <int D> struct att_layout {
                             o = p + (size_t)ATT_BQ * PP * 2, bytes = o + (size_t)ATT_BQ * OP * 4;
 };
 
+// rows [r0, r0 + n) of a (rows x D) shared tile = rows of a global matrix (stride ld, hs columns
+// of them; the rest, and rows past `real`, zero). vec: hs and ld multiples of 8 and the source
+// 16-byte aligned, so whole 16-byte chunks move (8 halves per load)
+template <typename T, int D, int DP>
+__device__ inline void load_tile(T *dst, const T *src, int64_t ld, int hs, int64_t real, int rows, bool vec) {
+    if (vec) {
+        constexpr int CH = D / 8;   // 16-byte chunks per row
+        for (int i = threadIdx.x; i < rows * CH; i += blockDim.x) {
+            const int r = i / CH, d = (i % CH) * 8;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (r < real && d < hs) v = *reinterpret_cast<const uint4 *>(src + r * ld + d);
+            *reinterpret_cast<uint4 *>(dst + r * DP + d) = v;
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
+        const int r = i / D, d = i % D;
+        dst[r * DP + d] = r < real && d < hs ? src[r * ld + d] : from_f<T>(0.0f);
+    }
+}
+
 // ctx rows of sequence blockIdx.y, head blockIdx.x / tiles, query tile blockIdx.x % tiles
 template <typename T, int D>
 __global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs, int64_t C, int hs, int tiles,
@@ -65,11 +86,9 @@ __global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs
         for (int64_t i = tid; i < nrows * hs; i += blockDim.x) og[(q0 + i / hs) * C + i % hs] = from_f<T>(0.0f);
         return;
     }
-    for (int i = tid; i < ATT_BQ * D; i += blockDim.x) {
-        const int r = i / D, d = i % D;
-        Qs[r * L::DP + d] = r < nrows && d < hs ? qg[(q0 + r) * ld + d] : from_f<T>(0.0f);
-        Os[r * L::OP + d] = 0.0f;
-    }
+    const bool vec = hs % 8 == 0 && C % 8 == 0 && ((uintptr_t)qkv & 15) == 0;
+    load_tile<T, D, L::DP>(Qs, qg + q0 * ld, ld, hs, nrows, ATT_BQ, vec);
+    for (int i = tid; i < ATT_BQ * D; i += blockDim.x) Os[(i / D) * L::OP + i % D] = 0.0f;
     __syncthreads();
     const int row = lane >> 1, half = lane & 1;   // a lane pair per row of this warp's 16
     const T *Q = Qs + warp * 16 * L::DP;
@@ -77,12 +96,8 @@ __global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs
     T *P = Ps + warp * 16 * L::PP;
     float m = -INFINITY, l = 0.0f;   // the row's running maximum (log2 units) and sum
     for (int64_t k0 = 0; k0 < nk; k0 += ATT_BK) {
-        for (int i = tid; i < ATT_BK * D; i += blockDim.x) {
-            const int r = i / D, d = i % D;
-            const bool real = k0 + r < nk && d < hs;
-            Ks[r * L::DP + d] = real ? kg[(k0 + r) * ld + d] : from_f<T>(0.0f);
-            Vs[r * L::DP + d] = real ? vg[(k0 + r) * ld + d] : from_f<T>(0.0f);
-        }
+        load_tile<T, D, L::DP>(Ks, kg + k0 * ld, ld, hs, nk - k0, ATT_BK, vec);
+        load_tile<T, D, L::DP>(Vs, vg + k0 * ld, ld, hs, nk - k0, ATT_BK, vec);
         __syncthreads();
         // S (16 x BK) = Q K^T
         for (int j = 0; j < ATT_BK / 16; j++) {
