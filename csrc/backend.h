@@ -91,10 +91,14 @@ typedef struct {
      * with Q, K, V at column offsets 0, C, 2C. seqs: HOST memory, (B, 3) int32 = first row,     \
      * key rows, query rows of sequence b: its queries are rows [first, first + query rows) and   \
      * its keys the first `key rows` of them (no mask: every key is real). A sequence with no key \
-     * gets a zero output. scratch: attention_scratch_bytes(dt, B, max query rows, NH). */       \
+     * gets a zero output. seqs_dev: the same table in the backend's memory, or NULL (a backend   \
+     * that reads it on the device then copies it into scratch, a host-ordered copy that may wait  \
+     * for the stream: the encoder uploads it once per forward). scratch:                          \
+     * attention_scratch_bytes(dt, B, max query rows, NH). */                                      \
     X(attention_forward, (ft_backend *be, ft_dtype dt, void *ctx, const void *qkv,                 \
-                          const int32_t *seqs, int64_t B, int64_t C, int64_t NH, void *scratch),   \
-      (be, dt, ctx, qkv, seqs, B, C, NH, scratch))                                                 \
+                          const int32_t *seqs, const int32_t *seqs_dev, int64_t B, int64_t C,      \
+                          int64_t NH, void *scratch),                                              \
+      (be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, scratch))                                       \
     /* h (N, K) = act(h + bias) in place */                                                        \
     X(bias_act_forward, (ft_backend *be, float *h, const float *bias, int64_t N, int64_t K,       \
                          ft_activation act), (be, h, bias, N, K, act))                                                       \

@@ -366,8 +366,8 @@ def _attention(lengths, NH, hs, padded_queries=0):
         first = np.concatenate([[0], np.cumsum(nq)[:-1]])
         seqs = np.stack([first, lens, nq], axis=1).astype(np.int32)
         N, C, T = int(nq.sum()), NH * hs, int(max(nq.max(), 1))
-        return dict(ctx=Out((N, C), tol=2e-5), qkv=In(f32(rng, N, 3 * C)), seqs=Host(seqs), B=len(lens), C=C, NH=NH,
-                    scratch=Scratch(len(lens), T, NH))
+        return dict(ctx=Out((N, C), tol=2e-5), qkv=In(f32(rng, N, 3 * C)), seqs=Host(seqs), seqs_dev=In(seqs),
+                    B=len(lens), C=C, NH=NH, scratch=Scratch(len(lens), T, NH))
     return build
 
 
@@ -833,8 +833,10 @@ def _half_attention(lengths, NH, hs, pq, dt):
                 s = Q @ K.T / np.sqrt(hs)
                 p = np.exp(s - s.max(1, keepdims=True))
                 ref[f:f + q, h * hs:(h + 1) * hs] = (p / p.sum(1, keepdims=True)) @ V
-        args = dict(dt=DTYPE_CODES[dt], ctx=Out((N, C), np.uint16), qkv=In(qkv.bits), seqs=Host(seqs), B=len(lens),
-                    C=C, NH=NH, scratch=Scratch(len(lens), T, NH))
+        # the table on the device (as the encoder passes it) or only on the host (copied into scratch)
+        args = dict(dt=DTYPE_CODES[dt], ctx=Out((N, C), np.uint16), qkv=In(qkv.bits), seqs=Host(seqs),
+                    seqs_dev=In(seqs) if len(lens) % 2 else None, B=len(lens), C=C, NH=NH,
+                    scratch=Scratch(len(lens), T, NH))
         return args, {"ctx": ref}
     return build
 

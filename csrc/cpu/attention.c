@@ -164,8 +164,8 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
 }
 
 ft_status cpu_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
-                                int64_t B, int64_t C, int64_t NH, void *scratch) {
-    (void)be; (void)scratch;
+                                const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, void *scratch) {
+    (void)be; (void)scratch; (void)seqs_dev;
     FT_CPU_F32_ONLY(dt, "attention_forward");
     return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, 0.0f, 0);
 }

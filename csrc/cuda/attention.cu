@@ -12,8 +12,8 @@
 // float32 registers (a lane pair per row), P = exp2(S - max) rounded to the storage type, the
 // float32 output rows rescaled and P V added. S never reaches global memory; no padded key is
 // read. The head size is padded with zeros to D = 16, 32, 64 or 128 in shared memory (head
-// sizes up to 128: every BERT-family model). The sequence table is copied to the device into
-// `scratch` (attention_scratch_bytes = B x 12 bytes).
+// sizes up to 128: every BERT-family model). The sequence table is read from `seqs_dev` (the
+// encoder uploads it once per forward), else copied into `scratch` (B x 12 bytes).
 //
 // A sequence with no real key gets a zero output, the same as transformers' SDPA path and the
 // CPU backend.
@@ -238,7 +238,7 @@ static ft_status attention_f32(ft_backend *be, float *ctx, const float *qkv, con
 }
 
 ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
-                                 int64_t B, int64_t C, int64_t NH, void *scratch) {
+                                 const int32_t *seqs_dev_in, int64_t B, int64_t C, int64_t NH, void *scratch) {
     if (dt == FT_F32) return attention_f32(be, (float *)ctx, (const float *)qkv, seqs, B, C, NH, (float *)scratch);
     if (dt != FT_F16 && dt != FT_BF16) return dtype_error(dt, "attention_forward");
     const int64_t hs = C / NH;
@@ -253,10 +253,12 @@ ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const v
         return g_host->error(FT_ERR_INVALID_ARGUMENT, "attention_forward: %lld heads x %lld query tiles is too many",
                              (long long)NH, (long long)tiles);
     cuda_ctx *c = ctx_of(be);
-    int32_t *seqs_dev = (int32_t *)scratch;
-    // pageable source: the copy has read it when the call returns
-    FT_CU(cudaMemcpyAsync(seqs_dev, seqs, (size_t)B * 3 * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
-          "attention sequence table");
+    const int32_t *seqs_dev = seqs_dev_in;
+    if (!seqs_dev) {   // pageable source: the copy has read it when the call returns
+        FT_CU(cudaMemcpyAsync(scratch, seqs, (size_t)B * 3 * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
+              "attention sequence table");
+        seqs_dev = (const int32_t *)scratch;
+    }
     return with_dtype(dt, "attention_forward", [&](auto tag) -> ft_status {
         typedef decltype(tag) T;
         if constexpr (sizeof(T) == 2) {

@@ -362,7 +362,7 @@ static ft_status ensure_packed(ft_encoder *e) {
 typedef struct {
     void *x, *t, *ctx, *big, *scratch;   /* in the encoder's dtype */
     float *pooled, *stage;
-    int32_t *ids, *types, *positions, *src, *pool_first, *pool_count;
+    int32_t *ids, *types, *positions, *src, *pool_first, *pool_count, *seqs;
 } fwd_buffers;
 
 typedef struct {   /* host staging of the same tables */
@@ -379,13 +379,13 @@ static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffe
     const int64_t wide = I > 3 * C ? I : 3 * C;   /* qkv (N, 3C) and ffn (N, I) share a buffer */
     const int host_mem = e->be->device.kind == FT_DEVICE_CPU;
     const size_t es = e->esz;
-    enum { NW = 13 };
+    enum { NW = 14 };
     size_t sizes[NW] = {
         align64((size_t)N * C * es), align64((size_t)N * C * es), align64((size_t)N * C * es),
         align64((size_t)N * wide * es), align64(e->be->attention_scratch_bytes(e->be, e->dtype, B, T, e->cfg.num_heads)),
         align64((size_t)B * C * 4), host_mem ? 0 : align64((size_t)N * C * 4),
         align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4),
-        align64((size_t)B * 4), align64((size_t)B * 4)};
+        align64((size_t)B * 4), align64((size_t)B * 4), host_mem ? 0 : align64((size_t)B * 12)};
     size_t total = 0;
     for (int k = 0; k < NW; k++) total += sizes[k];
     if (total > e->ws_bytes) {
@@ -412,7 +412,8 @@ static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffe
     char *p = e->ws;
     void **slots[NW] = {(void **)&w->x, (void **)&w->t, (void **)&w->ctx, (void **)&w->big, (void **)&w->scratch,
                         (void **)&w->pooled, (void **)&w->stage, (void **)&w->ids, (void **)&w->types,
-                        (void **)&w->positions, (void **)&w->src, (void **)&w->pool_first, (void **)&w->pool_count};
+                        (void **)&w->positions, (void **)&w->src, (void **)&w->pool_first, (void **)&w->pool_count,
+                        (void **)&w->seqs};
     for (int k = 0; k < NW; k++) { *slots[k] = sizes[k] ? p : NULL; p += sizes[k]; }
 
     const size_t hsz[7] = {align64((size_t)N * 4), align64((size_t)N * 4), align64((size_t)N * 4),
@@ -544,6 +545,7 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     FT_TRY(be->upload(be, w.src, h.src, (size_t)N * 4));
     FT_TRY(be->upload(be, w.pool_first, h.pool_first, (size_t)B * 4));
     FT_TRY(be->upload(be, w.pool_count, h.pool_count, (size_t)B * 4));
+    if (w.seqs) FT_TRY(be->upload(be, w.seqs, h.seqs, (size_t)B * 12));   /* the attention's, once per forward */
     const int host_mem = be->device.kind == FT_DEVICE_CPU;
 
     const ft_dtype dt = e->dtype;
@@ -560,7 +562,7 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
             const ft_layer_offsets *o = &e->layers[l - 1];
             /* qkv (N, 3C) = x Wqkv^T + bqkv: one GEMM for Q, K and V */
             FT_TRY(be->linear_forward(be, dt, w.big, w.x, P(o->wqkv), PACKED(o->pqkv), P(o->bqkv), N, C, 3 * C, -1));
-            FT_TRY(be->attention_forward(be, dt, w.ctx, w.big, h.seqs, B, C, NH, w.scratch));
+            FT_TRY(be->attention_forward(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, C, NH, w.scratch));
             /* t = LN(x + ctx Wo^T + bo) */
             FT_TRY(be->linear_residual_ln_forward(be, dt, w.t, w.ctx, P(o->wo), PACKED(o->po), P(o->bo), w.x,
                                                   P(o->ln1_g), P(o->ln1_b), N, C, C, c->layer_norm_eps));
