@@ -212,6 +212,8 @@ ft_status ft_backend_cuda_open(int index, ft_backend **out);
 /* The process-wide backend of a device (the CPU table, or one shared CUDA backend per device,
  * opened on first use): memory services, optimizer steps and heads that have no encoder. */
 ft_status ft_backend_for(ft_device dev, ft_backend **out);
+/* Destroy those shared backends (at interpreter exit; a later ft_backend_for opens a new one). */
+void ft_backend_release_shared(void);
 
 /* Entry points the CUDA library exports (resolved with dlsym). */
 typedef ft_status (*ft_cuda_open_fn)(const ft_host_api *host, int index, ft_backend **out);

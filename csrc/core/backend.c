@@ -119,15 +119,26 @@ void *ft_cuda_symbol(const char *name) {
  * (reading a CUDA tensor to the host). Opened on first use, kept for the process. */
 static ft_backend *shared_cuda[64];
 
+static pthread_mutex_t shared_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void ft_backend_release_shared(void) {
+    pthread_mutex_lock(&shared_lock);
+    for (int i = 0; i < 64; i++)
+        if (shared_cuda[i]) {
+            shared_cuda[i]->destroy(shared_cuda[i]);
+            shared_cuda[i] = NULL;
+        }
+    pthread_mutex_unlock(&shared_lock);
+}
+
 ft_status ft_backend_for(ft_device dev, ft_backend **out) {
     if (dev.kind == FT_DEVICE_CPU) { *out = ft_backend_cpu(); return FT_OK; }
     if (dev.index < 0 || dev.index >= 64) return ft_error(FT_ERR_DEVICE, "CUDA device index %d out of range", dev.index);
-    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&shared_lock);
     ft_status st = FT_OK;
     if (!shared_cuda[dev.index]) st = ft_backend_cuda_open(dev.index, &shared_cuda[dev.index]);
     *out = shared_cuda[dev.index];
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&shared_lock);
     return st;
 }
 

@@ -207,6 +207,8 @@ size_t cuda_attention_scratch_bytes(ft_backend *, ft_dtype dt, int64_t B, int64_
 static ft_status attention_f32(ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs, int64_t B,
                                int64_t C, int64_t NH, float *scratch) {
     cuda_ctx *c = ctx_of(be);
+    blas_use blas(c);
+    FT_TRY(blas.status);
     const int64_t hs = C / NH, ld = 3 * C;
     const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
     float *S = scratch;
@@ -220,7 +222,7 @@ static ft_status attention_f32(ft_backend *be, float *ctx, const float *qkv, con
         }
         const float *q = qkv + first * ld, *k = q + C, *v = q + 2 * C;
         // row-major S_h (nq, nk) = Q_h K_h^T is column-major S_h^T = K_h Q_h^T: (op T on K, op N on Q)
-        FT_CUBLAS(cublasSgemmStridedBatched(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)nk, (int)nq, (int)hs, &scale, k,
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)nk, (int)nq, (int)hs, &scale, k,
                                             (int)ld, hs, q, (int)ld, hs, &zero, S, (int)nk, nq * nk, (int)NH),
                   "attention scores");
         const int64_t rows = NH * nq;
@@ -229,7 +231,7 @@ static ft_status attention_f32(ft_backend *be, float *ctx, const float *qkv, con
         ft_status st = launched("attention softmax");
         if (st != FT_OK) return st;
         // row-major ctx_h (nq, hs) = P_h (nq, nk) V_h (nk, hs): column-major ctx_h^T = V_h^T P_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(c->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)nq, (int)nk, &one, v,
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)nq, (int)nk, &one, v,
                                             (int)ld, hs, S, (int)nk, nq * nk, &zero, out, (int)C, hs, (int)NH),
                   "attention output");
         S += NH * nq * nk;

@@ -9,7 +9,56 @@
 
 #include "cuda_common.cuh"
 
-namespace ftcuda { const ft_host_api *g_host; }
+#include <pthread.h>
+
+namespace ftcuda {
+const ft_host_api *g_host;
+
+// one cuBLAS handle per device (a handle holds workspace and library state: one per encoder was
+// 143 MB on an H100), shared by every backend of the device, counted, destroyed with the last
+struct device_blas {
+    pthread_mutex_t use;   // held while a backend's calls are queued on the handle
+    cublasHandle_t h;
+    int refs;
+};
+static device_blas g_blas[64];
+static pthread_mutex_t g_blas_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static ft_status blas_acquire(int device, device_blas **out) {
+    if (device < 0 || device >= 64) return g_host->error(FT_ERR_DEVICE, "CUDA device %d out of range", device);
+    pthread_mutex_lock(&g_blas_lock);
+    device_blas *d = &g_blas[device];
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    if (d->refs == 0) {
+        st = cublasCreate(&d->h);
+        if (st == CUBLAS_STATUS_SUCCESS) pthread_mutex_init(&d->use, nullptr);
+    }
+    if (st == CUBLAS_STATUS_SUCCESS) d->refs++;
+    pthread_mutex_unlock(&g_blas_lock);
+    if (st != CUBLAS_STATUS_SUCCESS) return blas_fail(st, "cublasCreate");
+    *out = d;
+    return FT_OK;
+}
+
+static void blas_release(device_blas *d) {
+    pthread_mutex_lock(&g_blas_lock);
+    if (--d->refs == 0) {
+        cublasDestroy(d->h);
+        pthread_mutex_destroy(&d->use);
+    }
+    pthread_mutex_unlock(&g_blas_lock);
+}
+
+blas_use::blas_use(cuda_ctx *c) : h(c->blas->h), status(FT_OK), d(c->blas) {
+    pthread_mutex_lock(&d->use);
+    cublasStatus_t st = cublasSetStream(h, c->stream);
+    if (st == CUBLAS_STATUS_SUCCESS)   // true fp32 unless the backend asked for TF32
+        st = cublasSetMathMode(h, c->tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
+    if (st != CUBLAS_STATUS_SUCCESS) status = blas_fail(st, "binding the cuBLAS handle to the stream");
+}
+
+blas_use::~blas_use() { pthread_mutex_unlock(&d->use); }
+}  // namespace ftcuda
 using namespace ftcuda;
 
 #define CU FT_CU
@@ -45,8 +94,7 @@ ft_status cuda_download(ft_backend *be, void *dst, const void *src, size_t bytes
 }
 
 ft_status cuda_set_tf32(ft_backend *be, int on) {
-    FT_CUBLAS(cublasSetMathMode(ctx_of(be)->blas, on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
-              "cublasSetMathMode");
+    ctx_of(be)->tf32 = on != 0;
     return FT_OK;
 }
 
@@ -69,7 +117,7 @@ void cuda_destroy(ft_backend *be) {
     if (c->opt_ws) cudaFree(c->opt_ws);
     if (c->train_ws) cudaFree(c->train_ws);
     lt_release(c);
-    cublasDestroy(c->blas);
+    blas_release(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);
     free(be);
@@ -79,7 +127,9 @@ void cuda_destroy(ft_backend *be) {
 ft_status cuda_gemm(ft_backend *be, int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha,
                     const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                     int64_t ldc) {
-    cublasStatus_t st = cublasSgemm(ctx_of(be)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+    blas_use blas(ctx_of(be));
+    FT_TRY(blas.status);
+    cublasStatus_t st = cublasSgemm(blas.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                     ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M, (int)K, &alpha, B,
                                     (int)ldb, A, (int)lda, &beta, C, (int)ldc);
     if (st != CUBLAS_STATUS_SUCCESS) return blas_fail(st, "cublasSgemm");
@@ -142,14 +192,11 @@ __attribute__((visibility("default"))) ft_status ft_cuda_backend_open(const ft_h
         free(c); free(be);
         return cuda_fail(e, "opening the device");
     }
-    cublasStatus_t bs = cublasCreate(&c->blas);
-    if (bs == CUBLAS_STATUS_SUCCESS) bs = cublasSetStream(c->blas, c->stream);
-    // true fp32 by default: no TF32 unless the user asks (a later option)
-    if (bs == CUBLAS_STATUS_SUCCESS) bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
-    if (bs != CUBLAS_STATUS_SUCCESS) {
+    ft_status fs = blas_acquire(index, &c->blas);   // true fp32 (tf32 = 0) unless set_tf32
+    if (fs != FT_OK) {
         cudaStreamDestroy(c->stream);
         free(c); free(be);
-        return blas_fail(bs, "cublasCreate");
+        return fs;
     }
     be->abi = FT_BACKEND_ABI;
     be->name = c->name;

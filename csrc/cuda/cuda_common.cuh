@@ -34,10 +34,13 @@ struct lt_plan {
 enum { LT_PLANS = 64 };
 constexpr size_t LT_WORKSPACE = 32u << 20;   // cuBLASLt's workspace per backend: NVIDIA's advice for Hopper
 
+struct device_blas;   // one cuBLAS handle per device, shared by its backends (backend_cuda.cu)
+
 struct cuda_ctx {
     int device;
     cudaStream_t stream;   // all work of this backend runs here (non-blocking)
-    cublasHandle_t blas;
+    device_blas *blas;     // the device's cuBLAS handle: use it through blas_use
+    int tf32;              // float32 products on TF32 tensor cores (set_tf32)
     cublasLtHandle_t lt;   // half-precision projections (linear.cu), made on first use
     void *lt_ws;           // its workspace, allocated once (LT_WORKSPACE bytes)
     lt_plan plans[LT_PLANS];
@@ -50,6 +53,20 @@ struct cuda_ctx {
 };
 
 inline cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
+
+// The device's cuBLAS handle, held for one or more calls: locked against the other backends of the
+// device and bound to this backend's stream and math mode (cuBLAS keeps its workspace per stream).
+//   blas_use blas(c); FT_TRY(blas.status); FT_CUBLAS(cublasSgemm(blas.h, ...), "...");
+struct blas_use {
+    cublasHandle_t h;
+    ft_status status;
+    explicit blas_use(cuda_ctx *c);
+    ~blas_use();
+    blas_use(const blas_use &) = delete;
+    blas_use &operator=(const blas_use &) = delete;
+  private:
+    device_blas *d;
+};
 
 inline ft_status cuda_fail(cudaError_t err, const char *what) {
     return g_host->error(FT_ERR_DEVICE, "CUDA error in %s: %s (%s)", what, cudaGetErrorName(err),

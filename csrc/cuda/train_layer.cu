@@ -282,6 +282,8 @@ ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs,
                                        float *scratch, size_t scratch_bytes) {
     (void)scratch_bytes;   // sized by B, T, NH only (cuda_attention_train_scratch_bytes)
     cuda_ctx *c = ctx_of(be);
+    blas_use blas(c);
+    FT_TRY(blas.status);
     const int64_t hs = C / NH, ld = 3 * C;
     const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
     const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
@@ -293,7 +295,7 @@ ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs,
         const float *q = qkv + first * ld, *k = q + C, *v = q + 2 * C;
         float *P = probs + base;
         // row-major P_h (n, n) = Q_h K_h^T scale: column-major P_h^T = K_h Q_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &scale, k, (int)ld,
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &scale, k, (int)ld,
                                             hs, q, (int)ld, hs, &zero, P, (int)n, n * n, (int)NH),
                   "attention scores");
         const int64_t rows = NH * n;
@@ -306,7 +308,7 @@ ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs,
         }
         FT_TRY(launched("attention_train_forward"));
         // row-major ctx_h (n, hs) = Pd_h (n, n) V_h (n, hs): column-major ctx_h^T = V_h^T Pd_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(c->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &one, v, (int)ld,
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &one, v, (int)ld,
                                             hs, Pd, (int)n, n * n, &zero, ctx + first * C, (int)C, hs, (int)NH),
                   "attention output");
         base += NH * n * n;
@@ -319,6 +321,8 @@ ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx
                                   uint64_t key, float *scratch, size_t scratch_bytes) {
     (void)scratch_bytes;
     cuda_ctx *c = ctx_of(be);
+    blas_use blas(c);
+    FT_TRY(blas.status);
     const int64_t hs = C / NH, ld = 3 * C;
     const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
     const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
@@ -342,22 +346,22 @@ ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx
             FT_TRY(launched("attention_backward"));
         }
         // dV_h (n, hs) = Pd_h^T dctx_h: column-major dV_h^T = dctx_h^T Pd_h
-        FT_CUBLAS(cublasSgemmStridedBatched(c->blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &one, dout, (int)C,
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &one, dout, (int)C,
                                             hs, pd, (int)n, n * n, &zero, dv, (int)ld, hs, (int)NH),
                   "attention dV");
         // dPd_h (n, n) = dctx_h V_h^T: column-major dPd_h^T = V_h dctx_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &one, v, (int)ld,
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &one, v, (int)ld,
                                             hs, dout, (int)C, hs, &zero, dS, (int)n, n * n, (int)NH),
                   "attention dP");
         FT_LAUNCH(softmax_dropout_backward_kernel, (unsigned)((rows + 7) / 8), 256, 0, c->stream)(
             dS, P, dmask ? dmask + base : nullptr, rows, n, base, thr, keep_scale, key);
         FT_TRY(launched("attention_backward"));
         // dQ_h (n, hs) = dS_h K_h scale: column-major dQ_h^T = K_h^T dS_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(c->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &scale, k, (int)ld,
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &scale, k, (int)ld,
                                             hs, dS, (int)n, n * n, &zero, dq, (int)ld, hs, (int)NH),
                   "attention dQ");
         // dK_h (n, hs) = dS_h^T Q_h scale: column-major dK_h^T = Q_h^T dS_h
-        FT_CUBLAS(cublasSgemmStridedBatched(c->blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &scale, q, (int)ld,
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &scale, q, (int)ld,
                                             hs, dS, (int)n, n * n, &zero, dk, (int)ld, hs, (int)NH),
                   "attention dK");
         base += NH * n * n;

@@ -315,5 +315,8 @@ PyMODINIT_FUNC PyInit__C(void) {
         Py_DECREF(m);
         return NULL;
     }
+    /* the per-device CUDA backends go with the interpreter (after every object that could use
+     * them), so their streams, handles and workspaces are freed, not left to the process exit */
+    Py_AtExit(ft_backend_release_shared);
     return m;
 }
