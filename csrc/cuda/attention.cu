@@ -128,8 +128,9 @@ __global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs
         float sum = 0.0f;
         for (int c = c0; c < c0 + ATT_BK / 2; c++) {
             const float p = exp2f(sr[c] - m_new);
-            P[row * L::PP + c] = from_f<T>(p);
-            sum += p;
+            const T pr = from_f<T>(p);
+            P[row * L::PP + c] = pr;
+            sum += to_f(pr);   // the weights P V uses: each row sums to 1 exactly
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         l = l * alpha + sum;
