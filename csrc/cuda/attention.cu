@@ -65,8 +65,8 @@ __device__ inline void load_tile(T *dst, const T *src, int64_t ld, int hs, int64
 
 // ctx rows of sequence blockIdx.y, head blockIdx.x / tiles, query tile blockIdx.x % tiles
 template <typename T, int D>
-__global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs, int64_t C, int hs, int tiles,
-                                       float scale_log2) {
+__device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, int64_t C, int hs, int tiles,
+                                     float scale_log2) {
     typedef att_layout<D> L;
     FT_DYNAMIC_SHARED(unsigned char, smem);
     T *Qs = reinterpret_cast<T *>(smem + L::q), *Ks = reinterpret_cast<T *>(smem + L::k);
@@ -156,6 +156,20 @@ __global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs
     const int r = warp * 16 + row;
     if (r < nrows)
         for (int d = half; d < hs; d += 2) og[(q0 + r) * C + d] = from_f<T>(O[row * L::OP + d] * inv);
+}
+
+// bf16 WMMA exists from sm_80 (Ampere): an older target compiles a trap for it (the op refuses
+// bf16 on such a device before launching)
+template <typename T> struct wmma_type_ok { static constexpr bool value = true; };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+template <> struct wmma_type_ok<__nv_bfloat16> { static constexpr bool value = false; };
+#endif
+
+template <typename T, int D>
+__global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs, int64_t C, int hs, int tiles,
+                                       float scale_log2) {
+    if constexpr (wmma_type_ok<T>::value) flash_attention_body<T, D>(ctx, qkv, seqs, C, hs, tiles, scale_log2);
+    else __trap();
 }
 
 template <typename T, int D>
@@ -256,6 +270,13 @@ ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const v
         return g_host->error(FT_ERR_INVALID_ARGUMENT, "attention_forward: %lld heads x %lld query tiles is too many",
                              (long long)NH, (long long)tiles);
     cuda_ctx *c = ctx_of(be);
+    if (dt == FT_BF16) {
+        int major = 0;
+        FT_CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device), "compute capability");
+        if (major < 8)
+            return g_host->error(FT_ERR_UNSUPPORTED, "bfloat16 needs an Ampere or newer GPU (compute capability 8.0+); "
+                                 "%s is %d.x: use dtype float16", c->name, major);
+    }
     const int32_t *seqs_dev = seqs_dev_in;
     if (!seqs_dev) {   // pageable source: the copy has read it when the call returns
         FT_CU(cudaMemcpyAsync(scratch, seqs, (size_t)B * 3 * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),

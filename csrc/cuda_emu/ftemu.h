@@ -196,6 +196,11 @@ inline int __syncthreads_or(int p, const char *file = __builtin_FILE(), int line
 inline void __syncwarp(unsigned mask = 0xffffffffu, const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
     ftemu::warp_collective(ftemu::WOP_SYNC, mask, 0, 0, 32, file, line);
 }
+namespace ftemu { [[noreturn]] void trap(const char *file, int line); }
+// ends the launch with cudaErrorLaunchFailure, naming where (a GPU aborts the kernel the same way)
+[[noreturn]] inline void __trap(const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ftemu::trap(file, line);
+}
 inline void __threadfence() { ftemu::compiler_barrier(); }
 inline void __threadfence_block() { ftemu::compiler_barrier(); }
 inline void __threadfence_system() { ftemu::compiler_barrier(); }

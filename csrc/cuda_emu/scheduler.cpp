@@ -570,6 +570,18 @@ void wmma_arrive(const char *file, int line) {
     warp_collective(WOP_WMMA, lanes == 32 ? 0xffffffffu : (1u << lanes) - 1, 0, 0, 32, file, line);
 }
 
+[[noreturn]] void trap(const char *file, int line) {
+    block_state *b = blk();
+    char buf[160];
+    snprintf(buf, sizeof buf, "__trap() at %s:%d", base_name(file), line);
+    if (b && cur()) {
+        block_fail(b, cudaErrorLaunchFailure, buf);
+        back_to_scheduler_final();
+    }
+    fail(cudaErrorLaunchFailure, "%s called outside a kernel", buf);
+    abort();
+}
+
 void wmma_operand(const void *p, unsigned ldm, size_t elem_bytes, const char *what, const char *file, int line) {
     thread_state *t = cur();
     block_state *b = blk();
