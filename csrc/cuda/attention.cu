@@ -86,7 +86,7 @@ __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, 
         for (int64_t i = tid; i < nrows * hs; i += blockDim.x) og[(q0 + i / hs) * C + i % hs] = from_f<T>(0.0f);
         return;
     }
-    const bool vec = hs % 8 == 0 && C % 8 == 0 && ((uintptr_t)qkv & 15) == 0;
+    const bool vec = hs % 8 == 0 && C % 8 == 0 && ((uintptr_t)qkv & 15) == 0 && ((uintptr_t)ctx & 15) == 0;
     load_tile<T, D, L::DP>(Qs, qg + q0 * ld, ld, hs, nrows, ATT_BQ, vec);
     for (int i = tid; i < ATT_BQ * D; i += blockDim.x) Os[(i / D) * L::OP + i % D] = 0.0f;
     __syncthreads();
@@ -154,8 +154,22 @@ __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, 
     }
     const float inv = 1.0f / l;
     const int r = warp * 16 + row;
-    if (r < nrows)
-        for (int d = half; d < hs; d += 2) og[(q0 + r) * C + d] = from_f<T>(O[row * L::OP + d] * inv);
+    if (!vec) {
+        if (r < nrows)
+            for (int d = half; d < hs; d += 2) og[(q0 + r) * C + d] = from_f<T>(O[row * L::OP + d] * inv);
+        return;
+    }
+    // normalise this warp's rows in place, then write them 16 bytes (8 values) per store
+    for (int d = half * (D / 2); d < (half + 1) * (D / 2); d++) O[row * L::OP + d] *= inv;
+    __syncwarp();
+    const int chunks = hs / 8;
+    for (int i = lane; i < 16 * chunks; i += 32) {
+        const int rr = i / chunks, d = (i % chunks) * 8;
+        if (warp * 16 + rr >= nrows) continue;
+        alignas(16) T pack[8];
+        for (int j = 0; j < 8; j++) pack[j] = from_f<T>(O[rr * L::OP + d + j]);
+        *reinterpret_cast<uint4 *>(og + (q0 + warp * 16 + rr) * C + d) = *reinterpret_cast<const uint4 *>(pack);
+    }
 }
 
 // bf16 WMMA exists from sm_80 (Ampere): an older target compiles a trap for it (the op refuses
