@@ -396,14 +396,16 @@ cudaError_t cudaMalloc(void **out, size_t bytes) {
     allocation a{};
     a.bytes = bytes;
     if (cfg.check_memory) {
-        // the allocation ends (16-byte aligned start) right before an inaccessible page
-        const size_t pg = page(), data = (bytes + 16 + pg - 1) / pg * pg;
+        // the allocation ends right before an inaccessible page; its start is 32-byte aligned (what
+        // WMMA and 16-byte vector loads need of a cudaMalloc pointer, which a GPU aligns to 256;
+        // the up to 31 bytes between the end and the page are checked after every launch)
+        const size_t pg = page(), data = (bytes + 32 + pg - 1) / pg * pg;
         void *m = mmap(nullptr, data + pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation, "out of memory: mmap of %zu bytes failed", data + pg);
         a.map = static_cast<char *>(m);
         a.map_bytes = data;
         mprotect(a.map + data, pg, PROT_NONE);
-        a.ptr = a.map + ((data - bytes) & ~(size_t)15);
+        a.ptr = a.map + ((data - bytes) & ~(size_t)31);
         memset(a.map, 0xFF, data);
     } else {
         const size_t rounded = (bytes + 255) / 256 * 256;
