@@ -10,9 +10,19 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 5
+#define FT_BACKEND_ABI 6
 
 typedef struct ft_backend ft_backend;
+
+/* One output row of a cache read gathered on the device (cache_decode_rows): dst row `row` = the
+ * decoded cache row at `src` (backend memory, in the cache codec; int8 rows times `scale`), or
+ * zeros when src is NULL (padding). */
+typedef struct {
+    const void *src;
+    int64_t row;
+    float scale;
+    int32_t unused;
+} ft_gather_row;
 
 /* services the core lends to a backend loaded as a separate library */
 typedef struct {
@@ -47,7 +57,12 @@ typedef struct {
     S(size_t, attention_train_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))   \
     /* bytes of a packed copy of an (N, K) weight for linear_*_forward; 0 = the backend reads the \
      * weight as it is (w_packed is then ignored) */                                               \
-    S(size_t, packed_weight_bytes, (ft_backend *be, int64_t N, int64_t K))
+    S(size_t, packed_weight_bytes, (ft_backend *be, int64_t N, int64_t K))                        \
+    /* ---- issue 14 (device tier of the cache, CUDA training) ---- */                            \
+    /* host memory the device copies from at full speed (pinned on CUDA; plain on the CPU): the  \
+     * staging buffers of cache reads into device memory. Free with host_free. */                 \
+    S(ft_status, host_alloc, (ft_backend *be, size_t bytes, void **out))                           \
+    S(void, host_free, (ft_backend *be, void *p))
 
 #define FT_BACKEND_OPS(X)                                                                           \
     /* C (M, N) = alpha * op(A) op(B) + beta * C, row-major, op = transpose when trans_* */        \
@@ -160,7 +175,14 @@ typedef struct {
      * count[b]), device int32) gets dout[b] / count[b] (CLS pooling: count 1); rows of no        \
      * sequence get 0 */                                                                           \
     X(pool_backward, (ft_backend *be, float *dh, const float *dout, const int32_t *first,          \
-                      const int32_t *count, int64_t B, int64_t N, int64_t C), (be, dh, dout, first, count, B, N, C))
+                      const int32_t *count, int64_t B, int64_t N, int64_t C), (be, dh, dout, first, count, B, N, C)) \
+    /* ---- issue 14: the cache's device tier ---- */                                              \
+    /* dst (rows, C) float32: for each of the n entries of rows (HOST memory), dst row rows[k].row \
+     * = the decoded cache row rows[k].src (codec F32 / F16 / BF16 / I8 x scale: the CPU decoder's \
+     * bits), or zeros for src NULL; other rows of dst untouched. rows_dev: backend memory for n   \
+     * entries, where the op keeps its copy of the table (unused on the CPU). */                  \
+    X(cache_decode_rows, (ft_backend *be, float *dst, const ft_gather_row *rows, ft_gather_row *rows_dev, int64_t n,  \
+                     int64_t C, ft_dtype codec), (be, dst, rows, rows_dev, n, C, codec))
 
 struct ft_backend {
     int abi;

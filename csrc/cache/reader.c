@@ -14,6 +14,10 @@
  * that wakes the producer lets it preempt the consumer, which then waits for a core. So a
  * consumer that keeps up never makes a system call; the producer times its own naps.
  *
+ * Batches are delivered in host memory, or in a CUDA device's memory (then each buffer also keeps
+ * its pinned staging and gather table, ft_cache_staging, so a steady epoch allocates nothing on
+ * the device either; issue 14's side-stream prefetch is not built: the copies of a batch run on
+ * the backend's stream, and the read waits for them before it hands the batch over).
  * Buffers are reused, so a steady epoch allocates (and page-faults) depth + 1 buffers once. The
  * reader lives until it is closed and every batch it handed out is released (a reference
  * count). The end of the order, and a failure, are marked in the ring after the last batch. */
@@ -35,6 +39,7 @@ typedef struct rbatch {
     struct rbatch *next;           /* free-stack link */
     struct ft_cache_reader *owner;
     size_t capacity;               /* floats in pub.values */
+    ft_cache_staging stg;          /* device readers: staging reused batch after batch */
     int64_t *index;
     size_t index_cap;
     ft_status status;
@@ -47,6 +52,7 @@ struct ft_cache_reader {
     int64_t *order, n, batch_size, n_steps, hidden;
     int64_t first_step;            /* the producer's first step (0 is read by ft_cache_reader_start) */
     ft_cache_layout layout;
+    ft_device device;              /* where the batches are delivered */
     int depth, threads;
     pthread_t thread;
     int started;
@@ -65,9 +71,16 @@ struct ft_cache_reader {
     atomic_int refs;               /* owner + batches handed out */
 };
 
+static void values_free(ft_device dev, float *p) {
+    if (dev.kind == FT_DEVICE_CPU) free(p);
+    else ft_device_free(dev, p);
+}
+
 static void batch_free(rbatch *b) {
     if (!b) return;
-    free(b->pub.values);
+    if (b->owner) values_free(b->owner->device, b->pub.values);
+    else free(b->pub.values);
+    ft_cache_staging_free(&b->stg);
     free(b->index);
     free(b);
 }
@@ -106,11 +119,16 @@ static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
     size_t need = st == FT_OK ? (size_t)info.rows * (size_t)r->hidden : 0;
     if (need < 16) need = 16;
     if (st == FT_OK && need > b->capacity) {
-        free(b->pub.values);
+        values_free(r->device, b->pub.values);
         b->pub.values = NULL;
         b->capacity = 0;
         void *p = NULL;
-        if (posix_memalign(&p, 64, need * sizeof(float)) != 0)
+        if (r->device.kind != FT_DEVICE_CPU) {
+            if (need < (size_t)r->batch_size * (size_t)r->hidden) need = (size_t)r->batch_size * (size_t)r->hidden;
+            need += need / 4;   /* room for a longer batch of the epoch: device allocations are slow */
+            st = ft_device_alloc(r->device, need * sizeof(float), &p);
+            if (st == FT_OK) { b->pub.values = p; b->capacity = need; }
+        } else if (posix_memalign(&p, 64, need * sizeof(float)) != 0)
             st = ft_error(FT_ERR_NOMEM, "out of memory for a batch of %zu floats", need);
         else { b->pub.values = p; b->capacity = need; }
     }
@@ -121,8 +139,8 @@ static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
     }
     if (st == FT_OK) {
         memcpy(b->index, idx, (size_t)nb * sizeof *idx);
-        st = ft_cache_read(r->cache, idx, nb, r->layout, b->pub.values, (ft_device){FT_DEVICE_CPU, 0}, b->capacity,
-                           r->enc, r->threads, reader_cancelled, r);
+        st = ft_cache_read_staged(r->cache, idx, nb, r->layout, b->pub.values, r->device, b->capacity, r->enc,
+                                  r->threads, reader_cancelled, r, &b->stg);
     }
     b->pub.index = b->index;
     b->pub.n = nb;
@@ -206,8 +224,10 @@ static void *producer(void *arg) {
 
 ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
                                 ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
-                                ft_cache_reader **out) {
+                                ft_device device, ft_cache_reader **out) {
     *out = NULL;
+    if (device.kind != FT_DEVICE_CPU && device.kind != FT_DEVICE_CUDA)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: unknown device kind %d", (int)device.kind);
     if (n < 0 || batch_size < 1 || depth < 1 || depth > 1024)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need n >= 0, batch_size >= 1, 1 <= depth <= 1024 (got %lld, %lld, %d)",
                         (long long)n, (long long)batch_size, depth);
@@ -232,6 +252,7 @@ ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, in
     r->n_steps = (n + batch_size - 1) / batch_size;
     r->hidden = ft_cache_width(c);
     r->layout = layout;
+    r->device = device;
     r->depth = depth;
     r->threads = threads;
     atomic_init(&r->refs, 1);
