@@ -158,3 +158,163 @@ def test_device_tier_frees_its_memory(model, inputs):
         assert np.array_equal(first[1][0].numpy(), want)   # a batch handed out outlives its reader and cache
         del first
         gc.collect()
+
+
+# ---- the Trainer on CUDA ---------------------------------------------------------------------------
+def emu_counters():
+    """(cudaMalloc, cudaFree, pinned allocations, H2D copies, H2D bytes, D2H copies, D2H bytes, D2D copies)
+    of the emulator since it loaded; None on a real GPU"""
+    if not fasttran.build_info()["cuda"]["emulated"]:
+        return None
+    import ctypes
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(fasttran.__file__), "libfasttran_cuda_emu.so"))
+    out = (ctypes.c_longlong * 8)()
+    lib.ftemu_counters(out)
+    return list(out)
+
+
+@pytest.fixture(scope="module")
+def features(model, inputs):
+    """one CPU-encoder cache per positions: both trainers read the same features"""
+    ids, mask, types = inputs
+    enc = fasttran.Encoder.from_pretrained(model)
+    return {p: fasttran.ActivationCache.build(enc, ids, mask, types, positions=p, batch_size=8, show_progress=False)
+            for p in ("mean", "all")}
+
+
+def qa_targets(cache, rng):
+    """answer spans inside each example's context (token type 1, not its last token)"""
+    ctx = fasttran.Trainer._context(cache, cache.example_ids, int(cache.lengths.max()))
+    s = np.array([rng.choice(np.flatnonzero(r)) for r in ctx])
+    e = np.array([rng.choice(np.flatnonzero(r[a:])) + a for r, a in zip(ctx, s)])
+    return s, e
+
+
+def close(a, b, rtol=2e-5):
+    """equal within fp32 rounding of a few steps: the GEMMs add in other orders on the two backends"""
+    return np.abs(a - b).max() <= rtol * max(1.0, np.abs(b).max()) * 10
+
+
+@pytest.mark.parametrize("head,optimizer", [("classification", "lamb"), ("classification", "adamw"),
+                                            ("classification-pooler", "lamb"), ("qa", "adamw"), ("qa", "lamb")])
+def test_cuda_trainer_matches_the_cpu_trainer(features, head, optimizer):
+    """A head trained on CUDA (heads, loss, clipping, fused optimizer on the device; batches read into
+    device memory) equals the CPU-trained one within fp32 rounding after 3 epochs, loss by loss."""
+    cache = features["all" if head == "qa" else "mean"]
+    y = qa_targets(cache, np.random.default_rng(2)) if head == "qa" else np.random.default_rng(1).integers(0, 3, len(cache))
+    kw = dict(optimizer=optimizer, epochs=3, batch_size=7, show_progress=False, lr=0.05 if head == "qa" else None,
+              num_labels=None if head == "qa" else 3, dropout=0.2, max_grad_norm=0.5)
+    cpu = fasttran.Trainer(head, **kw)
+    cpu.fit(cache, y)
+    gpu = fasttran.Trainer(head, device="cuda", **kw)
+    assert gpu.device == "cuda:0"
+    gpu.fit(cache, y)
+    assert gpu.optimizer.device == "cuda:0" and gpu.global_step == cpu.global_step == 12
+    for name, t in gpu.head.tensors.items():
+        if head == "qa" and name == "qa_outputs.bias":
+            # its gradient is zero up to rounding (softmax - one-hot sums to 0 over every row), so
+            # Adam's normalised step follows the rounding noise of each backend: only bounded
+            assert np.abs(t).max() <= 12 * kw["lr"]
+            continue
+        assert close(t, cpu.head.tensors[name]), (name, np.abs(t - cpu.head.tensors[name]).max())
+    assert not np.array_equal(gpu.head.params, _fresh_params(gpu.head))   # it trained
+    for (s1, l1), (s2, l2) in zip(gpu.loss_curve, cpu.loss_curve):
+        assert s1 == s2 and abs(l1 - l2) <= 1e-4 * max(1.0, abs(l2))
+    if head != "qa":
+        assert gpu.history[-1]["train_accuracy"] == cpu.history[-1]["train_accuracy"]
+        ev_g, ev_c = gpu.evaluate(cache, y), cpu.evaluate(cache, y)
+        assert abs(ev_g["loss"] - ev_c["loss"]) <= 1e-5
+
+
+def _fresh_params(head):
+    from fasttran.heads import _Head
+    h = _Head.from_config(head.config())
+    return h.params
+
+
+def test_cuda_trainer_resumes_exactly_and_loads_on_the_cpu(features, tmp_path):
+    cache = features["mean"]
+    y = np.random.default_rng(3).integers(0, 2, len(cache))
+    kw = dict(epochs=3, batch_size=6, show_progress=False, device="cuda", seed=5)
+    full = fasttran.Trainer("classification-pooler", **kw)
+    full.fit(cache, y)
+    part = fasttran.Trainer("classification-pooler", **kw)
+    part.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=7)   # mid-epoch 2
+    assert part.global_step == 7
+    rest = fasttran.Trainer("classification-pooler", **kw)
+    rest.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    assert rest.global_step == full.global_step
+    assert np.array_equal(rest.head.params, full.head.params)   # bit for bit, as on the CPU
+    m1, v1 = (np.asarray(a) for a in fasttran.optim.flat_state(rest.optimizer)[1:])
+    m2, v2 = (np.asarray(a) for a in fasttran.optim.flat_state(full.optimizer)[1:])
+    assert np.array_equal(m1, m2) and np.array_equal(v1, v2)
+    full.save(str(tmp_path / "done"))
+    back = fasttran.Trainer.load(str(tmp_path / "done"), device="cpu", show_progress=False)
+    assert back.device == "cpu" and np.array_equal(back.head.params, full.head.params)
+    assert back.evaluate(cache, y) == full.evaluate(cache, y)
+    again = fasttran.Trainer.load(str(tmp_path / "done"), show_progress=False)   # the checkpoint's device
+    assert again.device == "cuda:0" and again.optimizer.device == "cuda:0"
+    assert np.array_equal(np.asarray(fasttran.optim.flat_state(again.optimizer)[1]), m2)
+
+
+def test_cuda_trainer_on_the_device_tier(enc_cuda, inputs):
+    """Features built by the CUDA encoder into the device tier (int8, decoded on the device) train the
+    same head as the same features read from the host tier, bit for bit: both paths hand the
+    kernels the same device buffer contents."""
+    ids, mask, types = inputs
+    kw = dict(positions="mean", dtype="int8", batch_size=8, show_progress=False)
+    dev = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, device_bytes=1 << 20, **kw)
+    hostc = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, **kw)
+    assert dev.stats()["tiers"]["device"]["entries"] == len(ids)
+    y = np.random.default_rng(4).integers(0, 2, len(ids))
+    a = fasttran.Trainer("classification", device="cuda", epochs=2, batch_size=5, show_progress=False)
+    a.fit(dev, y)
+    b = fasttran.Trainer("classification", device="cuda", epochs=2, batch_size=5, show_progress=False)
+    b.fit(hostc, y)
+    assert np.array_equal(a.head.params, b.head.params)
+
+
+def test_a_cuda_training_step_allocates_nothing(features):
+    """After the first step, a step makes no device or pinned allocation: head buffers, workspace,
+    gradients, optimizer state and tables are kept (counted by the emulator)."""
+    if emu_counters() is None:
+        pytest.skip("allocation counts come from the emulator")
+    cache = features["mean"]
+    y = np.random.default_rng(5).integers(0, 2, len(cache))
+    tr = fasttran.Trainer("classification-pooler", device="cuda", epochs=1, batch_size=4, show_progress=False)
+    y32 = tr._prepare(cache, y)
+    spe, total, warm, grads, gviews = tr._loop_setup(len(cache))
+    tr._cuda.ensure(4, 1)
+    order = np.arange(len(cache))
+    batches = [(cache.example_ids[order[a:a + 4]], cache.get(cache.example_ids[order[a:a + 4]], output="device",
+                                                              device="cuda")) for a in range(0, len(cache), 4)]
+    tr._step(cache, y32, *batches[0], grads, gviews, total, warm)   # the first step sizes the optimizer's tables
+    before = emu_counters()
+    for ids, x in batches[1:]:
+        tr._step(cache, y32, ids, x, grads, gviews, total, warm)
+    after = emu_counters()
+    steps = len(batches) - 1
+    d = [b - a for a, b in zip(before, after)]
+    assert d[0] == 0 and d[2] == 0, f"{d[0]} device and {d[2]} pinned allocations in {steps} steps"
+    assert d[1] == 0, "device memory freed during steps"
+
+
+def test_cuda_trainer_refusals(features):
+    with pytest.raises(fasttran.UnsupportedError, match="train_layers > 0"):
+        fasttran.Trainer("classification", device="cuda", train_layers=1)
+    with pytest.raises(fasttran.InputError, match="device must be"):
+        fasttran.Trainer("classification", device="cuda:x")
+    cache = features["mean"]
+    y = np.zeros(len(cache), np.int64)
+    y[1] = 5
+    tr = fasttran.Trainer("classification", device="cuda", num_labels=2, show_progress=False)
+    with pytest.raises(fasttran.InputError, match="outside"):
+        tr.fit(cache, y)
+    x = cache.get(cache.example_ids[:4])
+    x[2, 3] = np.nan
+    bad = fasttran.ActivationCache.build(fasttran.Encoder.from_pretrained(cache.encoder.path), *cache.inputs(
+        cache.example_ids[:4]), positions="mean", show_progress=False)
+    bad._tiers.shards[0].values[...] = x   # a NaN feature in the host tier
+    tr = fasttran.Trainer("classification", device="cuda", num_labels=2, show_progress=False, batch_size=4)
+    with pytest.raises(FloatingPointError, match="step 1"):
+        tr.fit(bad, np.zeros(4, np.int64))
