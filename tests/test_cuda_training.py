@@ -318,3 +318,51 @@ def test_cuda_trainer_refusals(features):
     tr = fasttran.Trainer("classification", device="cuda", num_labels=2, show_progress=False, batch_size=4)
     with pytest.raises(FloatingPointError, match="step 1"):
         tr.fit(bad, np.zeros(4, np.int64))
+
+
+# ---- the optimizer step's host side (item 4) -------------------------------------------------------
+@pytest.mark.parametrize("kind", ["lamb", "adamw"])
+def test_optimizer_tables_stay_on_the_device(kind):
+    """200 CUDA tensors: after the first step a step allocates nothing and copies up only the
+    coefficients (one entry per distinct (group, update count)) and each tensor's index into them;
+    the tensor and chunk tables are sent again only when an address changes (here: a tensor sits a
+    step out). The result still follows the float64 reference (tests/test_optim.py)."""
+    c0 = emu_counters()
+    if c0 is None:
+        pytest.skip("copy counts come from the emulator")
+    import test_optim as ref
+    from fasttran.optim import AdamW, LAMB
+    rng = np.random.default_rng(7)
+    shapes = [(int(rng.integers(1, 40)), int(rng.integers(1, 30))) for _ in range(200)]
+    w32 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    params = [fasttran.from_dlpack(x).to("cuda") for x in w32]
+    grads = [fasttran.from_dlpack(np.zeros(s, np.float32)).to("cuda") for s in shapes]
+    opt = (LAMB if kind == "lamb" else AdamW)(params, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
+    w64, m64, v64 = [x.astype(np.float64) for x in w32], [np.zeros(s) for s in shapes], [np.zeros(s) for s in shapes]
+    per_step = []
+    for t in range(1, 6):
+        g32 = [(rng.standard_normal(s) * 0.1).astype(np.float32) for s in shapes]
+        for g, x in zip(grads, g32):   # the gradients change in place (as a backward pass writes them)
+            _C.device_write(g, x)
+        before = emu_counters()
+        opt.step(grads)
+        per_step.append([b - a for a, b in zip(before, emu_counters())])
+        ref.ref_step(kind, w64, [x.astype(np.float64) for x in g32], m64, v64, t, 1e-3, 0.9, 0.999, opt.eps,
+                     opt.decays, 1.0)
+    assert ref.rel_err([p.numpy() for p in params], w64) <= 1e-5
+    coef_bytes = 256 * ((200 * 4 + 255) // 256) + 48   # coef_of (200 int32, padded) + one coefficient entry
+    for d in per_step[1:]:
+        assert d[0] == d[1] == d[2] == 0, f"allocations in a steady step: {d}"
+        assert d[3] == 1 and d[4] == coef_bytes, f"host-to-device copies {d[3]} of {d[4]} bytes"
+        assert d[5] == 1   # the norm / finiteness verdict (check_finite): one small copy down
+    # a tensor without a gradient: the active set changes, the tables go up again, then stay
+    g = list(grads)
+    g[3] = None
+    before = emu_counters()
+    opt.step(g)
+    d = [b - a for a, b in zip(before, emu_counters())]
+    assert d[3] == 2 and d[0] == 0   # tables + coefficients (two entries: one tensor's count lags)
+    before = emu_counters()
+    opt.step(g)
+    d = [b - a for a, b in zip(before, emu_counters())]
+    assert d[3] == 1 and d[4] == coef_bytes

@@ -48,7 +48,7 @@ ft_status cuda_synchronize(ft_backend *be) {
 void cuda_destroy(ft_backend *be) {
     cuda_ctx *c = ctx_of(be);
     cudaSetDevice(c->device);
-    if (c->opt_ws) cudaFree(c->opt_ws);
+    cuda_optim_release(c);
     if (c->train_ws) cudaFree(c->train_ws);
     cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);

@@ -21,13 +21,15 @@ struct cuda_ctx {
     cudaStream_t stream;   // all work of this backend runs here (non-blocking)
     cublasHandle_t blas;
     char name[32];
-    void *opt_ws;          // optimizer tables and partial sums (optim.cu), grown as needed
-    size_t opt_ws_bytes;
+    void *opt_plan;        // optimizer tables kept between steps, host images, workspace (optim.cu)
     void *train_ws;        // partial sums of the training ops (train_layer.cu), grown as needed
     size_t train_ws_bytes;
 };
 
 inline cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
+
+// frees what cuda_optim_step keeps in the context (optim.cu)
+void cuda_optim_release(cuda_ctx *c);
 
 inline ft_status cuda_fail(cudaError_t err, const char *what) {
     return g_host->error(FT_ERR_DEVICE, "CUDA error in %s: %s (%s)", what, cudaGetErrorName(err),
