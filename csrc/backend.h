@@ -62,7 +62,20 @@ typedef struct {
     /* host memory the device copies from at full speed (pinned on CUDA; plain on the CPU): the  \
      * staging buffers of cache reads into device memory. Free with host_free. */                 \
     S(ft_status, host_alloc, (ft_backend *be, size_t bytes, void **out))                           \
-    S(void, host_free, (ft_backend *be, void *p))
+    S(void, host_free, (ft_backend *be, void *p))                                                  \
+    /* side streams and events (the cache reader's prefetch): a stream or event is an opaque     \
+     * handle (0 on the CPU, where everything is synchronous); stream 0 = the backend's own */     \
+    S(ft_status, stream_create, (ft_backend *be, uintptr_t *out))                                  \
+    S(void, stream_destroy, (ft_backend *be, uintptr_t stream))                                    \
+    S(ft_status, event_create, (ft_backend *be, uintptr_t *out))                                   \
+    S(void, event_destroy, (ft_backend *be, uintptr_t event))                                      \
+    S(ft_status, event_record, (ft_backend *be, uintptr_t event, uintptr_t stream))                \
+    /* work queued on `stream` after this waits for `event` (no host wait) */                      \
+    S(ft_status, stream_wait_event, (ft_backend *be, uintptr_t stream, uintptr_t event))           \
+    S(ft_status, event_synchronize, (ft_backend *be, uintptr_t event))                             \
+    /* upload queued on `stream` (from pinned memory: asynchronous; the source must stay as it is \
+     * until an event recorded after it completes) */                                            \
+    S(ft_status, upload_async, (ft_backend *be, void *dst, const void *host_src, size_t bytes, uintptr_t stream))
 
 #define FT_BACKEND_OPS(X)                                                                           \
     /* C (M, N) = alpha * op(A) op(B) + beta * C, row-major, op = transpose when trans_* */        \
@@ -180,9 +193,10 @@ typedef struct {
     /* dst (rows, C) float32: for each of the n entries of rows (HOST memory), dst row rows[k].row \
      * = the decoded cache row rows[k].src (codec F32 / F16 / BF16 / I8 x scale: the CPU decoder's \
      * bits), or zeros for src NULL; other rows of dst untouched. rows_dev: backend memory for n   \
-     * entries, where the op keeps its copy of the table (unused on the CPU). */                  \
+     * entries, where the op keeps its copy of the table (unused on the CPU). Queued on `stream`   \
+     * (0: the backend's; rows must then stay as they are until the stream has run the copy). */  \
     X(cache_decode_rows, (ft_backend *be, float *dst, const ft_gather_row *rows, ft_gather_row *rows_dev, int64_t n,  \
-                     int64_t C, ft_dtype codec), (be, dst, rows, rows_dev, n, C, codec))
+                     int64_t C, ft_dtype codec, uintptr_t stream), (be, dst, rows, rows_dev, n, C, codec, stream))
 
 struct ft_backend {
     int abi;

@@ -28,7 +28,7 @@ SIZES = _C._abi_sizes()
 # ---- calling a backend table through ctypes ------------------------------------------------------
 _SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "uint64_t": ctypes.c_uint64,
             "size_t": ctypes.c_size_t, "ft_activation": ctypes.c_int, "ft_pooling": ctypes.c_int,
-            "ft_dtype": ctypes.c_int}
+            "ft_dtype": ctypes.c_int, "uintptr_t": ctypes.c_size_t}
 _RETURNS = {"ft_status": ctypes.c_int, "void": None, "size_t": ctypes.c_size_t}
 
 
@@ -718,7 +718,7 @@ def _decode_rows(n_src, rows, C, codec):
                 t[k] = GatherRow(None if zero[r] else ptrs["_src"] + s * C * esize, int(r), float(scales[s]), 0)
             return t
         return dict(dst=Out((rows, C), tol=0.0), rows=Struct(table), rows_dev=In(np.zeros(max(rows, 1) * 24, np.uint8)),
-                    n=rows, C=C, codec=code, _src=In(src))
+                    n=rows, C=C, codec=code, stream=0, _src=In(src))
     return build
 
 

@@ -162,13 +162,14 @@ def test_device_tier_frees_its_memory(model, inputs):
 
 # ---- the Trainer on CUDA ---------------------------------------------------------------------------
 def emu_counters():
-    """(cudaMalloc, cudaFree, pinned allocations, H2D copies, H2D bytes, D2H copies, D2H bytes, D2D copies)
-    of the emulator since it loaded; None on a real GPU"""
+    """(cudaMalloc, cudaFree, pinned allocations, H2D copies, H2D bytes, D2H copies, D2H bytes, D2D copies,
+    stream syncs, event records, stream waits, event syncs) of the emulator since it loaded; None on a
+    real GPU"""
     if not fasttran.build_info()["cuda"]["emulated"]:
         return None
     import ctypes
     lib = ctypes.CDLL(os.path.join(os.path.dirname(fasttran.__file__), "libfasttran_cuda_emu.so"))
-    out = (ctypes.c_longlong * 8)()
+    out = (ctypes.c_longlong * 12)()
     lib.ftemu_counters(out)
     return list(out)
 
@@ -366,3 +367,31 @@ def test_optimizer_tables_stay_on_the_device(kind):
     opt.step(g)
     d = [b - a for a, b in zip(before, emu_counters())]
     assert d[3] == 1 and d[4] == coef_bytes
+
+
+def test_device_reader_prefetches_on_a_side_stream(enc_cuda, inputs):
+    """The device reader queues each batch's copies and decoding on its own stream and orders them with
+    events instead of waiting for the backend's stream: per batch one `ready` event (recorded by the
+    reader, waited for by the consumer before the batch is handed out) and one `released` event
+    (recorded when the batch is given back, waited for by the side stream before the buffer is
+    overwritten); the backend's stream is synchronised only on a buffer's first use. The emulator's
+    streams are synchronous, so this checks the protocol is followed, not the overlap (a GPU run)."""
+    if emu_counters() is None:
+        pytest.skip("event counts come from the emulator")
+    ids, mask, types = inputs
+    c = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, positions="all", batch_size=4, device_bytes=30000,
+                                       show_progress=False)
+    assert c.stats()["tiers"]["device"]["entries"] and c.stats()["tiers"]["host"]["entries"]
+    want = [(i, b[0]) for i, b in c.batches(2, seed=9, ragged=True)]
+    before = emu_counters()
+    n = 0
+    for (i, (x, _)), (wi, wx) in zip(c.batches(2, seed=9, ragged=True, output="device", prefetch=2), want):
+        assert np.array_equal(i, wi) and np.array_equal(x.numpy(), wx)
+        n += 1
+        del x
+    d = [b - a for a, b in zip(before, emu_counters())]
+    buffers = 3   # prefetch 2 + the one being consumed
+    assert n == 13
+    assert d[9] == 2 * n, f"{d[9]} events recorded for {n} batches (ready + released each)"
+    assert d[10] == n - buffers, f"{d[10]} stream waits: every reuse of a buffer waits for its release"
+    assert d[11] >= n, "the consumer waits for each batch's ready event"

@@ -454,25 +454,59 @@ static ft_status grow(ft_backend *be, void **p, size_t *cap, size_t need, size_t
 }
 
 void ft_cache_staging_free(ft_cache_staging *s) {
-    if (!s || (!s->host && !s->rows && !s->rows_dev && !s->tmp)) return;
+    if (!s || (!s->host && !s->rows && !s->rows_dev && !s->tmp && !s->ready && !s->released)) return;
     ft_backend *be = NULL;
     if (ft_backend_for(s->dev, &be) == FT_OK) {
+        if (s->pending) (void)be->event_synchronize(be, s->ready);   /* copies from the staging in flight */
+        if (s->ready) be->event_destroy(be, s->ready);
+        if (s->released) be->event_destroy(be, s->released);
         if (s->host) be->host_free(be, s->host);
         if (s->rows) be->host_free(be, s->rows);
         if (s->rows_dev) be->free(be, s->rows_dev);
         if (s->tmp) be->free(be, s->tmp);
     }
+    const uintptr_t stream = s->stream;   /* borrowed: kept */
     *s = (ft_cache_staging){0};
+    s->stream = stream;
+}
+
+ft_status ft_cache_staging_wait(ft_cache_staging *s) {
+    if (!s->pending) return FT_OK;
+    ft_backend *be = NULL;
+    FT_TRY(ft_backend_for(s->dev, &be));
+    FT_TRY(be->event_synchronize(be, s->ready));
+    s->pending = 0;
+    return FT_OK;
+}
+
+void ft_cache_staging_release(ft_cache_staging *s) {
+    ft_backend *be = NULL;
+    s->release_recorded = 0;
+    if (!s->released || ft_backend_for(s->dev, &be) != FT_OK) return;
+    if (be->event_record(be, s->released, 0) == FT_OK) s->release_recorded = 1;
+    else ft_clear_error();   /* the next read then waits for the whole backend stream instead */
 }
 
 /* The batch into `out`, memory of backend `be` (a CUDA device): rows of device shards, and the
  * padding, gathered on the device; any other rows decoded (or recomputed) into pinned host
- * staging and copied up first. Returns when `out` is complete. */
+ * staging and copied up first. Returns when `out` is complete; with a side stream
+ * (stg->stream), as soon as the work is queued there (stg->ready marks its end). */
 static ft_status read_device(ft_cache *c, const int64_t *index, int64_t n, const ft_cache_batch_info *info,
                              const int64_t *start, const int32_t *row_ex, int ragged, float *out, ft_backend *be,
                              ft_encoder *enc, int threads, ft_cancel_fn cancel, void *cancel_arg,
                              ft_cache_staging *stg) {
     const int64_t C = c->C, rows = info->rows, T = info->T;
+    const uintptr_t side = stg->stream;
+    /* the staging and the table may still feed the previous batch's copies */
+    FT_TRY(ft_cache_staging_wait(stg));
+    if (side) {
+        if (!stg->ready) FT_TRY(be->event_create(be, &stg->ready));
+        if (!stg->released) FT_TRY(be->event_create(be, &stg->released));
+        /* kernels may still read the batch this buffer held: the side stream waits for them */
+        if (stg->release_recorded) FT_TRY(be->stream_wait_event(be, side, stg->released));
+        else FT_TRY(be->synchronize(be));   /* first use, or a release that could not record */
+        stg->release_recorded = 0;
+    }
     /* which rows the host fills: rows of host / disk shards, and misses */
     int64_t host_rows = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -501,11 +535,16 @@ static ft_status read_device(ft_cache *c, const int64_t *index, int64_t n, const
     if (host_rows) {
         FT_TRY(grow(be, (void **)&stg->host, &stg->host_cap, (size_t)(rows * C), sizeof(float), 1));
         FT_TRY(fill_host(c, index, n, info, start, row_ex, ragged, stg->host, enc, threads, cancel, cancel_arg));
-        FT_TRY(be->upload(be, out, stg->host, (size_t)(rows * C) * sizeof(float)));
+        FT_TRY(be->upload_async(be, out, stg->host, (size_t)(rows * C) * sizeof(float), side));
     }
     if (m) {
         FT_TRY(grow(be, &stg->rows_dev, &stg->rows_dev_cap, (size_t)m, sizeof(ft_gather_row), 0));
-        FT_TRY(be->cache_decode_rows(be, out, tab, stg->rows_dev, m, C, c->codec));
+        FT_TRY(be->cache_decode_rows(be, out, tab, stg->rows_dev, m, C, c->codec, side));
+    }
+    if (side) {   /* the consumer waits for `ready` before it uses the batch (ft_cache_staging_wait) */
+        FT_TRY(be->event_record(be, stg->ready, side));
+        stg->pending = 1;
+        return FT_OK;
     }
     /* the staging and the table are reused by the next read: wait for the copies */
     return be->synchronize(be);
@@ -568,8 +607,11 @@ ft_status ft_cache_read_staged(ft_cache *c, const int64_t *index, int64_t n, ft_
         if (st == FT_OK && dst_device.kind == FT_DEVICE_CPU)
             st = grow(be, (void **)&stg->tmp, &stg->tmp_cap, (size_t)(rows * C), sizeof(float), 0);
         if (st == FT_OK && dst_device.kind == FT_DEVICE_CPU) out = stg->tmp;
+        const uintptr_t side = stg->stream;
+        if (out != dst) stg->stream = 0;   /* a host destination waits for its batch anyway */
         if (st == FT_OK)
             st = read_device(c, index, n, &info, start, row_ex, ragged, out, be, enc, threads, cancel, cancel_arg, stg);
+        stg->stream = side;
         if (st == FT_OK && out != dst) st = be->download(be, dst, out, (size_t)(rows * C) * sizeof(float));
         if (stg == &local) ft_cache_staging_free(&local);
     }

@@ -285,7 +285,8 @@ using namespace ftemu;
 // Counters of the runtime calls that cost a GPU time or memory (tests count what a training step
 // does: device allocations, pinned allocations, copies each way). ftemu_counters() reads them.
 namespace ftemu {
-enum { C_MALLOC, C_FREE, C_HOST_ALLOC, C_H2D, C_H2D_BYTES, C_D2H, C_D2H_BYTES, C_D2D, C_COUNT };
+enum { C_MALLOC, C_FREE, C_HOST_ALLOC, C_H2D, C_H2D_BYTES, C_D2H, C_D2H_BYTES, C_D2D, C_STREAM_SYNC, C_EVENT_RECORD,
+       C_STREAM_WAIT, C_EVENT_SYNC, C_COUNT };
 static std::atomic<long long> g_counters[C_COUNT];
 static void count_copy(cudaMemcpyKind kind, size_t bytes) {
     if (kind == cudaMemcpyHostToDevice) { g_counters[C_H2D]++; g_counters[C_H2D_BYTES] += (long long)bytes; }
@@ -296,8 +297,10 @@ static void count_copy(cudaMemcpyKind kind, size_t bytes) {
 
 extern "C" {
 
-// out[0..7] = cudaMalloc calls, cudaFree calls, pinned host allocations, host-to-device copies and
-// bytes, device-to-host copies and bytes, device-to-device copies, since the library loaded
+// out[0..11] = cudaMalloc calls, cudaFree calls, pinned host allocations, host-to-device copies and
+// bytes, device-to-host copies and bytes, device-to-device copies, stream synchronisations, event
+// records, stream waits for events, event synchronisations, since the library loaded (streams run
+// synchronously here: these counts show which orderings code asks for, not that they hold)
 __attribute__((visibility("default"))) void ftemu_counters(long long *out) {
     for (int i = 0; i < C_COUNT; i++) out[i] = g_counters[i].load();
 }
@@ -609,6 +612,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    g_counters[C_STREAM_SYNC]++;
     FTEMU_STREAM_OK(s, "cudaStreamSynchronize");
     return pending_error(false);
 }
@@ -617,6 +621,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
+    g_counters[C_STREAM_WAIT]++;
     FTEMU_STREAM_OK(s, "cudaStreamWaitEvent");
     if (!e) return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: null event");
     return cudaSuccess;
@@ -633,13 +638,17 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { free(e); return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    g_counters[C_EVENT_RECORD]++;
     FTEMU_STREAM_OK(s, "cudaEventRecord");
     ftemu_event *ev = reinterpret_cast<ftemu_event *>(e);
     ev->t = clock64();
     ev->recorded = true;
     return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return pending_error(false); }
+cudaError_t cudaEventSynchronize(cudaEvent_t) {
+    g_counters[C_EVENT_SYNC]++;
+    return pending_error(false);
+}
 cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     const ftemu_event *x = reinterpret_cast<ftemu_event *>(a), *y = reinterpret_cast<ftemu_event *>(b);
