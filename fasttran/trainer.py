@@ -762,8 +762,9 @@ class Trainer:
           batch, head forward/backward, fused optimizer step),
         - "epoch": one whole epoch (epoch=None: when the steps measured predict under a minute).
         Runs on a copy of the head and optimizer: this trainer is left as it was. Batches are
-        read on the calling thread, so the op times add up to at most the wall time. Returns
-        a fasttran.Profile (print it, or .plot())."""
+        read on the calling thread, so the op times add up to at most the wall time. The copy
+        trains on the CPU, also for a device="cuda" trainer (profile CUDA training with
+        fasttran.profile around fit()). Returns a fasttran.Profile (print it, or .plot())."""
         from .profiling import Profile
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise InputError(f"steps must be a positive int, got {steps!r}")

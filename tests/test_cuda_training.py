@@ -143,9 +143,12 @@ def test_device_tier_refused_on_the_cpu(model, inputs):
 
 def test_device_tier_frees_its_memory(model, inputs):
     """Shards, batches and staging are released with the cache and the reader (the emulator poisons and
-    tracks every allocation: a device buffer read after it was freed would fail a later read)."""
+    tracks every allocation: a device buffer read after it was freed would fail a later read); every
+    device and pinned allocation made meanwhile is freed (counted by the emulator)."""
     ids, mask, types = inputs
     enc = fasttran.Encoder.from_pretrained(model, device="cuda")
+    enc.forward(*[a[:4] for a in inputs])   # the encoder's own workspace, kept with it
+    before = emu_counters()
     for _ in range(2):
         c = fasttran.ActivationCache.build(enc, ids, mask, types, positions="all", batch_size=4, device_bytes=1 << 20,
                                            show_progress=False)
@@ -158,18 +161,21 @@ def test_device_tier_frees_its_memory(model, inputs):
         assert np.array_equal(first[1][0].numpy(), want)   # a batch handed out outlives its reader and cache
         del first
         gc.collect()
+    if before is not None:
+        d = [b - a for a, b in zip(before, emu_counters())]
+        assert d[0] == d[1] > 0 and d[2] == d[12] > 0, f"{d[0]} / {d[1]} device, {d[2]} / {d[12]} pinned allocations / frees"
 
 
 # ---- the Trainer on CUDA ---------------------------------------------------------------------------
 def emu_counters():
     """(cudaMalloc, cudaFree, pinned allocations, H2D copies, H2D bytes, D2H copies, D2H bytes, D2D copies,
-    stream syncs, event records, stream waits, event syncs) of the emulator since it loaded; None on a
-    real GPU"""
+    stream syncs, event records, stream waits, event syncs, pinned frees) of the emulator since it loaded;
+    None on a real GPU"""
     if not fasttran.build_info()["cuda"]["emulated"]:
         return None
     import ctypes
     lib = ctypes.CDLL(os.path.join(os.path.dirname(fasttran.__file__), "libfasttran_cuda_emu.so"))
-    out = (ctypes.c_longlong * 12)()
+    out = (ctypes.c_longlong * 13)()
     lib.ftemu_counters(out)
     return list(out)
 
