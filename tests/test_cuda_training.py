@@ -401,3 +401,36 @@ def test_device_reader_prefetches_on_a_side_stream(enc_cuda, inputs):
     assert d[9] == 2 * n, f"{d[9]} events recorded for {n} batches (ready + released each)"
     assert d[10] == n - buffers, f"{d[10]} stream waits: every reuse of a buffer waits for its release"
     assert d[11] >= n, "the consumer waits for each batch's ready event"
+
+
+def test_device_tier_stops_where_the_device_is_full(enc_cuda, inputs, monkeypatch):
+    """device_bytes larger than the device holds: the tier takes what fits, the rest goes to the host
+    (a device that is full after the first shard: its allocations fail with MemoryError, as
+    cudaMalloc's out-of-memory does through the binding)."""
+    ids, mask, types = inputs
+    from fasttran.cache import tiers
+    calls = []
+
+    class FullDevice:
+        def __init__(self, t):
+            self.t = t
+
+        def to(self, device):
+            calls.append(device)
+            if len(calls) > 1:
+                raise MemoryError("cannot allocate on cuda:0: out of memory")
+            return self.t.to(device)
+
+    class FakeC:
+        class Tensor:
+            @staticmethod
+            def from_dlpack(a):
+                return FullDevice(_C.Tensor.from_dlpack(a))
+    monkeypatch.setattr(tiers, "_C", FakeC)
+    c = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, positions="mean", batch_size=4,
+                                       device_bytes=1 << 30, show_progress=False)
+    monkeypatch.undo()
+    t = c.stats()["tiers"]
+    assert len(calls) == 2 and t["device"]["entries"] == 4 and t["host"]["entries"] == len(ids) - 4
+    ref = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, positions="mean", batch_size=4, show_progress=False)
+    assert np.array_equal(c.get(np.arange(len(ids)), output="device").numpy(), ref.get(np.arange(len(ids))))

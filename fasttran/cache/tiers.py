@@ -74,10 +74,16 @@ class Tiers:
         s.file, s.bytes, s.crc = file if file else (None, 0, None)
         s.nbytes = int(nbytes)
         check = None
+        on_device = None
         if self.fits_device(nbytes):
-            s.tier = "device"
             host = np.require(values, requirements=["C", "W"])   # DLPack exports no read-only array
-            values = _C.Tensor.from_dlpack(host.view(_DEVICE_VIEW[host.dtype])).to(self.device)
+            try:
+                on_device = _C.Tensor.from_dlpack(host.view(_DEVICE_VIEW[host.dtype])).to(self.device)
+            except MemoryError:   # the device is fuller than device_bytes said: the tier ends here
+                self.device_bytes = self.used["device"]
+        if on_device is not None:
+            s.tier = "device"
+            values = on_device
             scales = None if scales is None else np.array(scales, np.float32)
         elif self.fits_host(nbytes):
             s.tier = "host"
