@@ -133,8 +133,9 @@ class _CudaHead:
             v = self.valid.view(0, (B * T,))
             _C.device_write(v, np.ascontiguousarray(valid, np.float32).reshape(-1))
         lg = self.logits.view(0, (2 * B * T,) if qa else (B * self.head.num_labels,))
+        # labels_checked: fit() checked every label and QA span against the context (_check_targets)
         loss = _C.head_step(self.head._cfg, self.params, x, B, T if qa else 1, v, lab, lg, self.grads,
-                            None, True, int(seed), int(step), self.ws)
+                            None, True, int(seed), int(step), self.ws, True)
         self.dirty = True
         return lg, loss
 

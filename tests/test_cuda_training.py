@@ -304,6 +304,9 @@ def test_a_cuda_training_step_allocates_nothing(features):
     d = [b - a for a, b in zip(before, after)]
     assert d[0] == 0 and d[2] == 0, f"{d[0]} device and {d[2]} pinned allocations in {steps} steps"
     assert d[1] == 0, "device memory freed during steps"
+    # per step: up the labels and the optimizer's coefficients; down the loss, the logits (accuracy)
+    # and the optimizer's norm / finiteness verdict, each a wait for the stream; nothing else
+    assert d[3] == 2 * steps and d[5] == 3 * steps and d[8] == 3 * steps, d
 
 
 def test_cuda_trainer_refusals(features):

@@ -396,14 +396,17 @@ ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, con
 
 /* The same with the caller's workspace (memory of `dev`, at least ft_head_workspace_floats for the
  * call's shape and buffers: labels, grads, dx given or not), kept across steps so a training
- * loop allocates nothing; workspace NULL: one allocation per call. */
+ * loop allocates nothing; workspace NULL: one allocation per call. check = 0 skips the label
+ * check (a copy of the labels to the host and a wait, per call on CUDA): for callers that checked
+ * every label against the same rules already (the Trainer does, once per fit); out-of-range
+ * labels are then undefined behaviour. */
 size_t ft_head_workspace_floats(const ft_head_config *cfg, int64_t B, int64_t T, int has_labels, int has_grads,
                                 int has_dx, int training);
 ft_status ft_head_forward_backward_ws(ft_device dev, const ft_head_config *cfg, const float *params,
                                       const float *x, int64_t B, int64_t T, const float *valid,
                                       const int32_t *labels, float *logits, double *loss, float *grads,
                                       float *dx, int training, uint64_t seed, uint64_t step,
-                                      float *workspace, size_t workspace_floats);
+                                      float *workspace, size_t workspace_floats, int check);
 
 /* Memory on a device without an encoder (host memory for the CPU): optimizer state, head
  * buffers. Free with ft_device_free on the same device. */

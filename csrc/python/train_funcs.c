@@ -117,17 +117,18 @@ static PyObject *py_head_tensors(PyObject *self, PyObject *arg) {
 }
 
 /* head_step(config, params, x, B, T, valid|None, labels|None, logits, grads|None, dx|None,
- *           training, seed, step, workspace=None) -> mean loss or None. workspace: float32 memory
- *           of the buffers' device with room for head_workspace(...) floats, kept across steps
- *           (None: the call allocates its own). */
+ *           training, seed, step, workspace=None, labels_checked=False) -> mean loss or None.
+ *           workspace: float32 memory of the buffers' device with room for head_workspace(...)
+ *           floats, kept across steps (None: the call allocates its own). labels_checked: the
+ *           caller checked every label already (ft_head_forward_backward_ws's check = 0). */
 static PyObject *py_head_step(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *cfg_o, *po, *xo, *vo, *lo, *zo, *go, *dxo, *wso = Py_None;
     long long B, T;
-    int training;
+    int training, checked = 0;
     unsigned long long seed, step;
-    if (!PyArg_ParseTuple(args, "OOOLLOOOOOpKK|O", &cfg_o, &po, &xo, &B, &T, &vo, &lo, &zo, &go, &dxo, &training, &seed,
-                          &step, &wso))
+    if (!PyArg_ParseTuple(args, "OOOLLOOOOOpKK|Op", &cfg_o, &po, &xo, &B, &T, &vo, &lo, &zo, &go, &dxo, &training, &seed,
+                          &step, &wso, &checked))
         return NULL;
     ft_head_config cfg;
     if (!parse_head(cfg_o, &cfg)) return NULL;
@@ -162,7 +163,7 @@ static PyObject *py_head_step(PyObject *self, PyObject *args) {
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ft_head_forward_backward_ws(dev, &cfg, p.data, x.data, B, T, v.data, l.data, z.data, l.data ? &loss : NULL,
-                                     g.data, dx.data, training, seed, step, ws.data, (size_t)ws.numel);
+                                     g.data, dx.data, training, seed, step, ws.data, (size_t)ws.numel, !checked);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     if (!l.data) Py_RETURN_NONE;

@@ -132,13 +132,13 @@ ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, con
                                    double *loss, float *grads, float *dx, int training, uint64_t seed,
                                    uint64_t step) {
     return ft_head_forward_backward_ws(dev, cfg, params, x, B, T, valid, labels, logits, loss, grads, dx, training,
-                                       seed, step, NULL, 0);
+                                       seed, step, NULL, 0, 1);
 }
 
 ft_status ft_head_forward_backward_ws(ft_device dev, const ft_head_config *cfg, const float *params, const float *x,
                                       int64_t B, int64_t T, const float *valid, const int32_t *labels, float *logits,
                                       double *loss, float *grads, float *dx, int training, uint64_t seed,
-                                      uint64_t step, float *workspace, size_t workspace_floats) {
+                                      uint64_t step, float *workspace, size_t workspace_floats, int check) {
     FT_TRY(ft_head_check(cfg));
     const int qa = cfg->kind == FT_HEAD_QA, pooler = cfg->kind == FT_HEAD_POOLER;
     if (!qa) T = 1;
@@ -151,7 +151,7 @@ ft_status ft_head_forward_backward_ws(ft_device dev, const ft_head_config *cfg, 
     FT_TRY(ft_backend_for(dev, &be));
     if (!be->softmax_xent || !be->dropout)
         return ft_error(FT_ERR_UNSUPPORTED, "the %s backend has no training ops", be->name);
-    if (labels) FT_TRY(check_labels(be, cfg, labels, valid, B, T));
+    if (labels && check) FT_TRY(check_labels(be, cfg, labels, valid, B, T));
 
     const int64_t C = cfg->hidden, K = cfg->num_labels, N = B * T;
     const float p = cfg->dropout;
@@ -235,7 +235,7 @@ ft_status ft_head_forward_backward_ws(ft_device dev, const ft_head_config *cfg, 
         }
         free(host);
     }
-    if (st == FT_OK) st = be->synchronize(be);
+    if (st == FT_OK && !loss) st = be->synchronize(be);   /* (the loss's copy down waited already) */
 #undef RUN
     if (ws != workspace) be->free(be, ws);
     return st;
