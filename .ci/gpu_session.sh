@@ -6,7 +6,9 @@
 #   bash .ci/gpu_session.sh build      # wheels from .whl/ (carried), FASTTRAN_CUDA=1 build (~90 s)
 #   bash .ci/gpu_session.sh test       # the CUDA tests on the device (fp32, bf16/fp16, TF32, OOM)
 #   bash .ci/gpu_session.sh sanitize   # compute-sanitizer memcheck (leaks), racecheck, synccheck, initcheck
-#   bash .ci/gpu_session.sh bench      # benchmarks/test_gpu_encoder.py (bf16 vs SDPA and torch.compile)
+#   bash .ci/gpu_session.sh bench base # benchmarks/test_gpu_encoder.py on BERT-base (bf16 vs SDPA and
+#                                      # torch.compile); "large" for BERT-large (one model per call: time)
+#   bash .ci/gpu_session.sh optim      # benchmarks/test_gpu_optim.py (LAMB/AdamW vs torch fused, timm)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
 #
 # Carry: .whl (the scipy-openblas32 wheel for python 3.12, see the device README) and, for the real
@@ -21,7 +23,7 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 [ -d .minilm-bf16 ] && export FASTTRAN_MINILM_BF16=$PWD/.minilm-bf16
-CUDA_TESTS="tests/test_backend_ops.py tests/test_cuda.py tests/test_layer_training.py"
+CUDA_TESTS="tests/test_backend_ops.py tests/test_cuda.py tests/test_layer_training.py tests/test_cuda_training.py"
 
 phase_build() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
@@ -39,7 +41,7 @@ phase_sanitize() {
     local cs=compute-sanitizer t
     command -v $cs >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
     # the half-precision, fp32 encoder and optimizer paths; a subset keeps each tool inside the limit
-    local sel="half or awkward_fp32 or lamb or adamw or too_large"
+    local sel="half or awkward_fp32 or lamb or adamw or too_large or trainer or device_tier"
     for t in "memcheck --leak-check full" racecheck synccheck initcheck; do
         local name=${t%% *}
         timeout 140 $cs --tool $t --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py \
@@ -50,15 +52,22 @@ phase_sanitize() {
 }
 
 phase_bench() {
-    python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_encoder.py 2>&1 | tee "$OUT/gpu-encoder.log" | tail -40
-    cp benchmarks/last_gpu_encoder.json "$OUT/" 2>/dev/null || true
+    FASTTRAN_BENCH_MODELS=${1:-base} python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_encoder.py 2>&1 \
+        | tee "$OUT/gpu-encoder-${1:-base}.log" | tail -40
+    cp benchmarks/last_gpu_encoder.json "$OUT/last_gpu_encoder_${1:-base}.json" 2>/dev/null || true
+}
+
+phase_optim() {
+    python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -30
+    cp benchmarks/last_gpu_optim.json "$OUT/" 2>/dev/null || true
 }
 
 case "${1:-all}" in
     build) phase_build ;;
     test) phase_test ;;
     sanitize) phase_sanitize ;;
-    bench) phase_bench ;;
+    bench) phase_bench "${2:-base}" ;;
+    optim) phase_optim ;;
     all) phase_build && phase_test && phase_sanitize ;;
-    *) echo "usage: $0 build|test|sanitize|bench|all" >&2; exit 2 ;;
+    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|all" >&2; exit 2 ;;
 esac

@@ -10,9 +10,19 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 6
+#define FT_BACKEND_ABI 7
 
 typedef struct ft_backend ft_backend;
+
+/* One output row of a cache read gathered on the device (cache_decode_rows): dst row `row` = the
+ * decoded cache row at `src` (backend memory, in the cache codec; int8 rows times `scale`), or
+ * zeros when src is NULL (padding). */
+typedef struct {
+    const void *src;
+    int64_t row;
+    float scale;
+    int32_t unused;
+} ft_gather_row;
 
 /* services the core lends to a backend loaded as a separate library */
 typedef struct {
@@ -54,7 +64,25 @@ typedef struct {
     S(size_t, attention_train_scratch_bytes, (ft_backend *be, int64_t B, int64_t T, int64_t NH))   \
     /* bytes of a packed copy of an (N, K) weight for linear_*_forward; 0 = the backend reads the \
      * weight as it is (w_packed is then ignored) */                                               \
-    S(size_t, packed_weight_bytes, (ft_backend *be, int64_t N, int64_t K))
+    S(size_t, packed_weight_bytes, (ft_backend *be, int64_t N, int64_t K))                        \
+    /* ---- issue 14 (device tier of the cache, CUDA training) ---- */                            \
+    /* host memory the device copies from at full speed (pinned on CUDA; plain on the CPU): the  \
+     * staging buffers of cache reads into device memory. Free with host_free. */                 \
+    S(ft_status, host_alloc, (ft_backend *be, size_t bytes, void **out))                           \
+    S(void, host_free, (ft_backend *be, void *p))                                                  \
+    /* side streams and events (the cache reader's prefetch): a stream or event is an opaque     \
+     * handle (0 on the CPU, where everything is synchronous); stream 0 = the backend's own */     \
+    S(ft_status, stream_create, (ft_backend *be, uintptr_t *out))                                  \
+    S(void, stream_destroy, (ft_backend *be, uintptr_t stream))                                    \
+    S(ft_status, event_create, (ft_backend *be, uintptr_t *out))                                   \
+    S(void, event_destroy, (ft_backend *be, uintptr_t event))                                      \
+    S(ft_status, event_record, (ft_backend *be, uintptr_t event, uintptr_t stream))                \
+    /* work queued on `stream` after this waits for `event` (no host wait) */                      \
+    S(ft_status, stream_wait_event, (ft_backend *be, uintptr_t stream, uintptr_t event))           \
+    S(ft_status, event_synchronize, (ft_backend *be, uintptr_t event))                             \
+    /* upload queued on `stream` (from pinned memory: asynchronous; the source must stay as it is \
+     * until an event recorded after it completes) */                                            \
+    S(ft_status, upload_async, (ft_backend *be, void *dst, const void *host_src, size_t bytes, uintptr_t stream))
 
 #define FT_BACKEND_OPS(X)                                                                           \
     /* C (M, N) = alpha * op(A) op(B) + beta * C, row-major, op = transpose when trans_* */        \
@@ -176,7 +204,15 @@ typedef struct {
      * count[b]), device int32) gets dout[b] / count[b] (CLS pooling: count 1); rows of no        \
      * sequence get 0 */                                                                           \
     X(pool_backward, (ft_backend *be, float *dh, const float *dout, const int32_t *first,          \
-                      const int32_t *count, int64_t B, int64_t N, int64_t C), (be, dh, dout, first, count, B, N, C))
+                      const int32_t *count, int64_t B, int64_t N, int64_t C), (be, dh, dout, first, count, B, N, C)) \
+    /* ---- issue 14: the cache's device tier ---- */                                              \
+    /* dst (rows, C) float32: for each of the n entries of rows (HOST memory), dst row rows[k].row \
+     * = the decoded cache row rows[k].src (codec F32 / F16 / BF16 / I8 x scale: the CPU decoder's \
+     * bits), or zeros for src NULL; other rows of dst untouched. rows_dev: backend memory for n   \
+     * entries, where the op keeps its copy of the table (unused on the CPU). Queued on `stream`   \
+     * (0: the backend's; rows must then stay as they are until the stream has run the copy). */  \
+    X(cache_decode_rows, (ft_backend *be, float *dst, const ft_gather_row *rows, ft_gather_row *rows_dev, int64_t n,  \
+                     int64_t C, ft_dtype codec, uintptr_t stream), (be, dst, rows, rows_dev, n, C, codec, stream))
 
 struct ft_backend {
     int abi;

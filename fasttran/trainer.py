@@ -8,7 +8,9 @@ in the same seeded order, and dropout masks are a pure function of (seed, step, 
 
 The loop is Python; each step is two C calls with the GIL released (head forward+backward,
 then one fused optimizer step), while the next batch is gathered (or encoded) on a background
-thread.
+thread. With device="cuda" the head, its gradients, the optimizer state and every per-step
+buffer live in CUDA memory, allocated once (_CudaHead); batches come from the cache straight
+into device memory (its device tier gathered on the device, other tiers copied up).
 """
 import contextlib
 import html
@@ -67,6 +69,75 @@ _TEMPO = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout")
 
 class TrainingInterrupted(Exception):
     pass
+
+
+def _cuda_device(device):
+    """'cuda' / 'cuda:N' -> 'cuda:N'; None for 'cpu'; anything else an InputError."""
+    if device == "cpu":
+        return None
+    if isinstance(device, str) and (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        return f"cuda:{int(device[5:] or 0)}"
+    raise InputError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+class _CudaHead:
+    """A head's training state in CUDA memory, made once and kept across steps and epochs: the
+    parameters and gradients (one flat buffer each, with per-tensor views the fused optimizer
+    updates in place), the logits, labels and QA context mask of a batch and the head's
+    workspace (sized for the largest batch, grown only if a larger one comes). The host head
+    (`head.params`) is brought up to date by pull() (after steps: `dirty`) and copied up by push()."""
+
+    def __init__(self, head, device):
+        self.head, self.device, self.index = head, device, int(device[5:])
+        P = head.params.size
+        self.params = _C.device_zeros(P, self.index)
+        self.grads = _C.device_zeros(P, self.index)
+        self.named = [(name, self.params.view(off, shape)) for name, shape, off in head._table]
+        self.gviews = [self.grads.view(off, shape) for _, shape, off in head._table]
+        self.cap = (0, 0)
+        self.dirty = False
+        self.push()
+
+    def ensure(self, B, T):
+        """the per-batch buffers for batches of up to B examples of up to T tokens"""
+        qa = self.head.kind == "qa"
+        T = T if qa else 1
+        if B <= self.cap[0] and T <= self.cap[1]:
+            return
+        B, T = max(B, self.cap[0]), max(T, self.cap[1])
+        K = self.head.num_labels
+        self.logits = _C.device_zeros(2 * B * T if qa else B * K, self.index)
+        self.labels = _C.device_zeros(2 * B if qa else B, self.index, True)   # int32
+        self.valid = _C.device_zeros(B * T, self.index) if qa else None
+        self.ws = _C.device_zeros(_C.head_workspace(self.head._cfg, B, T, True, True, False, True), self.index)
+        self.cap = (B, T)
+
+    def push(self):
+        _C.device_write(self.params, self.head.params)
+        self.dirty = False
+
+    def pull(self):
+        if self.dirty:
+            self.head.params[...] = self.params.numpy()
+            self.dirty = False
+
+    def step(self, x, B, T, labels, valid, seed, step):
+        """head forward + loss + backward on a device batch x ((B, C), or (B, T, C) for QA);
+        labels int32 (B,) or (2, B) and valid (B, T) come from the host. Returns (logits view, loss)."""
+        qa = self.head.kind == "qa"
+        self.ensure(B, T)
+        lab = self.labels.view(0, (labels.size,))
+        _C.device_write(lab, np.ascontiguousarray(labels, np.int32).reshape(-1))
+        v = None
+        if qa:
+            v = self.valid.view(0, (B * T,))
+            _C.device_write(v, np.ascontiguousarray(valid, np.float32).reshape(-1))
+        lg = self.logits.view(0, (2 * B * T,) if qa else (B * self.head.num_labels,))
+        # labels_checked: fit() checked every label and QA span against the context (_check_targets)
+        loss = _C.head_step(self.head._cfg, self.params, x, B, T if qa else 1, v, lab, lg, self.grads,
+                            None, True, int(seed), int(step), self.ws, True)
+        self.dirty = True
+        return lg, loss
 
 
 def _epoch_seed(seed, epoch):
@@ -140,15 +211,20 @@ class Trainer:
                 raise InputError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(warmup, (int, float)) or warmup < 0:
             raise InputError(f"warmup must be a fraction in [0, 1) or a step count, got {warmup!r}")
-        if device != "cpu":
+        cuda = _cuda_device(device)
+        if cuda:
             from ._info import no_gpu_reason
-            reason = no_gpu_reason() if str(device).startswith("cuda") else None
+            reason = no_gpu_reason()
             if reason:
-                raise NoGPUError(f"Trainer(device={device!r}): there is no usable GPU: {reason}. Training runs on "
-                                 "the CPU in this version anyway: use device='cpu' (the default)")
-            raise UnsupportedError(
-                f"Trainer(device={device!r}): training runs on the CPU in this version; the CUDA heads and "
-                "optimizer kernels are built but not yet validated on a GPU")
+                raise NoGPUError(f"Trainer(device={device!r}): there is no usable GPU: {reason}. Use device='cpu' "
+                                 "(the default; a checkpoint trained on CUDA loads with Trainer.load(path, "
+                                 "device='cpu'))")
+            if train_layers:
+                raise UnsupportedError(
+                    f"Trainer(device={device!r}, train_layers={train_layers}): training encoder layers runs on the "
+                    "CPU in this version (the CUDA layer-training ops exist, the trainer does not drive them yet); "
+                    "use device='cpu' for train_layers > 0, or train_layers=0 (a head on frozen features) on CUDA")
+            device = cuda
         self.head = head if isinstance(head, _Head) else None
         self._head_name = head if isinstance(head, str) else None
         self.optimizer_name = optimizer.lower()
@@ -159,6 +235,7 @@ class Trainer:
         self.show_progress = True if show_progress is None else bool(show_progress)
         self.train_layers, self.pooling, self.tempo = int(train_layers), pooling, tempo
         self.layer_dropout = None if layer_dropout is None else float(layer_dropout)
+        self._cuda = None            # _CudaHead: the head's state in CUDA memory (device="cuda")
         self.top = None              # TopLayers: the trained encoder layers (train_layers > 0)
         self._pending = None         # layer weights and optimizer state loaded before the layers exist
         self._encoder = None         # the encoder they come from (the cache's)
@@ -214,7 +291,19 @@ class Trainer:
                 load_flat_state(self.optimizer, *opt)
 
     def _named_parameters(self):
+        if self.device != "cpu":   # the optimizer updates the device copy of the head in place
+            return self._cuda_head().named
         return (self.top.named_parameters() if self.top is not None else []) + list(self.head.named_parameters())
+
+    def _cuda_head(self):
+        if self._cuda is None or self._cuda.head is not self.head:
+            self._cuda = _CudaHead(self.head, self.device)
+        return self._cuda
+
+    def _pull(self):
+        """the host head up to date with the device copy (CUDA training)"""
+        if self._cuda is not None:
+            self._cuda.pull()
 
     def _make_optimizer(self):
         if self.optimizer is None:
@@ -418,6 +507,9 @@ class Trainer:
         steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
         total = steps_per_epoch * self.epochs
         warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
+        if self.device != "cpu":
+            dev = self._cuda_head()
+            return steps_per_epoch, total, warm, dev.grads, dev.gviews
         grads = np.zeros_like(self.head.params)
         gviews = list(self.head.views(grads).values())
         if self.top is not None:
@@ -430,7 +522,16 @@ class Trainer:
         idx = cache.index_of(ids)
         yb = y[:, idx] if self.task == "qa" else y[idx]
         correct = 0
-        if self.top is not None and self.task == "qa":   # token states -> span head, and back
+        if self.device != "cpu":   # batch, head, loss and gradients in device memory
+            if self.task == "qa":
+                x, _mask = batch
+                B, T = x.shape[:2]
+                logits, loss = self._cuda.step(x, B, T, yb, self._context(cache, ids, T), self.seed, self.global_step)
+            else:
+                x = batch
+                logits, loss = self._cuda.step(x, x.shape[0], 1, yb, None, self.seed, self.global_step)
+                correct = int((logits.numpy().reshape(len(idx), -1).argmax(1) == yb).sum())
+        elif self.top is not None and self.task == "qa":   # token states -> span head, and back
             x, offsets = self._top_batch(cache, idx, batch)
             out = self.top.forward(x, np.diff(offsets), training=True, seed=self.seed, step=self.global_step)
             xp, valid, where = self._qa_padded(cache, ids, out, offsets)
@@ -496,6 +597,11 @@ class Trainer:
         if eval is not None:
             self._check_features(eval[0], "evaluate on the eval cache")
         steps_per_epoch, total, warm, grads, gviews = self._loop_setup(len(cache))
+        on_device = {}
+        if self.device != "cpu":   # the host head (maybe loaded or edited since) up, buffers for the longest batch
+            self._cuda.push()
+            self._cuda.ensure(self.batch_size, int(cache.lengths.max(initial=1)))
+            on_device = dict(output="device", device=self.device)
         old_handler = None
         if threading.current_thread() is threading.main_thread():
             def on_sigint(signum, frame):   # finish the step in flight, then stop cleanly
@@ -511,7 +617,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 start = first_batch if epoch == first_epoch else 0
                 it = cache.batches(self.batch_size, shuffle=True, seed=_epoch_seed(self.seed, epoch), start=start,
-                                   ragged=self.top is not None)
+                                   ragged=self.top is not None, **on_device)
                 stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 bar = stack.enter_context(progress(total=steps_per_epoch, initial=start, unit="step",
                                                    desc=f"epoch {epoch + 1}/{self.epochs}",
@@ -535,6 +641,7 @@ class Trainer:
                         break
                 if self._interrupt:
                     bar.close()
+                    self._pull()
                     if checkpoint_dir:
                         self.save(checkpoint_dir)
                     where = f"; state saved to {checkpoint_dir}" if checkpoint_dir else ""
@@ -546,6 +653,7 @@ class Trainer:
                        "seconds": time.perf_counter() - t0, "lr": self.optimizer.lr}
                 if self.task != "qa":
                     rec["train_accuracy"] = correct / max(seen, 1)
+                self._pull()
                 if eval is not None:
                     t1 = time.perf_counter()
                     rec.update({f"eval_{k}": v for k, v in self.evaluate(*eval).items()})
@@ -558,6 +666,7 @@ class Trainer:
                 first_batch = 0
         finally:
             stack.close()
+            self._pull()
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
         return self.history
@@ -574,8 +683,10 @@ class Trainer:
 
     # ---- inference --------------------------------------------------------------------------------
     def _logits(self, cache, batch_size=256):
+        """(runs the head on the CPU, with the host copy of its weights, also for a CUDA trainer)"""
         if self.head is None:
             raise InputError("the trainer has no head yet: fit() or load() first")
+        self._pull()
         self._check_source(cache)
         self._check_features(cache, "evaluate or predict on this cache")
         outs = []
@@ -652,8 +763,9 @@ class Trainer:
           batch, head forward/backward, fused optimizer step),
         - "epoch": one whole epoch (epoch=None: when the steps measured predict under a minute).
         Runs on a copy of the head and optimizer: this trainer is left as it was. Batches are
-        read on the calling thread, so the op times add up to at most the wall time. Returns
-        a fasttran.Profile (print it, or .plot())."""
+        read on the calling thread, so the op times add up to at most the wall time. The copy
+        trains on the CPU, also for a device="cuda" trainer (profile CUDA training with
+        fasttran.profile around fit()). Returns a fasttran.Profile (print it, or .plot())."""
         from .profiling import Profile
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise InputError(f"steps must be a positive int, got {steps!r}")
@@ -663,6 +775,7 @@ class Trainer:
         cfg = dict(self._config(), show_progress=False, dropout=self.dropout, num_labels=self.num_labels)
         cfg.pop("device")
         head = self.head
+        self._pull()
         if head is not None:
             head = _Head.from_config(head.config())
             head.params[...] = self.head.params
@@ -762,6 +875,7 @@ class Trainer:
         each atomically; trainer.json, written last, holds the CRC-32C of the others."""
         if self.head is None:
             raise InputError("nothing to save: the trainer has no head yet")
+        self._pull()
         os.makedirs(path, exist_ok=True)
         files = {"head.safetensors": write_safetensors(os.path.join(path, "head.safetensors"),
                                                        self.head.state_dict(), {"format": "fasttran-head"})}

@@ -28,7 +28,7 @@ SIZES = _C._abi_sizes()
 # ---- calling a backend table through ctypes ------------------------------------------------------
 _SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "uint64_t": ctypes.c_uint64,
             "size_t": ctypes.c_size_t, "ft_activation": ctypes.c_int, "ft_pooling": ctypes.c_int,
-            "ft_dtype": ctypes.c_int}
+            "ft_dtype": ctypes.c_int, "uintptr_t": ctypes.c_size_t}
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}   # ft_dtype
 _RETURNS = {"ft_status": ctypes.c_int, "void": None, "size_t": ctypes.c_size_t}
 
@@ -689,6 +689,48 @@ def _pool_backward(lengths, C, cls):
 
 for lens, C, cls in [([1], 1, False), ([5, 1, 0, 9], 33, False), ([7, 3], 384, True), ([2] * 70000, 2, False)]:
     case("pool_backward", f"{len(lens)}seq-{C}" + ("-cls" if cls else ""))(_pool_backward(lens, C, cls))
+
+
+class GatherRow(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_void_p), ("row", ctypes.c_int64), ("scale", ctypes.c_float), ("unused", ctypes.c_int32)]
+
+
+def _decode_rows(n_src, rows, C, codec):
+    """cache_decode_rows: every dst row from a random source row of a shard in device memory (or zeros),
+    in a shuffled table order; the decoded bits must be the CPU decoder's exactly (tol 0)."""
+    code = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 6}[codec]
+
+    def build(rng):
+        x = f32(rng, n_src, C, scale=3.0)
+        x[0, :3] = [6.1e-5, -1e-7, 0.0][:C]   # an f16 subnormal, an underflow, a zero
+        if codec == "float32":
+            src, esize, scales = x, 4, np.zeros(n_src, np.float32)
+        elif codec == "float16":
+            src, esize, scales = x.astype(np.float16).view(np.uint16), 2, np.zeros(n_src, np.float32)
+        elif codec == "bfloat16":
+            src, esize, scales = (x.view(np.uint32) >> 16).astype(np.uint16), 2, np.zeros(n_src, np.float32)
+        else:
+            amax = np.abs(x).max(1)
+            scales = (amax / 127).astype(np.float32)
+            src, esize = np.clip(np.round(x / np.maximum(scales, 1e-30)[:, None]), -127, 127).astype(np.int8), 1
+        order = rng.permutation(rows)
+        pick = rng.integers(0, n_src, rows)
+        zero = rng.random(rows) < 0.2
+
+        def table(ptrs):
+            t = (GatherRow * max(rows, 1))()
+            for k, r in enumerate(order):
+                s = int(pick[r])
+                t[k] = GatherRow(None if zero[r] else ptrs["_src"] + s * C * esize, int(r), float(scales[s]), 0)
+            return t
+        return dict(dst=Out((rows, C), tol=0.0), rows=Struct(table), rows_dev=In(np.zeros(max(rows, 1) * 24, np.uint8)),
+                    n=rows, C=C, codec=code, stream=0, _src=In(src))
+    return build
+
+
+for n_src, rows, C, codec in [(5, 9, 33, "float32"), (3, 7, 1, "float32"), (40, 64, 384, "float16"),
+                              (9, 17, 37, "bfloat16"), (11, 30, 129, "int8"), (1, 1, 768, "int8")]:
+    case("cache_decode_rows", f"{rows}from{n_src}x{C}-{codec}")(_decode_rows(n_src, rows, C, codec))
 
 
 # pack_weight writes a layout of the backend's own choosing (none at all on CUDA): it is checked

@@ -153,8 +153,11 @@ def test_bad_input(cache, sst):
         Trainer("qa", show_progress=False).fit(cache, (y, y))
     with pytest.raises(fasttran.InputError, match="width 384, the head expects 100"):
         Trainer(ClassificationHead(100, 2), show_progress=False).fit(cache, y)
-    with pytest.raises(fasttran.UnsupportedError, match="CPU"):
-        Trainer("classification", device="cuda:0")
+    with pytest.raises(fasttran.InputError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):
+        Trainer("classification", device="gpu")
+    if not fasttran.cuda_available():   # with a GPU (or the emulator): tests/test_cuda_training.py
+        with pytest.raises(fasttran.NoGPUError, match="no usable GPU"):
+            Trainer("classification", device="cuda:0")
 
 
 def test_nan_features_and_nan_loss(enc, sst, tmp_path):

@@ -24,4 +24,34 @@ void ft_cache_decode_group(float *const *dst, const char *const *src, const floa
 int64_t ft_cache_width(const ft_cache *c);
 ft_dtype ft_cache_codec_of(const ft_cache *c);
 int64_t ft_cache_example_rows(const ft_cache *c, int64_t i);
+
+/* Buffers a cache read into (or through) device memory reuses from call to call (store.c): the
+ * reader keeps one per batch buffer, so a steady epoch allocates nothing. Zero-initialise. */
+typedef struct {
+    ft_device dev;                 /* the backend the buffers belong to */
+    float *host;                   /* pinned host staging of the rows decoded on the host */
+    size_t host_cap;               /* floats */
+    void *rows;                    /* pinned host table of the rows gathered on the device */
+    size_t rows_cap;               /* entries */
+    void *rows_dev;                /* the table's device copy */
+    size_t rows_dev_cap;
+    float *tmp;                    /* device batch of a host destination with device rows */
+    size_t tmp_cap;                /* floats */
+    /* prefetch (device destinations): stream != 0 queues the batch's copies and decoding on that
+     * side stream (borrowed: the reader's) without waiting; `ready` is recorded after them
+     * (pending = 1 until someone waited for it: ft_cache_staging_wait); `released` is recorded on
+     * the backend's stream by whoever gives the batch back (release_recorded = 1): the next read
+     * into this buffer makes the side stream wait for it, so kernels still reading the old batch
+     * finish first. */
+    uintptr_t stream, ready, released;
+    int pending, release_recorded;
+} ft_cache_staging;
+void ft_cache_staging_free(ft_cache_staging *s);
+/* the host waits until the batch read with this staging is complete (nothing pending: FT_OK) */
+ft_status ft_cache_staging_wait(ft_cache_staging *s);
+/* the batch read with this staging is given back: record `released` on the backend's stream */
+void ft_cache_staging_release(ft_cache_staging *s);
+ft_status ft_cache_read_staged(ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout, float *dst,
+                               ft_device dst_device, size_t capacity, ft_encoder *enc, int threads,
+                               ft_cancel_fn cancel, void *cancel_arg, ft_cache_staging *stg);
 #endif

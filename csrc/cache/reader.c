@@ -14,6 +14,14 @@
  * that wakes the producer lets it preempt the consumer, which then waits for a core. So a
  * consumer that keeps up never makes a system call; the producer times its own naps.
  *
+ * Batches are delivered in host memory, or in a CUDA device's memory. Then each buffer also keeps
+ * its pinned staging and gather table (ft_cache_staging), so a steady epoch allocates nothing on
+ * the device either, and the reader queues each batch's copies and decoding on its own side
+ * stream without waiting for them: they overlap the consumer's kernels on the backend's stream.
+ * Events order the two: the consumer's next() waits (host) for the batch's `ready` event before
+ * handing it over (so a batch handed out is complete, for any stream, as DLPack promises), and
+ * the release of a batch records `released` on the backend's stream, which the side stream waits
+ * for before it overwrites that buffer.
  * Buffers are reused, so a steady epoch allocates (and page-faults) depth + 1 buffers once. The
  * reader lives until it is closed and every batch it handed out is released (a reference
  * count). The end of the order, and a failure, are marked in the ring after the last batch. */
@@ -26,6 +34,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend.h"
 #include "cache/codec.h"
 #include "core/status.h"
 #include "fasttran.h"
@@ -35,6 +44,7 @@ typedef struct rbatch {
     struct rbatch *next;           /* free-stack link */
     struct ft_cache_reader *owner;
     size_t capacity;               /* floats in pub.values */
+    ft_cache_staging stg;          /* device readers: staging reused batch after batch */
     int64_t *index;
     size_t index_cap;
     ft_status status;
@@ -47,6 +57,8 @@ struct ft_cache_reader {
     int64_t *order, n, batch_size, n_steps, hidden;
     int64_t first_step;            /* the producer's first step (0 is read by ft_cache_reader_start) */
     ft_cache_layout layout;
+    ft_device device;              /* where the batches are delivered */
+    uintptr_t stream;              /* device readers: the side stream the copies run on */
     int depth, threads;
     pthread_t thread;
     int started;
@@ -65,9 +77,16 @@ struct ft_cache_reader {
     atomic_int refs;               /* owner + batches handed out */
 };
 
+static void values_free(ft_device dev, float *p) {
+    if (dev.kind == FT_DEVICE_CPU) free(p);
+    else ft_device_free(dev, p);
+}
+
 static void batch_free(rbatch *b) {
     if (!b) return;
-    free(b->pub.values);
+    if (b->owner) values_free(b->owner->device, b->pub.values);
+    else free(b->pub.values);
+    ft_cache_staging_free(&b->stg);
     free(b->index);
     free(b);
 }
@@ -84,6 +103,10 @@ static void reader_destroy(ft_cache_reader *r) {
     for (int64_t k = r->head; k < r->tail; k++) batch_free(r->ring[k % (r->depth + 1)]);
     free_list(atomic_load(&r->released));
     free_list(r->spare);
+    if (r->stream) {
+        ft_backend *be = NULL;
+        if (ft_backend_for(r->device, &be) == FT_OK) be->stream_destroy(be, r->stream);
+    }
     sem_destroy(&r->wake);
     sem_destroy(&r->items);
     free(r->ring);
@@ -106,11 +129,16 @@ static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
     size_t need = st == FT_OK ? (size_t)info.rows * (size_t)r->hidden : 0;
     if (need < 16) need = 16;
     if (st == FT_OK && need > b->capacity) {
-        free(b->pub.values);
+        values_free(r->device, b->pub.values);
         b->pub.values = NULL;
         b->capacity = 0;
         void *p = NULL;
-        if (posix_memalign(&p, 64, need * sizeof(float)) != 0)
+        if (r->device.kind != FT_DEVICE_CPU) {
+            if (need < (size_t)r->batch_size * (size_t)r->hidden) need = (size_t)r->batch_size * (size_t)r->hidden;
+            need += need / 4;   /* room for a longer batch of the epoch: device allocations are slow */
+            st = ft_device_alloc(r->device, need * sizeof(float), &p);
+            if (st == FT_OK) { b->pub.values = p; b->capacity = need; }
+        } else if (posix_memalign(&p, 64, need * sizeof(float)) != 0)
             st = ft_error(FT_ERR_NOMEM, "out of memory for a batch of %zu floats", need);
         else { b->pub.values = p; b->capacity = need; }
     }
@@ -120,9 +148,10 @@ static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
         else { b->index = ni; b->index_cap = (size_t)nb; }
     }
     if (st == FT_OK) {
+        b->stg.stream = r->stream;
         memcpy(b->index, idx, (size_t)nb * sizeof *idx);
-        st = ft_cache_read(r->cache, idx, nb, r->layout, b->pub.values, (ft_device){FT_DEVICE_CPU, 0}, b->capacity,
-                           r->enc, r->threads, reader_cancelled, r);
+        st = ft_cache_read_staged(r->cache, idx, nb, r->layout, b->pub.values, r->device, b->capacity, r->enc,
+                                  r->threads, reader_cancelled, r, &b->stg);
     }
     b->pub.index = b->index;
     b->pub.n = nb;
@@ -206,8 +235,10 @@ static void *producer(void *arg) {
 
 ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
                                 ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
-                                ft_cache_reader **out) {
+                                ft_device device, ft_cache_reader **out) {
     *out = NULL;
+    if (device.kind != FT_DEVICE_CPU && device.kind != FT_DEVICE_CUDA)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: unknown device kind %d", (int)device.kind);
     if (n < 0 || batch_size < 1 || depth < 1 || depth > 1024)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need n >= 0, batch_size >= 1, 1 <= depth <= 1024 (got %lld, %lld, %d)",
                         (long long)n, (long long)batch_size, depth);
@@ -232,6 +263,18 @@ ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, in
     r->n_steps = (n + batch_size - 1) / batch_size;
     r->hidden = ft_cache_width(c);
     r->layout = layout;
+    r->device = device;
+    if (device.kind == FT_DEVICE_CUDA) {   /* the side stream of the prefetch */
+        ft_backend *be = NULL;
+        ft_status st = ft_backend_for(device, &be);
+        if (st == FT_OK) st = be->stream_create(be, &r->stream);
+        if (st != FT_OK) {
+            free(r->order);
+            free(r->ring);
+            free(r);
+            return st;
+        }
+    }
     r->depth = depth;
     r->threads = threads;
     atomic_init(&r->refs, 1);
@@ -296,6 +339,11 @@ ft_status ft_cache_reader_next(ft_cache_reader *r, int timeout_ms, ft_cache_batc
         batch_free(b);
         return st;
     }
+    ft_status ws = ft_cache_staging_wait(&b->stg);   /* its copies, queued on the side stream */
+    if (ws != FT_OK) {
+        batch_free(b);
+        return ws;
+    }
     atomic_fetch_add(&r->refs, 1);
     *out = &b->pub;
     return FT_OK;
@@ -305,6 +353,7 @@ void ft_cache_batch_release(ft_cache_batch *pub) {
     if (!pub) return;
     rbatch *b = (rbatch *)pub;
     ft_cache_reader *r = b->owner;
+    if (r->stream) ft_cache_staging_release(&b->stg);   /* kernels queued on the batch finish before reuse */
     rbatch *head = atomic_load(&r->released);
     do b->next = head;
     while (!atomic_compare_exchange_weak(&r->released, &head, b));   /* ABA-free: the producer only takes all */

@@ -3,7 +3,8 @@
  *
  *   example i (0..N-1): id ids[i], rows_of(i) = 1 (pooled) or len(i) = offsets[i+1] - offsets[i]
  *   shard_of[i] = s >= 0: its rows are rows row_of[i] .. row_of[i] + rows_of(i) - 1 of shard s
- *                         (host memory or a memory-mapped file, registered by their owner)
+ *                         (host memory, a memory-mapped file, or CUDA device memory: the device
+ *                         tier; registered by their owner)
  *               = -1:     not cached: recomputed through the encoder when read
  *
  * ft_cache_read fills a caller's buffer in one of three layouts (pooled (n, C); padded
@@ -11,13 +12,19 @@
  * (or zeroed, for padding) in one parallel loop; the examples that are not cached then run
  * through the encoder padded to their longest (the CPU encoder's output for an example does not
  * depend on its batch or padding), and through the codec and back, so they equal what the cache
- * would hold. Disk shards are checked against their CRC-32C before their first read. */
+ * would hold. Disk shards are checked against their CRC-32C before their first read.
+ *
+ * Device destinations (and host ones when the batch has rows in device shards) go through
+ * read_device: a table of the rows device shards hold (and the padding rows) is gathered by the
+ * backend's cache_decode_rows on the device; any other rows are decoded (or recomputed) on the host
+ * into pinned staging memory that is copied up first. */
 #include <omp.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend.h"
 #include "cache/codec.h"
 #include "core/status.h"
 #include "fasttran.h"
@@ -31,6 +38,7 @@ typedef struct {
     size_t file_bytes;
     uint32_t crc;
     int verified;                  /* under verify_lock once set; read with the acquire below */
+    int on_device;                 /* values in the cache's device memory (the device tier) */
 } shard;
 
 struct ft_cache {
@@ -50,6 +58,8 @@ struct ft_cache {
     int64_t *row_of;               /* (N) */
     shard *shards;
     size_t n_shards, cap_shards;
+    size_t n_device_shards;        /* shards in device memory, all on `device` */
+    ft_device device;
     pthread_rwlock_t lock;         /* readers: ft_cache_read; writer: ft_cache_add_shard */
     pthread_mutex_t verify_lock;
     atomic_llong unverified;
@@ -169,12 +179,20 @@ ft_status ft_cache_create(const ft_cache_config *cfg, ft_cache **out) {
 
 ft_status ft_cache_add_shard(ft_cache *c, const ft_cache_shard *s) {
     const char *nm = s->name ? s->name : "host shard";
+    const int on_device = s->device.kind == FT_DEVICE_CUDA;
     if (s->n < 0 || (s->n && !s->examples))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "%s: bad example list", nm);
+    if (s->device.kind != FT_DEVICE_CPU && !on_device)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "%s: unknown device kind %d", nm, (int)s->device.kind);
+    if (on_device && s->file)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "%s: a device shard has no file to check", nm);
     pthread_rwlock_wrlock(&c->lock);
     ft_status st = FT_OK;
+    if (on_device && c->n_device_shards && c->device.index != s->device.index)
+        st = ft_error(FT_ERR_INVALID_ARGUMENT, "%s: on cuda:%d, the cache's other device shards on cuda:%d", nm,
+                      s->device.index, c->device.index);
     int64_t rows = 0, k = 0;
-    for (; k < s->n; k++) {
+    for (; st == FT_OK && k < s->n; k++) {
         const int64_t i = s->examples[k];
         if (i < 0 || i >= c->N) { st = ft_error(FT_ERR_OUT_OF_RANGE, "%s: example %lld out of range 0..%lld", nm, (long long)i, (long long)c->N - 1); break; }
         if (c->shard_of[i] != -1) { st = ft_error(FT_ERR_INVALID_ARGUMENT, "%s: example %lld is already cached", nm, (long long)i); break; }
@@ -201,7 +219,12 @@ ft_status ft_cache_add_shard(ft_cache *c, const ft_cache_shard *s) {
         return st;
     }
     const int32_t id = (int32_t)c->n_shards;
-    c->shards[c->n_shards++] = (shard){name, s->values, s->scales, s->rows, s->file, s->file_bytes, s->crc32c, s->file == NULL};
+    c->shards[c->n_shards++] = (shard){name, s->values, s->scales, s->rows, s->file, s->file_bytes, s->crc32c,
+                                       s->file == NULL, on_device};
+    if (on_device) {
+        c->device = s->device;
+        c->n_device_shards++;
+    }
     if (s->file) atomic_fetch_add(&c->unverified, 1);
     for (int64_t j = 0; j < s->n; j++) c->shard_of[s->examples[j]] = id;
     pthread_rwlock_unlock(&c->lock);
@@ -275,6 +298,7 @@ void ft_cache_counters(const ft_cache *c, int64_t *hits, int64_t *misses) {
  * the others (where to decode them from and to) in `out`. */
 static void resolve_group(const ft_cache *c, const int64_t *index, const int64_t *start, const int32_t *row_ex,
                           int64_t T, int ragged, int64_t rows, int64_t g, float *dst, ft_cache_rows *out) {
+    /* rows of device shards are left to the device (read_device) */
     out->n = 0;
     const int64_t C = c->C;
     for (int64_t r = g * FT_CACHE_GROUP; r < rows && r < (g + 1) * FT_CACHE_GROUP; r++) {
@@ -287,6 +311,7 @@ static void resolve_group(const ft_cache *c, const int64_t *index, const int64_t
         const int32_t s = c->shard_of[i];
         if (s < 0) continue;        /* recomputed afterwards */
         const shard *sh = &c->shards[s];
+        if (sh->on_device) continue;
         const int64_t k = c->row_of[i] + t;
         out->dst[out->n] = dst + r * C;
         out->src[out->n] = sh->values + (size_t)k * c->row_bytes;
@@ -385,11 +410,151 @@ static ft_status recompute(ft_cache *c, const int64_t *index, int64_t n, const i
     return st;
 }
 
-ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout, float *dst,
-                        ft_device dst_device, size_t capacity, ft_encoder *enc, int threads, ft_cancel_fn cancel,
-                        void *cancel_arg) {
-    if (dst_device.kind != FT_DEVICE_CPU)
-        return ft_error(FT_ERR_UNSUPPORTED, "cache reads into device memory come with the cache's device tier");
+/* The host part of a batch into host memory `dst` (rows, C): padding zeroed, rows of host and
+ * disk shards decoded, uncached examples recomputed; rows of device shards left untouched. */
+static ft_status fill_host(ft_cache *c, const int64_t *index, int64_t n, const ft_cache_batch_info *info,
+                           const int64_t *start, const int32_t *row_ex, int ragged, float *dst, ft_encoder *enc,
+                           int threads, ft_cancel_fn cancel, void *cancel_arg) {
+    const int64_t C = c->C, rows = info->rows, T = info->T;
+    /* threads = 0: one per FT_CACHE_BYTES_PER_THREAD of output (a thread copies a few GB/s, and a
+     * parallel region costs a wake-up of every thread: on a loaded machine, one descheduled
+     * thread stalls the whole region) */
+    const uint64_t out_bytes = (uint64_t)rows * (uint64_t)C * sizeof(float);
+    int nt = threads;
+    if (nt <= 0) {
+        const uint64_t want = out_bytes / FT_CACHE_BYTES_PER_THREAD;
+        nt = ft_num_threads();
+        if (want < (uint64_t)nt) nt = want ? (int)want : 1;
+    }
+    const int64_t n_groups = (rows + FT_CACHE_GROUP - 1) / FT_CACHE_GROUP;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t g = 0; g < n_groups; g++) {
+        /* a group of output rows: padding zeroed, misses left for the recompute, the rest
+         * decoded together, while the next group's rows are prefetched */
+        ft_cache_rows cur, next;
+        resolve_group(c, index, start, row_ex, T, ragged, rows, g, dst, &cur);
+        resolve_group(c, index, start, row_ex, T, ragged, rows, g + 1, dst, &next);
+        ft_cache_decode_group(cur.dst, cur.src, cur.scale, cur.n, next.src, next.n, c->codec, C);
+    }
+    if (info->misses) return recompute(c, index, n, start, dst, enc, cancel, cancel_arg);
+    return FT_OK;
+}
+
+/* grow a staging buffer of `elem`-byte entries to at least `need` entries (never shrinks):
+ * host = 1 takes pinned host memory, 0 device memory, both from `be` */
+static ft_status grow(ft_backend *be, void **p, size_t *cap, size_t need, size_t elem, int host) {
+    if (need <= *cap && *p) return FT_OK;
+    if (*p) (host ? be->host_free : be->free)(be, *p);
+    *p = NULL;
+    *cap = 0;
+    size_t want = need + need / 4 + 16;   /* room for the next, slightly larger batch */
+    FT_TRY((host ? be->host_alloc : be->alloc)(be, want * elem, p));
+    *cap = want;
+    return FT_OK;
+}
+
+void ft_cache_staging_free(ft_cache_staging *s) {
+    if (!s || (!s->host && !s->rows && !s->rows_dev && !s->tmp && !s->ready && !s->released)) return;
+    ft_backend *be = NULL;
+    if (ft_backend_for(s->dev, &be) == FT_OK) {
+        if (s->pending) (void)be->event_synchronize(be, s->ready);   /* copies from the staging in flight */
+        if (s->ready) be->event_destroy(be, s->ready);
+        if (s->released) be->event_destroy(be, s->released);
+        if (s->host) be->host_free(be, s->host);
+        if (s->rows) be->host_free(be, s->rows);
+        if (s->rows_dev) be->free(be, s->rows_dev);
+        if (s->tmp) be->free(be, s->tmp);
+    }
+    const uintptr_t stream = s->stream;   /* borrowed: kept */
+    *s = (ft_cache_staging){0};
+    s->stream = stream;
+}
+
+ft_status ft_cache_staging_wait(ft_cache_staging *s) {
+    if (!s->pending) return FT_OK;
+    ft_backend *be = NULL;
+    FT_TRY(ft_backend_for(s->dev, &be));
+    FT_TRY(be->event_synchronize(be, s->ready));
+    s->pending = 0;
+    return FT_OK;
+}
+
+void ft_cache_staging_release(ft_cache_staging *s) {
+    ft_backend *be = NULL;
+    s->release_recorded = 0;
+    if (!s->released || ft_backend_for(s->dev, &be) != FT_OK) return;
+    if (be->event_record(be, s->released, 0) == FT_OK) s->release_recorded = 1;
+    else ft_clear_error();   /* the next read then waits for the whole backend stream instead */
+}
+
+/* The batch into `out`, memory of backend `be` (a CUDA device): rows of device shards, and the
+ * padding, gathered on the device; any other rows decoded (or recomputed) into pinned host
+ * staging and copied up first. Returns when `out` is complete; with a side stream
+ * (stg->stream), as soon as the work is queued there (stg->ready marks its end). */
+static ft_status read_device(ft_cache *c, const int64_t *index, int64_t n, const ft_cache_batch_info *info,
+                             const int64_t *start, const int32_t *row_ex, int ragged, float *out, ft_backend *be,
+                             ft_encoder *enc, int threads, ft_cancel_fn cancel, void *cancel_arg,
+                             ft_cache_staging *stg) {
+    const int64_t C = c->C, rows = info->rows, T = info->T;
+    const uintptr_t side = stg->stream;
+    /* the staging and the table may still feed the previous batch's copies */
+    FT_TRY(ft_cache_staging_wait(stg));
+    if (side) {
+        if (!stg->ready) FT_TRY(be->event_create(be, &stg->ready));
+        if (!stg->released) FT_TRY(be->event_create(be, &stg->released));
+        /* kernels may still read the batch this buffer held: the side stream waits for them */
+        if (stg->release_recorded) FT_TRY(be->stream_wait_event(be, side, stg->released));
+        else FT_TRY(be->synchronize(be));   /* first use, or a release that could not record */
+        stg->release_recorded = 0;
+    }
+    /* which rows the host fills: rows of host / disk shards, and misses */
+    int64_t host_rows = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t p = !c->all_tokens ? r : ragged ? row_ex[r] : r / (T ? T : 1);
+        const int64_t t = r - start[p], i = index[p];
+        if (t >= rows_of(c, i)) continue;
+        const int32_t s = c->shard_of[i];
+        if (s < 0 || !c->shards[s].on_device) host_rows++;
+    }
+    FT_TRY(grow(be, &stg->rows, &stg->rows_cap, (size_t)(rows ? rows : 1), sizeof(ft_gather_row), 1));
+    ft_gather_row *tab = stg->rows;
+    int64_t m = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t p = !c->all_tokens ? r : ragged ? row_ex[r] : r / (T ? T : 1);
+        const int64_t t = r - start[p], i = index[p];
+        if (t >= rows_of(c, i)) {   /* padding: zeroed by the host staging when there is one */
+            if (!host_rows) tab[m++] = (ft_gather_row){NULL, r, 0.0f, 0};
+            continue;
+        }
+        const int32_t s = c->shard_of[i];
+        if (s < 0 || !c->shards[s].on_device) continue;
+        const shard *sh = &c->shards[s];
+        const int64_t k = c->row_of[i] + t;
+        tab[m++] = (ft_gather_row){sh->values + (size_t)k * c->row_bytes, r, sh->scales ? sh->scales[k] : 0.0f, 0};
+    }
+    if (host_rows) {
+        FT_TRY(grow(be, (void **)&stg->host, &stg->host_cap, (size_t)(rows * C), sizeof(float), 1));
+        FT_TRY(fill_host(c, index, n, info, start, row_ex, ragged, stg->host, enc, threads, cancel, cancel_arg));
+        FT_TRY(be->upload_async(be, out, stg->host, (size_t)(rows * C) * sizeof(float), side));
+    }
+    if (m) {
+        FT_TRY(grow(be, &stg->rows_dev, &stg->rows_dev_cap, (size_t)m, sizeof(ft_gather_row), 0));
+        FT_TRY(be->cache_decode_rows(be, out, tab, stg->rows_dev, m, C, c->codec, side));
+    }
+    if (side) {   /* the consumer waits for `ready` before it uses the batch (ft_cache_staging_wait) */
+        FT_TRY(be->event_record(be, stg->ready, side));
+        stg->pending = 1;
+        return FT_OK;
+    }
+    /* the staging and the table are reused by the next read: wait for the copies */
+    return be->synchronize(be);
+}
+
+ft_status ft_cache_read_staged(ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout, float *dst,
+                               ft_device dst_device, size_t capacity, ft_encoder *enc, int threads,
+                               ft_cancel_fn cancel, void *cancel_arg, ft_cache_staging *stg) {
+    if (dst_device.kind != FT_DEVICE_CPU && dst_device.kind != FT_DEVICE_CUDA)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "cache read: unknown destination device kind %d", (int)dst_device.kind);
     ft_cache_batch_info info;
     FT_TRY(ft_cache_batch_info_get(c, index, n, layout, enc, &info));
     const int64_t C = c->C, rows = info.rows, T = info.T;
@@ -415,28 +580,40 @@ ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_l
     }
     pthread_rwlock_rdlock(&c->lock);
     ft_status st = verify_shards(c, index, n);
-    if (st == FT_OK) {
-        /* threads = 0: one per FT_CACHE_BYTES_PER_THREAD of output (a thread copies a few GB/s,
-         * and a parallel region costs a wake-up of every thread: on a loaded machine, one
-         * descheduled thread stalls the whole region) */
-        const uint64_t out_bytes = (uint64_t)rows * (uint64_t)C * sizeof(float);
-        int nt = threads;
-        if (nt <= 0) {
-            const uint64_t want = out_bytes / FT_CACHE_BYTES_PER_THREAD;
-            nt = ft_num_threads();
-            if (want < (uint64_t)nt) nt = want ? (int)want : 1;
-        }
-        const int64_t n_groups = (rows + FT_CACHE_GROUP - 1) / FT_CACHE_GROUP;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
-        for (int64_t g = 0; g < n_groups; g++) {
-            /* a group of output rows: padding zeroed, misses left for the recompute, the rest
-             * decoded together, while the next group's rows are prefetched */
-            ft_cache_rows cur, next;
-            resolve_group(c, index, start, row_ex, T, ragged, rows, g, dst, &cur);
-            resolve_group(c, index, start, row_ex, T, ragged, rows, g + 1, dst, &next);
-            ft_cache_decode_group(cur.dst, cur.src, cur.scale, cur.n, next.src, next.n, c->codec, C);
-        }
-        if (info.misses) st = recompute(c, index, n, start, dst, enc, cancel, cancel_arg);
+    int device_rows = 0;
+    for (int64_t p = 0; st == FT_OK && c->n_device_shards && p < n && !device_rows; p++) {
+        const int32_t s = c->shard_of[index[p]];
+        device_rows = s >= 0 && c->shards[s].on_device;
+    }
+    if (st == FT_OK && dst_device.kind == FT_DEVICE_CPU && !device_rows) {
+        st = fill_host(c, index, n, &info, start, row_ex, ragged, dst, enc, threads, cancel, cancel_arg);
+    } else if (st == FT_OK) {
+        /* through device memory: the destination's device, or (host destination) the cache's */
+        const ft_device dev = dst_device.kind == FT_DEVICE_CUDA ? dst_device : c->device;
+        ft_backend *be = NULL;
+        ft_cache_staging local = {0};
+        if (!stg) stg = &local;
+        if (device_rows && dev.index != c->device.index)
+            st = ft_error(FT_ERR_INVALID_ARGUMENT, "this cache's device tier is on cuda:%d; it cannot be read into "
+                          "memory of cuda:%d", c->device.index, dev.index);
+        if (st == FT_OK && (stg->host || stg->rows || stg->rows_dev || stg->tmp) &&
+            (stg->dev.kind != dev.kind || stg->dev.index != dev.index))
+            ft_cache_staging_free(stg);   /* buffers of another device */
+        stg->dev = dev;
+        if (st == FT_OK) st = ft_backend_for(dev, &be);
+        if (st == FT_OK && (!be->cache_decode_rows || !be->host_alloc))
+            st = ft_error(FT_ERR_UNSUPPORTED, "the %s backend cannot read a cache into device memory", be->name);
+        float *out = dst;
+        if (st == FT_OK && dst_device.kind == FT_DEVICE_CPU)
+            st = grow(be, (void **)&stg->tmp, &stg->tmp_cap, (size_t)(rows * C), sizeof(float), 0);
+        if (st == FT_OK && dst_device.kind == FT_DEVICE_CPU) out = stg->tmp;
+        const uintptr_t side = stg->stream;
+        if (out != dst) stg->stream = 0;   /* a host destination waits for its batch anyway */
+        if (st == FT_OK)
+            st = read_device(c, index, n, &info, start, row_ex, ragged, out, be, enc, threads, cancel, cancel_arg, stg);
+        stg->stream = side;
+        if (st == FT_OK && out != dst) st = be->download(be, dst, out, (size_t)(rows * C) * sizeof(float));
+        if (stg == &local) ft_cache_staging_free(&local);
     }
     pthread_rwlock_unlock(&c->lock);
     free(start);
@@ -446,4 +623,10 @@ ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_l
         atomic_fetch_add(&c->misses, info.misses);
     }
     return st;
+}
+
+ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout, float *dst,
+                        ft_device dst_device, size_t capacity, ft_encoder *enc, int threads, ft_cancel_fn cancel,
+                        void *cancel_arg) {
+    return ft_cache_read_staged(c, index, n, layout, dst, dst_device, capacity, enc, threads, cancel, cancel_arg, NULL);
 }

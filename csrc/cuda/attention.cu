@@ -18,6 +18,7 @@
 // A sequence with no real key gets a zero output, the same as transformers' SDPA path and the
 // CPU backend.
 #include <math.h>
+#include <string.h>
 
 #include <mma.h>
 
@@ -42,6 +43,25 @@ template <int D> struct att_layout {
                             o = p + (size_t)ATT_BQ * PP * 2, bytes = o + (size_t)ATT_BQ * OP * 4;
 };
 
+// 16 bytes moved as one vector (nvcc: one 128-bit access; the emulator's host compiler: memcpy,
+// which keeps C++'s aliasing rules)
+__device__ inline uint4 load16(const void *p) {
+#ifdef FT_CUDA_EMU
+    uint4 v;
+    memcpy(&v, p, 16);
+    return v;
+#else
+    return *reinterpret_cast<const uint4 *>(p);
+#endif
+}
+__device__ inline void store16(void *p, const void *src16) {
+#ifdef FT_CUDA_EMU
+    memcpy(p, src16, 16);
+#else
+    *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(src16);
+#endif
+}
+
 // rows [r0, r0 + n) of a (rows x D) shared tile = rows of a global matrix (stride ld, hs columns
 // of them; the rest, and rows past `real`, zero). vec: hs and ld multiples of 8 and the source
 // 16-byte aligned, so whole 16-byte chunks move (8 halves per load)
@@ -52,8 +72,8 @@ __device__ inline void load_tile(T *dst, const T *src, int64_t ld, int hs, int64
         for (int i = threadIdx.x; i < rows * CH; i += blockDim.x) {
             const int r = i / CH, d = (i % CH) * 8;
             uint4 v = make_uint4(0, 0, 0, 0);
-            if (r < real && d < hs) v = *reinterpret_cast<const uint4 *>(src + r * ld + d);
-            *reinterpret_cast<uint4 *>(dst + r * DP + d) = v;
+            if (r < real && d < hs) v = load16(src + r * ld + d);
+            store16(dst + r * DP + d, &v);
         }
         return;
     }
@@ -168,7 +188,7 @@ __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, 
         if (warp * 16 + rr >= nrows) continue;
         alignas(16) T pack[8];
         for (int j = 0; j < 8; j++) pack[j] = from_f<T>(O[rr * L::OP + d + j]);
-        *reinterpret_cast<uint4 *>(og + (q0 + warp * 16 + rr) * C + d) = *reinterpret_cast<const uint4 *>(pack);
+        store16(og + (q0 + warp * 16 + rr) * C + d, pack);
     }
 }
 

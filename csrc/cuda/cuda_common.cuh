@@ -46,8 +46,7 @@ struct cuda_ctx {
     lt_plan plans[LT_PLANS];
     int n_plans, next_plan;
     char name[32];
-    void *opt_ws;          // optimizer tables and partial sums (optim.cu), grown as needed
-    size_t opt_ws_bytes;
+    void *opt_plan;        // optimizer tables kept between steps, host images, workspace (optim.cu)
     void *train_ws;        // partial sums of the training ops (train_layer.cu), grown as needed
     size_t train_ws_bytes;
 };
@@ -67,6 +66,10 @@ struct blas_use {
   private:
     device_blas *d;
 };
+// frees what cuda_optim_step keeps in the context (optim.cu)
+void cuda_optim_release(cuda_ctx *c);
+// device bytes it keeps there (memory_info)
+size_t cuda_optim_device_bytes(cuda_ctx *c);
 
 inline ft_status cuda_fail(cudaError_t err, const char *what) {
     return g_host->error(FT_ERR_DEVICE, "CUDA error in %s: %s (%s)", what, cudaGetErrorName(err),

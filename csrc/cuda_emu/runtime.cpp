@@ -1,6 +1,7 @@
 // fasttran's CUDA emulator: the runtime API (one device; memory, copies, streams, events, errors)
 // and the settings. Device memory is host memory handed out by this file, so copies and kernels
 // can check that a pointer is what the call says it is.
+#include <atomic>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -281,7 +282,28 @@ using namespace ftemu;
 #define FTEMU_STREAM_OK(s, what) \
     if (!stream_valid(s)) return fail(cudaErrorInvalidResourceHandle, "%s on a stream that does not exist (%p)", what, (void *)(s))
 
+// Counters of the runtime calls that cost a GPU time or memory (tests count what a training step
+// does: device allocations, pinned allocations, copies each way). ftemu_counters() reads them.
+namespace ftemu {
+enum { C_MALLOC, C_FREE, C_HOST_ALLOC, C_H2D, C_H2D_BYTES, C_D2H, C_D2H_BYTES, C_D2D, C_STREAM_SYNC, C_EVENT_RECORD,
+       C_STREAM_WAIT, C_EVENT_SYNC, C_HOST_FREE, C_COUNT };
+static std::atomic<long long> g_counters[C_COUNT];
+static void count_copy(cudaMemcpyKind kind, size_t bytes) {
+    if (kind == cudaMemcpyHostToDevice) { g_counters[C_H2D]++; g_counters[C_H2D_BYTES] += (long long)bytes; }
+    else if (kind == cudaMemcpyDeviceToHost) { g_counters[C_D2H]++; g_counters[C_D2H_BYTES] += (long long)bytes; }
+    else if (kind == cudaMemcpyDeviceToDevice) g_counters[C_D2D]++;
+}
+}  // namespace ftemu
+
 extern "C" {
+
+// out[0..12] = cudaMalloc calls, cudaFree calls, pinned host allocations, host-to-device copies and
+// bytes, device-to-host copies and bytes, device-to-device copies, stream synchronisations, event
+// records, stream waits for events, event synchronisations, pinned host frees, since the library loaded (streams run
+// synchronously here: these counts show which orderings code asks for, not that they hold)
+__attribute__((visibility("default"))) void ftemu_counters(long long *out) {
+    for (int i = 0; i < C_COUNT; i++) out[i] = g_counters[i].load();
+}
 
 // ---- device ---------------------------------------------------------------------------------------------------
 cudaError_t cudaGetDeviceCount(int *count) {
@@ -386,6 +408,7 @@ const char *cudaGetErrorString(cudaError_t e) {
 // ---- memory -------------------------------------------------------------------------------------------------
 cudaError_t cudaMalloc(void **out, size_t bytes) {
     *out = nullptr;
+    g_counters[C_MALLOC]++;
     const settings &cfg = config();
     pthread_mutex_lock(&g_mem_lock);
     const size_t used = g_used;
@@ -424,6 +447,7 @@ cudaError_t cudaMalloc(void **out, size_t bytes) {
 }
 
 cudaError_t cudaFree(void *p) {
+    if (p) g_counters[C_FREE]++;
     if (!p) return cudaSuccess;
     pthread_mutex_lock(&g_mem_lock);
     const allocation *found = find_mapping((uintptr_t)p);
@@ -467,6 +491,7 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
 }
 
 cudaError_t cudaMallocHost(void **p, size_t bytes) {
+    g_counters[C_HOST_ALLOC]++;
     *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
     if (!*p) return fail(cudaErrorMemoryAllocation, "cudaMallocHost: cannot allocate %zu bytes", bytes);
     pthread_mutex_lock(&g_mem_lock);
@@ -476,6 +501,7 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) {
 }
 cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int) { return cudaMallocHost(p, bytes); }
 cudaError_t cudaFreeHost(void *p) {
+    if (p) g_counters[C_HOST_FREE]++;
     if (!p) return cudaSuccess;
     pthread_mutex_lock(&g_mem_lock);
     const bool known = g_host_allocs.erase(p) != 0;
@@ -533,6 +559,7 @@ static cudaError_t check_copy(void *dst, const void *src, size_t bytes, cudaMemc
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
     cudaError_t e = check_copy(dst, src, bytes, kind, "cudaMemcpy");
     if (e != cudaSuccess) return e;
+    count_copy(kind, bytes);
     if (bytes) memmove(dst, src, bytes);
     return pending_error(false);   // a synchronising call reports an earlier asynchronous failure
 }
@@ -540,6 +567,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
     FTEMU_STREAM_OK(s, "cudaMemcpyAsync");
     cudaError_t e = check_copy(dst, src, bytes, kind, "cudaMemcpyAsync");
     if (e != cudaSuccess) return e;
+    count_copy(kind, bytes);
     if (bytes) memmove(dst, src, bytes);
     return cudaSuccess;
 }
@@ -587,6 +615,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    g_counters[C_STREAM_SYNC]++;
     FTEMU_STREAM_OK(s, "cudaStreamSynchronize");
     return pending_error(false);
 }
@@ -595,6 +624,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
+    g_counters[C_STREAM_WAIT]++;
     FTEMU_STREAM_OK(s, "cudaStreamWaitEvent");
     if (!e) return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: null event");
     return cudaSuccess;
@@ -611,13 +641,17 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { free(e); return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    g_counters[C_EVENT_RECORD]++;
     FTEMU_STREAM_OK(s, "cudaEventRecord");
     ftemu_event *ev = reinterpret_cast<ftemu_event *>(e);
     ev->t = clock64();
     ev->recorded = true;
     return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return pending_error(false); }
+cudaError_t cudaEventSynchronize(cudaEvent_t) {
+    g_counters[C_EVENT_SYNC]++;
+    return pending_error(false);
+}
 cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     const ftemu_event *x = reinterpret_cast<ftemu_event *>(a), *y = reinterpret_cast<ftemu_event *>(b);

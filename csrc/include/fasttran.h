@@ -226,6 +226,9 @@ typedef struct {
     const void *file;              /* NULL, or the whole shard file: checked against crc32c */
     size_t file_bytes;             /*   before the first read of this shard                  */
     uint32_t crc32c;
+    ft_device device;              /* where values are: the CPU (host memory, a file) or a CUDA
+                                    * device (the device tier; scales stay in host memory, file
+                                    * NULL). Every device shard of a cache is on one device. */
 } ft_cache_shard;
 
 /* Padded: (n, T, C) with T the batch's longest example, zero rows after each example's tokens.
@@ -249,9 +252,12 @@ ft_status ft_cache_batch_info_get(const ft_cache *c, const int64_t *index, int64
 /* One batch into dst (capacity floats) in memory of dst_device: cached rows decoded from
  * whatever tier holds them with `threads` threads (0: ft_num_threads()); uncached examples run
  * through `enc` padded to their longest, then through the codec, so they equal what the cache
- * would hold. A shard that fails its checksum fails with FT_ERR_FORMAT. Only host
- * destinations exist yet (device ones: FT_ERR_UNSUPPORTED). `cancel` as in ft_encoder_forward.
- * Thread-safe; ft_cache_add_shard waits for reads in flight. */
+ * would hold. A shard that fails its checksum fails with FT_ERR_FORMAT. A CUDA destination:
+ * rows of device shards are decoded on the device (the backend's cache_decode_rows), the others
+ * decoded on the host into pinned staging memory and copied up first; a host destination
+ * with rows in device shards: the same into device memory, then one copy down. Returns when the
+ * batch is complete. `cancel` as in ft_encoder_forward. Thread-safe; ft_cache_add_shard waits
+ * for reads in flight. */
 ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout, float *dst,
                         ft_device dst_device, size_t capacity, ft_encoder *enc, int threads, ft_cancel_fn cancel,
                         void *cancel_arg);
@@ -264,15 +270,17 @@ void ft_cache_counters(const ft_cache *c, int64_t *hits, int64_t *misses);
 typedef struct ft_cache_reader ft_cache_reader;
 
 typedef struct {
-    float *values;                 /* (rows, C) host memory, the batch's layout */
+    float *values;                 /* (rows, C) in the reader's device memory, the batch's layout */
     const int64_t *index;          /* (n) the examples, in batch order */
     int64_t n, rows, T;
     int64_t step;                  /* batch number within the reader's order */
 } ft_cache_batch;
 
+/* device: where the batches are delivered (the CPU, or a CUDA device: then each buffer is device
+ * memory, read as ft_cache_read does, with its own pinned staging, reused batch after batch). */
 ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
                                 ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
-                                ft_cache_reader **out);
+                                ft_device device, ft_cache_reader **out);
 /* Wait up to timeout_ms (< 0: no limit) for the next batch: FT_OK with *out set, or *out NULL
  * at the end of the order (or when the wait timed out: then *timed_out = 1). A batch the thread
  * failed to read returns its error (and the reader stops). */
@@ -404,6 +412,20 @@ ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, con
                                    const float *x, int64_t B, int64_t T, const float *valid,
                                    const int32_t *labels, float *logits, double *loss, float *grads,
                                    float *dx, int training, uint64_t seed, uint64_t step);
+
+/* The same with the caller's workspace (memory of `dev`, at least ft_head_workspace_floats for the
+ * call's shape and buffers: labels, grads, dx given or not), kept across steps so a training
+ * loop allocates nothing; workspace NULL: one allocation per call. check = 0 skips the label
+ * check (a copy of the labels to the host and a wait, per call on CUDA): for callers that checked
+ * every label against the same rules already (the Trainer does, once per fit); out-of-range
+ * labels are then undefined behaviour. */
+size_t ft_head_workspace_floats(const ft_head_config *cfg, int64_t B, int64_t T, int has_labels, int has_grads,
+                                int has_dx, int training);
+ft_status ft_head_forward_backward_ws(ft_device dev, const ft_head_config *cfg, const float *params,
+                                      const float *x, int64_t B, int64_t T, const float *valid,
+                                      const int32_t *labels, float *logits, double *loss, float *grads,
+                                      float *dx, int training, uint64_t seed, uint64_t step,
+                                      float *workspace, size_t workspace_floats, int check);
 
 /* Memory on a device without an encoder (host memory for the CPU): optimizer state, head
  * buffers. Free with ft_device_free on the same device. */

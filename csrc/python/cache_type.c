@@ -192,7 +192,9 @@ static int store_ready(CacheStore *self) {
 
 /* add_shard(*, name, examples (n,) int64, values (rows, C), scales (rows,) float32 | None,
  *           file (bytes,) uint8 | None, crc32c=0): the arrays are kept alive by the store. A
- *           shard with `file` is checked against crc32c before its first read. */
+ *           shard with `file` is checked against crc32c before its first read. values may be a
+ *           fasttran.Tensor in CUDA memory (the device tier: (rows, C) elements of the codec's
+ *           size, C-contiguous; scales stay a host array). */
 static PyObject *CacheStore_add_shard(CacheStore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"name", "examples", "values", "scales", "file", "crc32c", NULL};
     const char *name;
@@ -203,11 +205,31 @@ static PyObject *CacheStore_add_shard(CacheStore *self, PyObject *args, PyObject
         return NULL;
     const ft_dtype codec = ft_cache_codec_of(self->c);
     PyArrayObject *ex = ft_py_want_array(ex_o, "examples", NPY_INT64, 1, 0);
-    PyArrayObject *val = ex ? ft_py_want_array(val_o, "values", codec_npy(codec), 2, 0) : NULL;
-    if (!val) return NULL;
-    const npy_intp rows = PyArray_DIM(val, 0);
-    if (PyArray_DIM(val, 1) != self->C)
-        return ft_py_fail(ft_errors.input, "%s: values are %zd wide, the cache %lld", name, (Py_ssize_t)PyArray_DIM(val, 1),
+    if (!ex) return NULL;
+    PyArrayObject *val = NULL;
+    void *val_data;
+    npy_intp rows, width;
+    ft_device where = {FT_DEVICE_CPU, 0};
+    int nd = 0;
+    const int64_t *shape = NULL, *strides = NULL;
+    ft_dtype dt = FT_F32;
+    if (ft_py_tensor_check(val_o)) ft_py_tensor_data(val_o, &nd, &shape, &strides, &dt, &where);
+    if (where.kind == FT_DEVICE_CUDA) {   /* the device tier */
+        val_data = ft_py_tensor_data(val_o, &nd, &shape, &strides, &dt, &where);
+        if (nd != 2 || ft_dtype_size(dt) != ft_dtype_size(codec) ||
+            (strides && !(strides[1] == 1 && (shape[0] < 2 || strides[0] == shape[1]))))
+            return ft_py_fail(ft_errors.input_type, "%s: device values must be a C-contiguous 2-D CUDA Tensor of "
+                              "%zu-byte elements", name, ft_dtype_size(codec));
+        rows = (npy_intp)shape[0];
+        width = (npy_intp)shape[1];
+    } else {
+        if (!(val = ft_py_want_array(val_o, "values", codec_npy(codec), 2, 0))) return NULL;
+        val_data = PyArray_DATA(val);
+        rows = PyArray_DIM(val, 0);
+        width = PyArray_DIM(val, 1);
+    }
+    if (width != self->C)
+        return ft_py_fail(ft_errors.input, "%s: values are %zd wide, the cache %lld", name, (Py_ssize_t)width,
                           (long long)self->C);
     PyArrayObject *sc = NULL, *file = NULL;
     if (codec == FT_I8) {
@@ -217,15 +239,15 @@ static PyObject *CacheStore_add_shard(CacheStore *self, PyObject *args, PyObject
         return ft_py_fail(ft_errors.input, "%s: only int8 caches have scales", name);
     }
     if (file_o != Py_None && !(file = ft_py_want_array(file_o, "file", NPY_UINT8, 1, 0))) return NULL;
-    const ft_cache_shard s = {name, PyArray_DATA(ex), PyArray_DIM(ex, 0), PyArray_DATA(val),
+    const ft_cache_shard s = {name, PyArray_DATA(ex), PyArray_DIM(ex, 0), val_data,
                               sc ? PyArray_DATA(sc) : NULL, rows, file ? PyArray_DATA(file) : NULL,
-                              file ? (size_t)PyArray_DIM(file, 0) : 0, crc};
+                              file ? (size_t)PyArray_DIM(file, 0) : 0, crc, where};
     ft_status st;
     Py_BEGIN_ALLOW_THREADS   /* waits for reads in flight */
     st = ft_cache_add_shard(self->c, &s);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
-    if (PyList_Append(self->keep, (PyObject *)val) < 0 || (sc && PyList_Append(self->keep, (PyObject *)sc) < 0) ||
+    if (PyList_Append(self->keep, val ? (PyObject *)val : val_o) < 0 || (sc && PyList_Append(self->keep, (PyObject *)sc) < 0) ||
         (file && PyList_Append(self->keep, (PyObject *)file) < 0))
         return NULL;
     Py_RETURN_NONE;
@@ -262,7 +284,7 @@ static PyObject *CacheStore_counters(CacheStore *self, PyObject *unused) {
  *   fasttran.Tensor viewing the same memory. */
 static PyObject *finish_batch(CacheStore *st, PyObject *values, const int64_t *index, int64_t n, int64_t T, int ragged,
                               int device) {
-    if (device) {
+    if (device && PyArray_Check(values)) {   /* host memory as a Tensor (CUDA batches are Tensors already) */
         PyArrayObject *a = (PyArrayObject *)values;
         int64_t shape[3];
         for (int d = 0; d < PyArray_NDIM(a); d++) shape[d] = PyArray_DIM(a, d);
@@ -310,17 +332,26 @@ static int batch_dims(CacheStore *st, const ft_cache_batch_info *info, int64_t n
     return 3;
 }
 
-/* read(*, example_ids, ragged=False, out=None, encoder=None, device=False, threads=0) -> batch.
- * out: a writeable C-contiguous float32 array with room for the batch; the values are written at
- * its start and returned as a view of it. encoder: the EncoderCore that computes uncached
- * examples. threads: 0 = all of fasttran's threads. */
+static void release_cuda(PyObject *owner, void *ctx, void *data) {
+    (void)owner;
+    ft_device_free((ft_device){FT_DEVICE_CUDA, (int)(intptr_t)ctx}, data);
+}
+
+/* read(*, example_ids, ragged=False, out=None, encoder=None, device=False, threads=0, device_index=-1)
+ * -> batch. out: a writeable C-contiguous float32 array with room for the batch; the values are
+ * written at its start and returned as a view of it. encoder: the EncoderCore that computes
+ * uncached examples. threads: 0 = all of fasttran's threads. device with device_index >= 0: the
+ * batch in that CUDA device's memory (a fasttran.Tensor; out, if given, a float32 CUDA Tensor with
+ * room for it), gathered there from the device tier. */
 static PyObject *CacheStore_read(CacheStore *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"example_ids", "ragged", "out", "encoder", "device", "threads", NULL};
+    static char *kwlist[] = {"example_ids", "ragged", "out", "encoder", "device", "threads", "device_index", NULL};
     PyObject *ids_o, *out_o = Py_None, *enc_o = Py_None;
-    int ragged = 0, device = 0, threads = 0;
+    int ragged = 0, device = 0, threads = 0, device_index = -1;
     if (!store_ready(self) || !ft_py_keywords_only(args, "read()") ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "O|pOOpi", kwlist, &ids_o, &ragged, &out_o, &enc_o, &device, &threads))
+        !PyArg_ParseTupleAndKeywords(args, kw, "O|pOOpii", kwlist, &ids_o, &ragged, &out_o, &enc_o, &device, &threads,
+                                     &device_index))
         return NULL;
+    const int cuda = device && device_index >= 0;
     ft_encoder *enc = NULL;
     if (enc_o != Py_None && !(enc = ft_py_encoder_from(enc_o))) return NULL;
     PyArrayObject *ids = int64_ids(ids_o, "example_ids");
@@ -336,7 +367,42 @@ static PyObject *CacheStore_read(CacheStore *self, PyObject *args, PyObject *kw)
     if (st != FT_OK) { ft_py_raise(st); goto done; }
     npy_intp dims[3];
     const int nd = batch_dims(self, &info, n, ragged, dims);
-    if (out_o == Py_None) {
+    void *data = NULL;
+    ft_device dst_dev = {FT_DEVICE_CPU, 0};
+    if (cuda) {
+        dst_dev = (ft_device){FT_DEVICE_CUDA, device_index};
+        int64_t shape[3] = {dims[0], dims[1], nd == 3 ? dims[2] : 0};
+        if (out_o == Py_None) {
+            st = ft_device_alloc(dst_dev, (size_t)(info.rows * self->C) * sizeof(float), &data);
+            if (st != FT_OK) { ft_py_raise(st); goto done; }
+            values = ft_py_tensor_new(data, nd, shape, NULL, FT_F32, dst_dev, 0, NULL, release_cuda,
+                                      (void *)(intptr_t)device_index);
+        } else {
+            int ond;
+            const int64_t *oshape, *ostrides;
+            ft_dtype odt;
+            ft_device odev = {FT_DEVICE_CPU, 0};
+            void *od = ft_py_tensor_check(out_o) ? ft_py_tensor_data(out_o, &ond, &oshape, &ostrides, &odt, &odev) : NULL;
+            int64_t have = 1, contiguous = 1;
+            for (int d = ond - 1; od && d >= 0; d--) {
+                if (ostrides && oshape[d] > 1 && ostrides[d] != have) contiguous = 0;
+                have *= oshape[d];
+            }
+            if (!od || odev.kind != FT_DEVICE_CUDA || odev.index != device_index || odt != FT_F32 ||
+                ft_py_tensor_readonly(out_o) || !contiguous) {
+                ft_py_fail(ft_errors.input_type, "out must be a writeable float32 fasttran.Tensor on cuda:%d "
+                           "(contiguous)", device_index);
+                goto done;
+            }
+            if (have < info.rows * self->C) {
+                ft_py_fail(ft_errors.input, "out has room for %lld floats, the batch needs %lld", (long long)have,
+                           (long long)(info.rows * self->C));
+                goto done;
+            }
+            data = od;
+            values = ft_py_tensor_new(od, nd, shape, NULL, FT_F32, dst_dev, 0, out_o, NULL, NULL);
+        }
+    } else if (out_o == Py_None) {
         values = PyArray_SimpleNew(nd, dims, NPY_FLOAT32);
     } else {
         PyArrayObject *out = (PyArrayObject *)out_o;
@@ -356,13 +422,14 @@ static PyObject *CacheStore_read(CacheStore *self, PyObject *args, PyObject *kw)
         if (values && PyArray_SetBaseObject((PyArrayObject *)values, Py_NewRef(out_o)) < 0) Py_CLEAR(values);
     }
     if (!values) goto done;
+    if (!cuda) data = PyArray_DATA((PyArrayObject *)values);
     {
         ft_py_cancel cs;
         ft_py_cancel_begin(&cs);
         const int prof = ft_profile_begin();   /* a synchronous cache read in the profiler's breakdown */
         const uint64_t t0 = prof ? ft_profile_now() : 0;
-        st = ft_cache_read(self->c, idx, n, layout, PyArray_DATA((PyArrayObject *)values), (ft_device){FT_DEVICE_CPU, 0},
-                           (size_t)(info.rows * self->C), enc, threads, ft_py_cancel_check, &cs);
+        st = ft_cache_read(self->c, idx, n, layout, data, dst_dev, (size_t)(info.rows * self->C), enc, threads,
+                           ft_py_cancel_check, &cs);
         if (prof) ft_profile_end(FT_PE_cache_gather, t0);
         ft_py_cancel_end(&cs);
         if (st != FT_OK) { ft_py_raise_cache(st); goto done; }
@@ -385,6 +452,7 @@ typedef struct {
     PyObject *encoder;
     Py_ssize_t steps;
     int ragged, device;
+    int device_index;    /* >= 0: batches in that CUDA device's memory (fasttran.Tensor) */
     int busy;            /* a thread is inside next() with the GIL released (the ring has one consumer) */
     int close_asked;     /* close() came meanwhile: that thread closes when it returns */
 } CacheReader;
@@ -446,8 +514,15 @@ static PyObject *CacheReader_next(CacheReader *self) {
     const ft_cache_batch_info info = {b->rows, b->T, 0};
     npy_intp dims[3];
     const int nd = batch_dims(st, &info, b->n, self->ragged, dims);
-    PyObject *values = PyArray_SimpleNewFromData(nd, dims, NPY_FLOAT32, b->values);
-    if (!values || PyArray_SetBaseObject((PyArrayObject *)values, cap) < 0) {   /* steals cap */
+    PyObject *values;
+    if (self->device_index >= 0) {   /* device memory: the Tensor holds the capsule (the buffer's release) */
+        int64_t shape[3] = {dims[0], dims[1], nd == 3 ? dims[2] : 0};
+        values = ft_py_tensor_new(b->values, nd, shape, NULL, FT_F32, (ft_device){FT_DEVICE_CUDA, self->device_index},
+                                  0, cap, NULL, NULL);
+        Py_DECREF(cap);
+        if (!values) return NULL;
+    } else if (!(values = PyArray_SimpleNewFromData(nd, dims, NPY_FLOAT32, b->values)) ||
+               PyArray_SetBaseObject((PyArrayObject *)values, cap) < 0) {   /* steals cap */
         if (!values) Py_DECREF(cap);
         Py_XDECREF(values);
         return NULL;
@@ -483,16 +558,19 @@ static PyObject *CacheReader_exit(CacheReader *self, PyObject *args) {
 }
 
 /* reader(*, order (n,) int64 example positions, batch_size, ragged=False, depth=2, encoder=None,
- *        device=False, threads=1) -> CacheReader: one epoch, read on a C thread */
+ *        device=False, threads=1, device_index=-1) -> CacheReader: one epoch, read on a C thread;
+ *        device with device_index >= 0: batches in that CUDA device's memory */
 static PyObject *CacheStore_reader(CacheStore *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"order", "batch_size", "ragged", "depth", "encoder", "device", "threads", NULL};
+    static char *kwlist[] = {"order", "batch_size", "ragged", "depth", "encoder", "device", "threads", "device_index",
+                             NULL};
     PyObject *order_o, *enc_o = Py_None;
     long long bs;
-    int ragged = 0, depth = 2, device = 0, threads = 1;
+    int ragged = 0, depth = 2, device = 0, threads = 1, device_index = -1;
     if (!store_ready(self) || !ft_py_keywords_only(args, "reader()") ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OL|piOpi", kwlist, &order_o, &bs, &ragged, &depth, &enc_o, &device,
-                                     &threads))
+        !PyArg_ParseTupleAndKeywords(args, kw, "OL|piOpii", kwlist, &order_o, &bs, &ragged, &depth, &enc_o, &device,
+                                     &threads, &device_index))
         return NULL;
+    if (!device) device_index = -1;
     ft_encoder *enc = NULL;
     if (enc_o != Py_None && !(enc = ft_py_encoder_from(enc_o))) return NULL;
     PyArrayObject *order = ft_py_want_array(order_o, "order", NPY_INT64, 1, 0);
@@ -506,11 +584,15 @@ static PyObject *CacheStore_reader(CacheStore *self, PyObject *args, PyObject *k
     rd->steps = (Py_ssize_t)((PyArray_DIM(order, 0) + bs - 1) / bs);
     rd->ragged = ragged;
     rd->device = device;
+    rd->device_index = device_index;
     rd->busy = rd->close_asked = 0;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ft_cache_reader_start(self->c, PyArray_DATA(order), PyArray_DIM(order, 0), bs,
-                               ragged ? FT_CACHE_RAGGED : FT_CACHE_PADDED, depth, enc, threads, &rd->r);
+                               ragged ? FT_CACHE_RAGGED : FT_CACHE_PADDED, depth, enc, threads,
+                               device_index >= 0 ? (ft_device){FT_DEVICE_CUDA, device_index}
+                                                 : (ft_device){FT_DEVICE_CPU, 0},
+                               &rd->r);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) { Py_DECREF(rd); return ft_py_raise(st); }
     return (PyObject *)rd;
@@ -521,9 +603,9 @@ static PyMethodDef CacheStore_methods[] = {
      "add_shard(*, name, examples, values, scales=None, file=None, crc32c=0): register a shard's rows."},
     {"index_of", (PyCFunction)CacheStore_index_of, METH_O, "index_of(example_ids) -> positions (int64)."},
     {"read", (PyCFunction)(void (*)(void))CacheStore_read, METH_VARARGS | METH_KEYWORDS,
-     "read(*, example_ids, ragged=False, out=None, encoder=None, device=False, threads=0) -> one batch."},
+     "read(*, example_ids, ragged=False, out=None, encoder=None, device=False, threads=0, device_index=-1) -> one batch."},
     {"reader", (PyCFunction)(void (*)(void))CacheStore_reader, METH_VARARGS | METH_KEYWORDS,
-     "reader(*, order, batch_size, ragged=False, depth=2, encoder=None, device=False, threads=1) -> CacheReader."},
+     "reader(*, order, batch_size, ragged=False, depth=2, encoder=None, device=False, threads=1, device_index=-1) -> CacheReader."},
     {"counters", (PyCFunction)CacheStore_counters, METH_NOARGS, "(hits, misses) so far."},
     {NULL, NULL, 0, NULL}};
 

@@ -117,25 +117,28 @@ static PyObject *py_head_tensors(PyObject *self, PyObject *arg) {
 }
 
 /* head_step(config, params, x, B, T, valid|None, labels|None, logits, grads|None, dx|None,
- *           training, seed, step) -> mean loss or None */
+ *           training, seed, step, workspace=None, labels_checked=False) -> mean loss or None.
+ *           workspace: float32 memory of the buffers' device with room for head_workspace(...)
+ *           floats, kept across steps (None: the call allocates its own). labels_checked: the
+ *           caller checked every label already (ft_head_forward_backward_ws's check = 0). */
 static PyObject *py_head_step(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *cfg_o, *po, *xo, *vo, *lo, *zo, *go, *dxo;
+    PyObject *cfg_o, *po, *xo, *vo, *lo, *zo, *go, *dxo, *wso = Py_None;
     long long B, T;
-    int training;
+    int training, checked = 0;
     unsigned long long seed, step;
-    if (!PyArg_ParseTuple(args, "OOOLLOOOOOpKK", &cfg_o, &po, &xo, &B, &T, &vo, &lo, &zo, &go, &dxo, &training, &seed,
-                          &step))
+    if (!PyArg_ParseTuple(args, "OOOLLOOOOOpKK|Op", &cfg_o, &po, &xo, &B, &T, &vo, &lo, &zo, &go, &dxo, &training, &seed,
+                          &step, &wso, &checked))
         return NULL;
     ft_head_config cfg;
     if (!parse_head(cfg_o, &cfg)) return NULL;
     const int qa = cfg.kind == FT_HEAD_QA;
     if (B < 1 || T < 1 || (!qa && T != 1)) return ft_py_fail(ft_errors.input, "head_step: bad batch shape (%lld, %lld)", B, T);
-    ft_py_buf p, x, v, l, z, g, dx;
+    ft_py_buf p, x, v, l, z, g, dx, ws;
     if (!get_buf(po, "params", -1, FT_F32, 0, 0, &p) || !get_buf(xo, "x", -1, FT_F32, 0, 0, &x) ||
         !get_buf(vo, "valid", -1, FT_F32, 0, !qa, &v) || !get_buf(lo, "labels", -1, FT_I32, 0, 1, &l) ||
         !get_buf(zo, "logits", -1, FT_F32, 1, 0, &z) || !get_buf(go, "grads", -1, FT_F32, 1, 1, &g) ||
-        !get_buf(dxo, "dx", -1, FT_F32, 1, 1, &dx))
+        !get_buf(dxo, "dx", -1, FT_F32, 1, 1, &dx) || !get_buf(wso, "workspace", -1, FT_F32, 1, 1, &ws))
         return NULL;
     const int64_t C = cfg.hidden, K = cfg.num_labels, np_ = (int64_t)ft_head_param_count(&cfg);
     struct { ft_py_buf *b; const char *what; int64_t need; } want[] = {
@@ -150,15 +153,35 @@ static PyObject *py_head_step(PyObject *self, PyObject *args) {
                               (long long)want[k].b->numel, (long long)want[k].need);
         if (!same_device(&dev, &dev_set, want[k].b->device, want[k].what)) return NULL;
     }
+    if (ws.data) {
+        if (!same_device(&dev, &dev_set, ws.device, "workspace")) return NULL;
+        const size_t need = ft_head_workspace_floats(&cfg, B, T, l.data != NULL, g.data != NULL, dx.data != NULL, training);
+        if ((size_t)ws.numel < need)
+            return ft_py_fail(ft_errors.input, "workspace has %lld floats, this step needs %zu", (long long)ws.numel, need);
+    }
     double loss = 0.0;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_head_forward_backward(dev, &cfg, p.data, x.data, B, T, v.data, l.data, z.data, l.data ? &loss : NULL,
-                                  g.data, dx.data, training, seed, step);
+    st = ft_head_forward_backward_ws(dev, &cfg, p.data, x.data, B, T, v.data, l.data, z.data, l.data ? &loss : NULL,
+                                     g.data, dx.data, training, seed, step, ws.data, (size_t)ws.numel, !checked);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     if (!l.data) Py_RETURN_NONE;
     return PyFloat_FromDouble(loss);
+}
+
+/* head_workspace(config, B, T, has_labels, has_grads, has_dx, training) -> floats head_step's
+ * workspace needs */
+static PyObject *py_head_workspace(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *cfg_o;
+    long long B, T;
+    int lab, gr, dx, training;
+    if (!PyArg_ParseTuple(args, "OLLpppp", &cfg_o, &B, &T, &lab, &gr, &dx, &training)) return NULL;
+    ft_head_config cfg;
+    if (!parse_head(cfg_o, &cfg)) return NULL;
+    if (B < 1 || T < 1) return ft_py_fail(ft_errors.input, "head_workspace: bad batch shape (%lld, %lld)", B, T);
+    return PyLong_FromSize_t(ft_head_workspace_floats(&cfg, B, T, lab, gr, dx, training));
 }
 
 static void release_device(PyObject *owner, void *ctx, void *data) {
@@ -167,13 +190,13 @@ static void release_device(PyObject *owner, void *ctx, void *data) {
     ft_device_free(dev, data);
 }
 
-/* device_zeros(n, device_index) -> fasttran.Tensor of n float32 zeros in that CUDA device's
- * memory (optimizer state, head buffers of CUDA training) */
+/* device_zeros(n, device_index, int32=False) -> fasttran.Tensor of n float32 (or int32) zeros in that
+ * CUDA device's memory (optimizer state, head buffers of CUDA training) */
 static PyObject *py_device_zeros(PyObject *self, PyObject *args) {
     (void)self;
     long long n;
-    int index;
-    if (!PyArg_ParseTuple(args, "Li", &n, &index)) return NULL;
+    int index, i32 = 0;
+    if (!PyArg_ParseTuple(args, "Li|p", &n, &index, &i32)) return NULL;
     if (n < 0) return ft_py_fail(ft_errors.input, "device_zeros: negative size %lld", n);
     ft_device dev = {FT_DEVICE_CUDA, index};
     size_t bytes = (size_t)(n ? n : 1) * sizeof(float);
@@ -190,22 +213,25 @@ static PyObject *py_device_zeros(PyObject *self, PyObject *args) {
         return ft_py_raise(st);
     }
     int64_t shape[1] = {n};
-    return ft_py_tensor_new(p, 1, shape, NULL, FT_F32, dev, 0, NULL, release_device, (void *)(intptr_t)index);
+    return ft_py_tensor_new(p, 1, shape, NULL, i32 ? FT_I32 : FT_F32, dev, 0, NULL, release_device,
+                            (void *)(intptr_t)index);
 }
 
-/* device_write(tensor, ndarray): copy a float32 host array into a device Tensor of the same size */
+/* device_write(tensor, ndarray): copy a float32 (or int32) host array into a device Tensor of the
+ * same dtype and size */
 static PyObject *py_device_write(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *to, *ao;
     if (!PyArg_ParseTuple(args, "OO", &to, &ao)) return NULL;
-    ft_py_buf dst, src;
-    if (!get_buf(to, "destination", -1, FT_F32, 1, 0, &dst) || !get_buf(ao, "source", -1, FT_F32, 0, 0, &src)) return NULL;
     if (!PyArray_Check(ao)) return ft_py_fail(ft_errors.input_type, "device_write: the source must be a NumPy array");
+    const ft_dtype dt = PyArray_TYPE((PyArrayObject *)ao) == NPY_INT32 ? FT_I32 : FT_F32;
+    ft_py_buf dst, src;
+    if (!get_buf(to, "destination", -1, dt, 1, 0, &dst) || !get_buf(ao, "source", -1, dt, 0, 0, &src)) return NULL;
     if (dst.numel != src.numel)
         return ft_py_fail(ft_errors.input, "device_write: %lld elements into %lld", (long long)src.numel, (long long)dst.numel);
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_device_write(dst.device, dst.data, src.data, (size_t)src.numel * sizeof(float));
+    st = ft_device_write(dst.device, dst.data, src.data, (size_t)src.numel * 4);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     Py_RETURN_NONE;
@@ -216,6 +242,7 @@ static PyMethodDef train_methods[] = {
     {"device_zeros", py_device_zeros, METH_VARARGS, "n float32 zeros in CUDA device memory, as a Tensor."},
     {"head_tensors", py_head_tensors, METH_O, "Parameter table of a head: [(name, shape, offset)], total."},
     {"head_step", py_head_step, METH_VARARGS, "Head forward (+ loss and backward with labels)."},
+    {"head_workspace", py_head_workspace, METH_VARARGS, "Floats of head_step's workspace for a shape and buffers."},
     {NULL, NULL, 0, NULL}};
 
 int ft_py_add_train_functions(PyObject *m) { return PyModule_AddFunctions(m, train_methods); }

@@ -102,10 +102,43 @@ static ft_status check_labels(ft_backend *be, const ft_head_config *cfg, const i
     return st;
 }
 
+/* the workspace a call takes, in floats (sizes of its parts, in order: dropped-out input, pooler
+ * hidden, its dropout, d features, per-row losses, d logits) */
+static size_t workspace_parts(const ft_head_config *cfg, int64_t B, int64_t T, int has_labels, int has_grads,
+                              int has_dx, int drop, size_t part[6]) {
+    const int qa = cfg->kind == FT_HEAD_QA, pooler = cfg->kind == FT_HEAD_POOLER;
+    const int64_t C = cfg->hidden, K = cfg->num_labels, N = B * T;
+    part[0] = drop ? (size_t)(N * C) : 0;
+    part[1] = pooler ? (size_t)(B * C) : 0;
+    part[2] = pooler && drop ? part[1] : 0;
+    part[3] = (!qa && (pooler || has_dx)) ? (size_t)(B * C) : 0;
+    part[4] = has_labels ? (size_t)(qa ? 2 * B : B) : 0;
+    part[5] = has_grads ? (size_t)(qa ? 2 * N : B * K) : 0;
+    size_t total = 0;
+    for (int k = 0; k < 6; k++) total += part[k];
+    return total ? total : 1;
+}
+
+size_t ft_head_workspace_floats(const ft_head_config *cfg, int64_t B, int64_t T, int has_labels, int has_grads,
+                                int has_dx, int training) {
+    if (ft_head_check(cfg) != FT_OK) return 0;
+    if (cfg->kind != FT_HEAD_QA) T = 1;
+    size_t part[6];
+    return workspace_parts(cfg, B, T, has_labels, has_grads, has_dx, training && cfg->dropout > 0.0f, part);
+}
+
 ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, const float *params, const float *x,
                                    int64_t B, int64_t T, const float *valid, const int32_t *labels, float *logits,
                                    double *loss, float *grads, float *dx, int training, uint64_t seed,
                                    uint64_t step) {
+    return ft_head_forward_backward_ws(dev, cfg, params, x, B, T, valid, labels, logits, loss, grads, dx, training,
+                                       seed, step, NULL, 0, 1);
+}
+
+ft_status ft_head_forward_backward_ws(ft_device dev, const ft_head_config *cfg, const float *params, const float *x,
+                                      int64_t B, int64_t T, const float *valid, const int32_t *labels, float *logits,
+                                      double *loss, float *grads, float *dx, int training, uint64_t seed,
+                                      uint64_t step, float *workspace, size_t workspace_floats, int check) {
     FT_TRY(ft_head_check(cfg));
     const int qa = cfg->kind == FT_HEAD_QA, pooler = cfg->kind == FT_HEAD_POOLER;
     if (!qa) T = 1;
@@ -118,7 +151,7 @@ ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, con
     FT_TRY(ft_backend_for(dev, &be));
     if (!be->softmax_xent || !be->dropout)
         return ft_error(FT_ERR_UNSUPPORTED, "the %s backend has no training ops", be->name);
-    if (labels) FT_TRY(check_labels(be, cfg, labels, valid, B, T));
+    if (labels && check) FT_TRY(check_labels(be, cfg, labels, valid, B, T));
 
     const int64_t C = cfg->hidden, K = cfg->num_labels, N = B * T;
     const float p = cfg->dropout;
@@ -126,13 +159,15 @@ ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, con
     const uint64_t key_in = ft_dropout_key(seed, step, SITE_INPUT), key_hid = ft_dropout_key(seed, step, SITE_HIDDEN);
     const int64_t rows = qa ? 2 * B : B;
 
-    /* workspace, one allocation */
-    size_t sz_d = drop ? (size_t)(N * C) : 0, sz_h = pooler ? (size_t)(B * C) : 0, sz_h2 = pooler && drop ? sz_h : 0;
-    size_t sz_df = (!qa && (pooler || dx)) ? (size_t)(B * C) : 0, sz_loss = labels ? (size_t)rows : 0;
-    size_t sz_dl = grads ? (size_t)(qa ? 2 * N : B * K) : 0;
-    size_t total = sz_d + sz_h + sz_h2 + sz_df + sz_loss + sz_dl;
-    float *ws = NULL;
-    FT_TRY(be->alloc(be, (total ? total : 1) * sizeof(float), (void **)&ws));
+    /* workspace: the caller's (kept across steps), else one allocation */
+    size_t part[6];
+    const size_t total = workspace_parts(cfg, B, T, labels != NULL, grads != NULL, dx != NULL, drop, part);
+    const size_t sz_d = part[0], sz_h = part[1], sz_h2 = part[2], sz_df = part[3], sz_loss = part[4];
+    float *ws = workspace;
+    if (ws && workspace_floats < total)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: the workspace holds %zu floats, this batch needs %zu",
+                        workspace_floats, total);
+    if (!ws) FT_TRY(be->alloc(be, total * sizeof(float), (void **)&ws));
     float *d = ws, *h = d + sz_d, *h2 = h + sz_h, *dfeat = h2 + sz_h2, *loss_rows = dfeat + sz_df,
           *dlogits = loss_rows + sz_loss;
     ft_status st = FT_OK;
@@ -200,8 +235,8 @@ ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, con
         }
         free(host);
     }
-    if (st == FT_OK) st = be->synchronize(be);
+    if (st == FT_OK && !loss) st = be->synchronize(be);   /* (the loss's copy down waited already) */
 #undef RUN
-    be->free(be, ws);
+    if (ws != workspace) be->free(be, ws);
     return st;
 }

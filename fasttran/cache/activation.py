@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from .. import _C
-from ..errors import CacheCorruptError, CacheMismatchError, FastTranIOError, InputError, UnsupportedError
+from ..errors import CacheCorruptError, CacheMismatchError, FastTranIOError, InputError
 from . import persist
 from .layout import (CODECS, POSITIONS, Plan, codec_code, input_fingerprints, model_fingerprint, parse_inputs, row_bytes,
                      rows_of)
@@ -31,6 +31,22 @@ _READER_THREADS = 1   # the prefetch thread decodes alone: the consumer keeps th
 def _check_bytes(name, v):
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
         raise InputError(f"{name} must be None or a byte count >= 0, got {v!r}")
+
+
+def _check_device_tier(encoder, device_bytes):
+    if device_bytes and (encoder is None or encoder.device == "cpu"):
+        where = "no encoder was given" if encoder is None else "this one runs on the CPU"
+        raise InputError(f"device_bytes needs an encoder on a CUDA device ({where}): create it with "
+                         "Encoder.from_pretrained(..., device='cuda'), or keep the features in host_bytes / disk_dir")
+
+
+def _device_index(device, what):
+    """'cuda' / 'cuda:N' -> N, 'cpu' -> -1"""
+    if device == "cpu":
+        return -1
+    if isinstance(device, str) and (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        return int(device[5:] or 0)
+    raise InputError(f"{what} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 class ActivationCache:
@@ -52,12 +68,15 @@ class ActivationCache:
         return self
 
     def _setup(self, encoder, layer, positions, dtype, batch_size, hidden, example_ids, tokens, types, offsets,
-               max_fraction, host_bytes, fingerprints=None):
+               max_fraction, host_bytes, fingerprints=None, device_bytes=None):
         """Settings, the plan, the C store and the tiers; no shard yet."""
         self.encoder = encoder
         self.layer, self.positions, self.dtype = int(layer), positions, dtype
         self.batch_size, self.hidden, self.max_fraction = int(batch_size), int(hidden), float(max_fraction)
         self.host_bytes = host_bytes
+        self.device_bytes = device_bytes
+        # the CUDA device of the encoder: the device tier's, and where output="device" batches go
+        self.device = encoder.device if encoder is not None and encoder.device != "cpu" else "cpu"
         self.example_ids = example_ids
         self._tokens, self._types, self._offsets = tokens, types, offsets
         self._lengths = np.diff(offsets)
@@ -70,7 +89,7 @@ class ActivationCache:
                                     hidden=self.hidden, codec=codec_code(dtype), all_tokens=positions == "all",
                                     layer=self.layer, pooling=_C.POOLINGS["none" if positions == "all" else positions],
                                     recompute_batch=self.batch_size)
-        self._tiers = Tiers(self._store, host_bytes)
+        self._tiers = Tiers(self._store, host_bytes, device_bytes, None if self.device == "cpu" else self.device)
 
     @classmethod
     def build(cls, encoder, input_ids, attention_mask=None, token_type_ids=None, example_ids=None, layer=-1,
@@ -80,9 +99,11 @@ class ActivationCache:
         example, the pooled vector ("cls"/"mean") or every real token's state ("all") of
         `layer` (0..L, negatives from the end), encoded as float32/float16/bfloat16/int8.
 
-        Tiers fill in order under the budgets: host memory (`host_bytes`, None = no limit),
-        then disk (`disk_dir`); what fits nowhere, and examples beyond `max_fraction`, are
-        recomputed when read. With `disk_dir` the cache persists there and a killed build
+        Tiers fill in order under the budgets: the encoder's CUDA device (`device_bytes`, None or
+        0 = none; needs an encoder on CUDA), host memory (`host_bytes`, None = no limit), then
+        disk (`disk_dir`); what fits nowhere, and examples beyond `max_fraction`, are
+        recomputed when read. Device-tier rows are decoded on the device: batches read with
+        output="device" are gathered there without a host round trip. With `disk_dir` the cache persists there and a killed build
         resumes; a directory holding another model's or other inputs' cache is refused unless
         `rebuild=True`."""
         self = cls._blank()
@@ -96,10 +117,7 @@ class ActivationCache:
         _check_bytes("host_bytes", host_bytes)
         if not (isinstance(max_fraction, (int, float)) and 0.0 <= max_fraction <= 1.0):
             raise InputError(f"max_fraction must be in [0, 1], got {max_fraction!r}")
-        if device_bytes:
-            if encoder.device == "cpu":
-                raise InputError("device_bytes needs an encoder on a CUDA device; this one runs on the CPU")
-            raise UnsupportedError("the device-memory tier is not available in this version; use host_bytes/disk_dir")
+        _check_device_tier(encoder, device_bytes)
         L = encoder.num_layers
         if not isinstance(layer, (int, np.integer)) or not -(L + 1) <= layer <= L:
             raise InputError(f"layer must be an int in 0..{L} (or -1..-{L + 1}), got {layer!r}")
@@ -116,7 +134,7 @@ class ActivationCache:
             if (c > 1).any():
                 raise InputError(f"duplicate example id {int(u[c > 1][0])} ({int((c > 1).sum())} duplicated ids)")
         self._setup(encoder, int(layer) % (L + 1), positions, dtype, batch_size, encoder.hidden_size, ex, tokens, types,
-                    offsets, max_fraction, host_bytes)
+                    offsets, max_fraction, host_bytes, device_bytes=device_bytes)
         entries = []
         if disk_dir is not None:
             entries = self._open_dir_for_build(disk_dir, rebuild)
@@ -192,12 +210,16 @@ class ActivationCache:
         return None
 
     @classmethod
-    def open(cls, path, encoder=None, input_ids=None, attention_mask=None, token_type_ids=None, host_bytes=None):
+    def open(cls, path, encoder=None, input_ids=None, attention_mask=None, token_type_ids=None, host_bytes=None,
+             device_bytes=None):
         """Reopen a cache directory. With `encoder`, refuses a cache built with another model
         and recomputes uncached examples; with inputs, refuses a cache of other inputs.
         Every file is checked against the manifest and itself now (sizes, headers, contents;
-        checksums of shards copied to memory), and disk shards' checksums before first use."""
+        checksums of shards copied to memory), and disk shards' checksums before first use.
+        `device_bytes` (with an encoder on CUDA): shards copied to the device tier first."""
         _check_bytes("host_bytes", host_bytes)
+        _check_bytes("device_bytes", device_bytes)
+        _check_device_tier(encoder, device_bytes)
         self = cls._blank()
         self.path = os.path.abspath(os.fspath(path))
         man = persist.read_manifest(self.path)
@@ -216,7 +238,7 @@ class ActivationCache:
             raise CacheCorruptError(f"{self.path}: {len(missing)} shard file(s) are missing, e.g. {missing[0]}")
         self._setup(encoder, st["layer"], st["positions"], st["dtype"], st["batch_size"], st["hidden"],
                     idx["example_ids"], idx["tokens"], idx["types"], idx["offsets"], st["max_fraction"], host_bytes,
-                    fingerprints=idx["fingerprints"])
+                    fingerprints=idx["fingerprints"], device_bytes=device_bytes)
         self._manifest = man
         self._err, self._build_seconds = man["error"], man["build_seconds"]
         self._load_shards(man["shards"])
@@ -237,10 +259,11 @@ class ActivationCache:
             if e["rows"] != rows:
                 raise CacheCorruptError(f"{where}.rows is {e['rows']}, the build plan's batch {b} has {rows} rows")
             nbytes = rows * self._row_bytes
-            to_host = self._tiers.fits_host(nbytes)
-            arrs, mm = persist.open_shard(self.path, e, self._manifest, ex, self.example_ids[ex], rows, verify=to_host)
+            to_memory = self._tiers.fits_memory(nbytes)   # copied to the device or the host: checked now
+            arrs, mm = persist.open_shard(self.path, e, self._manifest, ex, self.example_ids[ex], rows,
+                                          verify=to_memory)
             self._tiers.place(ex, arrs["values"], arrs.get("scales"), nbytes, (e["file"], e["bytes"], e["crc32c"]),
-                              mapped=mm, verified=to_host)
+                              mapped=mm, verified=to_memory)
 
     def _encode_batch(self, idx):
         """Run the encoder on examples idx, padded to the longest of them; returns float32 rows
@@ -282,7 +305,7 @@ class ActivationCache:
             self._manifest["build_seconds"] = self._build_seconds + time.perf_counter() - t0
             persist.write_manifest(self.path, self._manifest)
             mm = None
-            if not self._tiers.fits_host(nbytes):   # served from the file just written: free the memory
+            if not self._tiers.fits_memory(nbytes):   # served from the file just written: free the memory
                 arrs, mm = persist.open_shard(self.path, entry, self._manifest, idx, self.example_ids[idx], len(vals),
                                               verify=False)
                 vals, sc = arrs["values"], arrs.get("scales")
@@ -327,17 +350,25 @@ class ActivationCache:
         ids[mask], tys[mask] = self._tokens[pos], self._types[pos]
         return ids, mask.astype(np.int32), tys
 
-    def get(self, example_ids, output="numpy", ragged=False, out=None):
+    def _output_index(self, output, device):
+        if output not in ("numpy", "device"):
+            raise InputError(f"output must be 'numpy' or 'device', got {output!r}")
+        if device is not None and output != "device":
+            raise InputError("device= goes with output='device'")
+        return _device_index(self.device if device is None else device, "device")
+
+    def get(self, example_ids, output="numpy", ragged=False, out=None, device=None):
         """A batch for `example_ids`: pooled caches give (batch, hidden); positions="all" gives
         (values (batch, longest, hidden), attention_mask (batch, longest)), or with
         ragged=True (values (total_tokens, hidden), offsets (batch + 1)). float32 NumPy, or
-        fasttran.Tensor with output="device". `out`: a float32 buffer with room for the
-        batch, written from its start (the values returned are a view of it): one C call
-        gathers into it from every tier, with fasttran's threads."""
-        if output not in ("numpy", "device"):
-            raise InputError(f"output must be 'numpy' or 'device', got {output!r}")
+        with output="device" a fasttran.Tensor in the memory of `device` (None: the cache's
+        `device`, the encoder's: a CUDA device, or the CPU): rows of the device tier are
+        decoded there, the others copied up. `out`: a float32 buffer with room for the batch
+        (a NumPy array, or a CUDA fasttran.Tensor for a CUDA output), written from its start
+        (the values returned are a view of it): one C call gathers into it from every tier."""
+        index = self._output_index(output, device)
         return self._store.read(example_ids=example_ids, ragged=bool(ragged), out=out, encoder=self._encoder_core(),
-                                device=output == "device")
+                                device=output == "device", device_index=index)
 
     def _epoch_order(self, shuffle, seed, sampling, chunk_bytes, passes_per_chunk):
         rng = np.random.default_rng(seed)
@@ -361,7 +392,7 @@ class ActivationCache:
         return np.concatenate(groups)
 
     def batches(self, batch_size, shuffle=True, seed=None, drop_last=False, sampling="random", chunk_bytes=None,
-                passes_per_chunk=1, prefetch=None, output="numpy", ragged=False, start=0):
+                passes_per_chunk=1, prefetch=None, output="numpy", ragged=False, start=0, device=None):
         """Iterate one epoch: yields (example_ids, batch) with batch as from :meth:`get`. The
         next `prefetch` batches are read ahead on a C thread while the caller computes (None:
         as many as fit in 64 MiB, 2 to 8, so that a reader thread the OS schedules late
@@ -370,6 +401,8 @@ class ActivationCache:
         at most `chunk_bytes` in storage order; chunks come in random order and each is
         shuffled and read `passes_per_chunk` times before moving on. `start` skips the first
         batches of the epoch (resuming an interrupted one: the order depends only on `seed`).
+        output="device" (and `device`) as in :meth:`get`: each batch is a fasttran.Tensor over one
+        of the reader's device buffers, given back when the Tensor dies.
         The iterator's close() stops the reader (also done when it is exhausted or freed)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -380,8 +413,7 @@ class ActivationCache:
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer))
                                      or prefetch < 1):
             raise InputError(f"prefetch must be None or an int >= 1, got {prefetch!r}")
-        if output not in ("numpy", "device"):
-            raise InputError(f"output must be 'numpy' or 'device', got {output!r}")
+        index = self._output_index(output, device)
         if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
             raise InputError(f"start must be an int >= 0, got {start!r}")
         bs = int(batch_size)
@@ -393,7 +425,8 @@ class ActivationCache:
             per = 4 * self.hidden * (int(self._lengths.max(initial=1)) if self.positions == "all" else 1)
             prefetch = int(np.clip((64 << 20) // max(1, bs * per), 2, 8))
         return self._store.reader(order=order, batch_size=bs, ragged=bool(ragged), depth=int(prefetch),
-                                  encoder=self._encoder_core(), device=output == "device", threads=_READER_THREADS)
+                                  encoder=self._encoder_core(), device=output == "device", threads=_READER_THREADS,
+                                  device_index=index)
 
     # ---- information -------------------------------------------------------------------------
     def __len__(self):
@@ -444,7 +477,9 @@ class ActivationCache:
             nbytes = sum(e["bytes"] for e in self._manifest["shards"]) + self._manifest["index"]["bytes"]
             files = f", files on disk={nbytes / 2**20:.1f} MiB, path={self.path!r}"
         return (f"ActivationCache(examples={s['examples']}, layer={self.layer}, positions={self.positions!r}, "
-                f"dtype={self.dtype!r}, host={t['host']['bytes'] / 2**20:.1f} MiB, "
+                f"dtype={self.dtype!r}, "
+                + (f"device ({self.device})={t['device']['bytes'] / 2**20:.1f} MiB, " if t["device"]["entries"] else "")
+                + f"host={t['host']['bytes'] / 2**20:.1f} MiB, "
                 f"disk tier={t['disk']['bytes'] / 2**20:.1f} MiB, uncached={t['uncached']['entries']}{files})")
 
     def _repr_html_(self):

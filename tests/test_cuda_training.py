@@ -1,0 +1,439 @@
+"""Issue 14 on CUDA: the cache's device tier, and the Trainer on device="cuda".
+
+Runs on a GPU, and without one on the CUDA emulator (FASTTRAN_CUDA=emu build, FASTTRAN_CUDA_EMU=1),
+unchanged. The references are the same encoder's host-tier cache (the device tier must return
+the same bits) and the CPU Trainer (a head trained on CUDA equals it within fp32 rounding: the
+emulated cuBLAS and the CPU GEMMs add in different orders). What the emulator cannot check --
+stream overlap, real copy speed -- is left to a GPU run (docs/architecture.md)."""
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import fasttran
+from fasttran import _C
+
+pytestmark = pytest.mark.skipif(not fasttran.cuda_available(),
+                                reason="no usable CUDA device: " + str(fasttran.build_info()["cuda"]["unavailable_reason"]))
+
+from conftest import make_checkpoint  # noqa: E402
+from test_random_models import AWKWARD, batch  # noqa: E402
+
+CODECS = ("float32", "float16", "bfloat16", "int8")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("m") / "m"), **AWKWARD)
+
+
+@pytest.fixture(scope="module")
+def enc_cuda(model):
+    return fasttran.Encoder.from_pretrained(model, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return batch(np.random.default_rng(0), 26, 19, pad_frac=0.6)
+
+
+def values(b, positions):
+    return b[0] if positions == "all" else b
+
+
+def host(x):
+    return x.numpy() if isinstance(x, fasttran.Tensor) else x
+
+
+# ---- the device tier -------------------------------------------------------------------------------
+@pytest.mark.parametrize("positions", ["mean", "all"])
+@pytest.mark.parametrize("dtype", CODECS)
+def test_device_tier_returns_the_host_tiers_bits(enc_cuda, inputs, positions, dtype, tmp_path):
+    """Shards spread over the device, host memory and disk; every read path (get into host or
+    device memory, padded and ragged, the prefetching reader) returns exactly what an all-host
+    cache of the same encoder returns: the device decodes f16/bf16/int8 as the CPU does. (Not
+    uncached examples: the CUDA encoder's bits depend on the batch an example is recomputed in.)"""
+    ids, mask, types = inputs
+    kw = dict(positions=positions, dtype=dtype, batch_size=4, show_progress=False)
+    ref = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, **kw)
+    row = ref._row_bytes * (1 if positions == "mean" else 12)
+    c = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, device_bytes=8 * row, host_bytes=6 * row,
+                                       disk_dir=tmp_path / "c", **kw)
+    t = c.stats()["tiers"]
+    assert t["device"]["entries"] and t["host"]["entries"] and t["disk"]["entries"], t
+    assert c.device == "cuda:0" and "device (cuda:0)" in repr(c)
+    order = np.random.default_rng(1).permutation(len(ids))
+    for ragged in ((False, True) if positions == "all" else (False,)):
+        a = ref.get(order, ragged=ragged)
+        for got in (c.get(order, ragged=ragged), c.get(order, ragged=ragged, output="device")):
+            v = values(got, positions)
+            assert np.array_equal(host(v), values(a, positions))
+            if positions == "all":
+                assert np.array_equal(got[1], a[1])
+        assert values(c.get(order, ragged=ragged, output="device"), positions).device == "cuda:0"
+        got = list(c.batches(5, seed=3, output="device", ragged=ragged))
+        want = list(ref.batches(5, seed=3, ragged=ragged))
+        assert len(got) == len(want)
+        for (i1, b1), (i2, b2) in zip(got, want):
+            assert np.array_equal(i1, i2)
+            assert values(b1, positions).device == "cuda:0"
+            assert np.array_equal(values(b1, positions).numpy(), values(b2, positions))
+
+
+def test_fp32_device_cache_is_the_encoders_output(enc_cuda, inputs):
+    """fp32 device tier, pooled: each example's row is bit for bit what the CUDA encoder gives for
+    its build batch (the plan pads a batch to its longest, and the CUDA encoder's output for an
+    example is read at that padding)."""
+    ids, mask, types = inputs
+    c = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, positions="mean", batch_size=5,
+                                       device_bytes=1 << 20, show_progress=False)
+    assert c.stats()["tiers"]["device"]["entries"] == len(ids)
+    for b in range(c._plan.n_batches):
+        idx = c._plan.shard_examples(b, len(ids))
+        ex_ids, ex_mask, ex_types = c.inputs(c.example_ids[idx])
+        want = enc_cuda.forward(ex_ids, ex_mask, ex_types, output_layers=c.layer, pooling="mean")
+        assert np.array_equal(c.get(c.example_ids[idx], output="device").numpy(), want)
+
+
+def test_device_tier_out_buffer_and_uncached_on_device(enc_cuda, inputs):
+    ids, mask, types = inputs
+    c = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, positions="all", batch_size=4,
+                                       device_bytes=1 << 20, show_progress=False)
+    u = fasttran.ActivationCache.uncached(enc_cuda, ids, mask, types, positions="all", batch_size=4)
+    ex = np.arange(7)
+    want, offs = c.get(ex, ragged=True)
+    out = fasttran.from_dlpack(np.full(want.size + 100, np.nan, np.float32)).to("cuda")
+    v, o = c.get(ex, ragged=True, output="device", out=out)
+    assert v.data_ptr == out.data_ptr and np.array_equal(v.numpy(), want) and np.array_equal(o, offs)
+    # recomputed on the host side, then copied up (CUDA bits depend on the batch: fp32 rounding)
+    assert np.allclose(u.get(ex, ragged=True, output="device")[0].numpy(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(fasttran.InputError, match="room for"):
+        c.get(ex, ragged=True, output="device", out=fasttran.from_dlpack(np.zeros(5, np.float32)).to("cuda"))
+    with pytest.raises(fasttran.InputTypeError, match="cuda:0"):
+        c.get(ex, ragged=True, output="device", out=np.zeros(want.size, np.float32))
+
+
+def test_device_tier_persists_and_reopens(enc_cuda, inputs, tmp_path):
+    ids, mask, types = inputs
+    kw = dict(positions="mean", dtype="int8", batch_size=4, show_progress=False)
+    c = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, device_bytes=1 << 20, disk_dir=tmp_path / "c", **kw)
+    want = c.get(np.arange(len(ids)))
+    r = fasttran.ActivationCache.open(tmp_path / "c", encoder=enc_cuda, device_bytes=300)
+    t = r.stats()["tiers"]
+    assert t["device"]["entries"] and t["host"]["entries"]
+    assert np.array_equal(r.get(np.arange(len(ids)), output="device").numpy(), want)
+    with pytest.raises(fasttran.InputError, match="device_bytes needs an encoder on a CUDA device"):
+        fasttran.ActivationCache.open(tmp_path / "c", device_bytes=300)
+
+
+def test_device_tier_refused_on_the_cpu(model, inputs):
+    ids, mask, types = inputs
+    cpu = fasttran.Encoder.from_pretrained(model)
+    with pytest.raises(fasttran.InputError, match="device_bytes needs an encoder on a CUDA device"):
+        fasttran.ActivationCache.build(cpu, ids, mask, types, device_bytes=1 << 20)
+    c = fasttran.ActivationCache.build(cpu, ids, mask, types, positions="mean", show_progress=False)
+    assert c.device == "cpu"
+    assert c.get([0, 1], output="device").device == "cpu"            # as before: a CPU Tensor
+    t = c.get([0, 1], output="device", device="cuda")                  # a CPU cache read into CUDA memory
+    assert t.device == "cuda:0" and np.array_equal(t.numpy(), c.get([0, 1]))
+    with pytest.raises(fasttran.InputError, match="device= goes with output='device'"):
+        c.get([0, 1], device="cuda")
+
+
+def test_device_tier_frees_its_memory(model, inputs):
+    """Shards, batches and staging are released with the cache and the reader (the emulator poisons and
+    tracks every allocation: a device buffer read after it was freed would fail a later read); every
+    device and pinned allocation made meanwhile is freed (counted by the emulator)."""
+    ids, mask, types = inputs
+    enc = fasttran.Encoder.from_pretrained(model, device="cuda")
+    enc.forward(*[a[:4] for a in inputs])   # the encoder's own workspace, kept with it
+    before = emu_counters()
+    for _ in range(2):
+        c = fasttran.ActivationCache.build(enc, ids, mask, types, positions="all", batch_size=4, device_bytes=1 << 20,
+                                           show_progress=False)
+        it = c.batches(4, output="device", ragged=True)
+        first = next(it)
+        it.close()
+        want = c.get(first[0], ragged=True)[0]
+        del c, it
+        gc.collect()
+        assert np.array_equal(first[1][0].numpy(), want)   # a batch handed out outlives its reader and cache
+        del first
+        gc.collect()
+    if before is not None:
+        d = [b - a for a, b in zip(before, emu_counters())]
+        assert d[0] == d[1] > 0 and d[2] == d[12] > 0, f"{d[0]} / {d[1]} device, {d[2]} / {d[12]} pinned allocations / frees"
+
+
+# ---- the Trainer on CUDA ---------------------------------------------------------------------------
+def emu_counters():
+    """(cudaMalloc, cudaFree, pinned allocations, H2D copies, H2D bytes, D2H copies, D2H bytes, D2D copies,
+    stream syncs, event records, stream waits, event syncs, pinned frees) of the emulator since it loaded;
+    None on a real GPU"""
+    if not fasttran.build_info()["cuda"]["emulated"]:
+        return None
+    import ctypes
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(fasttran.__file__), "libfasttran_cuda_emu.so"))
+    out = (ctypes.c_longlong * 13)()
+    lib.ftemu_counters(out)
+    return list(out)
+
+
+@pytest.fixture(scope="module")
+def features(model, inputs):
+    """one CPU-encoder cache per positions: both trainers read the same features"""
+    ids, mask, types = inputs
+    enc = fasttran.Encoder.from_pretrained(model)
+    return {p: fasttran.ActivationCache.build(enc, ids, mask, types, positions=p, batch_size=8, show_progress=False)
+            for p in ("mean", "all")}
+
+
+def qa_targets(cache, rng):
+    """answer spans inside each example's context (token type 1, not its last token)"""
+    ctx = fasttran.Trainer._context(cache, cache.example_ids, int(cache.lengths.max()))
+    s = np.array([rng.choice(np.flatnonzero(r)) for r in ctx])
+    e = np.array([rng.choice(np.flatnonzero(r[a:])) + a for r, a in zip(ctx, s)])
+    return s, e
+
+
+def close(a, b, rtol=2e-5):
+    """equal within fp32 rounding of a few steps: the GEMMs add in other orders on the two backends"""
+    return np.abs(a - b).max() <= rtol * max(1.0, np.abs(b).max()) * 10
+
+
+@pytest.mark.parametrize("head,optimizer", [("classification", "lamb"), ("classification", "adamw"),
+                                            ("classification-pooler", "lamb"), ("qa", "adamw"), ("qa", "lamb")])
+def test_cuda_trainer_matches_the_cpu_trainer(features, head, optimizer):
+    """A head trained on CUDA (heads, loss, clipping, fused optimizer on the device; batches read into
+    device memory) equals the CPU-trained one within fp32 rounding after 3 epochs, loss by loss."""
+    cache = features["all" if head == "qa" else "mean"]
+    y = qa_targets(cache, np.random.default_rng(2)) if head == "qa" else np.random.default_rng(1).integers(0, 3, len(cache))
+    kw = dict(optimizer=optimizer, epochs=3, batch_size=7, show_progress=False, lr=0.05 if head == "qa" else None,
+              num_labels=None if head == "qa" else 3, dropout=0.2, max_grad_norm=0.5)
+    cpu = fasttran.Trainer(head, **kw)
+    cpu.fit(cache, y)
+    gpu = fasttran.Trainer(head, device="cuda", **kw)
+    assert gpu.device == "cuda:0"
+    gpu.fit(cache, y)
+    assert gpu.optimizer.device == "cuda:0" and gpu.global_step == cpu.global_step == 12
+    for name, t in gpu.head.tensors.items():
+        if head == "qa" and name == "qa_outputs.bias":
+            # its gradient is zero up to rounding (softmax - one-hot sums to 0 over every row), so
+            # Adam's normalised step follows the rounding noise of each backend: only bounded
+            assert np.abs(t).max() <= 12 * kw["lr"]
+            continue
+        assert close(t, cpu.head.tensors[name]), (name, np.abs(t - cpu.head.tensors[name]).max())
+    assert not np.array_equal(gpu.head.params, _fresh_params(gpu.head))   # it trained
+    for (s1, l1), (s2, l2) in zip(gpu.loss_curve, cpu.loss_curve):
+        assert s1 == s2 and abs(l1 - l2) <= 1e-4 * max(1.0, abs(l2))
+    if head != "qa":
+        assert gpu.history[-1]["train_accuracy"] == cpu.history[-1]["train_accuracy"]
+        ev_g, ev_c = gpu.evaluate(cache, y), cpu.evaluate(cache, y)
+        assert abs(ev_g["loss"] - ev_c["loss"]) <= 1e-5
+
+
+def _fresh_params(head):
+    from fasttran.heads import _Head
+    h = _Head.from_config(head.config())
+    return h.params
+
+
+def test_cuda_trainer_resumes_exactly_and_loads_on_the_cpu(features, tmp_path):
+    cache = features["mean"]
+    y = np.random.default_rng(3).integers(0, 2, len(cache))
+    kw = dict(epochs=3, batch_size=6, show_progress=False, device="cuda", seed=5)
+    full = fasttran.Trainer("classification-pooler", **kw)
+    full.fit(cache, y)
+    part = fasttran.Trainer("classification-pooler", **kw)
+    part.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=7)   # mid-epoch 2
+    assert part.global_step == 7
+    rest = fasttran.Trainer("classification-pooler", **kw)
+    rest.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    assert rest.global_step == full.global_step
+    assert np.array_equal(rest.head.params, full.head.params)   # bit for bit, as on the CPU
+    m1, v1 = (np.asarray(a) for a in fasttran.optim.flat_state(rest.optimizer)[1:])
+    m2, v2 = (np.asarray(a) for a in fasttran.optim.flat_state(full.optimizer)[1:])
+    assert np.array_equal(m1, m2) and np.array_equal(v1, v2)
+    full.save(str(tmp_path / "done"))
+    back = fasttran.Trainer.load(str(tmp_path / "done"), device="cpu", show_progress=False)
+    assert back.device == "cpu" and np.array_equal(back.head.params, full.head.params)
+    assert back.evaluate(cache, y) == full.evaluate(cache, y)
+    again = fasttran.Trainer.load(str(tmp_path / "done"), show_progress=False)   # the checkpoint's device
+    assert again.device == "cuda:0" and again.optimizer.device == "cuda:0"
+    assert np.array_equal(np.asarray(fasttran.optim.flat_state(again.optimizer)[1]), m2)
+
+
+def test_cuda_trainer_on_the_device_tier(enc_cuda, inputs):
+    """Features built by the CUDA encoder into the device tier (int8, decoded on the device) train the
+    same head as the same features read from the host tier, bit for bit: both paths hand the
+    kernels the same device buffer contents."""
+    ids, mask, types = inputs
+    kw = dict(positions="mean", dtype="int8", batch_size=8, show_progress=False)
+    dev = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, device_bytes=1 << 20, **kw)
+    hostc = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, **kw)
+    assert dev.stats()["tiers"]["device"]["entries"] == len(ids)
+    y = np.random.default_rng(4).integers(0, 2, len(ids))
+    a = fasttran.Trainer("classification", device="cuda", epochs=2, batch_size=5, show_progress=False)
+    a.fit(dev, y)
+    b = fasttran.Trainer("classification", device="cuda", epochs=2, batch_size=5, show_progress=False)
+    b.fit(hostc, y)
+    assert np.array_equal(a.head.params, b.head.params)
+
+
+def test_a_cuda_training_step_allocates_nothing(features):
+    """After the first step, a step makes no device or pinned allocation: head buffers, workspace,
+    gradients, optimizer state and tables are kept (counted by the emulator)."""
+    if emu_counters() is None:
+        pytest.skip("allocation counts come from the emulator")
+    cache = features["mean"]
+    y = np.random.default_rng(5).integers(0, 2, len(cache))
+    tr = fasttran.Trainer("classification-pooler", device="cuda", epochs=1, batch_size=4, show_progress=False)
+    y32 = tr._prepare(cache, y)
+    spe, total, warm, grads, gviews = tr._loop_setup(len(cache))
+    tr._cuda.ensure(4, 1)
+    order = np.arange(len(cache))
+    batches = [(cache.example_ids[order[a:a + 4]], cache.get(cache.example_ids[order[a:a + 4]], output="device",
+                                                              device="cuda")) for a in range(0, len(cache), 4)]
+    tr._step(cache, y32, *batches[0], grads, gviews, total, warm)   # the first step sizes the optimizer's tables
+    before = emu_counters()
+    for ids, x in batches[1:]:
+        tr._step(cache, y32, ids, x, grads, gviews, total, warm)
+    after = emu_counters()
+    steps = len(batches) - 1
+    d = [b - a for a, b in zip(before, after)]
+    assert d[0] == 0 and d[2] == 0, f"{d[0]} device and {d[2]} pinned allocations in {steps} steps"
+    assert d[1] == 0, "device memory freed during steps"
+    # per step: up the labels and the optimizer's coefficients; down the loss, the logits (accuracy)
+    # and the optimizer's norm / finiteness verdict, each a wait for the stream; nothing else
+    assert d[3] == 2 * steps and d[5] == 3 * steps and d[8] == 3 * steps, d
+
+
+def test_cuda_trainer_refusals(features):
+    with pytest.raises(fasttran.UnsupportedError, match="train_layers > 0"):
+        fasttran.Trainer("classification", device="cuda", train_layers=1)
+    with pytest.raises(fasttran.InputError, match="device must be"):
+        fasttran.Trainer("classification", device="cuda:x")
+    cache = features["mean"]
+    y = np.zeros(len(cache), np.int64)
+    y[1] = 5
+    tr = fasttran.Trainer("classification", device="cuda", num_labels=2, show_progress=False)
+    with pytest.raises(fasttran.InputError, match="outside"):
+        tr.fit(cache, y)
+    x = cache.get(cache.example_ids[:4])
+    x[2, 3] = np.nan
+    bad = fasttran.ActivationCache.build(fasttran.Encoder.from_pretrained(cache.encoder.path), *cache.inputs(
+        cache.example_ids[:4]), positions="mean", show_progress=False)
+    bad._tiers.shards[0].values[...] = x   # a NaN feature in the host tier
+    tr = fasttran.Trainer("classification", device="cuda", num_labels=2, show_progress=False, batch_size=4)
+    with pytest.raises(FloatingPointError, match="step 1"):
+        tr.fit(bad, np.zeros(4, np.int64))
+
+
+# ---- the optimizer step's host side (item 4) -------------------------------------------------------
+@pytest.mark.parametrize("kind", ["lamb", "adamw"])
+def test_optimizer_tables_stay_on_the_device(kind):
+    """200 CUDA tensors: after the first step a step allocates nothing and copies up only the
+    coefficients (one entry per distinct (group, update count)) and each tensor's index into them;
+    the tensor and chunk tables are sent again only when an address changes (here: a tensor sits a
+    step out). The result still follows the float64 reference (tests/test_optim.py)."""
+    c0 = emu_counters()
+    if c0 is None:
+        pytest.skip("copy counts come from the emulator")
+    import test_optim as ref
+    from fasttran.optim import AdamW, LAMB
+    rng = np.random.default_rng(7)
+    shapes = [(int(rng.integers(1, 40)), int(rng.integers(1, 30))) for _ in range(200)]
+    w32 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    params = [fasttran.from_dlpack(x).to("cuda") for x in w32]
+    grads = [fasttran.from_dlpack(np.zeros(s, np.float32)).to("cuda") for s in shapes]
+    opt = (LAMB if kind == "lamb" else AdamW)(params, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
+    w64, m64, v64 = [x.astype(np.float64) for x in w32], [np.zeros(s) for s in shapes], [np.zeros(s) for s in shapes]
+    per_step = []
+    for t in range(1, 6):
+        g32 = [(rng.standard_normal(s) * 0.1).astype(np.float32) for s in shapes]
+        for g, x in zip(grads, g32):   # the gradients change in place (as a backward pass writes them)
+            _C.device_write(g, x)
+        before = emu_counters()
+        opt.step(grads)
+        per_step.append([b - a for a, b in zip(before, emu_counters())])
+        ref.ref_step(kind, w64, [x.astype(np.float64) for x in g32], m64, v64, t, 1e-3, 0.9, 0.999, opt.eps,
+                     opt.decays, 1.0)
+    assert ref.rel_err([p.numpy() for p in params], w64) <= 1e-5
+    coef_bytes = 256 * ((200 * 4 + 255) // 256) + 48   # coef_of (200 int32, padded) + one coefficient entry
+    for d in per_step[1:]:
+        assert d[0] == d[1] == d[2] == 0, f"allocations in a steady step: {d}"
+        assert d[3] == 1 and d[4] == coef_bytes, f"host-to-device copies {d[3]} of {d[4]} bytes"
+        assert d[5] == 1   # the norm / finiteness verdict (check_finite): one small copy down
+    # a tensor without a gradient: the active set changes, the tables go up again, then stay
+    g = list(grads)
+    g[3] = None
+    before = emu_counters()
+    opt.step(g)
+    d = [b - a for a, b in zip(before, emu_counters())]
+    assert d[3] == 2 and d[0] == 0   # tables + coefficients (two entries: one tensor's count lags)
+    before = emu_counters()
+    opt.step(g)
+    d = [b - a for a, b in zip(before, emu_counters())]
+    assert d[3] == 1 and d[4] == coef_bytes
+
+
+def test_device_reader_prefetches_on_a_side_stream(enc_cuda, inputs):
+    """The device reader queues each batch's copies and decoding on its own stream and orders them with
+    events instead of waiting for the backend's stream: per batch one `ready` event (recorded by the
+    reader, waited for by the consumer before the batch is handed out) and one `released` event
+    (recorded when the batch is given back, waited for by the side stream before the buffer is
+    overwritten); the backend's stream is synchronised only on a buffer's first use. The emulator's
+    streams are synchronous, so this checks the protocol is followed, not the overlap (a GPU run)."""
+    if emu_counters() is None:
+        pytest.skip("event counts come from the emulator")
+    ids, mask, types = inputs
+    c = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, positions="all", batch_size=4, device_bytes=30000,
+                                       show_progress=False)
+    assert c.stats()["tiers"]["device"]["entries"] and c.stats()["tiers"]["host"]["entries"]
+    want = [(i, b[0]) for i, b in c.batches(2, seed=9, ragged=True)]
+    before = emu_counters()
+    n = 0
+    for (i, (x, _)), (wi, wx) in zip(c.batches(2, seed=9, ragged=True, output="device", prefetch=2), want):
+        assert np.array_equal(i, wi) and np.array_equal(x.numpy(), wx)
+        n += 1
+        del x
+    d = [b - a for a, b in zip(before, emu_counters())]
+    buffers = 3   # prefetch 2 + the one being consumed
+    assert n == 13
+    assert d[9] == 2 * n, f"{d[9]} events recorded for {n} batches (ready + released each)"
+    assert d[10] == n - buffers, f"{d[10]} stream waits: every reuse of a buffer waits for its release"
+    assert d[11] >= n, "the consumer waits for each batch's ready event"
+
+
+def test_device_tier_stops_where_the_device_is_full(enc_cuda, inputs, monkeypatch):
+    """device_bytes larger than the device holds: the tier takes what fits, the rest goes to the host
+    (a device that is full after the first shard: its allocations fail with MemoryError, as
+    cudaMalloc's out-of-memory does through the binding)."""
+    ids, mask, types = inputs
+    from fasttran.cache import tiers
+    calls = []
+
+    class FullDevice:
+        def __init__(self, t):
+            self.t = t
+
+        def to(self, device):
+            calls.append(device)
+            if len(calls) > 1:
+                raise MemoryError("cannot allocate on cuda:0: out of memory")
+            return self.t.to(device)
+
+    class FakeC:
+        class Tensor:
+            @staticmethod
+            def from_dlpack(a):
+                return FullDevice(_C.Tensor.from_dlpack(a))
+    monkeypatch.setattr(tiers, "_C", FakeC)
+    c = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, positions="mean", batch_size=4,
+                                       device_bytes=1 << 30, show_progress=False)
+    monkeypatch.undo()
+    t = c.stats()["tiers"]
+    assert len(calls) == 2 and t["device"]["entries"] == 4 and t["host"]["entries"] == len(ids) - 4
+    ref = fasttran.ActivationCache.build(enc_cuda, ids, mask, types, positions="mean", batch_size=4, show_progress=False)
+    assert np.array_equal(c.get(np.arange(len(ids)), output="device").numpy(), ref.get(np.arange(len(ids))))
