@@ -9,10 +9,14 @@
 #   bash .ci/gpu_session.sh bench base # benchmarks/test_gpu_encoder.py on BERT-base (bf16 vs SDPA and
 #                                      # torch.compile); "large" for BERT-large (one model per call: time)
 #   bash .ci/gpu_session.sh optim      # benchmarks/test_gpu_optim.py (LAMB/AdamW vs torch fused, timm)
+#   bash .ci/gpu_session.sh table1     # benchmarks/gpu_table1.py: FastTran's Table 1 (SQuAD, 3,433
+#                                      # features, 5 epochs), then --accuracy (MiniLM, CUDA vs CPU EM/F1)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
 #
 # Carry: .whl (the scipy-openblas32 wheel for python 3.12, see the device README) and, for the real
-# MiniLM case, .minilm-bf16 (config.json + model.safetensors in bf16: FASTTRAN_MINILM_BF16).
+# MiniLM case, .minilm-bf16 (config.json + model.safetensors in bf16 + tokenizer files:
+# FASTTRAN_MINILM_BF16); for table1, .bench-data (squad/train-subset-v1.1.json, squad/dev-v1.1.json).
+# The carry limit is 64 MiB a call: .whl + .minilm-bf16 + .bench-data + the repo is about 62 MB.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -62,12 +66,20 @@ phase_optim() {
     cp benchmarks/last_gpu_optim.json "$OUT/" 2>/dev/null || true
 }
 
+phase_table1() {
+    python3 benchmarks/gpu_table1.py --data .bench-data --model .minilm-bf16 --json "$OUT/table1.json" 2>&1 \
+        | tee "$OUT/table1.log" | tail -25
+    python3 benchmarks/gpu_table1.py --data .bench-data --model .minilm-bf16 --accuracy --epochs 2 \
+        --json "$OUT/table1_accuracy.json" 2>&1 | tee "$OUT/table1_accuracy.log" | tail -20
+}
+
 case "${1:-all}" in
     build) phase_build ;;
     test) phase_test ;;
     sanitize) phase_sanitize ;;
     bench) phase_bench "${2:-base}" ;;
     optim) phase_optim ;;
+    table1) phase_table1 ;;
     all) phase_build && phase_test && phase_sanitize ;;
-    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|all" >&2; exit 2 ;;
+    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|table1|all" >&2; exit 2 ;;
 esac
