@@ -9,6 +9,7 @@
 #   bash .ci/gpu_session.sh bench base # benchmarks/test_gpu_encoder.py on BERT-base (bf16 vs SDPA and
 #                                      # torch.compile); "large" for BERT-large (one model per call: time)
 #   bash .ci/gpu_session.sh optim      # benchmarks/test_gpu_optim.py (LAMB/AdamW vs torch fused, timm)
+#   bash .ci/gpu_session.sh cache      # benchmarks/test_gpu_cache.py (tier read rates, prefetch overlap)
 #   bash .ci/gpu_session.sh table1     # benchmarks/gpu_table1.py: FastTran's Table 1 (SQuAD, 3,433
 #                                      # features, 5 epochs), then --accuracy (MiniLM, CUDA vs CPU EM/F1)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
@@ -79,7 +80,9 @@ case "${1:-all}" in
     sanitize) phase_sanitize ;;
     bench) phase_bench "${2:-base}" ;;
     optim) phase_optim ;;
+    cache) python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_cache.py 2>&1 | tee "$OUT/gpu-cache.log" | tail -20
+           cp benchmarks/last_gpu_cache.json "$OUT/" 2>/dev/null || true ;;
     table1) phase_table1 ;;
     all) phase_build && phase_test && phase_sanitize ;;
-    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|table1|all" >&2; exit 2 ;;
+    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|table1|all" >&2; exit 2 ;;
 esac
