@@ -27,6 +27,7 @@ struct lt_plan {
     ft_dtype dt;
     int64_t M, N, K;
     int epilogue, accumulate;   // accumulate: D = A B + C (beta = 1)
+    uint32_t align;             // the operands' common alignment in bytes (<= 256) the algorithm may assume
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;

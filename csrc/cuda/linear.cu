@@ -17,6 +17,7 @@
 // as a column-major (K x N) matrix with op T, B = x as a column-major (K x M) matrix, m = N, n = M.
 // The bias (length m = N) runs along D's columns-major rows: one value per output column.
 #include <cstring>
+#include <initializer_list>
 
 #include "cuda_common.cuh"
 
@@ -67,6 +68,13 @@ ft_status plan_make(cuda_ctx *c, lt_plan *p) {
     const size_t ws = LT_WORKSPACE;
     cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                              sizeof ws);
+    // the alignment the operands really have: an algorithm chosen for 256-byte operands (the
+    // default promise) may fault on others (weights of odd-sized models, workspace slots)
+    const cublasLtMatmulPreferenceAttributes_t aligns[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, aligns[i], &p->align, sizeof p->align);
     cublasLtMatmulHeuristicResult_t res;
     int found = 0;
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -81,14 +89,23 @@ ft_status plan_make(cuda_ctx *c, lt_plan *p) {
     return FT_OK;
 }
 
-// the kept plan of (dt, M, N, K, epilogue, accumulate), made on first use
+// the largest power of two (<= 256) dividing every address
+uint32_t common_alignment(std::initializer_list<const void *> ps) {
+    uintptr_t bits = 256;
+    for (const void *p : ps)
+        if (p) bits |= (uintptr_t)p;
+    return (uint32_t)(bits & (~bits + 1));
+}
+
+// the kept plan of (dt, M, N, K, epilogue, accumulate, alignment), made on first use
 ft_status plan_for(ft_backend *be, ft_dtype dt, int64_t M, int64_t N, int64_t K, int epilogue, int accumulate,
-                   lt_plan **out) {
+                   uint32_t align, lt_plan **out) {
     FT_TRY(lt_ready(be));
     cuda_ctx *c = ctx_of(be);
     for (int i = 0; i < c->n_plans; i++) {
         lt_plan *p = &c->plans[i];
-        if (p->dt == dt && p->M == M && p->N == N && p->K == K && p->epilogue == epilogue && p->accumulate == accumulate) {
+        if (p->dt == dt && p->M == M && p->N == N && p->K == K && p->epilogue == epilogue &&
+            p->accumulate == accumulate && p->align == align) {
             *out = p;
             return FT_OK;
         }
@@ -96,7 +113,7 @@ ft_status plan_for(ft_backend *be, ft_dtype dt, int64_t M, int64_t N, int64_t K,
     int slot = c->n_plans < LT_PLANS ? c->n_plans++ : (c->next_plan++ % LT_PLANS);
     lt_plan *p = &c->plans[slot];
     plan_release(p);
-    p->dt = dt, p->M = M, p->N = N, p->K = K, p->epilogue = epilogue, p->accumulate = accumulate;
+    p->dt = dt, p->M = M, p->N = N, p->K = K, p->epilogue = epilogue, p->accumulate = accumulate, p->align = align;
     ft_status st = plan_make(c, p);
     if (st != FT_OK) {
         plan_release(p);
@@ -111,7 +128,7 @@ ft_status plan_for(ft_backend *be, ft_dtype dt, int64_t M, int64_t N, int64_t K,
 ft_status lt_linear(ft_backend *be, ft_dtype dt, void *out, const void *x, const void *w, const void *bias,
                     const void *residual, int64_t M, int64_t K, int64_t N, int epilogue) {
     lt_plan *p;
-    FT_TRY(plan_for(be, dt, M, N, K, epilogue, residual != nullptr, &p));
+    FT_TRY(plan_for(be, dt, M, N, K, epilogue, residual != nullptr, common_alignment({w, x, residual, out}), &p));
     cuda_ctx *c = ctx_of(be);
     FT_CUBLAS(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
               "matmul bias");

@@ -46,7 +46,7 @@ struct cublasLtMatrixLayoutOpaque_t {
     int batch;
     long long stride;
 };
-struct cublasLtMatmulPreferenceOpaque_t { size_t max_workspace; };
+struct cublasLtMatmulPreferenceOpaque_t { size_t max_workspace; uint32_t min_align[4]; };   // A, B, C, D
 
 namespace {
 
@@ -378,13 +378,18 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l, cublas
 #undef FTEMU_GET
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
-    *p = new cublasLtMatmulPreferenceOpaque_t{0};
+    *p = new cublasLtMatmulPreferenceOpaque_t{0, {256, 256, 256, 256}};
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) { delete p; return CUBLAS_STATUS_SUCCESS; }
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
                                                     cublasLtMatmulPreferenceAttributes_t attr, const void *buf,
                                                     size_t size) {
+    if (attr >= CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES && attr <= CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES) {
+        if (size != sizeof(uint32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(&p->min_align[attr - CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES], buf, sizeof(uint32_t));
+        return CUBLAS_STATUS_SUCCESS;
+    }
     if (attr != CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES || size != sizeof(uint64_t)) return CUBLAS_STATUS_NOT_SUPPORTED;
     uint64_t v;
     memcpy(&v, buf, sizeof v);
@@ -403,7 +408,7 @@ static bool lt_epilogue_supported(cublasLtEpilogue_t e) {
 
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t,
                                               cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
-                                              cublasLtMatmulPreference_t, int requested,
+                                              cublasLtMatmulPreference_t pref, int requested,
                                               cublasLtMatmulHeuristicResult_t results[], int *returned) {
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
@@ -412,6 +417,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
     memset(&results[0], 0, sizeof results[0]);
     results[0].state = CUBLAS_STATUS_SUCCESS;
     results[0].wavesCount = 1.0f;
+    for (int i = 0; i < 4; i++) results[0].algo.data[i] = pref ? pref->min_align[i] : 256;   // what it needs
     *returned = 1;
     return CUBLAS_STATUS_SUCCESS;
 }
@@ -419,8 +425,21 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
 cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const void *alpha, const void *A,
                               cublasLtMatrixLayout_t Al, const void *B, cublasLtMatrixLayout_t Bl, const void *beta,
                               const void *C, cublasLtMatrixLayout_t Cl, void *D, cublasLtMatrixLayout_t Dl,
-                              const cublasLtMatmulAlgo_t *, void *, size_t, cudaStream_t stream) {
+                              const cublasLtMatmulAlgo_t *algo, void *, size_t, cudaStream_t stream) {
     if (!h || !d || !Al || !Bl || !Cl || !Dl) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (algo) {   // the heuristic's algorithm needs the alignments its preference promised
+        const void *ops[4] = {A, B, C, D};
+        for (int i = 0; i < 4; i++) {
+            const uint64_t need = algo->data[i] ? algo->data[i] : 256;
+            if ((uintptr_t)ops[i] % need) {
+                // a GPU faults (misaligned address) in the kernel: the error surfaces at the next sync
+                fail(cudaErrorIllegalAddress, "cublasLtMatmul: matrix %c at %p is not %llu-byte aligned, as the "
+                     "preference its algorithm was chosen with promised (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_%c_BYTES)",
+                     "ABCD"[i], ops[i], (unsigned long long)need, "ABCD"[i]);
+                return CUBLAS_STATUS_SUCCESS;
+            }
+        }
+    }
     if (!stream_valid(stream)) {
         fail(cudaErrorInvalidResourceHandle, "cublasLtMatmul on a stream that does not exist");
         return CUBLAS_STATUS_EXECUTION_FAILED;

@@ -1,7 +1,10 @@
 // fasttran's CUDA emulator: the cuBLASLt matmul subset (cublas.cpp): matmul descriptors with
 // transposes and the forward epilogues (bias, ReLU, GELU -- cuBLASLt's tanh approximation --,
 // and their AUX variants that also store the pre-activation), matrix layouts (column or row
-// order, strided batches), preferences and one heuristic result.
+// order, strided batches), preferences and one heuristic result. The result carries the
+// preference's minimum alignments (256 bytes unless lowered, as in cuBLASLt), and a matmul run
+// with that algorithm fails on an operand less aligned: an algorithm picked for aligned pointers
+// is not for others.
 #ifndef FTEMU_CUBLASLT_H
 #define FTEMU_CUBLASLT_H
 #include "cublas_v2.h"
@@ -50,7 +53,13 @@ typedef enum {
     CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6
 } cublasLtMatrixLayoutAttribute_t;
 typedef enum { CUBLASLT_ORDER_COL = 0, CUBLASLT_ORDER_ROW = 1 } cublasLtOrder_t;
-typedef enum { CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1 } cublasLtMatmulPreferenceAttributes_t;
+typedef enum {
+    CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES = 6,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES = 7,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES = 8
+} cublasLtMatmulPreferenceAttributes_t;
 typedef enum {
     CUBLASLT_EPILOGUE_DEFAULT = 1,
     CUBLASLT_EPILOGUE_RELU = 2,
