@@ -430,7 +430,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     if (algo) {   // the heuristic's algorithm needs the alignments its preference promised
         const void *ops[4] = {A, B, C, D};
         for (int i = 0; i < 4; i++) {
-            const uint64_t need = algo->data[i] ? algo->data[i] : 256;
+            uint64_t need = algo->data[i] ? algo->data[i] : 256;
+            // memory-check mode starts allocations 32-byte aligned (to end them at a guard page),
+            // not at cudaMalloc's 256: there only what that mode can hold is checked
+            if (config().check_memory && need > 32) need = 32;
             if ((uintptr_t)ops[i] % need) {
                 // a GPU faults (misaligned address) in the kernel: the error surfaces at the next sync
                 fail(cudaErrorIllegalAddress, "cublasLtMatmul: matrix %c at %p is not %llu-byte aligned, as the "
