@@ -131,7 +131,9 @@ def main():
     p.add_argument("--json", default=None)
     a = p.parse_args()
     import torch
-    gpu = torch.cuda.is_available() and fasttran.cuda_available() and not fasttran.build_info()["cuda"]["emulated"]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_common import real_gpu
+    gpu = real_gpu(torch)[0]
     if not gpu and not a.smoke:
         sys.exit("gpu_table1.py needs a GPU (torch on CUDA and fasttran's CUDA build); --smoke checks the script")
     dev = "cuda" if gpu else "cpu"

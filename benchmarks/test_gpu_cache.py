@@ -32,9 +32,11 @@ from fasttran import ActivationCache
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-EMULATED = fasttran.build_info()["cuda"]["emulated"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import real_gpu  # noqa: E402
+
 SMOKE = os.environ.get("FASTTRAN_BENCH_SMOKE") == "1"
-GPU = fasttran.cuda_available() and not EMULATED and torch.cuda.is_available()
+GPU = real_gpu(torch)[0]
 pytestmark = pytest.mark.skipif(not (GPU or (SMOKE and fasttran.cuda_available())),
                                 reason="needs a real GPU (or FASTTRAN_BENCH_SMOKE=1 on the CUDA emulator)")
 N = 16 if SMOKE else int(os.environ.get("FASTTRAN_BENCH_EXAMPLES", "20000"))

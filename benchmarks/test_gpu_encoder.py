@@ -44,13 +44,10 @@ import fasttran
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import needs_real_gpu  # noqa: E402
 
-EMULATED = fasttran.build_info()["cuda"]["emulated"]
-pytestmark = pytest.mark.skipif(
-    not (fasttran.cuda_available() and not EMULATED and torch.cuda.is_available()),
-    reason="needs a real GPU with fasttran's CUDA build and torch on CUDA: "
-           + str(fasttran.build_info()["cuda"]["unavailable_reason"] or ("the CUDA emulator is not a GPU"
-                                                                           if EMULATED else "torch has no CUDA")))
+pytestmark = needs_real_gpu(torch)
 
 ROUNDS = int(os.environ.get("FASTTRAN_BENCH_ROUNDS", "5"))
 REPS = int(os.environ.get("FASTTRAN_BENCH_REPS", "10"))

@@ -33,15 +33,12 @@ from fasttran.optim import LAMB, AdamW
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-EMULATED = fasttran.build_info()["cuda"]["emulated"]
-pytestmark = pytest.mark.skipif(
-    not (fasttran.cuda_available() and not EMULATED and torch.cuda.is_available()),
-    reason="needs a real GPU with fasttran's CUDA build and torch on CUDA: "
-           + str(fasttran.build_info()["cuda"]["unavailable_reason"] or ("the CUDA emulator is not a GPU"
-                                                                           if EMULATED else "torch has no CUDA")))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import needs_real_gpu  # noqa: E402
 from timm_shim import timm_lamb  # noqa: E402
 from torch_lamb import ForeachLAMB, param_groups  # noqa: E402
+
+pytestmark = needs_real_gpu(torch)
 
 REPS = int(os.environ.get("FASTTRAN_BENCH_REPS", "20"))
 SIZES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
