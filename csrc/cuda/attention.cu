@@ -211,9 +211,12 @@ ft_status flash_attention_launch(cuda_ctx *c, T *ctx, const T *qkv, const int32_
                                  int64_t NH, int tiles) {
     const size_t bytes = att_layout<D>::bytes;
     constexpr auto flash_attention = flash_attention_kernel<T, D>;
-    if (bytes > 48 * 1024)
+    static bool opted_in[64];   // the shared-memory opt-in, once per device (set twice is harmless)
+    if (bytes > 48 * 1024 && !opted_in[c->device & 63]) {
         FT_CU(cudaFuncSetAttribute(flash_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
               "attention shared memory");
+        opted_in[c->device & 63] = true;
+    }
     const int hs = (int)(C / NH);
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)hs);
     for (int64_t b0 = 0; b0 < B; b0 += 65535) {   // gridDim.y <= 65535
@@ -304,13 +307,9 @@ ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const v
         return g_host->error(FT_ERR_INVALID_ARGUMENT, "attention_forward: %lld heads x %lld query tiles is too many",
                              (long long)NH, (long long)tiles);
     cuda_ctx *c = ctx_of(be);
-    if (dt == FT_BF16) {
-        int major = 0;
-        FT_CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device), "compute capability");
-        if (major < 8)
-            return g_host->error(FT_ERR_UNSUPPORTED, "bfloat16 needs an Ampere or newer GPU (compute capability 8.0+); "
-                                 "%s is %d.x: use dtype float16", c->name, major);
-    }
+    if (dt == FT_BF16 && c->cc_major < 8)
+        return g_host->error(FT_ERR_UNSUPPORTED, "bfloat16 needs an Ampere or newer GPU (compute capability 8.0+); "
+                             "%s is %d.x: use dtype float16", c->name, c->cc_major);
     const int32_t *seqs_dev = seqs_dev_in;
     if (!seqs_dev) {   // pageable source: the copy has read it when the call returns
         FT_CU(cudaMemcpyAsync(scratch, seqs, (size_t)B * 3 * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),

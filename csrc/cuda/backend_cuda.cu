@@ -192,6 +192,11 @@ __attribute__((visibility("default"))) ft_status ft_cuda_backend_open(const ft_h
         free(c); free(be);
         return cuda_fail(e, "opening the device");
     }
+    if ((e = cudaDeviceGetAttribute(&c->cc_major, cudaDevAttrComputeCapabilityMajor, index)) != cudaSuccess) {
+        cudaStreamDestroy(c->stream);
+        free(c); free(be);
+        return cuda_fail(e, "reading the compute capability");
+    }
     ft_status fs = blas_acquire(index, &c->blas);   // true fp32 (tf32 = 0) unless set_tf32
     if (fs != FT_OK) {
         cudaStreamDestroy(c->stream);

@@ -42,6 +42,7 @@ struct cuda_ctx {
     cudaStream_t stream;   // all work of this backend runs here (non-blocking)
     device_blas *blas;     // the device's cuBLAS handle: use it through blas_use
     int tf32;              // float32 products on TF32 tensor cores (set_tf32)
+    int cc_major;          // the device's compute capability (major), read once at open
     cublasLtHandle_t lt;   // half-precision projections (linear.cu), made on first use
     void *lt_ws;           // its workspace, allocated once (LT_WORKSPACE bytes)
     lt_plan plans[LT_PLANS];
