@@ -25,8 +25,6 @@ using namespace ftcuda;
 
 namespace {
 
-ft_status lt_fail(cublasStatus_t st, const char *what) { return blas_fail(st, what); }
-
 void plan_release(lt_plan *p) {
     if (p->op) cublasLtMatmulDescDestroy(p->op);
     if (p->a) cublasLtMatrixLayoutDestroy(p->a);
@@ -80,7 +78,7 @@ ft_status plan_make(cuda_ctx *c, lt_plan *p) {
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &res, &found);
     cublasLtMatmulPreferenceDestroy(pref);
-    if (st != CUBLAS_STATUS_SUCCESS) return lt_fail(st, "cublasLtMatmulAlgoGetHeuristic");
+    if (st != CUBLAS_STATUS_SUCCESS) return blas_fail(st, "cublasLtMatmulAlgoGetHeuristic");
     if (found < 1)
         return g_host->error(FT_ERR_UNSUPPORTED, "cuBLASLt has no algorithm for a %s %lld x %lld x %lld product "
                              "with epilogue %d on %s", p->dt == FT_BF16 ? "bfloat16" : "float16", (long long)p->M,
