@@ -30,6 +30,14 @@ ft_encoder *ft_py_encoder_from(PyObject *obj) {
     return ((EncoderCore *)obj)->enc;
 }
 
+/* "float32" / "float16" / "bfloat16" -> its ft_dtype; anything else FT_DTYPE_COUNT */
+static ft_dtype float_dtype_named(const char *name) {
+    for (int k = 0; k < FT_DTYPE_COUNT; k++)
+        if (strcmp(name, ft_dtype_name((ft_dtype)k)) == 0)
+            return k == FT_F32 || k == FT_F16 || k == FT_BF16 ? (ft_dtype)k : FT_DTYPE_COUNT;
+    return FT_DTYPE_COUNT;
+}
+
 static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                              "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "activation",
@@ -43,10 +51,8 @@ static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
                                      &c.max_position_embeddings, &c.type_vocab_size, &c.layer_norm_eps, &act,
                                      &c.pad_token_id, &device_index, &dtype))
         return -1;
-    ft_dtype dt = FT_DTYPE_COUNT;
-    for (int k = 0; k < FT_DTYPE_COUNT; k++)
-        if (strcmp(dtype, ft_dtype_name((ft_dtype)k)) == 0) dt = (ft_dtype)k;
-    if (dt != FT_F32 && dt != FT_F16 && dt != FT_BF16) {
+    const ft_dtype dt = float_dtype_named(dtype);
+    if (dt == FT_DTYPE_COUNT) {
         ft_py_fail(ft_errors.input, "dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
         return -1;
     }
@@ -91,10 +97,8 @@ static PyObject *EncoderCore_save(EncoderCore *self, PyObject *args, PyObject *k
     static char *kwlist[] = {"path", "dtype", NULL};
     const char *path, *dtype = "float32";
     if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|s", kwlist, &path, &dtype)) return NULL;
-    ft_dtype dt = FT_DTYPE_COUNT;
-    for (int k = 0; k < FT_DTYPE_COUNT; k++)
-        if (strcmp(dtype, ft_dtype_name((ft_dtype)k)) == 0) dt = (ft_dtype)k;
-    if (dt != FT_F32 && dt != FT_F16 && dt != FT_BF16)
+    const ft_dtype dt = float_dtype_named(dtype);
+    if (dt == FT_DTYPE_COUNT)
         return ft_py_fail(ft_errors.input_type, "save dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
