@@ -46,19 +46,8 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
     const int mr = kr->mr, nr = kr->nr;
     const float *k = q + C, *v = q + 2 * C;
     const int64_t kpanels = (nk + nr - 1) / nr, lds = kpanels * nr;
-    /* K^T in panels: panel p, element (d, j) = K[p nr + j][d]; a key's row is read once,
-     * contiguous (each key sits in its own page), its elements written down a panel column */
-    for (int64_t p = 0; p < kpanels; p++)
-        for (int j = 0; j < nr; j++) {
-            const int64_t key = p * nr + j;
-            float *col = kp + p * hs * nr + j;
-            if (key < nk) {
-                const float *kr_row = k + key * ld;
-                for (int64_t d = 0; d < hs; d++) col[d * nr] = kr_row[d];
-            } else {
-                for (int64_t d = 0; d < hs; d++) col[d * nr] = 0.0f;
-            }
-        }
+    /* K^T in panels: panel p, element (d, j) = K[p nr + j][d] (register transposes) */
+    ft_cpu_pack_keys_t(kp, k, ld, nk, hs);
     /* V in panels of nr head columns, rows contiguous (read in place, each of its rows would sit
      * in another page: one TLB entry per key) */
     const int64_t vpanels = (hs + nr - 1) / nr;
@@ -66,8 +55,8 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
         const int64_t n = hs - p * nr < nr ? hs - p * nr : nr;
         for (int64_t key = 0; key < nk; key++) {
             float *row = vp + (p * nk + key) * nr;
-            memcpy(row, v + key * ld + p * nr, (size_t)n * sizeof(float));
-            if (n < nr) memset(row + n, 0, (size_t)(nr - n) * sizeof(float));
+            const float *src = v + key * ld + p * nr;
+            for (int64_t c = 0; c < nr; c++) row[c] = c < n ? src[c] : 0.0f;
         }
     }
     for (int64_t i0 = 0; i0 < nq; i0 += mr) {

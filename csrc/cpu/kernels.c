@@ -18,9 +18,19 @@
 
 /* ---- AVX-512: 12 x 32 (24 zmm accumulators, A broadcast from its 12 rows) ---------------- */
 #define MR512 12
-__attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const float *a, int64_t lda, const float *b,
-                                                            int64_t ldb, float *c, int64_t ldc, int m, int n,
-                                                            int accumulate) {
+/* c = act(c + bias) on a tile's accumulators before they are stored: the same operations as
+ * ft_cpu_epilogue on the stored values, so the same bits; act a constant after inlining */
+#define FT_EPI_REGS(ADD, ACT, rows, c0, c1, b0, b1, has_bias, act)                     \
+    do {                                                                               \
+        _Pragma("GCC unroll 12") for (int i = 0; i < (rows); i++) {                    \
+            if (has_bias) { c0[i] = ADD(c0[i], b0); c1[i] = ADD(c1[i], b1); }          \
+            if ((act) >= 0) { c0[i] = ACT(c0[i], act); c1[i] = ACT(c1[i], act); }      \
+        }                                                                              \
+    } while (0)
+
+__attribute__((target("avx512f"), always_inline)) static inline void body_avx512(
+    int64_t K, const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int m, int n,
+    int accumulate, const float *bias, const int act) {
     const __mmask16 m0 = ft_mask16(n), m1 = ft_mask16(n - 16);
     __m512 c0[MR512], c1[MR512];
 #pragma GCC unroll 12
@@ -33,22 +43,27 @@ __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const floa
             c1[i] = _mm512_setzero_ps();
         }
     }
-    /* rows as two bases and a few multiples of lda, so every broadcast is one addressing mode */
-    const int64_t l3 = 3 * lda, l5 = 5 * lda, l7 = 7 * lda;
-    const float *a8 = a + 8 * lda;
-    for (int64_t k = 0; k < K; k++) {
+    /* rows from four bases walking along k (rows 0-2, 3-5, 6-8, 9-11), each row one base +
+     * index * scale addressing mode: no address arithmetic in the loop; k unrolled by 4 */
+    const float *p0 = a, *p3 = a + 3 * lda, *p6 = a + 6 * lda, *p9 = a + 9 * lda;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; k++, p0++, p3++, p6++, p9++) {
         _mm_prefetch((const char *)(b + (k + 8) * ldb), _MM_HINT_T0);
         _mm_prefetch((const char *)(b + (k + 8) * ldb + 16), _MM_HINT_T0);
         const __m512 b0 = _mm512_maskz_loadu_ps(m0, b + k * ldb), b1 = _mm512_maskz_loadu_ps(m1, b + k * ldb + 16);
-        const float *p = a + k, *q = a8 + k;
-        const float av[MR512] = {p[0], p[lda], p[2 * lda], p[l3], p[4 * lda], p[l5],
-                                 p[2 * l3], p[l7], q[0], q[lda], q[2 * lda], q[l3]};
+        const float av[MR512] = {p0[0], p0[lda], p0[2 * lda], p3[0], p3[lda], p3[2 * lda],
+                                 p6[0], p6[lda], p6[2 * lda], p9[0], p9[lda], p9[2 * lda]};
 #pragma GCC unroll 12
         for (int i = 0; i < MR512; i++) {
             const __m512 ai = _mm512_set1_ps(av[i]);
             c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
             c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
         }
+    }
+    if (bias || act >= 0) {
+        const __m512 bb0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+        const __m512 bb1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+        FT_EPI_REGS(_mm512_add_ps, ft_act512, MR512, c0, c1, bb0, bb1, bias != NULL, act);
     }
 #pragma GCC unroll 12
     for (int i = 0; i < MR512; i++) {
@@ -58,6 +73,27 @@ __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const floa
         }
     }
 }
+__attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const float *a, int64_t lda, const float *b,
+                                                            int64_t ldb, float *c, int64_t ldc, int m, int n,
+                                                            int accumulate) {
+    body_avx512(K, a, lda, b, ldb, c, ldc, m, n, accumulate, NULL, -1);
+}
+/* one copy of the tile per vector activation, so that each inlines its formula */
+__attribute__((target("avx512f"))) static void tile_epi_avx512(int64_t K, const float *a, int64_t lda,
+                                                                const float *b, int64_t ldb, float *c, int64_t ldc,
+                                                                int m, int n, int accumulate, const float *bias,
+                                                                int act) {
+    switch (act) {
+    case FT_ACT_GELU_ERF: body_avx512(K, a, lda, b, ldb, c, ldc, m, n, accumulate, bias, FT_ACT_GELU_ERF); break;
+    case FT_ACT_GELU_TANH: body_avx512(K, a, lda, b, ldb, c, ldc, m, n, accumulate, bias, FT_ACT_GELU_TANH); break;
+    case FT_ACT_RELU: body_avx512(K, a, lda, b, ldb, c, ldc, m, n, accumulate, bias, FT_ACT_RELU); break;
+    case FT_ACT_TANH:   /* libm's tanhf on the stored values (ft_vec_act) */
+        body_avx512(K, a, lda, b, ldb, c, ldc, m, n, accumulate, NULL, -1);
+        ft_cpu_epilogue(c, ldc, m, n, bias, act);
+        break;
+    default: body_avx512(K, a, lda, b, ldb, c, ldc, m, n, accumulate, bias, -1); break;
+    }
+}
 
 /* ---- AVX2 + FMA: 6 x 16 (12 ymm accumulators) ------------------------------------------- */
 #define MR256 6
@@ -65,7 +101,8 @@ __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const floa
 __attribute__((target("avx2,fma"), always_inline)) static inline void body_avx2(int64_t K, const float *a, int64_t lda,
                                                                               const float *b, int64_t ldb, float *c,
                                                                               int64_t ldc, int m, int n, int accumulate,
-                                                                              const int full) {
+                                                                              const int full, const float *bias,
+                                                                              const int act) {
     const __m256i m0 = ft_mask8(n), m1 = ft_mask8(n - 8);
     __m256 c0[MR256], c1[MR256];
 #pragma GCC unroll 6
@@ -78,19 +115,26 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void body_avx2(
             c1[i] = _mm256_setzero_ps();
         }
     }
-    const int64_t l3 = 3 * lda, l5 = 5 * lda;
-    for (int64_t k = 0; k < K; k++) {
+    /* rows i and i + 3 from two bases walking along k, each row one base + index * scale
+     * addressing mode (no address arithmetic in the loop); k unrolled by 4 */
+    const float *p0 = a, *p3 = a + 3 * lda;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; k++, p0++, p3++) {
         _mm_prefetch((const char *)(b + (k + 8) * ldb), _MM_HINT_T0);
         const __m256 b0 = full ? _mm256_loadu_ps(b + k * ldb) : _mm256_maskload_ps(b + k * ldb, m0);
         const __m256 b1 = full ? _mm256_loadu_ps(b + k * ldb + 8) : _mm256_maskload_ps(b + k * ldb + 8, m1);
-        const float *p = a + k;
-        const float *av[MR256] = {p, p + lda, p + 2 * lda, p + l3, p + 4 * lda, p + l5};
+        const float *av[MR256] = {p0, p0 + lda, p0 + 2 * lda, p3, p3 + lda, p3 + 2 * lda};
 #pragma GCC unroll 6
         for (int i = 0; i < MR256; i++) {
             const __m256 ai = _mm256_broadcast_ss(av[i]);
             c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
             c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
         }
+    }
+    if (bias || act >= 0) {
+        const __m256 bb0 = !bias ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(bias) : _mm256_maskload_ps(bias, m0);
+        const __m256 bb1 = !bias ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(bias + 8) : _mm256_maskload_ps(bias + 8, m1);
+        FT_EPI_REGS(_mm256_add_ps, ft_act256, MR256, c0, c1, bb0, bb1, bias != NULL, act);
     }
 #pragma GCC unroll 6
     for (int i = 0; i < MR256; i++) {
@@ -108,8 +152,27 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void body_avx2(
 __attribute__((target("avx2,fma"))) static void tile_avx2(int64_t K, const float *a, int64_t lda, const float *b,
                                                           int64_t ldb, float *c, int64_t ldc, int m, int n,
                                                           int accumulate) {
-    if (n == 16) body_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate, 1);
-    else body_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate, 0);
+    if (n == 16) body_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate, 1, NULL, -1);
+    else body_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate, 0, NULL, -1);
+}
+#define FT_AVX2_EPI(ACT)                                                                   \
+    do {                                                                                   \
+        if (n == 16) body_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate, 1, bias, ACT); \
+        else body_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate, 0, bias, ACT);         \
+    } while (0)
+__attribute__((target("avx2,fma"))) static void tile_epi_avx2(int64_t K, const float *a, int64_t lda, const float *b,
+                                                              int64_t ldb, float *c, int64_t ldc, int m, int n,
+                                                              int accumulate, const float *bias, int act) {
+    switch (act) {
+    case FT_ACT_GELU_ERF: FT_AVX2_EPI(FT_ACT_GELU_ERF); break;
+    case FT_ACT_GELU_TANH: FT_AVX2_EPI(FT_ACT_GELU_TANH); break;
+    case FT_ACT_RELU: FT_AVX2_EPI(FT_ACT_RELU); break;
+    case FT_ACT_TANH:   /* libm's tanhf on the stored values (ft_vec_act) */
+        tile_avx2(K, a, lda, b, ldb, c, ldc, m, n, accumulate);
+        ft_cpu_epilogue(c, ldc, m, n, bias, act);
+        break;
+    default: FT_AVX2_EPI(-1); break;
+    }
 }
 
 /* ---- portable C: 4 x 16, multiply then add (this file is ISO C: no contraction into FMA) -- */
@@ -174,19 +237,73 @@ void ft_cpu_epilogue(float *c, int64_t ldc, int m, int n, const float *bias, int
     }
 }
 
-/* ---- softmax of a score row: s = softmax(scale s) in place --------------------------------- */
-/* The max is exact in any order; the sum adds element j into lane j % 16 in order of j, then
- * folds the lanes in rowfun.h's tree: the same order as ft_row_sum, on registers. */
-__attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t n, float scale) {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = ft_mask16(n - j);
-        mx = _mm512_mask_max_ps(mx, k, _mm512_maskz_loadu_ps(k, s + j), mx);
+/* ---- K^T panels for attention: panel p, element (d, j) = k[(p nr + j) ld + d] ---------------- */
+/* 8 x 8 blocks: eight keys' rows in, eight panel rows out (data movement only) */
+__attribute__((target("avx2,fma"))) static void transpose8_avx2(float *dst, int64_t ldd, const float *src,
+                                                                int64_t lds) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
+void ft_cpu_pack_keys_t(float *kp, const float *k, int64_t ld, int64_t nk, int64_t hs) {
+    const ft_cpu_kernel *kr = ft_cpu_kernel_get();
+    const int nr = kr->nr, simd = kr->tile != tile_generic;
+    const int64_t panels = (nk + nr - 1) / nr, hs8 = simd ? hs & ~(int64_t)7 : 0;
+    for (int64_t p = 0; p < panels; p++) {
+        float *panel = kp + p * hs * nr;
+        for (int j0 = 0; j0 < nr; j0 += 8) {
+            const int64_t key0 = p * nr + j0;
+            int64_t d0 = 0;
+            if (simd && key0 + 8 <= nk)
+                for (; d0 < hs8; d0 += 8) transpose8_avx2(panel + d0 * nr + j0, nr, k + key0 * ld + d0, ld);
+            for (int j = j0; j < j0 + 8 && j < nr; j++) {
+                const int64_t key = p * nr + j;
+                for (int64_t d = d0; d < hs; d++) panel[d * nr + j] = key < nk ? k[key * ld + d] : 0.0f;
+            }
+        }
+    }
+}
+
+/* ---- softmax of a score row: s = softmax(scale s) in place --------------------------------- */
+/* The max is exact in any order (several accumulators; max(new, acc) ignores a NaN as one chain
+ * would); the sum adds element j into lane j % 16 in order of j, then folds the lanes in
+ * rowfun.h's tree: the same order as ft_row_sum, on registers. Whole vectors go through plain
+ * loads and stores (masked ones give the same values, slower). */
+__attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t n, float scale) {
+    const int64_t n16 = n & ~(int64_t)15, n64 = n & ~(int64_t)63;
+    __m512 m4[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                    _mm512_set1_ps(-INFINITY)};
+    int64_t j = 0;
+    for (; j < n64; j += 64)
+        for (int u = 0; u < 4; u++) m4[u] = _mm512_max_ps(_mm512_loadu_ps(s + j + 16 * u), m4[u]);
+    for (; j < n; j += 16) {
+        const __mmask16 k = ft_mask16(n - j);
+        m4[0] = _mm512_mask_max_ps(m4[0], k, _mm512_maskz_loadu_ps(k, s + j), m4[0]);
+    }
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
     /* exp(scale s - scale max) with the scale in the FMA (scale > 0: the max of s is that of scale s) */
     const __m512 sc = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
+    for (j = 0; j < n16; j += 16) {
+        const __m512 e = ft_exp512(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), sc, shift));
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (j < n) {
         const __mmask16 k = ft_mask16(n - j);
         const __m512 e = ft_exp512(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + j), sc, shift));
         _mm512_mask_storeu_ps(s + j, k, e);
@@ -195,18 +312,25 @@ __attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t 
     float lane[FT_LANES];
     _mm512_storeu_ps(lane, sum);
     const __m512 inv = _mm512_set1_ps(1.0f / ft_fold_lanes(lane));
-    for (int64_t j = 0; j < n; j += 16) {
+    for (j = 0; j < n16; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+    if (j < n) {
         const __mmask16 k = ft_mask16(n - j);
         _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
     }
 }
 
 __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n, float scale) {
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < n; j += 8) {
+    const int64_t n8 = n & ~(int64_t)7, n16 = n & ~(int64_t)15, n32 = n & ~(int64_t)31;
+    __m256 m4[4] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
+                    _mm256_set1_ps(-INFINITY)};
+    int64_t j = 0;
+    for (; j < n32; j += 32)
+        for (int u = 0; u < 4; u++) m4[u] = _mm256_max_ps(_mm256_loadu_ps(s + j + 8 * u), m4[u]);
+    for (; j < n; j += 8) {
         const __m256i k = ft_mask8(n - j);
-        mx = _mm256_blendv_ps(mx, _mm256_max_ps(_mm256_maskload_ps(s + j, k), mx), _mm256_castsi256_ps(k));
+        m4[0] = _mm256_blendv_ps(m4[0], _mm256_max_ps(_mm256_maskload_ps(s + j, k), m4[0]), _mm256_castsi256_ps(k));
     }
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(m4[0], m4[1]), _mm256_max_ps(m4[2], m4[3]));
     float l8[8];
     _mm256_storeu_ps(l8, mx);
     float top = l8[0];
@@ -214,7 +338,13 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n
     const __m256 sc = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-scale * top);
     /* lanes j % 16: two accumulators, elements [16c, 16c + 8) and [16c + 8, 16c + 16) */
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t j = 0; j < n; j += 8) {
+    for (j = 0; j < n16; j += 16)
+        for (int h = 0; h < 2; h++) {
+            const __m256 e = ft_exp256(_mm256_fmadd_ps(_mm256_loadu_ps(s + j + 8 * h), sc, shift));
+            _mm256_storeu_ps(s + j + 8 * h, e);
+            sum[h] = _mm256_add_ps(sum[h], e);
+        }
+    for (; j < n; j += 8) {
         const __m256i k = ft_mask8(n - j);
         const __m256 e = ft_exp256(_mm256_fmadd_ps(_mm256_maskload_ps(s + j, k), sc, shift));
         _mm256_maskstore_ps(s + j, k, e);
@@ -225,7 +355,8 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n
     _mm256_storeu_ps(lane, sum[0]);
     _mm256_storeu_ps(lane + 8, sum[1]);
     const __m256 inv = _mm256_set1_ps(1.0f / ft_fold_lanes(lane));
-    for (int64_t j = 0; j < n; j += 8) {
+    for (j = 0; j < n8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+    if (j < n) {
         const __m256i k = ft_mask8(n - j);
         _mm256_maskstore_ps(s + j, k, _mm256_mul_ps(_mm256_maskload_ps(s + j, k), inv));
     }
@@ -294,10 +425,10 @@ void ft_cpu_act_grad_row(float *dh, const float *df, const float *x, int64_t n, 
 
 /* ---- choice --------------------------------------------------------------------------------- */
 static const ft_cpu_kernel kernels[] = {
-    {"amx", MR512, 32, tile_avx512, 1},
-    {"avx512", MR512, 32, tile_avx512, 0},
-    {"avx2", MR256, 16, tile_avx2, 0},
-    {"generic", MRG, NRG, tile_generic, 0},
+    {"amx", MR512, 32, tile_avx512, tile_epi_avx512, 1},
+    {"avx512", MR512, 32, tile_avx512, tile_epi_avx512, 0},
+    {"avx2", MR256, 16, tile_avx2, tile_epi_avx2, 0},
+    {"generic", MRG, NRG, tile_generic, NULL, 0},
 };
 #define N_KERNELS 4
 

@@ -24,16 +24,27 @@
 typedef void (*ft_tile_fn)(int64_t K, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
                            int64_t ldc, int m, int n, int accumulate);
 
+/* the same tile, then C = act(C + bias) on its registers before the store (the operations of
+ * ft_cpu_epilogue on the stored values, hence the same bits): bias (n) or NULL, act an
+ * ft_activation or -1 (tanh: libm's tanhf on the stored values, as ft_cpu_epilogue) */
+typedef void (*ft_tile_epi_fn)(int64_t K, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
+                               int64_t ldc, int m, int n, int accumulate, const float *bias, int act);
+
 typedef struct {
     const char *name;   /* "amx", "avx512", "avx2", "generic" */
     int mr, nr;
     ft_tile_fn tile;
+    ft_tile_epi_fn tile_epi;   /* NULL: tile, then ft_cpu_epilogue */
     int amx;            /* 1: linear layers run on the AMX tiles (amx.h); `tile` serves the rest */
 } ft_cpu_kernel;
 
 /* c (m x n tile, row stride ldc) = act(c + bias): bias (n) or NULL, act an ft_activation or -1;
  * on the kernel set's registers (vecmath.h; tanh with libm's tanhf), portable C on "generic" */
 void ft_cpu_epilogue(float *c, int64_t ldc, int m, int n, const float *bias, int act);
+
+/* K^T in key panels for attention: panel p (hs x NR floats), element (d, j) = k[(p NR + j) ld + d],
+ * zero for keys >= nk; 8 x 8 register transposes where a block is whole */
+void ft_cpu_pack_keys_t(float *kp, const float *k, int64_t ld, int64_t nk, int64_t hs);
 
 /* s[0..n) = softmax(scale s) in place: max, exp, sum in 16 fixed lanes (rowfun.h's order) */
 void ft_cpu_softmax_row(float *s, int64_t n, float scale);

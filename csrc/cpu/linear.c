@@ -129,9 +129,15 @@ static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, 
             for (int64_t p = p0; p < p1; p++) {
                 const int n = (int)(N - p * nr < nr ? N - p * nr : nr);
                 float *c = a->out + r * a->ldo + p * nr;
-                kr->tile(kc, ar, lda, a->w + p * K * nr + k0 * nr, nr, c, a->ldo, m, n, k0 > 0);
-                if (last && !a->residual && (a->bias || a->act >= 0))
-                    ft_cpu_epilogue(c, a->ldo, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
+                const float *wb = a->w + p * K * nr + k0 * nr;
+                const int epi = last && !a->residual && (a->bias || a->act >= 0);
+                if (epi && kr->tile_epi) {   /* on the registers */
+                    kr->tile_epi(kc, ar, lda, wb, nr, c, a->ldo, m, n, k0 > 0, a->bias ? a->bias + p * nr : NULL,
+                                 a->act);
+                    continue;
+                }
+                kr->tile(kc, ar, lda, wb, nr, c, a->ldo, m, n, k0 > 0);
+                if (epi) ft_cpu_epilogue(c, a->ldo, m, n, a->bias ? a->bias + p * nr : NULL, a->act);
             }
         }
     }
