@@ -10,6 +10,8 @@
 #                                      # torch.compile); "large" for BERT-large (one model per call: time)
 #   bash .ci/gpu_session.sh optim      # benchmarks/test_gpu_optim.py (LAMB/AdamW vs torch fused, timm)
 #   bash .ci/gpu_session.sh cache      # benchmarks/test_gpu_cache.py (tier read rates, prefetch overlap)
+#   bash .ci/gpu_session.sh topk       # benchmarks/test_gpu_topk.py (issue 17: the top-k step against
+#                                      # torch fp32 and AMP bf16; the largest batch at seq 512, Tempo on/off)
 #   bash .ci/gpu_session.sh table1     # benchmarks/gpu_table1.py: FastTran's Table 1 (SQuAD, 3,433
 #                                      # features, 5 epochs), then --accuracy (MiniLM, CUDA vs CPU EM/F1)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
@@ -82,7 +84,9 @@ case "${1:-all}" in
     optim) phase_optim ;;
     cache) python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_cache.py 2>&1 | tee "$OUT/gpu-cache.log" | tail -20
            cp benchmarks/last_gpu_cache.json "$OUT/" 2>/dev/null || true ;;
+    topk) python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py 2>&1 | tee "$OUT/gpu-topk.log" | tail -40
+          cp benchmarks/last_gpu_topk.json "$OUT/" 2>/dev/null || true ;;
     table1) phase_table1 ;;
     all) phase_build && phase_test && phase_sanitize ;;
-    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|table1|all" >&2; exit 2 ;;
+    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|all" >&2; exit 2 ;;
 esac

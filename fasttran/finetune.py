@@ -85,19 +85,44 @@ class TopLayers:
         return a if isinstance(a, _C.Tensor) and a.device == self.device else _C.Tensor.from_dlpack(
             np.ascontiguousarray(a, dtype=np.float32)).to(self.device)
 
-    def forward(self, x, lengths, training=False, seed=0, step=0):
+    def _empty(self, shape):
+        """an uninitialised float32 buffer on the layers' device"""
+        if self.device == "cpu":
+            return np.empty(shape, np.float32)
+        return _C.device_zeros(int(np.prod(shape)), int(self.device[5:])).view(0, tuple(shape))
+
+    def forward(self, x, lengths, training=False, seed=0, step=0, out=None):
         """out (N, C) = the layers on x (N, C): the rows of len(lengths) sequences packed one after
         another (lengths[b] rows each). training=True keeps what backward() needs (x must not change
-        until then) and applies dropout with masks from (seed, step, layer, site)."""
+        until then) and applies dropout with masks from (seed, step, layer, site). `out`: a buffer
+        on the layers' device to write into (default: a new one)."""
         lengths = np.ascontiguousarray(lengths, dtype=np.int32)
         if lengths.ndim != 1 or len(lengths) == 0:
             raise InputError("lengths must be a non-empty 1-d array of sequence lengths")
         x = self._buffer(x, "x")
         N = int(lengths.sum())
-        out = np.empty((N, self.hidden_size), np.float32) if self.device == "cpu" else \
-            _C.Tensor.from_dlpack(np.empty((N, self.hidden_size), np.float32)).to(self.device)
+        out = self._empty((N, self.hidden_size)) if out is None else out
         self._stack.forward(x, lengths, out, training=bool(training), seed=int(seed), step=int(step))
         return out
+
+    def pool(self, out, cls=False, pooled=None):
+        """(B, C) for the B sequences of the last forward: the mean of each one's rows of `out`
+        (N, C), or its first row with cls=True; in C on the layers' device (`pooled`: a buffer to
+        write into)."""
+        B, N = self._last_batch()
+        pooled = self._empty((B, self.hidden_size)) if pooled is None else pooled
+        self._stack.pool(self._buffer(out, "out"), pooled, cls=bool(cls))
+        return pooled
+
+    def pool_backward(self, dpooled, cls=False, dout=None):
+        """d out (N, C) from d pooled (B, C): pool()'s backward for the last forward's sequences."""
+        B, N = self._last_batch()
+        dout = self._empty((N, self.hidden_size)) if dout is None else dout
+        self._stack.pool_backward(self._buffer(dpooled, "dpooled"), dout, cls=bool(cls))
+        return dout
+
+    def _last_batch(self):
+        return self._stack.last_batch()
 
     def backward(self, d_out, want_dx=False):
         """Gradients of the last training forward into `grads` from d_out (N, C); returns d x when

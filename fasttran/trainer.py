@@ -28,7 +28,7 @@ from . import _C
 from ._progress import progress
 from .cache import ActivationCache
 from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, MissingDependencyError,
-                     NoGPUError, UnsupportedError)
+                     NoGPUError)
 from .heads import ClassificationHead, QAHead, _Head
 from .optim import SCHEDULES, flat_state, load_flat_state, make_optimizer, schedule_factor
 from .safetensors_io import read_safetensors, write_safetensors
@@ -87,8 +87,8 @@ class _CudaHead:
     workspace (sized for the largest batch, grown only if a larger one comes). The host head
     (`head.params`) is brought up to date by pull() (after steps: `dirty`) and copied up by push()."""
 
-    def __init__(self, head, device):
-        self.head, self.device, self.index = head, device, int(device[5:])
+    def __init__(self, head, device, want_dx=False):
+        self.head, self.device, self.index, self.want_dx = head, device, int(device[5:]), bool(want_dx)
         P = head.params.size
         self.params = _C.device_zeros(P, self.index)
         self.grads = _C.device_zeros(P, self.index)
@@ -109,7 +109,7 @@ class _CudaHead:
         self.logits = _C.device_zeros(2 * B * T if qa else B * K, self.index)
         self.labels = _C.device_zeros(2 * B if qa else B, self.index, True)   # int32
         self.valid = _C.device_zeros(B * T, self.index) if qa else None
-        self.ws = _C.device_zeros(_C.head_workspace(self.head._cfg, B, T, True, True, False, True), self.index)
+        self.ws = _C.device_zeros(_C.head_workspace(self.head._cfg, B, T, True, True, self.want_dx, True), self.index)
         self.cap = (B, T)
 
     def push(self):
@@ -121,9 +121,10 @@ class _CudaHead:
             self.head.params[...] = self.params.numpy()
             self.dirty = False
 
-    def step(self, x, B, T, labels, valid, seed, step):
+    def step(self, x, B, T, labels, valid, seed, step, dx=None):
         """head forward + loss + backward on a device batch x ((B, C), or (B, T, C) for QA);
-        labels int32 (B,) or (2, B) and valid (B, T) come from the host. Returns (logits view, loss)."""
+        labels int32 (B,) or (2, B) and valid (B, T) come from the host; dx: a device buffer for
+        the gradient of x (top-layer training). Returns (logits view, loss)."""
         qa = self.head.kind == "qa"
         self.ensure(B, T)
         lab = self.labels.view(0, (labels.size,))
@@ -135,9 +136,29 @@ class _CudaHead:
         lg = self.logits.view(0, (2 * B * T,) if qa else (B * self.head.num_labels,))
         # labels_checked: fit() checked every label and QA span against the context (_check_targets)
         loss = _C.head_step(self.head._cfg, self.params, x, B, T if qa else 1, v, lab, lg, self.grads,
-                            None, True, int(seed), int(step), self.ws, True)
+                            dx, True, int(seed), int(step), self.ws, True)
         self.dirty = True
         return lg, loss
+
+
+class _CudaTopBuffers:
+    """The per-batch device buffers of top-layer training on CUDA, made for the largest batch and
+    kept: the layers' output and its gradient (N, C), and what the head reads and gives back
+    (pooled rows (B, C), or QA's zero-padded token states (B, T, C), and their gradient)."""
+
+    def __init__(self, hidden, device):
+        self.C, self.index = hidden, int(device[5:])
+        self.rows = self.head_rows = 0
+
+    def get(self, N, H):
+        """views (out, dout) of (N, C) and (hx, dhx) of (H, C)"""
+        C = self.C
+        if N > self.rows:
+            self.out, self.dout, self.rows = _C.device_zeros(N * C, self.index), _C.device_zeros(N * C, self.index), N
+        if H > self.head_rows:
+            self.hx, self.dhx, self.head_rows = _C.device_zeros(H * C, self.index), _C.device_zeros(H * C, self.index), H
+        return (self.out.view(0, (N, C)), self.dout.view(0, (N, C)), self.hx.view(0, (H, C)),
+                self.dhx.view(0, (H, C)))
 
 
 def _epoch_seed(seed, epoch):
@@ -219,11 +240,6 @@ class Trainer:
                 raise NoGPUError(f"Trainer(device={device!r}): there is no usable GPU: {reason}. Use device='cpu' "
                                  "(the default; a checkpoint trained on CUDA loads with Trainer.load(path, "
                                  "device='cpu'))")
-            if train_layers:
-                raise UnsupportedError(
-                    f"Trainer(device={device!r}, train_layers={train_layers}): training encoder layers runs on the "
-                    "CPU in this version (the CUDA layer-training ops exist, the trainer does not drive them yet); "
-                    "use device='cpu' for train_layers > 0, or train_layers=0 (a head on frozen features) on CUDA")
             device = cuda
         self.head = head if isinstance(head, _Head) else None
         self._head_name = head if isinstance(head, str) else None
@@ -236,6 +252,7 @@ class Trainer:
         self.train_layers, self.pooling, self.tempo = int(train_layers), pooling, tempo
         self.layer_dropout = None if layer_dropout is None else float(layer_dropout)
         self._cuda = None            # _CudaHead: the head's state in CUDA memory (device="cuda")
+        self._cuda_top = None        # _CudaTopBuffers: top-layer training's batch buffers on CUDA
         self.top = None              # TopLayers: the trained encoder layers (train_layers > 0)
         self._pending = None         # layer weights and optimizer state loaded before the layers exist
         self._encoder = None         # the encoder they come from (the cache's)
@@ -273,7 +290,7 @@ class Trainer:
         self._encoder = cache.encoder
         drop = {} if self.layer_dropout is None else dict(hidden_dropout=self.layer_dropout,
                                                           attention_dropout=self.layer_dropout)
-        self.top = TopLayers(cache.encoder, self.train_layers, device="cpu", **drop, **self.tempo)
+        self.top = TopLayers(cache.encoder, self.train_layers, device=self.device, **drop, **self.tempo)
         self._restore_pending()
 
     def _restore_pending(self):
@@ -282,22 +299,26 @@ class Trainer:
             layers, opt = self._pending
             self._pending = None
             for name, view in self.top.named_parameters():
-                if name not in layers or layers[name].shape != view.shape:
+                if name not in layers or layers[name].shape != tuple(view.shape):
                     raise CheckpointError(f"the checkpoint's trained layers do not match this encoder ({name})")
-                view[...] = layers[name]
+                if self.device == "cpu":
+                    view[...] = layers[name]
+                else:
+                    _C.device_write(view, np.ascontiguousarray(layers[name], np.float32))
             if opt is not None:
                 self.optimizer = None
                 self._make_optimizer()
                 load_flat_state(self.optimizer, *opt)
 
     def _named_parameters(self):
-        if self.device != "cpu":   # the optimizer updates the device copy of the head in place
-            return self._cuda_head().named
-        return (self.top.named_parameters() if self.top is not None else []) + list(self.head.named_parameters())
+        top = self.top.named_parameters() if self.top is not None else []
+        if self.device != "cpu":   # the optimizer updates the device copies of layers and head in place
+            return top + self._cuda_head().named
+        return top + list(self.head.named_parameters())
 
     def _cuda_head(self):
         if self._cuda is None or self._cuda.head is not self.head:
-            self._cuda = _CudaHead(self.head, self.device)
+            self._cuda = _CudaHead(self.head, self.device, want_dx=self.train_layers > 0)
         return self._cuda
 
     def _pull(self):
@@ -509,7 +530,8 @@ class Trainer:
         warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
         if self.device != "cpu":
             dev = self._cuda_head()
-            return steps_per_epoch, total, warm, dev.grads, dev.gviews
+            top = [g for _, g in self.top.named_gradients()] if self.top is not None else []
+            return steps_per_epoch, total, warm, dev.grads, top + dev.gviews
         grads = np.zeros_like(self.head.params)
         gviews = list(self.head.views(grads).values())
         if self.top is not None:
@@ -522,7 +544,9 @@ class Trainer:
         idx = cache.index_of(ids)
         yb = y[:, idx] if self.task == "qa" else y[idx]
         correct = 0
-        if self.device != "cpu":   # batch, head, loss and gradients in device memory
+        if self.device != "cpu" and self.top is not None:   # layers, pooling, head, loss, gradients on the device
+            logits, loss, correct = self._cuda_top_step(cache, ids, idx, batch, yb)
+        elif self.device != "cpu":   # batch, head, loss and gradients in device memory
             if self.task == "qa":
                 x, _mask = batch
                 B, T = x.shape[:2]
@@ -572,6 +596,37 @@ class Trainer:
         self.global_step += 1
         return len(idx), loss, correct
 
+    def _cuda_top_step(self, cache, ids, idx, batch, yb):
+        """The top layers, pooling (or QA's padding), head, loss and the backward on the device, from a
+        ragged device batch. Returns (logits, loss, correct predictions or 0). QA pads the token
+        states into (B, T, C) through host memory: its head and loss run on the device."""
+        x, offsets = batch
+        lengths = np.diff(offsets).astype(np.int32)
+        B, N, C = len(lengths), int(offsets[-1]), self.top.hidden_size
+        qa = self.task == "qa"
+        T = int(lengths.max()) if qa else 1
+        if self._cuda_top is None:
+            self._cuda_top = _CudaTopBuffers(C, self.device)
+        out, dout, hx, dhx = self._cuda_top.get(N, B * T)
+        self.top.forward(x, lengths, training=True, seed=self.seed, step=self.global_step, out=out)
+        if qa:
+            xp, valid, where = self._qa_padded(cache, ids, out.numpy(), offsets)
+            _C.device_write(hx, xp.reshape(B * T, C))
+            logits, loss = self._cuda.step(hx, B, T, yb, valid, self.seed, self.global_step, dx=dhx)
+            if math.isfinite(loss):
+                d = dhx.numpy().reshape(B, T, C)[where]
+                _C.device_write(dout, np.ascontiguousarray(d))
+                self.top.backward(dout)
+            return logits, loss, 0
+        cls = self.pooling == "cls"
+        self.top.pool(out, cls=cls, pooled=hx)
+        logits, loss = self._cuda.step(hx, B, 1, yb, None, self.seed, self.global_step, dx=dhx)
+        correct = int((logits.numpy().reshape(B, -1).argmax(1) == yb).sum())
+        if math.isfinite(loss):
+            self.top.pool_backward(dhx, cls=cls, dout=dout)
+            self.top.backward(dout)
+        return logits, loss, correct
+
     # ---- training -------------------------------------------------------------------------------
     def fit(self, cache, targets, eval=None, checkpoint_dir=None, resume=False, stop_at_step=None):
         """Train for `epochs` over `cache` (targets: class labels, or (starts, ends) for QA, in
@@ -600,7 +655,13 @@ class Trainer:
         on_device = {}
         if self.device != "cpu":   # the host head (maybe loaded or edited since) up, buffers for the longest batch
             self._cuda.push()
-            self._cuda.ensure(self.batch_size, int(cache.lengths.max(initial=1)))
+            T = int(cache.lengths.max(initial=1))
+            self._cuda.ensure(self.batch_size, T)
+            if self.top is not None:   # the largest batch's buffers, made once
+                if self._cuda_top is None:
+                    self._cuda_top = _CudaTopBuffers(self.top.hidden_size, self.device)
+                self._cuda_top.get(int(np.sort(cache.lengths)[::-1][:self.batch_size].sum()),
+                                   self.batch_size * (T if self.task == "qa" else 1))
             on_device = dict(output="device", device=self.device)
         old_handler = None
         if threading.current_thread() is threading.main_thread():
@@ -700,6 +761,8 @@ class Trainer:
                 if self.top is not None:
                     x, offsets = self._top_batch(cache, idx, batch)
                     out = self.top.forward(x, np.diff(offsets), training=False)
+                    if not isinstance(out, np.ndarray):   # layers on CUDA; the head runs on the host copy
+                        out = out.numpy()
                     if self.task != "qa":
                         outs.append(self.head.step(self._pool(out, offsets))[0])
                         bar.update(1)

@@ -310,8 +310,6 @@ def test_a_cuda_training_step_allocates_nothing(features):
 
 
 def test_cuda_trainer_refusals(features):
-    with pytest.raises(fasttran.UnsupportedError, match="train_layers > 0"):
-        fasttran.Trainer("classification", device="cuda", train_layers=1)
     with pytest.raises(fasttran.InputError, match="device must be"):
         fasttran.Trainer("classification", device="cuda:x")
     cache = features["mean"]
@@ -328,6 +326,93 @@ def test_cuda_trainer_refusals(features):
     tr = fasttran.Trainer("classification", device="cuda", num_labels=2, show_progress=False, batch_size=4)
     with pytest.raises(FloatingPointError, match="step 1"):
         tr.fit(bad, np.zeros(4, np.int64))
+
+
+# ---- top-layer training on CUDA (issue 17) ----------------------------------------------------------
+def _topk_pair(model, inputs, head, k, pooling="mean", **kw):
+    """the same top-k training on the CPU and on CUDA, each from its own cache of layer L - k"""
+    ids, mask, types = inputs
+    enc = fasttran.Encoder.from_pretrained(model)
+    out = []
+    for dev in ("cpu", "cuda"):
+        tr = fasttran.Trainer(head, device=dev, train_layers=k, pooling=pooling, show_progress=False, **kw)
+        cache = tr.cache_for(enc, ids, mask, types, show_progress=False)
+        y = qa_targets(cache, np.random.default_rng(2)) if head == "qa" else \
+            np.random.default_rng(1).integers(0, 3, len(cache))
+        tr.fit(cache, y)
+        out.append((tr, cache, y))
+    return out
+
+
+@pytest.mark.parametrize("head,k,pooling,optimizer", [("classification", 1, "mean", "adamw"),
+                                                      ("classification", 2, "cls", "lamb"),
+                                                      ("classification-pooler", 5, "mean", "adamw"),
+                                                      ("qa", 2, "mean", "adamw")])
+def test_cuda_topk_trainer_matches_the_cpu_trainer(model, inputs, head, k, pooling, optimizer):
+    """Top-layer training on CUDA (layers, pooling, head, loss, backward and the fused optimizer on the
+    device; dropout in the layers and the head, with the CPU's masks) equals the CPU trainer within
+    fp32 rounding, loss by loss and weight by weight, and evaluates the same."""
+    kw = dict(optimizer=optimizer, epochs=2, batch_size=7, lr=2e-3, max_grad_norm=0.5, layer_dropout=0.1,
+              dropout=0.1, num_labels=None if head == "qa" else 3)
+    (cpu, cache, y), (gpu, gcache, gy) = _topk_pair(model, inputs, head, k, pooling, **kw)
+    assert gpu.top.device == "cuda:0" and gpu.optimizer.device == "cuda:0"
+    assert np.array_equal(cache.get(cache.example_ids)[0], gcache.get(gcache.example_ids)[0])
+    assert gpu.global_step == cpu.global_step == 8
+    for (s1, l1), (s2, l2) in zip(gpu.loss_curve, cpu.loss_curve):
+        assert s1 == s2 and abs(l1 - l2) <= 1e-4 * max(1.0, abs(l2)), (s1, l1, l2)
+    moved = 0
+    for (n, v), (n2, w) in zip(gpu.top.named_parameters(), cpu.top.named_parameters()):
+        assert n == n2 and close(np.asarray(v), w), (n, np.abs(np.asarray(v) - w).max())
+        moved += not np.array_equal(np.asarray(v), _initial(cache.encoder, n))
+    assert moved == len(cpu.top.named_parameters())   # every layer tensor trained
+    gpu._pull()
+    for name, t in gpu.head.tensors.items():
+        if head == "qa" and name == "qa_outputs.bias":   # see test_cuda_trainer_matches_the_cpu_trainer
+            continue
+        assert close(t, cpu.head.tensors[name]), (name, np.abs(t - cpu.head.tensors[name]).max())
+    if head != "qa":
+        ev_g, ev_c = gpu.evaluate(gcache, y), cpu.evaluate(cache, y)
+        assert abs(ev_g["loss"] - ev_c["loss"]) <= 1e-5 and ev_g["accuracy"] == ev_c["accuracy"]
+
+
+def _initial(encoder, name):
+    return encoder.state_dict()[name]
+
+
+def test_cuda_topk_resumes_exactly_and_exports(model, inputs, tmp_path):
+    """An interrupted CUDA top-k run resumed from its checkpoint ends bit for bit where the straight run
+    ends (layers, head, optimizer state); the exported encoder loads on the CPU and gives the hidden
+    states of the CPU-trained one within fp32 rounding; memory_report() sizes the device step."""
+    ids, mask, types = inputs
+    enc = fasttran.Encoder.from_pretrained(model)
+    kw = dict(device="cuda", train_layers=2, epochs=2, batch_size=6, seed=3, show_progress=False, num_labels=2,
+              lr=1e-3)
+    full = fasttran.Trainer("classification", **kw)
+    cache = full.cache_for(enc, ids, mask, types, show_progress=False)
+    y = np.random.default_rng(3).integers(0, 2, len(cache))
+    full.fit(cache, y)
+    part = fasttran.Trainer("classification", **kw)
+    part.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=4)   # mid-epoch 1
+    assert part.global_step == 4
+    rest = fasttran.Trainer("classification", **kw)
+    rest.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    assert rest.global_step == full.global_step
+    for (n, a), (_, b) in zip(rest.top.named_parameters(), full.top.named_parameters()):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), n
+    rest._pull()
+    full._pull()
+    assert np.array_equal(rest.head.params, full.head.params)
+    m1 = np.asarray(fasttran.optim.flat_state(rest.optimizer)[1])
+    assert np.array_equal(m1, np.asarray(fasttran.optim.flat_state(full.optimizer)[1]))
+    cpu = fasttran.Trainer("classification", **dict(kw, device="cpu"))
+    cpu.fit(cpu.cache_for(enc, ids, mask, types, show_progress=False), y)
+    got = fasttran.Encoder.from_pretrained(full.export(str(tmp_path / "gpu")))
+    want = fasttran.Encoder.from_pretrained(cpu.export(str(tmp_path / "cpu")))
+    assert got.device == "cpu"
+    h_got, h_want = got.forward(ids, mask, types), want.forward(ids, mask, types)
+    assert np.abs(h_got - h_want).max() <= 1e-4, np.abs(h_got - h_want).max()
+    rep = full.memory_report(batch_size=6, seq_len=19, budget_bytes=64 << 20)
+    assert rep["total"] > rep["weights"] > 0 and rep["largest_batch"] >= 6
 
 
 # ---- the optimizer step's host side (item 4) -------------------------------------------------------

@@ -476,6 +476,13 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
                                  int training, uint64_t seed, uint64_t step);
 /* After a training forward: the gradients (overwritten) from dout (N, C); dx (N, C) or NULL */
 ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx);
+int64_t ft_layer_stack_hidden_size(const ft_layer_stack *s);
+/* the sequences (B) and rows (N) of the last forward */
+void ft_layer_stack_last_batch(const ft_layer_stack *s, int64_t *B, int64_t *N);
+/* pooled (B, C) = per sequence of the last forward, the mean of its rows of h (N, C), or its
+ * first row (cls != 0); and the backward: dh (N, C) from dpooled (B, C). Device memory. */
+ft_status ft_layer_stack_pool(ft_layer_stack *s, const float *h, int cls, float *pooled);
+ft_status ft_layer_stack_pool_backward(ft_layer_stack *s, const float *dpooled, int cls, float *dh);
 /* what a training step over B sequences of T tokens holds (bytes), and the bytes the stack has
  * allocated now and at most so far */
 ft_status ft_layer_stack_memory(const ft_layer_stack *s, int64_t B, int64_t T, ft_layer_memory *m);

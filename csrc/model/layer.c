@@ -153,6 +153,7 @@ struct ft_layer_stack {
     void *arena, *ws;                   /* saved activations; per-step buffers */
     size_t arena_bytes, ws_bytes, peak;
     int32_t *seqs;                      /* host (B, 3) of the last forward */
+    int32_t *pool_host;                 /* host (2, B): pooling's first rows and row counts */
     int64_t seqs_cap;
     ft_layer_batch batch;
     int ready;                          /* a training forward is waiting for its backward */
@@ -190,6 +191,7 @@ void ft_layer_stack_free(ft_layer_stack *s) {
     free(s->gw);
     free(s->acts);
     free(s->seqs);
+    free(s->pool_host);
     free(s);
 }
 
@@ -286,13 +288,15 @@ ft_status ft_layer_stack_tensor_info(const ft_layer_stack *s, size_t i, const ch
 static size_t work_layout(const ft_layer_stack *s, int64_t B, int64_t N, int64_t T, ft_layer_work *wk, char *base) {
     const size_t C = (size_t)s->cfg.hidden_size, I = (size_t)s->cfg.intermediate_size, n = (size_t)N;
     const size_t wide = I > 3 * C ? I : 3 * C;
-    const size_t sizes[5] = {align64(n * C * 4), align64(n * C * 4), align64(n * C * 4), align64(n * wide * 4),
-                             align64(s->be->attention_train_scratch_bytes(s->be, B, T, s->cfg.num_heads))};
+    const size_t sizes[6] = {align64(n * C * 4), align64(n * C * 4), align64(n * C * 4), align64(n * wide * 4),
+                             align64(s->be->attention_train_scratch_bytes(s->be, B, T, s->cfg.num_heads)),
+                             align64((size_t)B * 2 * 4)};
     float **slots[5] = {&wk->tmp, &wk->g, &wk->dctx, &wk->dbig, &wk->attn_scratch};
     if (wk) wk->attn_scratch_bytes = sizes[4];
     size_t o = 0;
-    for (int k = 0; k < 5; k++) {
-        if (base) *slots[k] = (float *)(base + o);
+    for (int k = 0; k < 6; k++) {
+        if (base && k < 5) *slots[k] = (float *)(base + o);
+        if (base && k == 5) wk->pool_index = (int32_t *)(base + o);
         o += sizes[k];
     }
     return o;
@@ -348,11 +352,14 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     const int64_t NH = s->cfg.num_heads, C = s->cfg.hidden_size;
     if (B > s->seqs_cap) {
         int32_t *ns = realloc(s->seqs, (size_t)B * 3 * sizeof *ns);
-        if (!ns) return ft_error(FT_ERR_NOMEM, "out of memory");
-        s->seqs = ns;
+        if (ns) s->seqs = ns;
+        int32_t *np = ns ? realloc(s->pool_host, (size_t)B * 2 * sizeof *np) : NULL;
+        if (np) s->pool_host = np;
+        if (!ns || !np) return ft_error(FT_ERR_NOMEM, "out of memory");
         s->seqs_cap = B;
     }
     int64_t N = 0, P = 0, T = 0;
+    s->batch.B = s->batch.N = 0;   /* nothing to pool or go back through until this forward is done */
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = lengths[b];
         if (n < 1 || n > s->cfg.max_position_embeddings)
@@ -393,6 +400,40 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
                                  l > 0 || dx != NULL));
     if (dx) FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
     s->ready = 0;
+    return s->be->synchronize(s->be);
+}
+
+int64_t ft_layer_stack_hidden_size(const ft_layer_stack *s) { return s->cfg.hidden_size; }
+
+void ft_layer_stack_last_batch(const ft_layer_stack *s, int64_t *B, int64_t *N) {
+    *B = s->batch.B;
+    *N = s->batch.N;
+}
+
+/* the last forward's sequences as pooling's (first row, row count) table, in the workspace */
+static ft_status pool_index(ft_layer_stack *s, int cls) {
+    const int64_t B = s->batch.B;
+    if (B < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack pooling: no forward to pool");
+    for (int64_t b = 0; b < B; b++) {
+        s->pool_host[b] = s->seqs[3 * b];
+        s->pool_host[B + b] = cls ? 1 : s->seqs[3 * b + 1];
+    }
+    return s->be->upload(s->be, s->work.pool_index, s->pool_host, (size_t)B * 2 * sizeof(int32_t));
+}
+
+ft_status ft_layer_stack_pool(ft_layer_stack *s, const float *h, int cls, float *pooled) {
+    FT_TRY(pool_index(s, cls));
+    const int64_t B = s->batch.B;
+    FT_TRY(s->be->pool_forward(s->be, FT_F32, pooled, h, s->work.pool_index, s->work.pool_index + B, B,
+                               s->cfg.hidden_size));
+    return s->be->synchronize(s->be);
+}
+
+ft_status ft_layer_stack_pool_backward(ft_layer_stack *s, const float *dpooled, int cls, float *dh) {
+    FT_TRY(pool_index(s, cls));
+    const int64_t B = s->batch.B;
+    FT_TRY(s->be->pool_backward(s->be, dh, dpooled, s->work.pool_index, s->work.pool_index + B, B, s->batch.N,
+                                s->cfg.hidden_size));
     return s->be->synchronize(s->be);
 }
 

@@ -40,6 +40,7 @@ typedef struct {
     float *dbig;         /* (N, max(I, 3C))  GELU / QKV gradients */
     float *attn_scratch; /* attention_train_scratch_bytes */
     size_t attn_scratch_bytes;
+    int32_t *pool_index; /* (2, B)   pooling's first rows and row counts (ft_layer_stack_pool) */
 } ft_layer_work;
 
 typedef struct {

@@ -150,15 +150,7 @@ static PyObject *LayerStack_forward(LayerStack *self, PyObject *args, PyObject *
     const int64_t B = (int64_t)PyArray_SIZE((PyArrayObject *)lo);
     int64_t N = 0;
     for (int64_t b = 0; b < B; b++) N += lengths[b];
-    int64_t C = 0;
-    {
-        const char *name;
-        int ndim;
-        int64_t shape[2];
-        size_t off;
-        ft_layer_stack_tensor_info(self->stack, 0, &name, &ndim, shape, &off);
-        C = shape[1];
-    }
+    const int64_t C = ft_layer_stack_hidden_size(self->stack);
     const float *x = buffer(self, xo, "x", FT_F32, N * C, 0);
     if (!x) return NULL;
     float *out = buffer(self, oo, "out", FT_F32, N * C, 0);
@@ -228,7 +220,51 @@ static PyObject *LayerStack_export(LayerStack *self, PyObject *enc_o) {
     Py_RETURN_NONE;
 }
 
+/* pool(h, pooled, cls=False) / pool_backward(dpooled, dh, cls=False): per sequence of the last
+ * forward, h (N, C) -> pooled (B, C) (mean of its rows, or its first row), and back */
+static PyObject *pool_common(LayerStack *self, PyObject *args, PyObject *kw, int backward) {
+    static char *kwf[] = {"h", "pooled", "cls", NULL}, *kwb[] = {"dpooled", "dh", "cls", NULL};
+    PyObject *in_o, *out_o;
+    int cls = 0;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OO|p", backward ? kwb : kwf, &in_o, &out_o, &cls))
+        return NULL;
+    int64_t B, N;
+    ft_layer_stack_last_batch(self->stack, &B, &N);
+    if (B < 1) return ft_py_fail(ft_errors.input, "pooling needs a forward first: it pools that batch's sequences");
+    const int64_t C = (int64_t)ft_layer_stack_hidden_size(self->stack);
+    const float *in = buffer(self, in_o, backward ? "dpooled" : "h", FT_F32, (backward ? B : N) * C, 0);
+    if (!in) return NULL;
+    float *out = buffer(self, out_o, backward ? "dh" : "pooled", FT_F32, (backward ? N : B) * C, 0);
+    if (!out) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = backward ? ft_layer_stack_pool_backward(self->stack, in, cls, out) : ft_layer_stack_pool(self->stack, in, cls, out);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+static PyObject *LayerStack_pool(LayerStack *self, PyObject *args, PyObject *kw) {
+    return pool_common(self, args, kw, 0);
+}
+static PyObject *LayerStack_pool_backward(LayerStack *self, PyObject *args, PyObject *kw) {
+    return pool_common(self, args, kw, 1);
+}
+
+/* last_batch() -> (B, N) of the last forward (0, 0 before one) */
+static PyObject *LayerStack_last_batch(LayerStack *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self)) return NULL;
+    int64_t B, N;
+    ft_layer_stack_last_batch(self->stack, &B, &N);
+    return Py_BuildValue("(LL)", (long long)B, (long long)N);
+}
+
 static PyMethodDef LayerStack_methods[] = {
+    {"last_batch", (PyCFunction)LayerStack_last_batch, METH_NOARGS, "(sequences, rows) of the last forward."},
+    {"pool", (PyCFunction)(void (*)(void))LayerStack_pool, METH_VARARGS | METH_KEYWORDS,
+     "pool(h, pooled, cls=False): pooled (B, C) = mean (or first) rows of each sequence of the last forward."},
+    {"pool_backward", (PyCFunction)(void (*)(void))LayerStack_pool_backward, METH_VARARGS | METH_KEYWORDS,
+     "pool_backward(dpooled, dh, cls=False): the pooling's backward into dh (N, C)."},
     {"tensors", (PyCFunction)LayerStack_tensors, METH_NOARGS, "[(name, shape, offset)], total floats."},
     {"forward", (PyCFunction)(void (*)(void))LayerStack_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x, lengths, out, training=False, seed=0, step=0) over packed rows."},

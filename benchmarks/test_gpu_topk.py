@@ -1,0 +1,217 @@
+"""Top-k training on a GPU (issue 17): fasttran's CUDA Trainer step (float32 layers on the device,
+pooling, head, loss, backward, one fused AdamW step) against PyTorch training the same layers on the
+same cached inputs, in float32 and with AMP (bf16 autocast); and the largest batch of 512-token
+sequences that fits the device, fasttran with Tempo's options on and off against PyTorch.
+
+    python -m pytest benchmarks/test_gpu_topk.py -s          (bash .ci/gpu_session.sh topk)
+
+Step: batches of 32 x 128 tokens (every token real), dropout 0.1 in the layers and the head,
+AdamW with clipping at 1.0; `FASTTRAN_BENCH_STEPS` steps per round (default 10), the rounds
+interleaved, the median round reported per step. Both sides start from the same weights and the
+layers' eval-mode outputs are checked to agree before anything is timed.
+Memory: BERT-base, all 12 layers trained from the embeddings' output (`FASTTRAN_BENCH_MEM_K`),
+seq 512. fasttran: `Trainer.memory_report(...)["largest_batch"]` for the device's free memory,
+its accounting checked against the allocator at a small batch first; PyTorch: the allocator's
+peak of a training step at two batch sizes, extrapolated linearly (activations grow with the
+batch, the rest does not) to the same budget.
+
+Without a GPU (the CUDA emulator) FASTTRAN_BENCH_SMOKE=1 runs the same code on a tiny BERT with torch
+on the CPU, so that the benchmark itself stays tested; nothing it prints there is a speed."""
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+import fasttran
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from gpu_common import real_gpu  # noqa: E402
+
+SMOKE = os.environ.get("FASTTRAN_BENCH_SMOKE") == "1"
+GPU, WHY = real_gpu(torch)
+pytestmark = pytest.mark.skipif(not GPU and not (SMOKE and fasttran.cuda_available()),
+                                reason=f"needs a real GPU (or FASTTRAN_BENCH_SMOKE=1 on the emulator): {WHY}")
+TDEV = "cuda" if GPU else "cpu"
+B, T = (4, 16) if SMOKE else (32, 128)
+STEPS = int(os.environ.get("FASTTRAN_BENCH_STEPS", "2" if SMOKE else "10"))
+ROUNDS = int(os.environ.get("FASTTRAN_BENCH_ROUNDS", "2" if SMOKE else "5"))
+SMALL = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, intermediate_size=128)
+RESULTS = {}
+
+
+def model_dir(tmp, arch):
+    from transformers import BertConfig, BertModel
+    if arch == "minilm" and not SMOKE:
+        return fasttran.models.minilm_path()
+    torch.manual_seed(0)
+    cfg = BertConfig(**SMALL) if SMOKE else BertConfig()
+    BertModel(cfg, add_pooling_layer=False).save_pretrained(tmp)
+    return tmp
+
+
+def fasttran_setup(path, k, batches_of, tempo=None, batch=B, seq=T):
+    """a CUDA Trainer prepared for steps, its cache of layer L - k, and device batches"""
+    enc = fasttran.Encoder.from_pretrained(path, load_tokenizer=False)
+    tr = fasttran.Trainer("classification", device="cuda", train_layers=k, optimizer="adamw", lr=5e-5,
+                          num_labels=2, layer_dropout=0.1, dropout=0.1, batch_size=batch, tempo=tempo,
+                          max_grad_norm=1.0, show_progress=False)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 20000, (batches_of * batch, seq))
+    cache = tr.cache_for(enc, ids, np.ones_like(ids), show_progress=False)
+    y = tr._prepare(cache, rng.integers(0, 2, len(cache)))
+    _, total, warm, grads, gviews = tr._loop_setup(len(cache))
+    tr._cuda.push()
+    tr._cuda.ensure(batch, 1)
+    batches = list(cache.batches(batch, shuffle=False, ragged=True, output="device", device="cuda"))
+    return enc, tr, cache, y, batches, (grads, gviews, total, warm)
+
+
+def torch_layers(path, k):
+    from transformers import BertModel
+    ref = BertModel.from_pretrained(path, attn_implementation="sdpa").to(TDEV)
+    L = ref.config.num_hidden_layers
+    layers = torch.nn.ModuleList(ref.encoder.layer[L - k:]).train()
+    lin = torch.nn.Linear(ref.config.hidden_size, 2).to(TDEV)
+    params = list(layers.parameters()) + list(lin.parameters())
+    opt = torch.optim.AdamW(params, lr=5e-5, weight_decay=0.01, fused=GPU)
+    return layers, lin, torch.nn.Dropout(0.1), opt, params
+
+
+def run_layers(layers, h):
+    for layer in layers:
+        o = layer(h)
+        h = o[0] if isinstance(o, tuple) else o
+    return h
+
+
+def torch_step(layers, lin, drop, opt, params, xt, yt, amp):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(TDEV, dtype=torch.bfloat16, enabled=amp):
+        logits = lin(drop(run_layers(layers, xt).mean(dim=1)))
+    loss = torch.nn.functional.cross_entropy(logits.float(), yt)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
+def sync_torch():
+    if GPU:
+        torch.cuda.synchronize()
+
+
+def save():
+    out = os.path.join(os.path.dirname(__file__), "last_gpu_topk.json")
+    if SMOKE:   # never over a GPU run's figures
+        import tempfile
+        out = os.path.join(tempfile.gettempdir(), "last_gpu_topk_smoke.json")
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name() if GPU else "CUDA emulator (smoke run, no timings)",
+            "fasttran_cuda": fasttran.build_info()["cuda"]}
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "results": RESULTS}, f, indent=1, default=str)
+
+
+CASES = [("minilm", 1), ("minilm", 6), ("bert-base", 1), ("bert-base", 4)]
+
+
+@pytest.mark.parametrize("arch,k", CASES, ids=[f"{a}-k{k}" for a, k in CASES])
+def test_topk_step_on_the_gpu(arch, k, tmp_path):
+    path = model_dir(str(tmp_path / arch), arch)
+    enc, tr, cache, y, batches, (grads, gviews, total, warm) = fasttran_setup(path, k, batches_of=2)
+    layers, lin, drop, topt, params = torch_layers(path, k)
+    with torch.no_grad():   # the same head weights
+        lin.weight.copy_(torch.from_numpy(tr.head.tensors["classifier.weight"]))
+        lin.bias.copy_(torch.from_numpy(tr.head.tensors["classifier.bias"]))
+    ids0, (x0, off0) = batches[0]
+    xt = torch.from_numpy(x0.numpy().reshape(B, T, -1)).to(TDEV)
+    yt = torch.from_numpy(y[cache.index_of(ids0)].astype(np.int64)).to(TDEV)
+    # correctness first: the layers' eval-mode outputs agree
+    layers.eval()
+    with torch.no_grad():
+        want = run_layers(layers, xt).float().cpu().numpy()
+    got = tr.top.forward(x0, np.diff(off0), training=False).numpy().reshape(B, T, -1)
+    err = float(np.abs(got - want).max())
+    assert err <= 1e-3 * max(1.0, float(np.abs(want).max())), err
+    layers.train()
+
+    def ours():
+        for s in range(STEPS):
+            i, b = batches[s % len(batches)]
+            tr._step(cache, y, i, b, grads, gviews, total, warm)
+        tr._cuda.params.numpy()   # waits for the last optimizer step
+
+    def theirs(amp):
+        def run():
+            for _ in range(STEPS):
+                torch_step(layers, lin, drop, topt, params, xt, yt, amp)
+            sync_torch()
+        return run
+
+    engines = {"fasttran fp32": ours, "torch fp32": theirs(False), "torch AMP bf16": theirs(True)}
+    for fn in engines.values():
+        fn()   # warm-up (plans, autocast caches, fused AdamW state)
+    times = {n: [] for n in engines}
+    names = list(engines)
+    for r in range(ROUNDS):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            engines[n]()
+            times[n].append((time.perf_counter() - t0) / STEPS)
+    med = {n: float(np.median(v)) for n, v in times.items()}
+    row = {"arch": arch, "k": k, "batch": [B, T], "steps_per_round": STEPS, "rounds": ROUNDS,
+           "step_s": med, "max_err_vs_torch": err,
+           "vs_torch_fp32": med["torch fp32"] / med["fasttran fp32"],
+           "vs_torch_amp": med["torch AMP bf16"] / med["fasttran fp32"]}
+    RESULTS[f"step {arch} k={k}"] = row
+    print(f"\n{arch} k={k} {B}x{T}: " + ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in med.items()) +
+          f"; fasttran fp32 vs torch fp32 {row['vs_torch_fp32']:.2f}x, vs AMP {row['vs_torch_amp']:.2f}x")
+    save()
+
+
+def test_largest_batch_at_seq_512(tmp_path):
+    seq = 32 if SMOKE else 512
+    k = int(os.environ.get("FASTTRAN_BENCH_MEM_K", "2" if SMOKE else "12"))
+    path = model_dir(str(tmp_path / "bert"), "bert-base")
+    budget = int(torch.cuda.mem_get_info()[0] * 0.9) if GPU else 1 << 30
+    row = {"seq": seq, "k": k, "budget_bytes": budget}
+    for name, tempo in (("fasttran, Tempo on", None),
+                        ("fasttran, Tempo off", dict(inplace_gelu=False, inplace_layernorm=False,
+                                                     recompute_attention_dropout=False))):
+        enc, tr, cache, y, batches, (grads, gviews, total, warm) = fasttran_setup(path, k, 1, tempo, batch=2,
+                                                                                   seq=seq)
+        i, b = batches[0]
+        tr._step(cache, y, i, b, grads, gviews, total, warm)
+        now, peak = tr.top.allocated()
+        rep = tr.memory_report(batch_size=2, seq_len=seq, budget_bytes=budget)
+        held = rep["weights"] + rep["gradients"] + rep["workspace"] + sum(
+            v for kind, v in rep["activations"].items() if kind != "input")   # the input is the cache's
+        assert 0 <= peak - held <= 64 * 32 * 2, (held, peak)   # exact up to the 64-byte aligned views
+        row[name] = {"largest_batch": rep["largest_batch"], "bytes_at_batch_2": rep["total"],
+                     "activations_at_batch_2": rep["activations"]}
+        del tr, cache, batches
+    if GPU:
+        layers, lin, drop, topt, params = torch_layers(path, k)
+        C = lin.in_features
+        peaks = {}
+        for bs in (2, 4):
+            xt = torch.randn(bs, seq, C, device=TDEV)
+            yt = torch.zeros(bs, dtype=torch.int64, device=TDEV)
+            torch_step(layers, lin, drop, topt, params, xt, yt, False)   # optimizer state exists
+            sync_torch()
+            torch.cuda.reset_peak_memory_stats()
+            torch_step(layers, lin, drop, topt, params, xt, yt, False)
+            sync_torch()
+            peaks[bs] = torch.cuda.max_memory_allocated()
+            del xt, yt
+        slope = (peaks[4] - peaks[2]) / 2
+        fixed = peaks[2] - 2 * slope
+        row["torch fp32"] = {"largest_batch": int((budget - fixed) // slope), "peak_at_2": peaks[2],
+                             "peak_at_4": peaks[4], "per_example": slope}
+        for name in ("fasttran, Tempo on", "fasttran, Tempo off"):
+            row[name]["vs_torch"] = row[name]["largest_batch"] / max(1, row["torch fp32"]["largest_batch"])
+    RESULTS["largest batch"] = row
+    print("\nlargest batch at seq", seq, json.dumps(row, indent=1, default=str))
+    save()
