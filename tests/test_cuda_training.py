@@ -169,13 +169,13 @@ def test_device_tier_frees_its_memory(model, inputs):
 # ---- the Trainer on CUDA ---------------------------------------------------------------------------
 def emu_counters():
     """(cudaMalloc, cudaFree, pinned allocations, H2D copies, H2D bytes, D2H copies, D2H bytes, D2D copies,
-    stream syncs, event records, stream waits, event syncs, pinned frees) of the emulator since it loaded;
-    None on a real GPU"""
+    stream syncs, event records, stream waits, event syncs, pinned frees, events created) of the emulator
+    since it loaded; None on a real GPU"""
     if not fasttran.build_info()["cuda"]["emulated"]:
         return None
     import ctypes
     lib = ctypes.CDLL(os.path.join(os.path.dirname(fasttran.__file__), "libfasttran_cuda_emu.so"))
-    out = (ctypes.c_longlong * 13)()
+    out = (ctypes.c_longlong * 14)()
     lib.ftemu_counters(out)
     return list(out)
 
@@ -484,10 +484,12 @@ def test_device_reader_prefetches_on_a_side_stream(enc_cuda, inputs):
         n += 1
         del x
     d = [b - a for a, b in zip(before, emu_counters())]
-    buffers = 3   # prefetch 2 + the one being consumed
-    assert n == 13
+    # buffers: at most prefetch 2 + the one being consumed; fewer when the consumer gives one back
+    # before the reader needs another (timing). Each buffer makes its two events on its first use.
+    buffers = d[13] // 2
+    assert n == 13 and d[13] % 2 == 0 and 1 <= buffers <= 3, d[13]
     assert d[9] == 2 * n, f"{d[9]} events recorded for {n} batches (ready + released each)"
-    assert d[10] == n - buffers, f"{d[10]} stream waits: every reuse of a buffer waits for its release"
+    assert d[10] == n - buffers, f"{d[10]} stream waits for {buffers} buffers: every reuse of a buffer waits for its release"
     assert d[11] >= n, "the consumer waits for each batch's ready event"
 
 

@@ -286,7 +286,7 @@ using namespace ftemu;
 // does: device allocations, pinned allocations, copies each way). ftemu_counters() reads them.
 namespace ftemu {
 enum { C_MALLOC, C_FREE, C_HOST_ALLOC, C_H2D, C_H2D_BYTES, C_D2H, C_D2H_BYTES, C_D2D, C_STREAM_SYNC, C_EVENT_RECORD,
-       C_STREAM_WAIT, C_EVENT_SYNC, C_HOST_FREE, C_COUNT };
+       C_STREAM_WAIT, C_EVENT_SYNC, C_HOST_FREE, C_EVENT_CREATE, C_COUNT };
 static std::atomic<long long> g_counters[C_COUNT];
 static void count_copy(cudaMemcpyKind kind, size_t bytes) {
     if (kind == cudaMemcpyHostToDevice) { g_counters[C_H2D]++; g_counters[C_H2D_BYTES] += (long long)bytes; }
@@ -297,10 +297,11 @@ static void count_copy(cudaMemcpyKind kind, size_t bytes) {
 
 extern "C" {
 
-// out[0..12] = cudaMalloc calls, cudaFree calls, pinned host allocations, host-to-device copies and
+// out[0..13] = cudaMalloc calls, cudaFree calls, pinned host allocations, host-to-device copies and
 // bytes, device-to-host copies and bytes, device-to-device copies, stream synchronisations, event
-// records, stream waits for events, event synchronisations, pinned host frees, since the library loaded (streams run
-// synchronously here: these counts show which orderings code asks for, not that they hold)
+// records, stream waits for events, event synchronisations, pinned host frees, events created, since
+// the library loaded (streams run synchronously here: these counts show which orderings code asks
+// for, not that they hold)
 __attribute__((visibility("default"))) void ftemu_counters(long long *out) {
     for (int i = 0; i < C_COUNT; i++) out[i] = g_counters[i].load();
 }
@@ -635,6 +636,7 @@ cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e,
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
     ftemu_event *ev = static_cast<ftemu_event *>(calloc(1, sizeof(ftemu_event)));
     if (!ev) return fail(cudaErrorMemoryAllocation, "cudaEventCreate: out of memory");
+    g_counters[C_EVENT_CREATE]++;
     ev->flags = flags;
     *e = reinterpret_cast<cudaEvent_t>(ev);
     return cudaSuccess;
