@@ -25,6 +25,7 @@
 #include "rowfun.h"
 
 #define MC 96     /* rows per task (a multiple of every MR) */
+#define AMX_ONE_CHUNK_PANELS 32
 /* A task's block of weights (at most KC_MAX x NCB(kr) floats) should stay in L2: half of this
  * core's L2 (1 MiB on a 2 MiB Sapphire Rapids L2: k blocks of 256 x 512 columns; 128 KiB on a
  * 256 KiB Haswell L2: 256 x 128). K blocks of at most 256 keep a tile's A rows and its panel's
@@ -170,6 +171,11 @@ static ft_status run_linear(const linear_args *a) {
         chunks = (panels + per_block - 1) / per_block;
         if (rb * chunks < want) chunks = (want + rb - 1) / rb;
         if (chunks > panels) chunks = panels;
+        /* AMX with K in several blocks: every chunk would split the task's rows again, one K block
+         * at a time (k-major rows through register transposes: a third of such a product); with
+         * rows enough for every thread and few panels, one chunk of all of them (its accumulators,
+         * blocks x panels x 8 KiB, wait in L2 between K blocks) */
+        if (kr->amx && ft_amx_kblock(a->K) < a->K && rb >= want && panels <= AMX_ONE_CHUNK_PANELS) chunks = 1;
     }
     const int64_t row_blocks = (a->M + mc - 1) / mc, per_chunk = (panels + chunks - 1) / chunks;
     /* AMX with all of K in one block and rows enough for every thread: a task takes a row block
