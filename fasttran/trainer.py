@@ -846,6 +846,10 @@ class Trainer:
             head = self._head_name
         scratch = Trainer(head, **cfg)
         y = scratch._prepare(cache, targets)
+        if self.top is not None:   # the trained layers too (host copies of a CUDA trainer's)
+            for (_, mine), (_, theirs) in zip(self.top.named_parameters(), scratch.top.named_parameters()):
+                theirs[...] = np.asarray(mine)
+        ragged = scratch.top is not None
         N = len(cache)
         spe, total, warm, grads, gviews = scratch._loop_setup(N)
         order = np.random.default_rng(_epoch_seed(scratch.seed, 0)).permutation(N)
@@ -855,9 +859,10 @@ class Trainer:
         def run(k0, n):
             for k in range(k0, k0 + n):
                 ex = rows(k)
-                scratch._step(cache, y, ex, cache.get(ex), grads, gviews, total, warm)
+                scratch._step(cache, y, ex, cache.get(ex, ragged=ragged), grads, gviews, total, warm)
 
-        title = (f"{type(scratch.head).__name__} + {scratch.optimizer_name.upper()}, batch {scratch.batch_size}, "
+        top = f"top {self.train_layers} layer{'s' if self.train_layers > 1 else ''} + " if self.train_layers else ""
+        title = (f"{top}{type(scratch.head).__name__} + {scratch.optimizer_name.upper()}, batch {scratch.batch_size}, "
                  f"{'cached' if getattr(cache, 'stats', None) and cache.stats()['cached'] else 'uncached'} "
                  f"features of {N} examples")
         prof = Profile(title)

@@ -413,6 +413,10 @@ def test_cuda_topk_resumes_exactly_and_exports(model, inputs, tmp_path):
     assert np.abs(h_got - h_want).max() <= 1e-4, np.abs(h_got - h_want).max()
     rep = full.memory_report(batch_size=6, seq_len=19, budget_bytes=64 << 20)
     assert rep["total"] > rep["weights"] > 0 and rep["largest_batch"] >= 6
+    layers = [np.asarray(v) for _, v in full.top.named_parameters()]
+    assert full.profile(cache, y, steps=1, epoch=False)["training step"].wall > 0   # a CPU copy of it
+    for a, (_, b) in zip(layers, full.top.named_parameters()):
+        assert np.array_equal(a, np.asarray(b))
 
 
 # ---- the optimizer step's host side (item 4) -------------------------------------------------------

@@ -102,6 +102,21 @@ def test_memory_report_matches_what_is_allocated(enc, data, cache1):
     assert big["total"] > rep["total"] and big["largest_batch"] >= 32
 
 
+def test_profile_of_a_topk_trainer(enc, data, cache1):
+    """profile() runs the top layers' steps (ragged batches) on a copy: the trainer keeps its layers,
+    head and step count."""
+    ids, mask, types, y = data
+    tr = trainer(k=1, epochs=1)
+    tr.fit(cache1, y)
+    layers = [np.array(v) for _, v in tr.top.named_parameters()]
+    head, step = tr.head.params.copy(), tr.global_step
+    p = tr.profile(cache1, y, steps=2, epoch=False)
+    assert p["training step"].wall > 0 and "top 1 layer" in p.title
+    assert tr.global_step == step and np.array_equal(tr.head.params, head)
+    for a, (_, b) in zip(layers, tr.top.named_parameters()):
+        assert np.array_equal(a, b)
+
+
 def test_bad_input(enc, data, cache1):
     ids, mask, types, y = data
     with pytest.raises(fasttran.InputError, match="train_layers must be an int >= 0"):
