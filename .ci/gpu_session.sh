@@ -56,6 +56,11 @@ phase_sanitize() {
         echo "$name: exit $? ($(grep -c '=========' "$OUT/sanitize-$name.log") sanitizer lines)"
         grep -m5 "ERROR SUMMARY\|LEAK SUMMARY" "$OUT/sanitize-$name.log"
     done
+    # the CUDA Trainer's paths (head only and top-k layers): memcheck with the leak check
+    timeout 140 $cs --tool memcheck --leak-check full --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
+        tests/test_cuda_training.py -k "topk or matches_the_cpu" >"$OUT/sanitize-memcheck-training.log" 2>&1
+    echo "memcheck (training): exit $? ($(grep -c '=========' "$OUT/sanitize-memcheck-training.log") sanitizer lines)"
+    grep -m5 "ERROR SUMMARY\|LEAK SUMMARY" "$OUT/sanitize-memcheck-training.log"
 }
 
 phase_bench() {
