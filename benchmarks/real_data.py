@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 import fasttran
+from fasttran import _C
 from fasttran import ActivationCache, Trainer
 from fasttran.data import load_sst2
 from fasttran.squad import SquadFeatures, load_squad, squad_metrics
@@ -82,7 +83,7 @@ def torch_train(head_params, batches_fn, n, epochs, step_fn, hp):
 
 
 def order_of(n, seed, epoch, bs):
-    order = np.random.default_rng(_epoch_seed(seed, epoch)).permutation(n)
+    order = _C.epoch_order(_epoch_seed(seed, epoch), n)   # the Trainer's epoch order
     return [order[a:a + bs] for a in range(0, n, bs)]
 
 

@@ -210,14 +210,15 @@ def waited_epoch(cache, bs, work, seed):
     return first + sum(waits), sum(waits[1:]), time.perf_counter() - t0
 
 
-def test_prefetch_hides_reads(encoder, tmp_path):
+@pytest.mark.parametrize("rows", [20000, None], ids=["20k", "sst2-epoch"])
+def test_prefetch_hides_reads(encoder, tmp_path, rows):
     """Two consumers: one that computes on the CPU (NumPy, 1 BLAS thread: the reader has the
     other core), one that waits like a host feeding an accelerator (sleeps; the CPU is free).
     hidden = 1 - waited / read: the share of the reading the consumer did not wait for (waited
     counts batches() and every next(); read is the same sum without work); hidden_after_first
     leaves out the epoch's first batch, which no reader started with the epoch can have ready."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    ids, mask = sst2(20000)
+    ids, mask = sst2(rows)   # None: the whole SST-2 train set, one real epoch (67,349 rows)
     c = ActivationCache.build(encoder, ids, mask, positions="cls", batch_size=512, host_bytes=0,
                               disk_dir=tmp_path / "c", show_progress=False)
     rng = np.random.default_rng(0)
@@ -236,7 +237,7 @@ def test_prefetch_hides_reads(encoder, tmp_path):
                                  hidden=1 - wait / read_wait, hidden_after_first=1 - wait_rest / read_rest))
             h = np.array([r["hidden"] for r in rows])
             h1 = np.array([r["hidden_after_first"] for r in rows])
-            OUT[f"prefetch, consumer {name} (20,000 pooled fp32 rows from disk, batch 256)"] = dict(
+            OUT[f"prefetch, consumer {name} ({len(ids):,} pooled fp32 rows from disk, batch 256)"] = dict(
                 hidden_median=float(np.median(h)), hidden_min=float(h.min()), hidden_max=float(h.max()),
                 hidden_after_first_median=float(np.median(h1)),
                 read_s_median=float(np.median([r["read_s"] for r in rows])),

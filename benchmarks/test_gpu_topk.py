@@ -1,6 +1,7 @@
 """Top-k training on a GPU (issue 17): fasttran's CUDA Trainer step (float32 layers on the device,
 pooling, head, loss, backward, one fused AdamW step) against PyTorch training the same layers on the
-same cached inputs, in float32 and with AMP (bf16 autocast); and the largest batch of 512-token
+same cached inputs, in float32 and with AMP (bf16 autocast), and fasttran's mixed-precision step
+(precision="bfloat16": bf16 products, fp32 storage) against AMP; and the largest batch of 512-token
 sequences that fits the device, fasttran with Tempo's options on and off against PyTorch.
 
     python -m pytest benchmarks/test_gpu_topk.py -s          (bash .ci/gpu_session.sh topk)
@@ -60,12 +61,12 @@ def model_dir(tmp, arch):
     return tmp
 
 
-def fasttran_setup(path, k, batches_of, tempo=None, batch=B, seq=T):
+def fasttran_setup(path, k, batches_of, tempo=None, batch=B, seq=T, precision="float32"):
     """a CUDA Trainer prepared for steps, its cache of layer L - k, and device batches"""
     enc = fasttran.Encoder.from_pretrained(path, load_tokenizer=False)
     tr = fasttran.Trainer("classification", device="cuda", train_layers=k, optimizer="adamw", lr=5e-5,
                           num_labels=2, layer_dropout=0.1, dropout=0.1, batch_size=batch, tempo=tempo,
-                          max_grad_norm=1.0, show_progress=False)
+                          max_grad_norm=1.0, show_progress=False, precision=precision)
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 20000, (batches_of * batch, seq))
     cache = tr.cache_for(enc, ids, np.ones_like(ids), show_progress=False)
@@ -145,11 +146,23 @@ def test_topk_step_on_the_gpu(arch, k, tmp_path):
     assert err <= 1e-3 * max(1.0, float(np.abs(want).max())), err
     layers.train()
 
-    def ours():
-        for s in range(STEPS):
-            i, b = batches[s % len(batches)]
-            tr._step(cache, y, i, b, grads, gviews, total, warm)
-        tr._cuda.params.numpy()   # waits for the last optimizer step
+    # the same step with bf16 products (precision="bfloat16": fp32 storage, master weights and sums)
+    _, tb, cb, yb, bb, loop_b = fasttran_setup(path, k, batches_of=2, precision="bfloat16")
+    got_b = tb.top.forward(bb[0][1][0], np.diff(bb[0][1][1]), training=False).numpy().reshape(B, T, -1)
+    err_bf16 = float(np.linalg.norm(got_b - want) / np.linalg.norm(want))
+    assert err_bf16 <= 3e-2, err_bf16
+
+    def stepper(t, c, yy, bs, loop):
+        g, gv, tot, wm = loop
+
+        def run():
+            for s in range(STEPS):
+                i, b = bs[s % len(bs)]
+                t._step(c, yy, i, b, g, gv, tot, wm)
+            t._cuda.params.numpy()   # waits for the last optimizer step
+        return run
+    ours = stepper(tr, cache, y, batches, (grads, gviews, total, warm))
+    ours_bf16 = stepper(tb, cb, yb, bb, loop_b)
 
     def theirs(amp):
         def run():
@@ -158,7 +171,8 @@ def test_topk_step_on_the_gpu(arch, k, tmp_path):
             sync_torch()
         return run
 
-    engines = {"fasttran fp32": ours, "torch fp32": theirs(False), "torch AMP bf16": theirs(True)}
+    engines = {"fasttran fp32": ours, "fasttran bf16": ours_bf16, "torch fp32": theirs(False),
+               "torch AMP bf16": theirs(True)}
     for fn in engines.values():
         fn()   # warm-up (plans, autocast caches, fused AdamW state)
     times = {n: [] for n in engines}
@@ -170,12 +184,14 @@ def test_topk_step_on_the_gpu(arch, k, tmp_path):
             times[n].append((time.perf_counter() - t0) / STEPS)
     med = {n: float(np.median(v)) for n, v in times.items()}
     row = {"arch": arch, "k": k, "batch": [B, T], "steps_per_round": STEPS, "rounds": ROUNDS,
-           "step_s": med, "max_err_vs_torch": err,
+           "step_s": med, "max_err_vs_torch": err, "bf16_rel_err_vs_torch_fp32": err_bf16,
            "vs_torch_fp32": med["torch fp32"] / med["fasttran fp32"],
-           "vs_torch_amp": med["torch AMP bf16"] / med["fasttran fp32"]}
+           "vs_torch_amp": med["torch AMP bf16"] / med["fasttran fp32"],
+           "bf16_vs_torch_amp": med["torch AMP bf16"] / med["fasttran bf16"]}
     RESULTS[f"step {arch} k={k}"] = row
     print(f"\n{arch} k={k} {B}x{T}: " + ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in med.items()) +
-          f"; fasttran fp32 vs torch fp32 {row['vs_torch_fp32']:.2f}x, vs AMP {row['vs_torch_amp']:.2f}x")
+          f"; fasttran fp32 vs torch fp32 {row['vs_torch_fp32']:.2f}x, vs AMP {row['vs_torch_amp']:.2f}x; "
+          f"fasttran bf16 vs AMP {row['bf16_vs_torch_amp']:.2f}x")
     save()
 
 

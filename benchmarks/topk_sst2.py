@@ -107,7 +107,7 @@ def torch_reference(enc_path, k, cache, y, dev, ydev, init_head, args):
         layers.train()
         lin.train()
         t0 = time.perf_counter()
-        order = np.random.default_rng(_epoch_seed(args.seed, epoch)).permutation(N)
+        order = cache.epoch_order(_epoch_seed(args.seed, epoch))   # the Trainer's order
         for a in range(0, N, 32):
             idx = order[a:a + 32]
             ids = cache.example_ids[idx]

@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 7
+#define FT_BACKEND_ABI 8
 
 typedef struct ft_backend ft_backend;
 
@@ -89,6 +89,13 @@ typedef struct {
     X(gemm, (ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, \
              const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,      \
              int64_t ldc), (be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))                                                                         \
+    /* gemm with the products' inputs at precision `prec`: FT_F32 = gemm; FT_BF16 / FT_F16: A and \
+     * B rounded to that type (nearest even; fp16 overflows to inf) as tensor cores read them,    \
+     * products exact, sums in float32 (cuBLAS's CUBLAS_COMPUTE_32F_FAST_16BF / _16F). Mixed-     \
+     * precision training: float32 storage and master weights, half-precision products. */        \
+    X(gemm_prec, (ft_backend *be, ft_dtype prec, int trans_a, int trans_b, int64_t M, int64_t N,   \
+                  int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb, \
+                  float beta, float *C, int64_t ldc), (be, prec, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) \
     /* ---- encoder ops. Activations are "packed rows": the encoder keeps only the rows it       \
      * computes (real tokens, then any padded ones asked for), sequence by sequence. dt is the    \
      * storage type of the weights and activations (FT_F32, FT_F16 or FT_BF16; the CPU computes  \

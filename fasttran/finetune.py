@@ -28,12 +28,15 @@ def mean_rows(out, offsets):
     return pooled
 
 
+_MATMUL_PRECISIONS = ("float32", "bfloat16", "float16")
+
+
 class TopLayers:
     """Encoder layers [L - k, L) as one trainable stack: parameters and gradients in one flat buffer
     each, with named views (`named_parameters()`, `named_gradients()`)."""
 
     def __init__(self, encoder, k, device=None, hidden_dropout=None, attention_dropout=None, inplace_gelu=None,
-                 inplace_layernorm=True, recompute_attention_dropout=True):
+                 inplace_layernorm=True, recompute_attention_dropout=True, matmul_precision="float32"):
         """k: how many of the top layers to train (1..L). device: where to train ('cpu', 'cuda:N';
         default the encoder's). Dropout defaults to the checkpoint's (hidden_dropout_prob,
         attention_probs_dropout_prob). Tempo's options (each leaves the gradients unchanged up to fp32
@@ -41,7 +44,12 @@ class TopLayers:
         recompute_attention_dropout (the attention-dropout mask regenerated, never stored: saves one
         byte per attention probability), inplace_gelu (keep GELU's output and one bit per element,
         not its input: saves about N I floats per layer; default on for CUDA only, because inverting
-        GELU costs more CPU time than the memory is worth there)."""
+        GELU costs more CPU time than the memory is worth there).
+        matmul_precision: the projections' products, forward and backward: 'float32', or mixed
+        precision, 'bfloat16' / 'float16' (float32 storage, master weights and sums; products on
+        half-precision tensor cores, cuBLAS's FAST_16BF / FAST_16F: each product's inputs rounded to
+        8 / 11 significant bits). On the CPU the half-precision modes are a slow reference of the
+        GPU's arithmetic, for tests."""
         L = encoder.num_layers
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= L:
             raise InputError(f"k (the number of top layers to train) must be an integer in [1, {L}], got {k!r}")
@@ -55,13 +63,18 @@ class TopLayers:
                                   else attention_dropout)
         if inplace_gelu is None:
             inplace_gelu = index >= 0
+        if matmul_precision not in _MATMUL_PRECISIONS:
+            raise InputError(f"matmul_precision must be one of {', '.join(map(repr, _MATMUL_PRECISIONS))}, "
+                             f"got {matmul_precision!r}")
+        self.matmul_precision = matmul_precision
         self.k, self.first_layer, self.num_layers = int(k), L - int(k), L
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.options = dict(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                             inplace_gelu=bool(inplace_gelu), inplace_layernorm=bool(inplace_layernorm),
                             recompute_attention_dropout=bool(recompute_attention_dropout))
         self.hidden_size = encoder.config["hidden_size"]
-        self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, index, **self.options)
+        self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, index, **self.options,
+                                    matmul_precision=dict(_C.DTYPES)[matmul_precision])
         self._table, self.num_params = self._stack.tensors()
         self.params = self._stack.params   # flat Tensors over the stack's memory
         self.grads = self._stack.grads
@@ -103,6 +116,8 @@ class TopLayers:
         N = int(lengths.sum())
         out = self._empty((N, self.hidden_size)) if out is None else out
         self._stack.forward(x, lengths, out, training=bool(training), seed=int(seed), step=int(step))
+        # the backward reads x: keep it alive (a NumPy x for CUDA layers is a temporary device copy)
+        self._saved_x = x if training else None
         return out
 
     def pool(self, out, cls=False, pooled=None):
@@ -134,6 +149,7 @@ class TopLayers:
             dx = np.empty(shape, np.float32) if self.device == "cpu" else \
                 _C.Tensor.from_dlpack(np.empty(shape, np.float32)).to(self.device)
         self._stack.backward(d_out, dx)
+        self._saved_x = None   # the stack is done with it
         return dx
 
     def memory_report(self, batch_size, seq_len, optimizer_states=2):
@@ -174,4 +190,5 @@ class TopLayers:
                          if self.options[k])
         return (f"TopLayers(layers {self.first_layer}..{self.num_layers - 1} of {self.num_layers}, "
                 f"{self.num_params / 1e6:.1f}M params, {self.device}, dropout {self.options['hidden_dropout']}/"
-                f"{self.options['attention_dropout']}, tempo: {opts or 'off'})")
+                f"{self.options['attention_dropout']}, tempo: {opts or 'off'}"
+                + (f", {self.matmul_precision} products" if self.matmul_precision != "float32" else "") + ")")

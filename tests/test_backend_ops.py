@@ -280,6 +280,45 @@ for (ta, tb, M, N, K, al, bt, pad) in [(0, 0, 1, 1, 1, 1.0, 0.0, 0), (0, 1, 7, 5
         _gemm(ta, tb, M, N, K, al, bt, pad))
 
 
+def _gemm_prec(prec, ta, tb, M, N, K, alpha=1.0, beta=0.0, pad=0):
+    inner = _gemm(ta, tb, M, N, K, alpha, beta, pad)
+
+    def build(rng):
+        return dict(inner(rng), prec=DTYPE_CODES[prec])
+    return build
+
+
+for prec in ("bfloat16", "float16"):
+    for (ta, tb, M, N, K, al, bt, pad) in [(0, 1, 7, 509, 17, 1.0, 0.0, 0), (1, 0, 33, 5, 64, 0.5, 1.0, 3),
+                                           (0, 0, 97, 75, 333, 0.5, 1.0, 3), (1, 1, 97, 75, 333, -1.5, 0.5, 1)]:
+        case("gemm_prec", f"{prec}-{'NT'[ta]}{'NT'[tb]}-{M}x{N}x{K}" + ("-beta" if bt else "") + ("-ld" if pad else ""))(
+            _gemm_prec(prec, ta, tb, M, N, K, al, bt, pad))
+case("gemm_prec", "float32-NT-7x509x17")(_gemm_prec("float32", 0, 1, 7, 509, 17))
+
+
+def test_gemm_prec_rounds_the_products_inputs_on_the_cpu():
+    """The CPU reference of gemm_prec against float64: the products of A and B rounded to bf16 /
+    fp16 (nearest even), summed in float32; and visibly not the float32 product. fp16 overflows
+    to inf as a tensor core's conversion does."""
+    be = Backend(-1)
+    rng = np.random.default_rng(3)
+    M, N, K = 37, 29, 300
+    A, B = f32(rng, M, K), f32(rng, N, K)
+    import torch
+    for prec, tdt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        r = lambda x: torch.from_numpy(x).to(tdt).double().numpy()
+        want = r(A) @ r(B).T
+        got = run_case(be, "gemm_prec", dict(prec=DTYPE_CODES[prec], trans_a=0, trans_b=1, M=M, N=N, K=K, alpha=1.0,
+                                             A=In(A), lda=K, B=In(B), ldb=K, beta=0.0, C=Out((M, N)), ldc=N))["C"]
+        assert np.abs(got - want).max() < 1e-4
+        assert np.abs(got - A.astype(np.float64) @ B.T.astype(np.float64)).max() > 1e-3   # inputs were rounded
+    big = np.full((1, 2), 7e4, np.float32)
+    got = run_case(be, "gemm_prec", dict(prec=DTYPE_CODES["float16"], trans_a=0, trans_b=1, M=1, N=1, K=2, alpha=1.0,
+                                         A=In(big), lda=2, B=In(np.ones((1, 2), np.float32)), ldb=2, beta=0.0,
+                                         C=Out((1, 1)), ldc=1))["C"]
+    assert np.isinf(got).all()
+
+
 def _embed(N, C, V=50, P=520, TV=3, types=True):
     def build(rng):
         return dict(out=Out((N, C)), ids=In(rng.integers(0, V, N).astype(np.int32)),

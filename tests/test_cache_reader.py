@@ -99,6 +99,54 @@ def test_reader_lifetime_and_close(setup):
             assert np.array_equal(vals, c.get(ex, ragged=True)[0])
 
 
+def test_epoch_order_is_a_uniform_permutation_drawn_by_the_reader(setup):
+    """The shuffled epoch's order: a permutation, a pure function of (seed, n), uniform (chi-square
+    over every permutation of 4 and over (position, value) pairs of 50), and what batches() reads,
+    with start and drop_last, the shuffle running on the reader's thread."""
+    assert sorted(_C.epoch_order(7, 1000).tolist()) == list(range(1000))
+    assert np.array_equal(_C.epoch_order(7, 1000), _C.epoch_order(7, 1000))
+    assert not np.array_equal(_C.epoch_order(7, 1000), _C.epoch_order(8, 1000))
+    assert _C.epoch_order(3, 0).shape == (0,) and _C.epoch_order(3, 1).tolist() == [0]
+    # fixed values: the order of a seed must never change between machines or versions of this code
+    assert _C.epoch_order(5, 10).tolist() == [7, 6, 5, 8, 2, 1, 0, 9, 4, 3]
+    import itertools
+    perms = {p: i for i, p in enumerate(itertools.permutations(range(4)))}
+    counts = np.bincount([perms[tuple(_C.epoch_order(s, 4))] for s in range(12000)], minlength=24)
+    assert ((counts - 500) ** 2 / 500).sum() < 49.7           # chi-square, 23 dof, p = 0.001
+    pos = np.zeros((50, 50))
+    for s in range(4000):
+        pos[np.arange(50), _C.epoch_order(s, 50)] += 1
+    assert ((pos - 80) ** 2 / 80).sum() < 2401 + 3.1 * np.sqrt(2 * 2401)   # 2401 dof, p ~ 0.001
+    with pytest.raises(InputError, match="seed"):
+        _C.epoch_order(-1, 3)
+    with pytest.raises(InputError, match=">= 0"):
+        _C.epoch_order(1, -3)
+    enc, ids, mask, types, lengths = setup
+    c = ActivationCache.build(enc, ids, mask, types, positions="mean", batch_size=8)
+    N = len(ids)
+    for seed in (0, 11, 2 ** 64 - 1, -5):
+        order = c.epoch_order(seed)
+        assert np.array_equal(order, _C.epoch_order(seed % 2 ** 64, N))
+        for bs, start, drop in ((7, 0, False), (7, 2, True), (40, 0, False), (3, 5, False), (6, 99, False)):
+            want = order[:N // bs * bs] if drop else order
+            want = want[start * bs:]
+            got = [ex for ex, _ in c.batches(bs, seed=seed, start=start, drop_last=drop)]
+            assert len(got) == -(-len(want) // bs)
+            flat = np.concatenate(got) if got else np.zeros(0, np.int64)
+            assert np.array_equal(flat, c.example_ids[want]), (seed, bs, start, drop)
+    assert np.array_equal(c.epoch_order(shuffle=False), np.arange(N))
+    chunked = c.epoch_order(4, sampling="chunked", chunk_bytes=1000)
+    assert sorted(chunked.tolist()) == list(range(N))
+    got = np.concatenate([ex for ex, _ in c.batches(5, seed=4, sampling="chunked", chunk_bytes=1000)])
+    assert np.array_equal(got, c.example_ids[chunked])
+    a, b = c.epoch_order(), c.epoch_order()                   # seed=None: a fresh one each time
+    assert sorted(a.tolist()) == list(range(N)) and not np.array_equal(a, b)
+    with pytest.raises(InputError, match="seed must be an int"):
+        c.batches(4, seed="x")
+    with pytest.raises(InputError, match="sampling"):
+        c.epoch_order(1, sampling="bogus")
+
+
 def test_reader_reports_a_damaged_disk_shard(setup, tmp_path):
     enc, ids, mask, types, lengths = setup
     ActivationCache.build(enc, ids, mask, types, positions="mean", batch_size=8, disk_dir=tmp_path / "c")

@@ -375,6 +375,96 @@ def test_cuda_topk_trainer_matches_the_cpu_trainer(model, inputs, head, k, pooli
         assert abs(ev_g["loss"] - ev_c["loss"]) <= 1e-5 and ev_g["accuracy"] == ev_c["accuracy"]
 
 
+def _layer_step(enc, device, prec, x, lengths, dout, inplace_gelu):
+    """(out, d x, {name: gradient}) of one training step of the top two layers, dropout off"""
+    from fasttran.finetune import TopLayers
+    top = TopLayers(enc, 2, device=device, hidden_dropout=0.0, attention_dropout=0.0, matmul_precision=prec,
+                    inplace_gelu=inplace_gelu)
+    out = host(top.forward(x, lengths, training=True))
+    dx = host(top.backward(dout, want_dx=True))
+    return out, dx, {n: np.array(host(g)) for n, g in top.named_gradients()}
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("prec", ["bfloat16", "float16"])
+def test_mixed_precision_layers_on_cuda_against_the_cpu_reference(model, prec):
+    """Mixed-precision layer training (float32 storage and sums, products of inputs rounded to bf16 /
+    fp16, cuBLAS FAST_16BF / FAST_16F): the CUDA step equals the CPU backend's reference of the same
+    arithmetic (gemm_prec rounds as tensor cores read), outputs, input gradient and every weight
+    gradient, far closer than either is to float32; and against float32 it is off by about the
+    precision's rounding (bf16 8 significant bits, fp16 11), not more."""
+    enc = fasttran.Encoder.from_pretrained(model)
+    rng = np.random.default_rng(5)
+    lengths = np.array([7, 1, 12, 5], np.int32)
+    C = enc.config["hidden_size"]
+    x = rng.standard_normal((int(lengths.sum()), C)).astype(np.float32)
+    dout = rng.standard_normal(x.shape).astype(np.float32)
+    bound = {"bfloat16": 3e-2, "float16": 4e-3}[prec]
+    for inplace_gelu in (False, True):
+        ref32 = _layer_step(enc, "cpu", "float32", x, lengths, dout, inplace_gelu)
+        cpu = _layer_step(enc, "cpu", prec, x, lengths, dout, inplace_gelu)
+        gpu = _layer_step(enc, "cuda", prec, x, lengths, dout, inplace_gelu)
+        # CUDA and CPU differ in fp32 by ulps (exp, erf, sum order); a half-precision rounding turns
+        # the rare one that straddles a rounding boundary into one ulp of bf16 / fp16, and the
+        # backward carries it on: they agree to a fraction of the precision's own error
+        for k, what in ((0, "out"), (1, "dx")):
+            far = _rel(cpu[k], ref32[k])
+            assert _rel(gpu[k], cpu[k]) < 0.35 * far + 1e-6, (what, _rel(gpu[k], cpu[k]), far)
+            assert 1e-5 < far < bound, (what, far)
+        # the gradient of the key bias is zero up to rounding (softmax ignores a per-row shift):
+        # relative to the largest gradient of its layer
+        floor = {n: 1e-3 * max(np.linalg.norm(v) for m, v in ref32[2].items() if m.split(".")[2] == n.split(".")[2])
+                 for n in ref32[2]}
+        relf = lambda a, b, n: float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), floor[n]))
+        for n, g in cpu[2].items():
+            far = relf(g, ref32[2][n], n)
+            assert relf(gpu[2][n], g, n) < 0.35 * far + 1e-5, (n, relf(gpu[2][n], g, n), far)
+            assert far < bound, (n, far)
+
+
+def test_bf16_topk_trainer_on_cuda(model, inputs, tmp_path):
+    """Trainer(precision="bfloat16"): the top layers train with bf16 products on CUDA; losses follow the
+    float32 run's within bf16 rounding, the weights move the same way, and a resumed run ends bit for
+    bit where the straight one does. The refusals name what to do."""
+    ids, mask, types = inputs
+    enc = fasttran.Encoder.from_pretrained(model)
+    kw = dict(device="cuda", train_layers=2, epochs=2, batch_size=6, seed=4, show_progress=False, num_labels=2,
+              lr=1e-3, optimizer="adamw")
+    f32 = fasttran.Trainer("classification", **kw)
+    cache = f32.cache_for(enc, ids, mask, types, show_progress=False)
+    y = np.random.default_rng(4).integers(0, 2, len(cache))
+    f32.fit(cache, y)
+    bf = fasttran.Trainer("classification", precision="bfloat16", **kw)
+    bf.fit(cache, y)
+    assert "bfloat16 products" in repr(bf.top)
+    for (s1, l1), (s2, l2) in zip(bf.loss_curve, f32.loss_curve):
+        assert s1 == s2 and abs(l1 - l2) <= 2e-2 * max(1.0, abs(l2)), (s1, l1, l2)
+    assert any(l1 != l2 for (_, l1), (_, l2) in zip(bf.loss_curve, f32.loss_curve))   # bf16 products did run
+    moves = {n: np.asarray(b) - _initial(enc, n) for n, b in f32.top.named_parameters()}
+    for n, a in bf.top.named_parameters():
+        if "key.bias" in n:   # its gradient is zero up to rounding: AdamW moves it by the noise's sign
+            continue
+        assert _rel(np.asarray(a) - _initial(enc, n), moves[n]) < 0.3, n   # the same updates, within bf16
+    part = fasttran.Trainer("classification", precision="bfloat16", **kw)
+    part.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=3)
+    rest = fasttran.Trainer.load(str(tmp_path / "ck"))
+    assert rest.precision == "bfloat16"
+    rest.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    for (n, a), (_, b) in zip(rest.top.named_parameters(), bf.top.named_parameters()):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), n
+    on_cpu = fasttran.Trainer.load(str(tmp_path / "ck"), device="cpu")   # a CUDA bf16 run continues on the CPU
+    assert on_cpu.precision == "float32"
+    for bad, match in ((dict(kw, device="cpu"), "device='cuda'"), (dict(kw, train_layers=0), "train_layers >= 1"),
+                       (dict(kw, precision="float16"), "loss scaling"), (dict(kw, precision="half"), "precision must")):
+        with pytest.raises(fasttran.InputError, match=match):
+            fasttran.Trainer("classification", **dict(dict(precision="bfloat16"), **bad))
+    with pytest.raises(fasttran.InputError, match="matmul_precision"):
+        fasttran.finetune.TopLayers(enc, 1, matmul_precision="int8")
+
+
 def _initial(encoder, name):
     return encoder.state_dict()[name]
 

@@ -36,6 +36,7 @@
 
 #include "backend.h"
 #include "cache/codec.h"
+#include "core/rng.h"
 #include "core/status.h"
 #include "fasttran.h"
 
@@ -45,7 +46,7 @@ typedef struct rbatch {
     struct ft_cache_reader *owner;
     size_t capacity;               /* floats in pub.values */
     ft_cache_staging stg;          /* device readers: staging reused batch after batch */
-    int64_t *index;
+    int64_t *index, *ids;          /* (index_cap) each */
     size_t index_cap;
     ft_status status;
     char message[1024];
@@ -55,6 +56,9 @@ struct ft_cache_reader {
     ft_cache *cache;
     ft_encoder *enc;
     int64_t *order, n, batch_size, n_steps, hidden;
+    int64_t *perm;                 /* shuffled epochs: the permutation being drawn (order = perm + skip) */
+    int64_t perm_n, perm_done;     /* its length; positions < perm_done are final (see shuffle_to) */
+    uint64_t perm_key;
     int64_t first_step;            /* the producer's first step (0 is read by ft_cache_reader_start) */
     ft_cache_layout layout;
     ft_device device;              /* where the batches are delivered */
@@ -88,6 +92,7 @@ static void batch_free(rbatch *b) {
     else free(b->pub.values);
     ft_cache_staging_free(&b->stg);
     free(b->index);
+    free(b->ids);
     free(b);
 }
 
@@ -110,7 +115,7 @@ static void reader_destroy(ft_cache_reader *r) {
     sem_destroy(&r->wake);
     sem_destroy(&r->items);
     free(r->ring);
-    free(r->order);
+    free(r->perm ? r->perm : r->order);
     free(r);
 }
 
@@ -119,6 +124,44 @@ static void unref(ft_cache_reader *r) {
 }
 
 static int reader_cancelled(void *arg) { return atomic_load(&((ft_cache_reader *)arg)->stop); }
+
+/* Forward Fisher-Yates over a (n): step i swaps position i with a uniform j in [i, n), after
+ * which position i is final, so an epoch's first batches are known long before its last. j comes
+ * from ft_mix64 (core/rng.h) of (key + i), scaled by a 64x64 -> 128-bit product (bias below
+ * n / 2^64). Entries not yet touched hold 0 and mean their own position (a calloc'd array needs
+ * no filling); touched entries not yet final hold value + 1; final entries hold the value. */
+static void shuffle_to(int64_t *a, int64_t n, uint64_t key, int64_t *done, int64_t to) {
+    if (to > n) to = n;
+    for (int64_t i = *done; i < to; i++) {
+        const uint64_t left = (uint64_t)(n - i);
+        const int64_t j = i + (int64_t)(((unsigned __int128)ft_mix64(key + (uint64_t)i) * left) >> 64);
+        const int64_t vi = a[i] ? a[i] - 1 : i;
+        if (j != i) {
+            const int64_t vj = a[j] ? a[j] - 1 : j;
+            a[j] = vi + 1;
+            a[i] = vj;
+        } else
+            a[i] = vi;
+    }
+    if (to > *done) *done = to;
+}
+
+static uint64_t shuffle_key(uint64_t seed) { return ft_mix64(seed ^ 0x243F6A8885A308D3ull); }
+
+ft_status ft_epoch_order(uint64_t seed, int64_t n, int64_t *out) {
+    if (n < 0) return ft_error(FT_ERR_INVALID_ARGUMENT, "epoch order: negative length %lld", (long long)n);
+    memset(out, 0, (size_t)n * sizeof *out);
+    int64_t done = 0;
+    shuffle_to(out, n, shuffle_key(seed), &done, n);
+    return FT_OK;
+}
+
+/* Shuffled readers: make the positions of steps first..last final. */
+static void shuffle_steps(ft_cache_reader *r, int64_t last_step) {
+    if (!r->perm) return;
+    int64_t to = (r->order - r->perm) + (last_step + 1) * r->batch_size;
+    shuffle_to(r->perm, r->perm_n, r->perm_key, &r->perm_done, to);
+}
 
 /* One step into b (buffers grown as needed); the status and message stay with the batch. */
 static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
@@ -143,17 +186,23 @@ static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
         else { b->pub.values = p; b->capacity = need; }
     }
     if (st == FT_OK && (size_t)nb > b->index_cap) {
-        int64_t *ni = realloc(b->index, (size_t)nb * sizeof *ni);
-        if (!ni) st = ft_error(FT_ERR_NOMEM, "out of memory");
-        else { b->index = ni; b->index_cap = (size_t)nb; }
+        free(b->index);
+        free(b->ids);
+        b->index = malloc((size_t)nb * sizeof *b->index);
+        b->ids = malloc((size_t)nb * sizeof *b->ids);
+        b->index_cap = b->index && b->ids ? (size_t)nb : 0;
+        if (!b->index_cap) st = ft_error(FT_ERR_NOMEM, "out of memory");
     }
     if (st == FT_OK) {
         b->stg.stream = r->stream;
         memcpy(b->index, idx, (size_t)nb * sizeof *idx);
+        const int64_t *all = ft_cache_ids(r->cache);   /* here, not in the consumer's next() */
+        for (int64_t k = 0; k < nb; k++) b->ids[k] = all[idx[k]];
         st = ft_cache_read_staged(r->cache, idx, nb, r->layout, b->pub.values, r->device, b->capacity, r->enc,
                                   r->threads, reader_cancelled, r, &b->stg);
     }
     b->pub.index = b->index;
+    b->pub.ids = b->ids;
     b->pub.n = nb;
     b->pub.rows = st == FT_OK ? info.rows : 0;
     b->pub.T = st == FT_OK ? info.T : 0;
@@ -220,6 +269,7 @@ static void *producer(void *arg) {
             break;
         }
         b->owner = r;
+        shuffle_steps(r, step);
         read_step(r, b, step);
         if (b->status == FT_ERR_INTERRUPTED && atomic_load(&r->stop)) {   /* stopped: no error, just the end */
             batch_free(b);
@@ -233,54 +283,38 @@ static void *producer(void *arg) {
     return NULL;
 }
 
-ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
-                                ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
-                                ft_device device, ft_cache_reader **out) {
-    *out = NULL;
-    if (device.kind != FT_DEVICE_CPU && device.kind != FT_DEVICE_CUDA)
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: unknown device kind %d", (int)device.kind);
-    if (n < 0 || batch_size < 1 || depth < 1 || depth > 1024)
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need n >= 0, batch_size >= 1, 1 <= depth <= 1024 (got %lld, %lld, %d)",
-                        (long long)n, (long long)batch_size, depth);
-    /* every example of the order is checked now, not when its batch comes up */
-    ft_cache_batch_info info;
-    FT_TRY(ft_cache_batch_info_get(c, order, n, FT_CACHE_RAGGED, enc, &info));
-    ft_cache_reader *r = calloc(1, sizeof *r);
-    if (!r) return ft_error(FT_ERR_NOMEM, "out of memory");
-    r->order = malloc((size_t)(n ? n : 1) * sizeof *r->order);
+/* The common part of both starts: r->order, n (and perm) set; takes r (destroyed on failure). */
+static ft_status reader_begin(ft_cache_reader *r, ft_cache *c, int64_t batch_size, ft_cache_layout layout, int depth,
+                              ft_encoder *enc, int threads, ft_device device, ft_cache_reader **out) {
     r->ring = calloc((size_t)depth + 1, sizeof *r->ring);
-    if (!r->order || !r->ring) {
-        free(r->order);
-        free(r->ring);
+    if (!r->ring) {
+        free(r->perm ? r->perm : r->order);
         free(r);
         return ft_error(FT_ERR_NOMEM, "out of memory");
     }
-    memcpy(r->order, order, (size_t)n * sizeof *order);
     r->cache = c;
     r->enc = enc;
-    r->n = n;
     r->batch_size = batch_size;
-    r->n_steps = (n + batch_size - 1) / batch_size;
+    r->n_steps = (r->n + batch_size - 1) / batch_size;
     r->hidden = ft_cache_width(c);
     r->layout = layout;
     r->device = device;
-    if (device.kind == FT_DEVICE_CUDA) {   /* the side stream of the prefetch */
-        ft_backend *be = NULL;
-        ft_status st = ft_backend_for(device, &be);
-        if (st == FT_OK) st = be->stream_create(be, &r->stream);
-        if (st != FT_OK) {
-            free(r->order);
-            free(r->ring);
-            free(r);
-            return st;
-        }
-    }
     r->depth = depth;
     r->threads = threads;
     atomic_init(&r->refs, 1);
     atomic_init(&r->released, NULL);
     sem_init(&r->wake, 0, 0);
     sem_init(&r->items, 0, 0);
+    if (device.kind == FT_DEVICE_CUDA) {   /* the side stream of the prefetch */
+        ft_backend *be = NULL;
+        ft_status st = ft_backend_for(device, &be);
+        if (st == FT_OK) st = be->stream_create(be, &r->stream);
+        if (st != FT_OK) {
+            r->stream = 0;
+            reader_destroy(r);
+            return st;
+        }
+    }
     /* the first batch is read here: the consumer asks for it next, and a thread just started
      * may wait for a core longer than the read takes */
     if (r->n_steps) {
@@ -290,6 +324,7 @@ ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, in
             return ft_error(FT_ERR_NOMEM, "out of memory");
         }
         b->owner = r;
+        shuffle_steps(r, 0);
         read_step(r, b, 0);
         r->first_step = b->status == FT_OK ? 1 : r->n_steps;   /* after a failure, only the end follows */
         push(r, b);
@@ -302,6 +337,59 @@ ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, in
     r->started = 1;
     *out = r;
     return FT_OK;
+}
+
+static ft_status check_reader_args(ft_device device, int64_t n, int64_t batch_size, int depth) {
+    if (device.kind != FT_DEVICE_CPU && device.kind != FT_DEVICE_CUDA)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: unknown device kind %d", (int)device.kind);
+    if (n < 0 || batch_size < 1 || depth < 1 || depth > 1024)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need n >= 0, batch_size >= 1, 1 <= depth <= 1024 (got %lld, %lld, %d)",
+                        (long long)n, (long long)batch_size, depth);
+    return FT_OK;
+}
+
+ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
+                                ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
+                                ft_device device, ft_cache_reader **out) {
+    *out = NULL;
+    FT_TRY(check_reader_args(device, n, batch_size, depth));
+    /* every example of the order is checked now, not when its batch comes up */
+    ft_cache_batch_info info;
+    FT_TRY(ft_cache_batch_info_get(c, order, n, FT_CACHE_RAGGED, enc, &info));
+    ft_cache_reader *r = calloc(1, sizeof *r);
+    if (!r) return ft_error(FT_ERR_NOMEM, "out of memory");
+    if (!(r->order = malloc((size_t)(n ? n : 1) * sizeof *r->order))) {
+        free(r);
+        return ft_error(FT_ERR_NOMEM, "out of memory");
+    }
+    memcpy(r->order, order, (size_t)n * sizeof *order);
+    r->n = n;
+    return reader_begin(r, c, batch_size, layout, depth, enc, threads, device, out);
+}
+
+ft_status ft_cache_reader_start_shuffled(ft_cache *c, uint64_t seed, int64_t keep, int64_t skip, int64_t batch_size,
+                                         ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
+                                         ft_device device, ft_cache_reader **out) {
+    *out = NULL;
+    const int64_t N = ft_cache_examples(c);
+    if (keep < 0 || keep > N || skip < 0)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need 0 <= keep <= %lld and skip >= 0 (got %lld, %lld)",
+                        (long long)N, (long long)keep, (long long)skip);
+    if (skip > keep) skip = keep;
+    FT_TRY(check_reader_args(device, keep - skip, batch_size, depth));
+    /* the order holds every example: each is checked now (cheaply: in storage order) */
+    FT_TRY(ft_cache_check_readable(c, enc));
+    ft_cache_reader *r = calloc(1, sizeof *r);
+    if (!r) return ft_error(FT_ERR_NOMEM, "out of memory");
+    if (!(r->perm = calloc((size_t)(N ? N : 1), sizeof *r->perm))) {   /* zero pages: nothing to fill */
+        free(r);
+        return ft_error(FT_ERR_NOMEM, "out of memory");
+    }
+    r->perm_n = N;
+    r->perm_key = shuffle_key(seed);
+    r->order = r->perm + skip;
+    r->n = keep - skip;
+    return reader_begin(r, c, batch_size, layout, depth, enc, threads, device, out);
 }
 
 ft_status ft_cache_reader_next(ft_cache_reader *r, int timeout_ms, ft_cache_batch **out, int *timed_out) {

@@ -256,6 +256,22 @@ ft_status ft_cache_lookup(const ft_cache *c, const int64_t *ids, int64_t n, int6
     return FT_OK;
 }
 
+static ft_status uncached_error(const ft_cache *c, int64_t i) {
+    return ft_error(FT_ERR_INVALID_ARGUMENT,
+                    "example id %lld is not cached and this cache has no encoder to compute it: open it with "
+                    "ActivationCache.open(path, encoder=...)", (long long)c->ids[i]);
+}
+
+ft_status ft_cache_check_readable(const ft_cache *c, const ft_encoder *enc) {
+    if (!enc)
+        for (int64_t i = 0; i < c->N; i++)
+            if (c->shard_of[i] < 0) return uncached_error(c, i);
+    return FT_OK;
+}
+
+int64_t ft_cache_examples(const ft_cache *c) { return c->N; }
+const int64_t *ft_cache_ids(const ft_cache *c) { return c->ids; }
+
 ft_status ft_cache_batch_info_get(const ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout,
                                   const ft_encoder *enc, ft_cache_batch_info *info) {
     int64_t T = 0, total = 0, misses = 0, first_miss = -1;
@@ -270,10 +286,7 @@ ft_status ft_cache_batch_info_get(const ft_cache *c, const int64_t *index, int64
         total += r;
         if (c->shard_of[i] < 0 && misses++ == 0) first_miss = i;
     }
-    if (misses && !enc)
-        return ft_error(FT_ERR_INVALID_ARGUMENT,
-                        "example id %lld is not cached and this cache has no encoder to compute it: open it with "
-                        "ActivationCache.open(path, encoder=...)", (long long)c->ids[first_miss]);
+    if (misses && !enc) return uncached_error(c, first_miss);
     info->misses = misses;
     if (!c->all_tokens) { info->rows = n; info->T = 1; }
     else if (layout == FT_CACHE_RAGGED) { info->rows = total; info->T = T; }

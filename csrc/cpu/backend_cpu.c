@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "blas.h"
+#include "core/dtype.h"
 #include "core/status.h"
 #include "cpu_ops.h"
 
@@ -60,6 +61,38 @@ ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t 
                   (blasint)M, (blasint)N, (blasint)K, alpha, A, (blasint)lda, B, (blasint)ldb, beta, C,
                   (blasint)ldc);
     return FT_OK;
+}
+
+/* The region of a row-major operand a GEMM reads, rounded to prec into a packed copy (ld = cols). */
+static float *rounded_copy(const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec) {
+    float *r = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *r);
+    if (!r) return NULL;
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (rows * cols > 65536)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) {
+            const float v = X[i * ld + j];
+            r[i * cols + j] = prec == FT_BF16 ? ft_bf16_to_f32(ft_f32_to_bf16(v)) : ft_f16_to_f32(ft_f32_to_f16(v));
+        }
+    return r;
+}
+
+/* The CPU computes half-precision products as the GPU's tensor cores do (inputs rounded, products
+ * exact, float32 sums): the reference the CUDA op is tested against, not a fast path. */
+ft_status cpu_gemm_prec(ft_backend *be, ft_dtype prec, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
+                        float alpha, const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                        int64_t ldc) {
+    if (prec == FT_F32) return cpu_gemm(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    if (prec != FT_BF16 && prec != FT_F16)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "gemm_prec: the products' precision must be float32, bfloat16 or "
+                        "float16, got %s", ft_dtype_name(prec));
+    if (M <= 0 || N <= 0) return FT_OK;
+    const int64_t ar = trans_a ? K : M, ac = trans_a ? M : K, br = trans_b ? N : K, bc = trans_b ? K : N;
+    float *a = rounded_copy(A, ar, ac, lda, prec), *b = a ? rounded_copy(B, br, bc, ldb, prec) : NULL;
+    ft_status st = a && b ? cpu_gemm(be, trans_a, trans_b, M, N, K, alpha, a, ac, b, bc, beta, C, ldc)
+                          : ft_error(FT_ERR_NOMEM, "out of memory");
+    free(a);
+    free(b);
+    return st;
 }
 
 #define FT_CPU_SERVICE_INIT(ret, name, params) .name = cpu_##name,

@@ -136,6 +136,23 @@ ft_status cuda_gemm(ft_backend *be, int ta, int tb, int64_t M, int64_t N, int64_
     return FT_OK;
 }
 
+// float32 operands, half-precision products on tensor cores (cuBLAS converts A and B as it reads
+// them), float32 sums: mixed-precision training's GEMMs
+ft_status cuda_gemm_prec(ft_backend *be, ft_dtype prec, int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha,
+                         const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (prec == FT_F32) return cuda_gemm(be, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    if (prec != FT_BF16 && prec != FT_F16) return dtype_error(prec, "gemm_prec");
+    blas_use blas(ctx_of(be));
+    FT_TRY(blas.status);
+    cublasStatus_t st = cublasGemmEx(blas.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N,
+                                     (int)M, (int)K, &alpha, B, CUDA_R_32F, (int)ldb, A, CUDA_R_32F, (int)lda, &beta, C,
+                                     CUDA_R_32F, (int)ldc,
+                                     prec == FT_BF16 ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_16F,
+                                     CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS) return blas_fail(st, "cublasGemmEx");
+    return FT_OK;
+}
+
 // device-to-device copy on the backend's stream (outputs kept on the device)
 ft_status cuda_copy(ft_backend *be, void *dst, const void *src, size_t bytes) {
     CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx_of(be)->stream), "device copy");

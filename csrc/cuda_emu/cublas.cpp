@@ -124,9 +124,23 @@ struct epilogue {
     long long aux_ld = 0, aux_batch_stride = 0;
 };
 
+// how fp32 inputs are rounded as the tensor cores read them: the *_FAST_* compute types (and
+// TF32 math mode) convert A and B to TF32 / bf16 / fp16 (nearest; fp16 overflows to inf), then
+// multiply exactly and accumulate in fp32
+enum input_rounding { ROUND_NONE, ROUND_TF32, ROUND_BF16, ROUND_F16 };
+
+float round_input(float v, input_rounding r) {
+    switch (r) {
+    case ROUND_TF32: return f32_to_tf32(v);
+    case ROUND_BF16: return bf16_to_f32(f32_to_bf16(v));
+    case ROUND_F16: return f16_to_f32(f32_to_f16(v));
+    default: return v;
+    }
+}
+
 // D = act(alpha op(A) op(B) + beta C + bias), m x n, op(A) m x k, op(B) k x n, per batch
 cublasStatus_t gemm(const char *api, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const matrix &A,
-                    const matrix &B, float beta, const matrix &C, const matrix &D, bool tf32, const epilogue &ep) {
+                    const matrix &B, float beta, const matrix &C, const matrix &D, input_rounding rnd, const epilogue &ep) {
     if (m < 0 || n < 0 || k < 0 || D.batch < 0) return CUBLAS_STATUS_INVALID_VALUE;
     for (const matrix *x : {&A, &B, &C, &D})
         if (!type_size(x->type)) return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -148,7 +162,7 @@ cublasStatus_t gemm(const char *api, bool ta, bool tb, int64_t m, int64_t n, int
         if (!in_bounds(aux, api)) return CUBLAS_STATUS_SUCCESS;
     }
     const bool plain = A.type == CUDA_R_32F && B.type == CUDA_R_32F && C.type == CUDA_R_32F && D.type == CUDA_R_32F &&
-                       !tf32 && !A.row_major && !B.row_major && !D.row_major && C.p == D.p && C.ld == D.ld &&
+                       rnd == ROUND_NONE && !A.row_major && !B.row_major && !D.row_major && C.p == D.p && C.ld == D.ld &&
                        !C.row_major && C.stride == D.stride && ep.kind == CUBLASLT_EPILOGUE_DEFAULT;
     if (m > 0x7fffffff || n > 0x7fffffff || k > 0x7fffffff) return CUBLAS_STATUS_NOT_SUPPORTED;
     std::vector<float> a, b, d;
@@ -174,12 +188,12 @@ cublasStatus_t gemm(const char *api, bool ta, bool tb, int64_t m, int64_t n, int
         for (int64_t j = 0; j < k; j++)
             for (int64_t i = 0; i < m; i++) {
                 float v = load(A.type, A.p, (size_t)oa + (ta ? A.index(j, i) : A.index(i, j)));
-                a[(size_t)(i + j * m)] = tf32 ? f32_to_tf32(v) : v;
+                a[(size_t)(i + j * m)] = round_input(v, rnd);
             }
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < k; i++) {
                 float v = load(B.type, B.p, (size_t)ob + (tb ? B.index(j, i) : B.index(i, j)));
-                b[(size_t)(i + j * k)] = tf32 ? f32_to_tf32(v) : v;
+                b[(size_t)(i + j * k)] = round_input(v, rnd);
             }
         if (k > 0)
             ft_blas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, (blasint)m, (blasint)n, (blasint)k, 1.0f, a.data(),
@@ -202,8 +216,13 @@ cublasStatus_t gemm(const char *api, bool ta, bool tb, int64_t m, int64_t n, int
     return CUBLAS_STATUS_SUCCESS;
 }
 
-bool tf32_compute(cublasComputeType_t c, cudaDataType_t a, cublasMath_t math) {
-    return a == CUDA_R_32F && (c == CUBLAS_COMPUTE_32F_FAST_TF32 || (c == CUBLAS_COMPUTE_32F && math == CUBLAS_TF32_TENSOR_OP_MATH));
+input_rounding rounding_of(cublasComputeType_t c, cudaDataType_t a, cublasMath_t math) {
+    if (a != CUDA_R_32F) return ROUND_NONE;
+    if (c == CUBLAS_COMPUTE_32F_FAST_TF32 || (c == CUBLAS_COMPUTE_32F && math == CUBLAS_TF32_TENSOR_OP_MATH))
+        return ROUND_TF32;
+    if (c == CUBLAS_COMPUTE_32F_FAST_16BF) return ROUND_BF16;
+    if (c == CUBLAS_COMPUTE_32F_FAST_16F) return ROUND_F16;
+    return ROUND_NONE;
 }
 
 float scalar(const void *p, cublasComputeType_t c) {
@@ -231,7 +250,7 @@ cublasStatus_t gemm_ex(cublasHandle_t h, const char *api, cublasOperation_t tran
     const matrix Bm{"B", B, Btype, brows, bcols, ldb, false, batch, sb};
     const matrix Cm{"C", C, Ctype, m, n, ldc, false, batch, sc};
     return gemm(api, transa == CUBLAS_OP_T, transb == CUBLAS_OP_T, m, n, k, scalar(alpha, compute), Am, Bm,
-                scalar(beta, compute), Cm, Cm, tf32_compute(compute, Atype, h->math), epilogue());
+                scalar(beta, compute), Cm, Cm, rounding_of(compute, Atype, h->math), epilogue());
 }
 
 }  // namespace
@@ -476,7 +495,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     ep.aux_batch_stride = d->aux_batch_stride;
     const float a = scalar(alpha, d->compute), b = scalar(beta, d->compute);
     return gemm("cublasLtMatmul", ta, tb, m, n, k, a, mat("A", A, Al), mat("B", B, Bl), b, mat("C", C, Cl),
-                mat("D", D, Dl), tf32_compute(d->compute, Al->type, CUBLAS_DEFAULT_MATH), ep);
+                mat("D", D, Dl), rounding_of(d->compute, Al->type, CUBLAS_DEFAULT_MATH), ep);
 }
 
 }  // extern "C"

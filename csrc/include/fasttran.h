@@ -261,6 +261,12 @@ ft_status ft_cache_batch_info_get(const ft_cache *c, const int64_t *index, int64
 ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout, float *dst,
                         ft_device dst_device, size_t capacity, ft_encoder *enc, int threads, ft_cancel_fn cancel,
                         void *cancel_arg);
+/* The cache's examples (N), and their ids (N). */
+int64_t ft_cache_examples(const ft_cache *c);
+const int64_t *ft_cache_ids(const ft_cache *c);
+/* FT_OK if every example can be read: cached, or enc given to recompute it; else the error a
+ * read of the first one that cannot would give. */
+ft_status ft_cache_check_readable(const ft_cache *c, const ft_encoder *enc);
 /* Examples read from a tier (hits) and recomputed (misses) so far. */
 void ft_cache_counters(const ft_cache *c, int64_t *hits, int64_t *misses);
 
@@ -272,6 +278,7 @@ typedef struct ft_cache_reader ft_cache_reader;
 typedef struct {
     float *values;                 /* (rows, C) in the reader's device memory, the batch's layout */
     const int64_t *index;          /* (n) the examples, in batch order */
+    const int64_t *ids;            /* (n) their example ids (read by the thread with the batch) */
     int64_t n, rows, T;
     int64_t step;                  /* batch number within the reader's order */
 } ft_cache_batch;
@@ -281,6 +288,16 @@ typedef struct {
 ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
                                 ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
                                 ft_device device, ft_cache_reader **out);
+/* A shuffled epoch: the order is the first `keep` positions of ft_epoch_order(seed, N) (N the
+ * cache's examples), batches starting at position `skip`. The shuffle runs on the reader's thread,
+ * a batch ahead of the reads, so the consumer never waits for the whole permutation. */
+ft_status ft_cache_reader_start_shuffled(ft_cache *c, uint64_t seed, int64_t keep, int64_t skip, int64_t batch_size,
+                                         ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
+                                         ft_device device, ft_cache_reader **out);
+/* The epoch order of a shuffled epoch: a uniformly random permutation of 0..n-1 (Fisher-Yates,
+ * position i drawn from counter-based random numbers keyed by (seed, i)), a pure function of
+ * (seed, n) on every machine. */
+ft_status ft_epoch_order(uint64_t seed, int64_t n, int64_t *out);
 /* Wait up to timeout_ms (< 0: no limit) for the next batch: FT_OK with *out set, or *out NULL
  * at the end of the order (or when the wait timed out: then *timed_out = 1). A batch the thread
  * failed to read returns its error (and the reader stops). */
@@ -443,6 +460,10 @@ ft_status ft_device_write(ft_device dev, void *dst, const void *host_src, size_t
 typedef struct {
     float hidden_dropout, attention_dropout;
     int inplace_gelu, inplace_layernorm, recompute_attention_dropout;
+    /* the projections' products (forward and backward): FT_F32, or FT_BF16 / FT_F16 (mixed
+     * precision: float32 storage, master weights and sums; half-precision products on tensor
+     * cores, backend op gemm_prec). Attention's products stay float32. */
+    ft_dtype matmul_precision;
 } ft_layer_options;
 
 /* kinds of saved activations (ft_layer_memory.activations), names in ft_layer_act_kind_names */

@@ -59,19 +59,19 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
     const float eps = c->layer_norm_eps;
     /* qkv (N, 3C) = x Wqkv^T + bqkv */
     FT_TRY(be->broadcast_rows(be, a->qkv, w->bqkv, N, 3 * C));
-    FT_TRY(be->gemm(be, 0, 1, N, 3 * C, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, 3 * C, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * C));
     FT_TRY(be->attention_train_forward(be, a->ctx, a->probs, a->attn_mask, a->qkv, bt->seqs, bt->B, C, NH,
                                        o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch,
                                        wk->attn_scratch_bytes));
     /* h1 = LN(x + dropout(ctx Wo^T + bo)) */
-    FT_TRY(be->gemm(be, 0, 1, N, C, C, 1.0f, a->ctx, C, w->wo, C, 0.0f, wk->tmp, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, C, C, 1.0f, a->ctx, C, w->wo, C, 0.0f, wk->tmp, C));
     FT_TRY(be->residual_ln_train_forward(be, a->h1, a->ln1_in, a->ln1_stats, a->x, wk->tmp, w->bo, w->ln1_g, w->ln1_b,
                                          N, C, eps, o->hidden_dropout, site_key(bt, layer, SITE_ATTN_OUT)));
     /* act = GELU(h1 W1^T + b1), in place over the GEMM output */
-    FT_TRY(be->gemm(be, 0, 1, N, I, C, 1.0f, a->h1, C, w->w1, C, 0.0f, a->ffn_act, I));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, I, C, 1.0f, a->h1, C, w->w1, C, 0.0f, a->ffn_act, I));
     FT_TRY(be->bias_act_train_forward(be, a->ffn_act, a->ffn_pre, a->gelu_bits, a->ffn_act, w->b1, N, I, c->activation));
     /* out = LN(h1 + dropout(act W2^T + b2)) */
-    FT_TRY(be->gemm(be, 0, 1, N, C, I, 1.0f, a->ffn_act, I, w->w2, I, 0.0f, wk->tmp, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, C, I, 1.0f, a->ffn_act, I, w->w2, I, 0.0f, wk->tmp, C));
     return be->residual_ln_train_forward(be, a->out, a->ln2_in, a->ln2_stats, a->h1, wk->tmp, w->b2, w->ln2_g, w->ln2_b,
                                          N, C, eps, o->hidden_dropout, site_key(bt, layer, SITE_FFN_OUT));
 }
@@ -103,13 +103,13 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
         dy = wk->tmp;
     }
     FT_TRY(be->sum_axis(be, gw->b2, dy, N, C, 0));
-    FT_TRY(be->gemm(be, 1, 0, C, I, N, 1.0f, dy, C, a->ffn_act, I, 0.0f, gw->w2, I));
-    FT_TRY(be->gemm(be, 0, 0, N, I, C, 1.0f, dy, C, w->w2, I, 0.0f, wk->dbig, I));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, I, N, 1.0f, dy, C, a->ffn_act, I, 0.0f, gw->w2, I));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, I, C, 1.0f, dy, C, w->w2, I, 0.0f, wk->dbig, I));
     FT_TRY(be->bias_act_backward(be, wk->dbig, wk->dbig, o->inplace_gelu ? a->ffn_act : a->ffn_pre,
                                  o->inplace_gelu ? a->gelu_bits : NULL, a->h1, w->w1, w->b1, N, I, C, c->activation));
     FT_TRY(be->sum_axis(be, gw->b1, wk->dbig, N, I, 0));
-    FT_TRY(be->gemm(be, 1, 0, I, C, N, 1.0f, wk->dbig, I, a->h1, C, 0.0f, gw->w1, C));
-    FT_TRY(be->gemm(be, 0, 0, N, C, I, 1.0f, wk->dbig, I, w->w1, C, 1.0f, wk->g, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, I, C, N, 1.0f, wk->dbig, I, a->h1, C, 0.0f, gw->w1, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, I, 1.0f, wk->dbig, I, w->w1, C, 1.0f, wk->g, C));
     FT_TRY(be->layernorm_backward(be, wk->g, gw->ln1_g, gw->ln1_b, wk->g, ln_out ? a->h1 : a->ln1_in, a->ln1_stats,
                                   w->ln1_g, w->ln1_b, N, C, ln_out));
     const float *da = wk->g;
@@ -118,15 +118,15 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
         da = wk->tmp;
     }
     FT_TRY(be->sum_axis(be, gw->bo, da, N, C, 0));
-    FT_TRY(be->gemm(be, 1, 0, C, C, N, 1.0f, da, C, a->ctx, C, 0.0f, gw->wo, C));
-    FT_TRY(be->gemm(be, 0, 0, N, C, C, 1.0f, da, C, w->wo, C, 0.0f, wk->dctx, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, C, N, 1.0f, da, C, a->ctx, C, 0.0f, gw->wo, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, C, 1.0f, da, C, w->wo, C, 0.0f, wk->dctx, C));
     FT_TRY(be->attention_backward(be, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_mask, bt->seqs, bt->B, C, NH,
                                   o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch,
                                   wk->attn_scratch_bytes));
     FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * C, 0));
-    FT_TRY(be->gemm(be, 1, 0, 3 * C, C, N, 1.0f, wk->dbig, 3 * C, a->x, C, 0.0f, gw->wqkv, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, 3 * C, C, N, 1.0f, wk->dbig, 3 * C, a->x, C, 0.0f, gw->wqkv, C));
     if (!want_dx) return FT_OK;   /* the bottom trained layer: nothing below needs d x */
-    return be->gemm(be, 0, 0, N, C, 3 * C, 1.0f, wk->dbig, 3 * C, w->wqkv, C, 1.0f, wk->g, C);
+    return be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, 3 * C, 1.0f, wk->dbig, 3 * C, w->wqkv, C, 1.0f, wk->g, C);
 }
 
 /* ---- the stack ------------------------------------------------------------------------------ */
@@ -207,6 +207,9 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
         !(opt->attention_dropout >= 0.0f && opt->attention_dropout < 1.0f))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "dropout probabilities must be in [0, 1), got %g and %g",
                         (double)opt->hidden_dropout, (double)opt->attention_dropout);
+    if (opt->matmul_precision != FT_F32 && opt->matmul_precision != FT_BF16 && opt->matmul_precision != FT_F16)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "the layers' matmul precision must be float32, bfloat16 or float16, "
+                        "got %s", ft_dtype_name(opt->matmul_precision));
     if (opt->inplace_gelu && e->cfg.activation != FT_ACT_GELU_ERF && e->cfg.activation != FT_ACT_GELU_TANH &&
         e->cfg.activation != FT_ACT_RELU)
         return ft_error(FT_ERR_UNSUPPORTED, "in-place activation needs GELU or ReLU");

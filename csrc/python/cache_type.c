@@ -114,6 +114,30 @@ static PyObject *py_input_fingerprints(PyObject *self, PyObject *args, PyObject 
     return out;
 }
 
+/* epoch_order(seed, n) -> (n,) int64: the shuffled epoch order of reader(seed=...) */
+static PyObject *py_epoch_order(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seed_o;
+    long long n;
+    if (!PyArg_ParseTuple(args, "OL:epoch_order", &seed_o, &n)) return NULL;
+    if (!PyLong_Check(seed_o)) return ft_py_fail(ft_errors.input_type, "seed must be an int in [0, 2**64)");
+    const unsigned long long seed = PyLong_AsUnsignedLongLong(seed_o);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return ft_py_fail(ft_errors.input, "seed must be an int in [0, 2**64)");
+    }
+    if (n < 0) return ft_py_fail(ft_errors.input, "n must be >= 0, got %lld", n);
+    npy_intp dims[1] = {(npy_intp)n};
+    PyObject *out = PyArray_SimpleNew(1, dims, NPY_INT64);
+    if (!out) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_epoch_order(seed, n, PyArray_DATA((PyArrayObject *)out));
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { Py_DECREF(out); return ft_py_raise(st); }
+    return out;
+}
+
 /* ---- CacheStore ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -530,9 +554,7 @@ static PyObject *CacheReader_next(CacheReader *self) {
     npy_intp nd1[1] = {b->n};
     PyObject *ids = PyArray_SimpleNew(1, nd1, NPY_INT64);
     if (!ids) { Py_DECREF(values); return NULL; }
-    const int64_t *all = PyArray_DATA(st->ids);
-    int64_t *o = PyArray_DATA((PyArrayObject *)ids);
-    for (int64_t k = 0; k < b->n; k++) o[k] = all[b->index[k]];
+    memcpy(PyArray_DATA((PyArrayObject *)ids), b->ids, (size_t)b->n * sizeof *b->ids);
     PyObject *batch = finish_batch(st, values, b->index, b->n, b->T, self->ragged, self->device);
     if (!batch) { Py_DECREF(ids); return NULL; }
     return Py_BuildValue("(NN)", ids, batch);
@@ -558,41 +580,60 @@ static PyObject *CacheReader_exit(CacheReader *self, PyObject *args) {
 }
 
 /* reader(*, order (n,) int64 example positions, batch_size, ragged=False, depth=2, encoder=None,
- *        device=False, threads=1, device_index=-1) -> CacheReader: one epoch, read on a C thread;
- *        device with device_index >= 0: batches in that CUDA device's memory */
+ *        device=False, threads=1, device_index=-1, seed=None, keep=-1, skip=0) -> CacheReader: one
+ *        epoch, read on a C thread; device with device_index >= 0: batches in that CUDA device's
+ *        memory. order=None with a seed (an int in [0, 2**64)): the shuffled epoch of that seed,
+ *        its first `keep` positions (-1: all), from position `skip` (drawn on the reader's thread) */
 static PyObject *CacheStore_reader(CacheStore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"order", "batch_size", "ragged", "depth", "encoder", "device", "threads", "device_index",
-                             NULL};
-    PyObject *order_o, *enc_o = Py_None;
-    long long bs;
+                             "seed", "keep", "skip", NULL};
+    PyObject *order_o, *enc_o = Py_None, *seed_o = Py_None;
+    long long bs, keep = -1, skip = 0;
     int ragged = 0, depth = 2, device = 0, threads = 1, device_index = -1;
     if (!store_ready(self) || !ft_py_keywords_only(args, "reader()") ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OL|piOpii", kwlist, &order_o, &bs, &ragged, &depth, &enc_o, &device,
-                                     &threads, &device_index))
+        !PyArg_ParseTupleAndKeywords(args, kw, "OL|piOpiiOLL", kwlist, &order_o, &bs, &ragged, &depth, &enc_o, &device,
+                                     &threads, &device_index, &seed_o, &keep, &skip))
         return NULL;
     if (!device) device_index = -1;
+    const int shuffled = order_o == Py_None;
+    if (shuffled == (seed_o == Py_None))
+        return ft_py_fail(ft_errors.input, "reader() takes an order or a seed (for a shuffled epoch), exactly one");
+    unsigned long long seed = 0;
+    if (shuffled) {
+        if (!PyLong_Check(seed_o)) return ft_py_fail(ft_errors.input_type, "seed must be an int in [0, 2**64)");
+        seed = PyLong_AsUnsignedLongLong(seed_o);
+        if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return ft_py_fail(ft_errors.input, "seed must be an int in [0, 2**64)");
+        }
+        if (keep < 0) keep = self->N;
+        if (keep > self->N || skip < 0)
+            return ft_py_fail(ft_errors.input, "keep must be -1 or 0..%lld and skip >= 0, got %lld and %lld",
+                              (long long)self->N, keep, skip);
+        if (skip > keep) skip = keep;
+    }
     ft_encoder *enc = NULL;
     if (enc_o != Py_None && !(enc = ft_py_encoder_from(enc_o))) return NULL;
-    PyArrayObject *order = ft_py_want_array(order_o, "order", NPY_INT64, 1, 0);
-    if (!order) return NULL;
+    PyArrayObject *order = shuffled ? NULL : ft_py_want_array(order_o, "order", NPY_INT64, 1, 0);
+    if (!shuffled && !order) return NULL;
     if (bs < 1 || depth < 1) return ft_py_fail(ft_errors.input, "batch_size and depth must be >= 1, got %lld and %d", bs, depth);
+    const int64_t n = shuffled ? keep - skip : (int64_t)PyArray_DIM(order, 0);
     CacheReader *rd = PyObject_New(CacheReader, reader_type);
     if (!rd) return NULL;
     rd->r = NULL;
     rd->store = (CacheStore *)Py_NewRef(self);
     rd->encoder = enc ? Py_NewRef(enc_o) : NULL;
-    rd->steps = (Py_ssize_t)((PyArray_DIM(order, 0) + bs - 1) / bs);
+    rd->steps = (Py_ssize_t)((n + bs - 1) / bs);
     rd->ragged = ragged;
     rd->device = device;
     rd->device_index = device_index;
     rd->busy = rd->close_asked = 0;
+    const ft_cache_layout layout = ragged ? FT_CACHE_RAGGED : FT_CACHE_PADDED;
+    const ft_device dev = device_index >= 0 ? (ft_device){FT_DEVICE_CUDA, device_index} : (ft_device){FT_DEVICE_CPU, 0};
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_cache_reader_start(self->c, PyArray_DATA(order), PyArray_DIM(order, 0), bs,
-                               ragged ? FT_CACHE_RAGGED : FT_CACHE_PADDED, depth, enc, threads,
-                               device_index >= 0 ? (ft_device){FT_DEVICE_CUDA, device_index}
-                                                 : (ft_device){FT_DEVICE_CPU, 0},
-                               &rd->r);
+    st = shuffled ? ft_cache_reader_start_shuffled(self->c, seed, keep, skip, bs, layout, depth, enc, threads, dev, &rd->r)
+                  : ft_cache_reader_start(self->c, PyArray_DATA(order), n, bs, layout, depth, enc, threads, dev, &rd->r);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) { Py_DECREF(rd); return ft_py_raise(st); }
     return (PyObject *)rd;
@@ -605,7 +646,8 @@ static PyMethodDef CacheStore_methods[] = {
     {"read", (PyCFunction)(void (*)(void))CacheStore_read, METH_VARARGS | METH_KEYWORDS,
      "read(*, example_ids, ragged=False, out=None, encoder=None, device=False, threads=0, device_index=-1) -> one batch."},
     {"reader", (PyCFunction)(void (*)(void))CacheStore_reader, METH_VARARGS | METH_KEYWORDS,
-     "reader(*, order, batch_size, ragged=False, depth=2, encoder=None, device=False, threads=1, device_index=-1) -> CacheReader."},
+     "reader(*, order, batch_size, ragged=False, depth=2, encoder=None, device=False, threads=1, device_index=-1, "
+     "seed=None, keep=-1, skip=0) -> CacheReader."},
     {"counters", (PyCFunction)CacheStore_counters, METH_NOARGS, "(hits, misses) so far."},
     {NULL, NULL, 0, NULL}};
 
@@ -642,6 +684,8 @@ static PyMethodDef cache_methods[] = {
     {"cache_encode", (PyCFunction)(void (*)(void))py_cache_encode, METH_VARARGS | METH_KEYWORDS,
      "cache_encode(*, src, codec) -> (values, scales | None, (max_abs_err, sum_sq_err, sum_sq_ref))."},
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS, "crc32c(data, crc=0): CRC-32C of a buffer."},
+    {"epoch_order", py_epoch_order, METH_VARARGS,
+     "epoch_order(seed, n) -> (n,) int64: the order of a shuffled epoch (a permutation of 0..n-1, a pure function of seed and n)."},
     {"input_fingerprints", (PyCFunction)(void (*)(void))py_input_fingerprints, METH_VARARGS | METH_KEYWORDS,
      "input_fingerprints(*, tokens, types, offsets) -> (N,) uint64 per-example input fingerprints."},
     {NULL, NULL, 0, NULL}};

@@ -28,6 +28,15 @@ from .tiers import Tiers
 _READER_THREADS = 1   # the prefetch thread decodes alone: the consumer keeps the other cores
 
 
+def _seed64(seed):
+    """An epoch's seed as the reader takes it: an int mod 2**64 (None: a fresh random one)."""
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise InputError(f"seed must be an int or None, got {seed!r}")
+    return int(seed) % 2 ** 64
+
+
 def _check_bytes(name, v):
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
         raise InputError(f"{name} must be None or a byte count >= 0, got {v!r}")
@@ -80,6 +89,7 @@ class ActivationCache:
         self.example_ids = example_ids
         self._tokens, self._types, self._offsets = tokens, types, offsets
         self._lengths = np.diff(offsets)
+        self._longest = int(self._lengths.max(initial=1))
         self._fps = input_fingerprints(tokens, types, offsets) if fingerprints is None else fingerprints
         self._plan = Plan(self._lengths, self.batch_size)
         self._order, self._pad_to, self._n_plan_batches = self._plan.order, self._plan.pad_to, self._plan.n_batches
@@ -370,11 +380,18 @@ class ActivationCache:
         return self._store.read(example_ids=example_ids, ragged=bool(ragged), out=out, encoder=self._encoder_core(),
                                 device=output == "device", device_index=index)
 
+    def epoch_order(self, seed=None, shuffle=True, sampling="random", chunk_bytes=None, passes_per_chunk=1):
+        """The example positions of one epoch, in the order :meth:`batches` reads them with the
+        same arguments (a pure function of them: the same on every machine)."""
+        if sampling not in ("random", "chunked"):
+            raise InputError(f"sampling must be 'random' or 'chunked', got {sampling!r}")
+        return self._epoch_order(shuffle, _seed64(seed), sampling, chunk_bytes, passes_per_chunk)
+
     def _epoch_order(self, shuffle, seed, sampling, chunk_bytes, passes_per_chunk):
-        rng = np.random.default_rng(seed)
         N = len(self.example_ids)
         if sampling == "random":
-            return rng.permutation(N) if shuffle else np.arange(N)
+            return _C.epoch_order(seed, N) if shuffle else np.arange(N)
+        rng = np.random.default_rng(seed)
         storage = self._order   # plan order = shard order
         per = self._row_bytes * np.maximum(rows_of(self._lengths, self.positions, storage), 1)
         limit = chunk_bytes or (self.host_bytes or 256 << 20)
@@ -416,17 +433,20 @@ class ActivationCache:
         index = self._output_index(output, device)
         if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
             raise InputError(f"start must be an int >= 0, got {start!r}")
-        bs = int(batch_size)
+        bs, seed = int(batch_size), _seed64(seed)
+        if prefetch is None:   # float32 bytes of a batch: a pooled row, or the longest example's rows
+            per = 4 * self.hidden * (self._longest if self.positions == "all" else 1)
+            prefetch = min(8, max(2, (64 << 20) // max(1, bs * per)))
+        kw = dict(batch_size=bs, ragged=bool(ragged), depth=int(prefetch), encoder=self._encoder_core(),
+                  device=output == "device", threads=_READER_THREADS, device_index=index)
+        N = len(self.example_ids)
+        if shuffle and sampling == "random":   # the permutation is drawn on the reader's thread
+            return self._store.reader(order=None, seed=seed, keep=N // bs * bs if drop_last else N,
+                                      skip=min(int(start) * bs, N), **kw)
         order = self._epoch_order(shuffle, seed, sampling, chunk_bytes, passes_per_chunk)
         if drop_last:
             order = order[:len(order) // bs * bs]
-        order = np.ascontiguousarray(order[int(start) * bs:], np.int64)
-        if prefetch is None:   # float32 bytes of a batch: a pooled row, or the longest example's rows
-            per = 4 * self.hidden * (int(self._lengths.max(initial=1)) if self.positions == "all" else 1)
-            prefetch = int(np.clip((64 << 20) // max(1, bs * per), 2, 8))
-        return self._store.reader(order=order, batch_size=bs, ragged=bool(ragged), depth=int(prefetch),
-                                  encoder=self._encoder_core(), device=output == "device", threads=_READER_THREADS,
-                                  device_index=index)
+        return self._store.reader(order=np.ascontiguousarray(order[int(start) * bs:], np.int64), **kw)
 
     # ---- information -------------------------------------------------------------------------
     def __len__(self):
