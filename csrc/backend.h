@@ -152,6 +152,9 @@ typedef struct {
     /* y (n) = x * keep(key, i) / (1 - p); y may alias x. keep() is ft_dropout_keep (core/rng.h), \
      * so the same call on a gradient applies the same mask (the backward pass). */               \
     X(dropout, (ft_backend *be, float *y, const float *x, int64_t n, float p, uint64_t key), (be, y, x, n, p, key))      \
+    /* x (n) *= s, in place (loss scaling: a gradient scaled up before a half-precision backward,  \
+     * and the gradients scaled back after it) */                                                  \
+    X(scale, (ft_backend *be, float *x, int64_t n, float s), (be, x, n, s))                        \
     /* dx (n) = dy * (1 - y^2): tanh backward from its output y; dx may alias dy */               \
     X(tanh_backward, (ft_backend *be, float *dx, const float *dy, const float *y, int64_t n), (be, dx, dy, y, n))      \
     /* Row-wise softmax cross-entropy over (N, K) logits. valid (valid_rows, K) or NULL: row r    \

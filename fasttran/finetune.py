@@ -139,16 +139,18 @@ class TopLayers:
     def _last_batch(self):
         return self._stack.last_batch()
 
-    def backward(self, d_out, want_dx=False):
+    def backward(self, d_out, want_dx=False, loss_scale=1.0):
         """Gradients of the last training forward into `grads` from d_out (N, C); returns d x when
-        asked."""
+        asked. loss_scale (float16 products' loss scaling, a power of two): the backward runs on
+        d_out * loss_scale and the gradients come back divided by it; an overflow leaves
+        non-finite gradients."""
         d_out = self._buffer(d_out, "d_out")
         dx = None
         if want_dx:
             shape = d_out.shape
             dx = np.empty(shape, np.float32) if self.device == "cpu" else \
                 _C.Tensor.from_dlpack(np.empty(shape, np.float32)).to(self.device)
-        self._stack.backward(d_out, dx)
+        self._stack.backward(d_out, dx, loss_scale=float(loss_scale))
         self._saved_x = None   # the stack is done with it
         return dx
 

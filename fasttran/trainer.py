@@ -71,6 +71,9 @@ class TrainingInterrupted(Exception):
     pass
 
 
+_SCALE_GROWTH_STEPS, _SCALE_MAX = 2000, 2.0 ** 24   # float16 loss scaling (as torch.amp.GradScaler)
+
+
 def _cuda_device(device):
     """'cuda' / 'cuda:N' -> 'cuda:N'; None for 'cpu'; anything else an InputError."""
     if device == "cpu":
@@ -197,7 +200,10 @@ class Trainer:
     Tempo's memory options (see fasttran.finetune.TopLayers). `precision="bfloat16"` (CUDA, with
     train_layers) trains the layers in mixed precision: float32 storage, master weights and sums,
     the projections' products on bf16 tensor cores (about 0.5% relative error per product, like
-    PyTorch's AMP; attention's products stay float32); "float16" is refused (it needs loss scaling).
+    PyTorch's AMP; attention's products stay float32); "float16" the same with fp16 products (11
+    significant bits, range 65504) and dynamic loss scaling: the layers' backward runs on the loss
+    gradient times `loss_scale[0]` (from 2**16), an overflowing step is skipped and halves it, 2000
+    clean steps double it (PyTorch's GradScaler rule; `skipped_steps` counts the skips).
     """
 
     def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
@@ -241,9 +247,6 @@ class Trainer:
             raise InputError(f"precision={precision!r} (mixed precision: the trained encoder layers' products on "
                              "half-precision tensor cores) needs train_layers >= 1 and device='cuda'; a head alone, "
                              "and the CPU, train in float32")
-        if precision == "float16":
-            raise InputError("precision='float16' needs dynamic loss scaling, which this version does not have: "
-                             "use precision='bfloat16' (float32's exponent range: no loss scaling needed)")
         cuda = _cuda_device(device)
         if cuda:
             from ._info import no_gpu_reason
@@ -264,6 +267,9 @@ class Trainer:
         self.train_layers, self.pooling, self.tempo = int(train_layers), pooling, tempo
         self.layer_dropout = None if layer_dropout is None else float(layer_dropout)
         self.precision = precision
+        # float16 products: dynamic loss scaling (PyTorch GradScaler's rule): [scale, steps since the
+        # last overflow]; an overflowing step is skipped and halves the scale, 2000 clean steps double it
+        self.loss_scale = [2.0 ** 16, 0] if precision == "float16" else None
         self._cuda = None            # _CudaHead: the head's state in CUDA memory (device="cuda")
         self._cuda_top = None        # _CudaTopBuffers: top-layer training's batch buffers on CUDA
         self.top = None              # TopLayers: the trained encoder layers (train_layers > 0)
@@ -274,6 +280,7 @@ class Trainer:
         self.loss_curve = []         # (step, loss) of every step of this process's fit() calls
         self.features = None         # what the head was trained on: fingerprint, layer, positions, hidden
         self.global_step = 0
+        self.skipped_steps = 0       # float16: steps skipped for an overflow (this process)
         self._pos = (0, 0)           # (epoch, batch within it) of the next step
         self._interrupt = False
 
@@ -596,14 +603,25 @@ class Trainer:
             correct = int((logits.argmax(1) == yb).sum())
         if not math.isfinite(loss):
             epoch, b = self._pos
+            hint = (": float16 products overflowed in the forward pass (beyond 65504); precision='bfloat16' has "
+                    "float32's range" if self.precision == "float16" else "")
             raise FloatingPointError(f"the loss is {loss} at step {self.global_step + 1} (epoch {epoch + 1}, "
-                                     f"batch {b + 1}); training stopped before applying it")
+                                     f"batch {b + 1}); training stopped before applying it{hint}")
         lr = self.lr * schedule_factor(self.schedule, self.global_step, total, warm)
         try:
             self.optimizer.step(gviews, lr=max(lr, 1e-30))
+            if self.loss_scale is not None:
+                self.loss_scale[1] += 1
+                if self.loss_scale[1] >= _SCALE_GROWTH_STEPS:
+                    self.loss_scale = [min(self.loss_scale[0] * 2.0, _SCALE_MAX), 0]
         except InputError as e:
             if "not finite" not in str(e):
                 raise
+            if self.loss_scale is not None and self.loss_scale[0] > 1.0:   # fp16 overflow: skip, scale down
+                self.loss_scale = [self.loss_scale[0] / 2.0, 0]
+                self.skipped_steps += 1
+                self.global_step += 1
+                return len(idx), loss, correct
             epoch, b = self._pos
             raise FloatingPointError(f"training diverged at step {self.global_step + 1} (epoch {epoch + 1}, batch "
                                      f"{b + 1}): {e}; try a lower learning rate than lr={self.lr:g}") from None
@@ -630,7 +648,7 @@ class Trainer:
             if math.isfinite(loss):
                 d = dhx.numpy().reshape(B, T, C)[where]
                 _C.device_write(dout, np.ascontiguousarray(d))
-                self.top.backward(dout)
+                self.top.backward(dout, loss_scale=self._scale())
             return logits, loss, 0
         cls = self.pooling == "cls"
         self.top.pool(out, cls=cls, pooled=hx)
@@ -638,8 +656,11 @@ class Trainer:
         correct = int((logits.numpy().reshape(B, -1).argmax(1) == yb).sum())
         if math.isfinite(loss):
             self.top.pool_backward(dhx, cls=cls, dout=dout)
-            self.top.backward(dout)
+            self.top.backward(dout, loss_scale=self._scale())
         return logits, loss, correct
+
+    def _scale(self):
+        return 1.0 if self.loss_scale is None else self.loss_scale[0]
 
     # ---- training -------------------------------------------------------------------------------
     def fit(self, cache, targets, eval=None, checkpoint_dir=None, resume=False, stop_at_step=None):
@@ -974,7 +995,7 @@ class Trainer:
                 {"format": "fasttran-optimizer"})
         state = {"format": "fasttran-trainer", "version": 1, "config": self._config(), "head": self.head.config(),
                  "optimizer_state": opt, "global_step": self.global_step, "position": list(self._pos),
-                 "history": self.history, "features": self.features, "files": files}
+                 "history": self.history, "features": self.features, "files": files, "loss_scale": self.loss_scale}
         _C.atomic_write(os.path.join(path, "trainer.json"), [json.dumps(state, indent=1).encode()])
         return path
 
@@ -1021,6 +1042,8 @@ class Trainer:
                 load_flat_state(self.optimizer, *opt)
         self.global_step = int(state["global_step"])
         self._pos = tuple(state["position"])
+        if self.precision == "float16" and state.get("loss_scale"):
+            self.loss_scale = [float(state["loss_scale"][0]), int(state["loss_scale"][1])]
         self.history = state["history"]
         self.features = state.get("features")   # None in checkpoints written before fingerprints
 

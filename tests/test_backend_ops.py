@@ -319,6 +319,10 @@ def test_gemm_prec_rounds_the_products_inputs_on_the_cpu():
     assert np.isinf(got).all()
 
 
+for n, sc in ((1, 2.0), (1000, 0.125), (70001, 65536.0)):
+    case("scale", f"{n}-x{sc:g}")(lambda rng, n=n, sc=sc: dict(x=Out((n,), tol=0, init=f32(rng, n)), n=n, s=sc))
+
+
 def _embed(N, C, V=50, P=520, TV=3, types=True):
     def build(rng):
         return dict(out=Out((N, C)), ids=In(rng.integers(0, V, N).astype(np.int32)),

@@ -458,11 +458,88 @@ def test_bf16_topk_trainer_on_cuda(model, inputs, tmp_path):
     on_cpu = fasttran.Trainer.load(str(tmp_path / "ck"), device="cpu")   # a CUDA bf16 run continues on the CPU
     assert on_cpu.precision == "float32"
     for bad, match in ((dict(kw, device="cpu"), "device='cuda'"), (dict(kw, train_layers=0), "train_layers >= 1"),
-                       (dict(kw, precision="float16"), "loss scaling"), (dict(kw, precision="half"), "precision must")):
+                       (dict(kw, precision="half"), "precision must")):
         with pytest.raises(fasttran.InputError, match=match):
             fasttran.Trainer("classification", **dict(dict(precision="bfloat16"), **bad))
     with pytest.raises(fasttran.InputError, match="matmul_precision"):
         fasttran.finetune.TopLayers(enc, 1, matmul_precision="int8")
+
+
+def test_loss_scaling_keeps_small_gradients_in_float16(model):
+    """Why float16 needs loss scaling, and that it works: with a loss gradient of 1e-9 (below fp16's
+    smallest subnormal, 6e-8) the fp16 products flush the gradients to zero; with loss_scale 2**16
+    the backward runs at 6.6e-5 and the gradients come back (divided by the scale) within fp16's
+    error of float32's. On CUDA and on the CPU reference alike."""
+    from fasttran.finetune import TopLayers
+    enc = fasttran.Encoder.from_pretrained(model)
+    rng = np.random.default_rng(8)
+    lengths = np.array([6, 9], np.int32)
+    x = rng.standard_normal((15, enc.config["hidden_size"])).astype(np.float32)
+    dout = (1e-9 * rng.standard_normal(x.shape)).astype(np.float32)
+
+    def grads(device, prec, scale):
+        top = TopLayers(enc, 1, device=device, hidden_dropout=0.0, attention_dropout=0.0, matmul_precision=prec)
+        top.forward(x, lengths, training=True)
+        dx = host(top.backward(dout, want_dx=True, loss_scale=scale))
+        return dx, {n: np.array(host(g)) for n, g in top.named_gradients()}
+    ref_dx, ref = grads("cpu", "float32", 1.0)
+    for device in ("cuda", "cpu"):
+        dx0, g0 = grads(device, "float16", 1.0)
+        w = "encoder.layer.4.intermediate.dense.weight"
+        assert np.abs(g0[w]).max() == 0 and np.abs(ref[w]).max() > 0   # flushed to zero without scaling
+        dx, g = grads(device, "float16", 2.0 ** 16)
+        assert _rel(dx, ref_dx) < 4e-3, _rel(dx, ref_dx)
+        for n in ("encoder.layer.4.intermediate.dense.weight", "encoder.layer.4.attention.self.value.weight",
+                  "encoder.layer.4.output.dense.weight"):
+            assert _rel(g[n], ref[n]) < 4e-3, (device, n, _rel(g[n], ref[n]))
+    top = TopLayers(enc, 1, device="cuda", matmul_precision="float16")
+    top.forward(x, lengths, training=True)
+    with pytest.raises(fasttran.InputError, match="loss scale"):
+        top.backward(dout, loss_scale=0.0)
+
+
+def test_fp16_topk_trainer_scales_its_loss_and_skips_overflows(model, inputs, tmp_path, monkeypatch):
+    """Trainer(precision="float16"): dynamic loss scaling. Started at an absurd scale (2**30) the fp16
+    backward overflows: those steps are skipped (nothing updated, weights finite) and each halves the
+    scale until it fits. From the default scale, the losses follow the float32 run's within fp16
+    rounding; a resumed run repeats the straight one bit for bit, loss scale included."""
+    ids, mask, types = inputs
+    enc = fasttran.Encoder.from_pretrained(model)
+    kw = dict(device="cuda", train_layers=2, epochs=3, batch_size=6, seed=5, show_progress=False, num_labels=2,
+              lr=1e-3, optimizer="adamw", precision="float16")
+    tr = fasttran.Trainer("classification", **kw)
+    assert tr.loss_scale == [2.0 ** 16, 0]
+    cache = tr.cache_for(enc, ids, mask, types, show_progress=False)
+    y = np.random.default_rng(5).integers(0, 2, len(cache))
+    tr.fit(cache, y)
+    assert tr.skipped_steps == 0 and tr.loss_scale == [2.0 ** 16, tr.global_step]
+    f32 = fasttran.Trainer("classification", **dict(kw, precision="float32"))
+    f32.fit(cache, y)
+    for (s1, l1), (s2, l2) in zip(tr.loss_curve, f32.loss_curve):
+        assert abs(l1 - l2) <= 5e-3 * max(1.0, abs(l2)), (s1, l1, l2)
+    monkeypatch.setattr(fasttran.trainer, "_SCALE_GROWTH_STEPS", 4)   # grows after 4 clean steps (2000 by default)
+    grow = fasttran.Trainer("classification", **kw)
+    grow.loss_scale = [2.0 ** 10, 0]
+    grow.fit(cache, y)   # 15 clean steps
+    assert grow.skipped_steps == 0 and grow.loss_scale == [2.0 ** 13, 3]
+    monkeypatch.undo()
+    kw4 = dict(kw, epochs=4)
+    big = fasttran.Trainer("classification", **kw4)
+    big.loss_scale = [2.0 ** 30, 0]
+    big.fit(cache, y)   # 20 steps: the first ones overflow (6 on the emulator), then it fits and trains
+    assert 0 < big.skipped_steps <= 10 and big.loss_scale[0] == 2.0 ** 30 / 2 ** big.skipped_steps
+    assert 0 < big.loss_scale[1] <= big.global_step - big.skipped_steps   # clean steps since the last skip
+    assert all(np.isfinite(np.asarray(v)).all() for _, v in big.top.named_parameters())
+    assert big.optimizer.step_count == big.global_step - big.skipped_steps   # skipped steps updated nothing
+    part = fasttran.Trainer("classification", **kw4)
+    part.loss_scale = [2.0 ** 30, 0]
+    part.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), stop_at_step=big.skipped_steps + 2)
+    rest = fasttran.Trainer.load(str(tmp_path / "ck"))
+    assert rest.loss_scale == part.loss_scale
+    rest.fit(cache, y, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    assert rest.loss_scale == big.loss_scale
+    for (n, a), (_, b) in zip(rest.top.named_parameters(), big.top.named_parameters()):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), n
 
 
 def _initial(encoder, name):

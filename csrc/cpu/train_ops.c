@@ -31,6 +31,13 @@ void ft_cpu_dropout_row(float *row, uint8_t *mask, int64_t n, uint64_t key, uint
     }
 }
 
+ft_status cpu_scale(ft_backend *be, float *x, int64_t n, float s) {
+    (void)be;
+#pragma omp parallel for simd schedule(static) num_threads(ft_num_threads()) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+    return FT_OK;
+}
+
 ft_status cpu_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n) {
     (void)be;
 #pragma omp parallel for simd schedule(static) num_threads(ft_num_threads()) if (n > 65536)

@@ -21,6 +21,11 @@ __global__ void dropout_kernel(float *y, const float *x, int64_t n, uint32_t thr
         y[i] = ft_dropout_keep(key, (uint64_t)i, thr) ? x[i] * scale : 0.0f;
 }
 
+__global__ void scale_kernel(float *x, int64_t n, float s) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] *= s;
+}
+
 __global__ void tanh_backward_kernel(float *dx, const float *dy, const float *y, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         dx[i] = dy[i] * (1.0f - y[i] * y[i]);
@@ -92,6 +97,12 @@ ft_status cuda_dropout(ft_backend *be, float *y, const float *x, int64_t n, floa
     FT_LAUNCH(dropout_kernel, grid_of(n, 256), 256, 0, ctx_of(be)->stream)(y, x, n, ft_dropout_threshold(p),
                                                                      1.0f / (1.0f - p), key);
     return launched("dropout");
+}
+
+ft_status cuda_scale(ft_backend *be, float *x, int64_t n, float s) {
+    if (n <= 0) return FT_OK;
+    FT_LAUNCH(scale_kernel, grid_of(n, 256), 256, 0, ctx_of(be)->stream)(x, n, s);
+    return launched("scale");
 }
 
 ft_status cuda_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n) {

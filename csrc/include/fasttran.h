@@ -496,7 +496,10 @@ float *ft_layer_stack_grads(ft_layer_stack *s);                        /* device
 ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_t *lengths, int64_t B, float *out,
                                  int training, uint64_t seed, uint64_t step);
 /* After a training forward: the gradients (overwritten) from dout (N, C); dx (N, C) or NULL */
-ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx);
+/* loss_scale != 1 (float16 mixed precision's loss scaling, a power of two): the backward runs on
+ * dout * loss_scale, so that small gradients survive fp16 products, and the gradients (and dx) are
+ * scaled back by 1 / loss_scale at the end; an overflow shows as non-finite gradients. */
+ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx, float loss_scale);
 int64_t ft_layer_stack_hidden_size(const ft_layer_stack *s);
 /* the sequences (B) and rows (N) of the last forward */
 void ft_layer_stack_last_batch(const ft_layer_stack *s, int64_t *B, int64_t *N);

@@ -11,6 +11,7 @@
  * and its backward, in reverse (see ft_layer_backward). Dropout keys: (seed, step, layer, site). */
 #include "model/layer.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -394,13 +395,21 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     return FT_OK;
 }
 
-ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx) {
+ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx, float loss_scale) {
     if (!s->ready) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack backward: no training forward to go back through");
+    if (!(loss_scale > 0.0f) || !isfinite(loss_scale))
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack backward: the loss scale must be finite and > 0, got %g",
+                        (double)loss_scale);
     const int64_t N = s->batch.N, C = s->cfg.hidden_size;
     FT_TRY(s->be->copy(s->be, s->work.g, dout, (size_t)N * (size_t)C * sizeof(float)));
+    if (loss_scale != 1.0f) FT_TRY(s->be->scale(s->be, s->work.g, N * C, loss_scale));
     for (int64_t l = s->count - 1; l >= 0; l--)
         FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->w[l], &s->acts[l], &s->work, &s->gw[l],
                                  l > 0 || dx != NULL));
+    if (loss_scale != 1.0f) {
+        FT_TRY(s->be->scale(s->be, s->grads, (int64_t)s->n_params, 1.0f / loss_scale));
+        if (dx) FT_TRY(s->be->scale(s->be, s->work.g, N * C, 1.0f / loss_scale));
+    }
     if (dx) FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
     s->ready = 0;
     return s->be->synchronize(s->be);

@@ -166,16 +166,17 @@ static PyObject *LayerStack_forward(LayerStack *self, PyObject *args, PyObject *
 
 /* backward(dout, dx=None): gradients into grads */
 static PyObject *LayerStack_backward(LayerStack *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"dout", "dx", NULL};
+    static char *kwlist[] = {"dout", "dx", "loss_scale", NULL};
     PyObject *dout_o, *dx_o = Py_None;
-    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwlist, &dout_o, &dx_o)) return NULL;
+    float loss_scale = 1.0f;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "O|Of", kwlist, &dout_o, &dx_o, &loss_scale)) return NULL;
     const float *dout = buffer(self, dout_o, "dout", FT_F32, -1, 0);
     if (!dout) return NULL;
     float *dx = buffer(self, dx_o, "dx", FT_F32, -1, 1);
     if (!dx && PyErr_Occurred()) return NULL;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_layer_stack_backward(self->stack, dout, dx);
+    st = ft_layer_stack_backward(self->stack, dout, dx, loss_scale);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     Py_RETURN_NONE;
@@ -270,7 +271,8 @@ static PyMethodDef LayerStack_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))LayerStack_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x, lengths, out, training=False, seed=0, step=0) over packed rows."},
     {"backward", (PyCFunction)(void (*)(void))LayerStack_backward, METH_VARARGS | METH_KEYWORDS,
-     "backward(dout, dx=None): gradients of the last training forward into grads."},
+     "backward(dout, dx=None, loss_scale=1.0): gradients of the last training forward into grads (loss_scale: "
+     "the backward runs on dout * loss_scale and the gradients are scaled back)."},
     {"memory", (PyCFunction)LayerStack_memory, METH_VARARGS, "Bytes a training step over (B, T) holds, by category."},
     {"allocated", (PyCFunction)LayerStack_allocated, METH_NOARGS, "(bytes allocated now, peak)."},
     {"export", (PyCFunction)LayerStack_export, METH_O, "Write the trained weights into an EncoderCore."},
