@@ -35,13 +35,13 @@ def bert_base_dir(tmp):
     return tmp
 
 
-def build(path, k, seed=0):
+def build(path, k, seed=0, precision="float32"):
     from transformers import BertModel
     from fasttran.finetune import TopLayers
     from fasttran.heads import ClassificationHead
     enc = fasttran.Encoder.from_pretrained(path, load_tokenizer=False)
     L, C = enc.num_layers, enc.hidden_size
-    top = TopLayers(enc, k, hidden_dropout=0.1, attention_dropout=0.1)
+    top = TopLayers(enc, k, hidden_dropout=0.1, attention_dropout=0.1, matmul_precision=precision)
     head = ClassificationHead(C, 2, dropout=0.1, seed=seed)
     named = top.named_parameters() + list(head.named_parameters())
     opt = fasttran.optim.AdamW(named, lr=5e-5, weight_decay=0.01, max_grad_norm=1.0)
@@ -70,14 +70,15 @@ def fasttran_step(top, head, opt, hgrads, gviews, x, lengths, y, step):
     opt.step(gviews)
 
 
-def torch_step(layers, lin, drop, topt, xt, yt):
+def torch_step(layers, lin, drop, topt, xt, yt, amp=False):
     topt.zero_grad(set_to_none=True)
-    h = xt
-    for layer in layers:
-        o = layer(h)
-        h = o[0] if isinstance(o, tuple) else o
-    logits = lin(drop(h.mean(dim=1)))
-    loss = torch.nn.functional.cross_entropy(logits, yt)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        h = xt
+        for layer in layers:
+            o = layer(h)
+            h = o[0] if isinstance(o, tuple) else o
+        logits = lin(drop(h.mean(dim=1)))
+    loss = torch.nn.functional.cross_entropy(logits.float(), yt)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(layers.parameters()) + list(lin.parameters()), 1.0)
     topt.step()
@@ -134,6 +135,71 @@ def test_topk_step_against_pytorch(arch, k, tmp_path):
           f"({tc * 1e3:.0f} CPU): {tw / fw:.2f}x ({tc / fc:.2f}x CPU), load {load:.1f}")
     out = os.path.join(os.path.dirname(__file__), "last_topk_step.json")
     rows = json.load(open(out)) if os.path.exists(out) else []
-    rows = [r for r in rows if not (r["arch"] == arch and r["k"] == k)] + [row]
+    rows = [r for r in rows if not (r["arch"] == arch and r["k"] == k and r.get("precision", "float32") == "float32")] + [row]
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+BF16_CASES = [("minilm", 1), ("minilm", 2), ("bert-base", 1)]
+
+
+@pytest.mark.skipif(fasttran._C.cpu_isa() != "amx", reason="bf16 layer training on the CPU needs AMX")
+@pytest.mark.parametrize("arch,k", BF16_CASES, ids=[f"{a}-k{k}" for a, k in BF16_CASES])
+def test_bf16_topk_step_against_pytorch_amp(arch, k, tmp_path):
+    """Mixed precision on an AMX CPU: fasttran's step with bf16 products (precision="bfloat16": the
+    tiles' bf16 term alone, float32 storage and master weights) against PyTorch's CPU AMP
+    (torch.autocast("cpu", bfloat16): oneDNN's bf16 kernels), and against both float32 steps."""
+    fasttran.set_num_threads(THREADS)
+    torch.set_num_threads(THREADS)
+    path = fasttran.models.minilm_path() if arch == "minilm" else bert_base_dir(str(tmp_path / "bert-base"))
+    enc, top, head, opt, hgrads, gviews, layers, lin, drop, topt = build(path, k, precision="bfloat16")
+    top32 = build(path, k)[1]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 20000, (B, T))
+    x = np.ascontiguousarray(enc.forward(ids, output_layers=[enc.num_layers - k])[0].reshape(B * T, -1))
+    lengths = np.full(B, T, np.int32)
+    y = rng.integers(0, 2, B).astype(np.int32)
+    xt, yt = torch.from_numpy(x.reshape(B, T, -1)), torch.from_numpy(y.astype(np.int64))
+    layers.eval()
+    with torch.no_grad():
+        want = xt
+        for layer in layers:
+            o = layer(want)
+            want = o[0] if isinstance(o, tuple) else o
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = xt
+            for layer in layers:
+                o = layer(amp)
+                amp = o[0] if isinstance(o, tuple) else o
+    want, amp = want.numpy().astype(np.float64), amp.float().numpy().astype(np.float64)
+    got = top.forward(x, lengths).reshape(B, T, -1)
+    rel = lambda a: float(np.linalg.norm(a - want) / np.linalg.norm(want))
+    err, err_amp = rel(got), rel(amp)
+    assert err <= 2e-2 and np.abs(top32.forward(x, lengths).reshape(B, T, -1) - want).max() <= 1e-4, (err, err_amp)
+    layers.train()
+    steps = {"fasttran bf16": lambda r: fasttran_step(top, head, opt, hgrads, gviews, x, lengths, y, r),
+             "torch AMP bf16": lambda r: torch_step(layers, lin, drop, topt, xt, yt, amp=True),
+             "torch fp32": lambda r: torch_step(layers, lin, drop, topt, xt, yt)}
+    for fn in steps.values():
+        fn(0)   # warm-up (oneDNN's primitives, autocast's weight casts)
+    times = {n: [] for n in steps}
+    names = list(steps)
+    for r in range(ROUNDS):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            times[n].append(timed(lambda: steps[n](r + 1)))
+    med = {n: float(np.median([w for w, _ in v])) for n, v in times.items()}
+    load = os.getloadavg()[0]
+    row = {"arch": arch, "k": k, "batch": [B, T], "threads": THREADS, "rounds": ROUNDS, "precision": "bfloat16",
+           "step_s": med, "rel_err_vs_torch_fp32": err, "torch_amp_rel_err_vs_torch_fp32": err_amp,
+           "speedup_vs_torch_amp": med["torch AMP bf16"] / med["fasttran bf16"],
+           "speedup_vs_torch_fp32": med["torch fp32"] / med["fasttran bf16"], "load_avg": load,
+           "cpu": platform.processor() or platform.machine(), "isa": fasttran.build_info().get("cpu_kernels"),
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    print(f"\n{arch} k={k} bf16 {B}x{T}: " + ", ".join(f"{n} {v * 1e3:.0f} ms" for n, v in med.items()) +
+          f"; vs AMP {row['speedup_vs_torch_amp']:.2f}x, vs torch fp32 {row['speedup_vs_torch_fp32']:.2f}x; "
+          f"error vs fp32 {err:.2e} (AMP {err_amp:.2e}), load {load:.1f}")
+    out = os.path.join(os.path.dirname(__file__), "last_topk_step.json")
+    rows = json.load(open(out)) if os.path.exists(out) else []
+    rows = [r for r in rows if not (r["arch"] == arch and r["k"] == k and r.get("precision") == "bfloat16")] + [row]
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)

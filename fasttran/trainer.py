@@ -74,6 +74,10 @@ class TrainingInterrupted(Exception):
 _SCALE_GROWTH_STEPS, _SCALE_MAX = 2000, 2.0 ** 24   # float16 loss scaling (as torch.amp.GradScaler)
 
 
+def _cpu_isa():
+    return _C.cpu_isa()
+
+
 def _cuda_device(device):
     """'cuda' / 'cuda:N' -> 'cuda:N'; None for 'cpu'; anything else an InputError."""
     if device == "cpu":
@@ -197,10 +201,11 @@ class Trainer:
     (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls" (a QA head takes every
     token's state of the top layer, padded per batch, and returns its gradient); `layer_dropout` is their
     hidden and attention dropout (None: the checkpoint's), `dropout` the head's; `tempo` switches
-    Tempo's memory options (see fasttran.finetune.TopLayers). `precision="bfloat16"` (CUDA, with
-    train_layers) trains the layers in mixed precision: float32 storage, master weights and sums,
-    the projections' products on bf16 tensor cores (about 0.5% relative error per product, like
-    PyTorch's AMP; attention's products stay float32); "float16" the same with fp16 products (11
+    Tempo's memory options (see fasttran.finetune.TopLayers). `precision="bfloat16"` (with
+    train_layers; on CUDA, or on a CPU with AMX) trains the layers in mixed precision: float32
+    storage, master weights and sums, the projections' products in bf16 on tensor cores / AMX tiles
+    (about 0.5% relative error per product, like PyTorch's AMP; attention's products stay float32);
+    "float16" (CUDA) the same with fp16 products (11
     significant bits, range 65504) and dynamic loss scaling: the layers' backward runs on the loss
     gradient times `loss_scale[0]` (from 2**16), an overflowing step is skipped and halves it, 2000
     clean steps double it (PyTorch's GradScaler rule; `skipped_steps` counts the skips).
@@ -243,10 +248,14 @@ class Trainer:
             raise InputError(f"warmup must be a fraction in [0, 1) or a step count, got {warmup!r}")
         if precision not in ("float32", "bfloat16", "float16"):
             raise InputError(f"precision must be 'float32', 'bfloat16' or 'float16', got {precision!r}")
-        if precision != "float32" and not (train_layers and _cuda_device(device)):
-            raise InputError(f"precision={precision!r} (mixed precision: the trained encoder layers' products on "
-                             "half-precision tensor cores) needs train_layers >= 1 and device='cuda'; a head alone, "
-                             "and the CPU, train in float32")
+        if precision != "float32":
+            if not train_layers:
+                raise InputError(f"precision={precision!r} (mixed precision: the trained encoder layers' products "
+                                 "in half precision) needs train_layers >= 1: a head alone trains in float32")
+            if not _cuda_device(device) and (precision != "bfloat16" or _cpu_isa() != "amx"):
+                raise InputError(f"precision={precision!r} on the CPU needs bfloat16 and a CPU with AMX (Intel Sapphire "
+                                 f"Rapids or later; this one runs the {_cpu_isa()!r} kernels): elsewhere half-precision "
+                                 "products are no faster than float32. Train in float32 here, or on device='cuda'")
         cuda = _cuda_device(device)
         if cuda:
             from ._info import no_gpu_reason
@@ -1052,8 +1061,9 @@ class Trainer:
         """A Trainer restored from save(): head, optimizer state, step, position and history."""
         state = cls._read_state(path)
         cfg = dict(state["config"], **overrides)
-        if not _cuda_device(cfg.get("device", "cpu")) and "precision" not in overrides:
-            cfg["precision"] = "float32"   # mixed precision is CUDA's: on the CPU the same weights train in float32
+        if (not _cuda_device(cfg.get("device", "cpu")) and "precision" not in overrides
+                and not (cfg.get("precision") == "bfloat16" and _cpu_isa() == "amx")):
+            cfg["precision"] = "float32"   # what this CPU cannot run in half precision continues in float32
         self = cls(_Head.from_config(state["head"]), **cfg)
         self._load_into(path, state)
         return self
@@ -1102,7 +1112,8 @@ class Trainer:
             return "Trainer(<not initialised>)"
         head = repr(self.head) if self.head is not None else repr(self._head_name)
         return (f"Trainer(head={head}, optimizer={self.optimizer_name!r}, lr={self.lr:g}, schedule={self.schedule!r}, "
-                f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step})")
+                f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step}"
+                + (f", precision={self.precision!r}" if self.precision != "float32" else "") + ")")
 
     def _repr_html_(self):
         rows = "".join("<tr>" + "".join(f"<td>{html.escape(f'{v:.4g}' if isinstance(v, float) else str(v))}</td>"

@@ -302,16 +302,22 @@ def test_gemm_prec_rounds_the_products_inputs_on_the_cpu():
     to inf as a tensor core's conversion does."""
     be = Backend(-1)
     rng = np.random.default_rng(3)
-    M, N, K = 37, 29, 300
-    A, B = f32(rng, M, K), f32(rng, N, K)
     import torch
-    for prec, tdt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-        r = lambda x: torch.from_numpy(x).to(tdt).double().numpy()
-        want = r(A) @ r(B).T
-        got = run_case(be, "gemm_prec", dict(prec=DTYPE_CODES[prec], trans_a=0, trans_b=1, M=M, N=N, K=K, alpha=1.0,
-                                             A=In(A), lda=K, B=In(B), ldb=K, beta=0.0, C=Out((M, N)), ldc=N))["C"]
-        assert np.abs(got - want).max() < 1e-4
-        assert np.abs(got - A.astype(np.float64) @ B.T.astype(np.float64)).max() > 1e-3   # inputs were rounded
+    # 37 x 29 x 300: rounded copies and a float32 GEMM; 97 x 75 x 333 (and its transposes): on a CPU
+    # with AMX, the tiles' own bf16 products (ft_cpu_gemm_on_amx)
+    for (M, N, K, ta, tb) in ((37, 29, 300, 0, 1), (97, 75, 333, 0, 1), (97, 75, 333, 1, 0), (75, 97, 333, 0, 0)):
+        A = f32(rng, *((K, M) if ta else (M, K)))
+        B = f32(rng, *((N, K) if tb else (K, N)))
+        opA, opB = (A.T if ta else A), (B.T if tb else B)
+        for prec, tdt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+            r = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(tdt).double().numpy()
+            want = r(opA) @ r(opB)
+            got = run_case(be, "gemm_prec", dict(prec=DTYPE_CODES[prec], trans_a=ta, trans_b=tb, M=M, N=N, K=K,
+                                                 alpha=1.0, A=In(A), lda=A.shape[1], B=In(B), ldb=B.shape[1], beta=0.0,
+                                                 C=Out((M, N)), ldc=N))["C"]
+            assert np.abs(got - want).max() < 1e-4, (M, N, K, prec, np.abs(got - want).max())
+            exact = opA.astype(np.float64) @ opB.astype(np.float64)
+            assert np.abs(got - exact).max() > 1e-3   # the inputs were rounded
     big = np.full((1, 2), 7e4, np.float32)
     got = run_case(be, "gemm_prec", dict(prec=DTYPE_CODES["float16"], trans_a=0, trans_b=1, M=1, N=1, K=2, alpha=1.0,
                                          A=In(big), lda=2, B=In(np.ones((1, 2), np.float32)), ldb=2, beta=0.0,

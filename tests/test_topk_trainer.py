@@ -68,6 +68,35 @@ def test_learns_and_resumes_exactly(enc, data, cache1, tmp_path):
     assert_resumes_exactly(full, trainer(1, epochs=2, lr=3e-4), cache1, y, tmp_path)
 
 
+@pytest.mark.skipif(fasttran._C.cpu_isa() != "amx", reason="bf16 training on the CPU needs AMX (Sapphire Rapids+)")
+def test_bf16_on_amx_learns_like_float32_and_resumes_exactly(enc, data, cache1, tmp_path):
+    """precision="bfloat16" on a CPU with AMX: the layers' products on the tiles in bf16 (one term of
+    the bf16x6 split), float32 master weights. The losses follow the float32 run's within bf16's
+    rounding (yet differ: the bf16 products did run), it learns as much, and resumes bit for bit."""
+    y = data[3]
+    f32 = trainer(1, epochs=2, lr=3e-4)
+    f32.fit(cache1, y)
+    bf = trainer(1, epochs=2, lr=3e-4, precision="bfloat16")
+    bf.fit(cache1, y)
+    assert bf.top.matmul_precision == "bfloat16"
+    for (s1, l1), (s2, l2) in zip(bf.loss_curve, f32.loss_curve):
+        assert abs(l1 - l2) <= 2e-2 * max(1.0, abs(l2)), (s1, l1, l2)
+    assert any(l1 != l2 for (_, l1), (_, l2) in zip(bf.loss_curve, f32.loss_curve))
+    acc_bf, acc_32 = bf.evaluate(cache1, y)["accuracy"], f32.evaluate(cache1, y)["accuracy"]
+    assert abs(acc_bf - acc_32) <= 0.03, (acc_bf, acc_32)
+    assert_resumes_exactly(bf, trainer(1, epochs=2, lr=3e-4, precision="bfloat16"), cache1, y, tmp_path)
+
+
+def test_bf16_refused_where_the_cpu_has_no_amx(monkeypatch):
+    monkeypatch.setattr(fasttran.trainer, "_cpu_isa", lambda: "avx2")
+    with pytest.raises(fasttran.InputError, match="AMX.*'avx2'"):
+        trainer(1, precision="bfloat16")
+    with pytest.raises(fasttran.InputError, match="AMX"):
+        trainer(1, precision="float16")
+    with pytest.raises(fasttran.InputError, match="train_layers >= 1"):
+        trainer(0, precision="bfloat16")
+
+
 def test_export_loads_in_transformers_with_the_same_hidden_states(enc, data, cache1, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import BertModel

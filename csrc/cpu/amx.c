@@ -87,16 +87,16 @@ AMX static void configure_tiles(void) {
  * src NULL: 32 zeros), each 32 bf16 in element order: h = bf16(x) rounded to nearest even,
  * m = bf16(x - h), l = bf16(x - h - m), the subtractions exact. x infinite, NaN or beyond bf16's
  * range: h carries it, m = l = 0. */
-AMX static inline void split32(const float *src, __mmask16 lo, __mmask16 hi, __m512i part[PARTS]) {
+AMX static inline void split32(const float *src, __mmask16 lo, __mmask16 hi, __m512i part[PARTS], int nparts) {
     __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
     if (src) {
         v0 = _mm512_maskz_loadu_ps(lo, src);
         v1 = _mm512_maskz_loadu_ps(hi, src + 16);
     }
     const __m512 inf = _mm512_set1_ps(INFINITY);
-    for (int q = 0; q < PARTS; q++) {
+    for (int q = 0; q < nparts; q++) {
         part[q] = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
-        if (q == PARTS - 1) break;
+        if (q == nparts - 1) break;
         const __m512 p0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(part[q])), 16));
         const __m512 p1 = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(part[q], 1)), 16));
@@ -108,11 +108,11 @@ AMX static inline void split32(const float *src, __mmask16 lo, __mmask16 hi, __m
 }
 
 /* split32 for 16 floats: the same parts, element for element */
-AMX static inline void split16(__m512 v, __m256i part[PARTS]) {
+AMX static inline void split16(__m512 v, __m256i part[PARTS], int nparts) {
     const __m512 inf = _mm512_set1_ps(INFINITY);
-    for (int q = 0; q < PARTS; q++) {
+    for (int q = 0; q < nparts; q++) {
         part[q] = (__m256i)_mm512_cvtneps_pbh(v);
-        if (q == PARTS - 1) break;
+        if (q == nparts - 1) break;
         v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(part[q]), 16)));
         v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_LT_OQ), v);
     }
@@ -170,33 +170,33 @@ AMX static void gather_kmajor(float *buf, ft_amx_matrix x, int64_t lines, int64_
 /* lines [l0, l0 + 16 groups) of x (`lines` in all, K k) at step s -> parts[q][j] (32 bf16 each,
  * j-th line): zero past either end */
 AMX static void split_lines(__m512i (*parts)[PARTS], ft_amx_matrix x, int64_t lines, int64_t K, int64_t l0,
-                            int groups, int64_t s, float *buf) {
+                            int groups, int64_t s, float *buf, int nparts) {
     __mmask16 k_lo, k_hi;
     step_masks(K, s, &k_lo, &k_hi);
     if (x.kmajor) gather_kmajor(buf, x, lines, K, l0, groups, s);
     for (int j = 0; j < 16 * groups; j++) {
-        if (x.kmajor) split32(buf + j * STEP, 0xFFFF, 0xFFFF, parts[j]);
-        else split32(l0 + j < lines ? x.src + (l0 + j) * x.ld + s * STEP : NULL, k_lo, k_hi, parts[j]);
+        if (x.kmajor) split32(buf + j * STEP, 0xFFFF, 0xFFFF, parts[j], nparts);
+        else split32(l0 + j < lines ? x.src + (l0 + j) * x.ld + s * STEP : NULL, k_lo, k_hi, parts[j], nparts);
     }
 }
 
 /* rows [r, r + 32) of x (rows past `rows` zero), steps [s0, s1) -> a ((s1 - s0) steps x PARTS x
  * 32 rows x 32 bf16) */
 AMX static void split_rows(uint16_t *a, ft_amx_matrix x, int64_t rows, int64_t K, int64_t r, int64_t s0, int64_t s1,
-                           float *buf) {
+                           float *buf, int nparts) {
     __m512i parts[FT_AMX_MR][PARTS];
     for (int64_t s = s0; s < s1; s++) {
-        split_lines(parts, x, rows, K, r, FT_AMX_MR / 16, s, buf);
+        split_lines(parts, x, rows, K, r, FT_AMX_MR / 16, s, buf, nparts);
         uint16_t *dst = a + (s - s0) * PARTS * FT_AMX_MR * STEP;
         for (int i = 0; i < FT_AMX_MR; i++)
-            for (int q = 0; q < PARTS; q++) _mm512_storeu_si512(dst + (q * FT_AMX_MR + i) * STEP, parts[i][q]);
+            for (int q = 0; q < nparts; q++) _mm512_storeu_si512(dst + (q * FT_AMX_MR + i) * STEP, parts[i][q]);
     }
 }
 
 /* Panel p: per step, per 16-column half, each column's 32 k split at once, then the 16 x 16
  * pairs transposed into the tile's rows (pair r of column j at row r, position j). Columns past
  * N and k past K are zero. */
-AMX void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p) {
+AMX void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p, int nparts) {
     const int64_t S = steps_of(K);
     uint32_t *panel = (uint32_t *)(dst + p * S * PARTS * 2 * TILE_ELEMS);
     if (w.kmajor) {   /* k-major: tile row r interleaves the parts of source rows k = 2r and 2r + 1 */
@@ -207,10 +207,11 @@ AMX void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K,
                 for (int r = 0; r < 16; r++) {
                     const int64_t k = s * STEP + 2 * r;
                     __m256i even[PARTS], odd[PARTS];
-                    split16(k < K ? _mm512_maskz_loadu_ps(cm, w.src + k * w.ld + c0) : _mm512_setzero_ps(), even);
+                    split16(k < K ? _mm512_maskz_loadu_ps(cm, w.src + k * w.ld + c0) : _mm512_setzero_ps(), even,
+                            nparts);
                     split16(k + 1 < K ? _mm512_maskz_loadu_ps(cm, w.src + (k + 1) * w.ld + c0) : _mm512_setzero_ps(),
-                            odd);
-                    for (int q = 0; q < PARTS; q++) {
+                            odd, nparts);
+                    for (int q = 0; q < nparts; q++) {
                         uint32_t *row = panel + ((s * PARTS + q) * 2 + half) * (TILE_ELEMS / 2) + r * 16;
                         const __m256i lo = _mm256_unpacklo_epi16(even[q], odd[q]);   /* columns 0-3, 8-11 */
                         const __m256i hi = _mm256_unpackhi_epi16(even[q], odd[q]);   /* columns 4-7, 12-15 */
@@ -226,10 +227,10 @@ AMX void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K,
     __m512i parts[16][PARTS];
     for (int64_t s = 0; s < S; s++) {
         for (int half = 0; half < 2; half++) {
-            split_lines(parts, w, N, K, p * FT_AMX_NR + half * 16, 1, s, buf);
+            split_lines(parts, w, N, K, p * FT_AMX_NR + half * 16, 1, s, buf, nparts);
             for (int j = 0; j < 16; j++)
-                for (int q = 0; q < PARTS; q++) _mm512_store_si512(col_pairs[q][j], parts[j][q]);
-            for (int q = 0; q < PARTS; q++) {
+                for (int q = 0; q < nparts; q++) _mm512_store_si512(col_pairs[q][j], parts[j][q]);
+            for (int q = 0; q < nparts; q++) {
                 uint32_t *tile = panel + ((s * PARTS + q) * 2 + half) * (TILE_ELEMS / 2);
                 for (int r = 0; r < 16; r++)
                     for (int j = 0; j < 16; j++) tile[r * 16 + j] = col_pairs[q][j][r];
@@ -268,13 +269,20 @@ AMX void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K,
  * term to the next). resume 0: both start from zero; 1: from the values stored by the previous
  * K block (a tile's float32 store and load are exact, so K blocks never change a bit). */
 AMX static void block(const uint16_t *a, const uint16_t *b, int64_t S, float *acc_main, float *acc_corr,
-                      int resume) {
+                      int resume, int bf16_only) {
     if (resume) LOAD4(acc_main);
     else ZERO4();
     LA(0, 0, 0); LA(0, 0, 1); LB(0, 0, 0); LB(0, 0, 1);
     for (int64_t s = 0; s + 1 < S; s++) DP4_NEXT_AB(s + 1, 0, 0);
     DP4();
     STORE4(acc_main);
+    if (bf16_only) {   /* no corrections: they stay zero (set by the first K block) */
+        if (!resume) {
+            ZERO4();
+            STORE4(acc_corr);
+        }
+        return;
+    }
     if (resume) LOAD4(acc_corr);
     else ZERO4();
     LA(0, 0, 0); LA(0, 0, 1); LB(0, 2, 0); LB(0, 2, 1);
@@ -334,7 +342,7 @@ AMX void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int
         const int64_t s1 = s0 + kb_steps < S ? s0 + kb_steps : S, last = s1 == S;
         if (split || several)
             for (int64_t bl = 0; bl < blocks; bl++)
-                split_rows(a + bl * a_block, g->x, r1, K, r0 + bl * FT_AMX_MR, s0, s1, buf);
+                split_rows(a + bl * a_block, g->x, r1, K, r0 + bl * FT_AMX_MR, s0, s1, buf, g->bf16_only ? 1 : PARTS);
         for (int64_t p = p0; p < p1; p++) {
             const uint16_t *b = g->wp + p * panel_elems + s0 * PARTS * 2 * TILE_ELEMS;
             const int64_t c0 = p * FT_AMX_NR;
@@ -348,7 +356,7 @@ AMX void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int
             for (int64_t bl = 0; bl < blocks; bl++) {
                 float *acc_main = accs + (several ? bl * (p1 - p0) + (p - p0) : 0) * acc_elems;
                 float *acc_corr = acc_main + FT_AMX_MR * FT_AMX_NR;
-                block(a + bl * a_block, b, s1 - s0, acc_main, acc_corr, s0 > 0);
+                block(a + bl * a_block, b, s1 - s0, acc_main, acc_corr, s0 > 0, g->bf16_only);
                 if (!last) continue;
                 const int64_t r = r0 + bl * FT_AMX_MR;
                 const int m = (int)(r1 - r < FT_AMX_MR ? r1 - r : FT_AMX_MR);
@@ -389,8 +397,8 @@ AMX void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int
 #else   /* no AMX in this compiler: ft_amx_usable() is 0, so nothing below is ever called */
 int ft_amx_usable(void) { return 0; }
 
-void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p) {
-    (void)dst; (void)w; (void)N; (void)K; (void)p;
+void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p, int nparts) {
+    (void)dst; (void)w; (void)N; (void)K; (void)p; (void)nparts;
 }
 void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
                         void *scratch, int split) {

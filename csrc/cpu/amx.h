@@ -45,8 +45,9 @@ typedef struct {
     int kmajor;
 } ft_amx_matrix;
 
-/* pack panel p (output columns [32p, 32p + 32)) of the (N, K) weight w into its place in dst */
-void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p);
+/* pack panel p (output columns [32p, 32p + 32)) of the (N, K) weight w into its place in dst;
+ * nparts 3 (all), or 1: only h, for products with bf16_only (the other parts left unwritten) */
+void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p, int nparts);
 
 #define FT_AMX_KSTEPS 8     /* K steps of 32 per K block... */
 #define FT_AMX_WHOLE_K 48   /* ...when K has more steps than this; else one block of all of K */
@@ -71,6 +72,9 @@ typedef struct {
     float alpha, beta;
     const float *bias;
     int act;
+    int bf16_only;          /* 1: the main term a_h b_h alone -- products of the inputs rounded to
+                             * bf16, float32 sums (mixed precision, the backend's gemm_prec); 0: all
+                             * six terms, float32 accuracy */
 } ft_amx_product;
 
 /* rows [r0, r1) x the output columns of panels [p0, p1) of one product. scratch:

@@ -27,7 +27,7 @@ FT_BACKEND_OPS(FT_CPU_OP)
  * (ft_cpu_gemm_on_amx); OpenBLAS otherwise */
 int ft_cpu_gemm_on_amx(int64_t M, int64_t N, int64_t K);
 ft_status ft_cpu_amx_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
-                          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+                          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc, int bf16_only);
 
 /* row[0..n) = row * keep_scale where ft_dropout_keep(key, e0 + j, thr), else 0; mask[j] = kept
  * (mask NULL: not stored). Vectorised over j (train_ops.c). */

@@ -65,7 +65,7 @@ ft_status cpu_pack_weight(ft_backend *be, float *packed, const float *w, int64_t
     const int64_t nr = ft_cpu_kernel_get()->nr, panels = (N + nr - 1) / nr;
     if (ft_cpu_kernel_get()->amx) {
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads())
-        for (int64_t p = 0; p < panels; p++) ft_amx_pack_panel((uint16_t *)packed, (ft_amx_matrix){w, K, 0}, N, K, p);
+        for (int64_t p = 0; p < panels; p++) ft_amx_pack_panel((uint16_t *)packed, (ft_amx_matrix){w, K, 0}, N, K, p, 3);
         return FT_OK;
     }
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads())
@@ -94,6 +94,7 @@ typedef struct {
     const float *residual;  /* (M, N): out = LN(residual + out + bias) per row, or NULL */
     const float *gamma, *beta_ln;
     float eps;
+    int bf16_only;          /* AMX: products of bf16-rounded inputs (ft_amx_product.bf16_only) */
 } linear_args;
 
 /* K in equal blocks of at most KC_MAX (384 -> 2 x 192, 1536 -> 6 x 256) */
@@ -109,7 +110,8 @@ static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, 
     const int64_t K = a->K, N = a->N, KC = kblock(kr, K);
     if (kr->amx) {   /* K blocks inside (amx.c); the residual rows get their bias in the LayerNorm */
         const ft_amx_product g = {{a->x, a->ldx, a->x_kmajor}, K, N, (const uint16_t *)a->w, a->out, a->ldo, a->out_t,
-                                  a->alpha, a->beta, a->residual ? NULL : a->bias, a->residual ? -1 : a->act};
+                                  a->alpha, a->beta, a->residual ? NULL : a->bias, a->residual ? -1 : a->act,
+                                  a->bf16_only};
         ft_amx_linear_rows(&g, r0, r1, p0, p1, pad, split);
         goto rows_done;
     }
@@ -245,7 +247,7 @@ int ft_cpu_gemm_on_amx(int64_t M, int64_t N, int64_t K) {
  * fast so). The orientation depends on the shape alone, and every C element is one fixed chain
  * over k whatever the threads (amx.h). */
 ft_status ft_cpu_amx_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
-                          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+                          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc, int bf16_only) {
     if (M == 0 || N == 0) return FT_OK;
     const ft_amx_matrix opA = {A, lda, trans_a}, opBt = {B, ldb, !trans_b};   /* op(A) (M, K), op(B)^T (N, K) */
     const int swap = M < N;
@@ -255,9 +257,9 @@ ft_status ft_cpu_amx_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_
     if (!wp) return ft_error(FT_ERR_NOMEM, "out of memory packing a %lld x %lld GEMM operand", (long long)cols,
                              (long long)K);
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads())
-    for (int64_t p = 0; p < panels; p++) ft_amx_pack_panel(wp, w, cols, K, p);
+    for (int64_t p = 0; p < panels; p++) ft_amx_pack_panel(wp, w, cols, K, p, bf16_only ? 1 : 3);
     linear_args a = {x.src, (const float *)wp, x.ld, x.kmajor, C, ldc, swap, rows, K, cols, alpha, beta,
-                     NULL, -1, NULL, NULL, NULL, 0.0f};
+                     NULL, -1, NULL, NULL, NULL, 0.0f, bf16_only};
     const ft_status st = run_linear(&a);
     free(wp);
     return st;
