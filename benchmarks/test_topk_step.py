@@ -73,15 +73,29 @@ def fasttran_step(top, head, opt, hgrads, gviews, x, lengths, y, step):
 def torch_step(layers, lin, drop, topt, xt, yt, amp=False):
     topt.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        h = xt
-        for layer in layers:
-            o = layer(h)
-            h = o[0] if isinstance(o, tuple) else o
-        logits = lin(drop(h.mean(dim=1)))
+        logits = lin(drop(run_layers(layers, xt).mean(dim=1)))
     loss = torch.nn.functional.cross_entropy(logits.float(), yt)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(layers.parameters()) + list(lin.parameters()), 1.0)
     topt.step()
+
+
+def cached_inputs(enc, k):
+    """the cached inputs (the real encoder's layer L - k states of random token ids), lengths, labels,
+    and the same as torch tensors"""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 20000, (B, T))
+    x = np.ascontiguousarray(enc.forward(ids, output_layers=[enc.num_layers - k])[0].reshape(B * T, -1))
+    y = rng.integers(0, 2, B).astype(np.int32)
+    return x, np.full(B, T, np.int32), y, torch.from_numpy(x.reshape(B, T, -1)), torch.from_numpy(y.astype(np.int64))
+
+
+def run_layers(layers, xt):
+    h = xt
+    for layer in layers:
+        o = layer(h)
+        h = o[0] if isinstance(o, tuple) else o
+    return h
 
 
 def timed(fn):
@@ -99,20 +113,11 @@ def test_topk_step_against_pytorch(arch, k, tmp_path):
     torch.set_num_threads(THREADS)
     path = fasttran.models.minilm_path() if arch == "minilm" else bert_base_dir(str(tmp_path / "bert-base"))
     enc, top, head, opt, hgrads, gviews, layers, lin, drop, topt = build(path, k)
-    rng = np.random.default_rng(0)
-    # the cached inputs: the real encoder's layer L - k states of random token ids
-    ids = rng.integers(1000, 20000, (B, T))
-    x = np.ascontiguousarray(enc.forward(ids, output_layers=[enc.num_layers - k])[0].reshape(B * T, -1))
-    lengths = np.full(B, T, np.int32)
-    y = rng.integers(0, 2, B).astype(np.int32)
-    xt, yt = torch.from_numpy(x.reshape(B, T, -1)), torch.from_numpy(y.astype(np.int64))
+    x, lengths, y, xt, yt = cached_inputs(enc, k)
     # correctness first: the layers' eval-mode outputs agree
     layers.eval()
     with torch.no_grad():
-        h = xt
-        for layer in layers:
-            o = layer(h)
-            h = o[0] if isinstance(o, tuple) else o
+        h = run_layers(layers, xt)
     assert np.abs(top.forward(x, lengths).reshape(B, T, -1) - h.numpy()).max() <= 1e-4
     layers.train()
     ours, theirs = [], []
@@ -154,23 +159,12 @@ def test_bf16_topk_step_against_pytorch_amp(arch, k, tmp_path):
     path = fasttran.models.minilm_path() if arch == "minilm" else bert_base_dir(str(tmp_path / "bert-base"))
     enc, top, head, opt, hgrads, gviews, layers, lin, drop, topt = build(path, k, precision="bfloat16")
     top32 = build(path, k)[1]
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1000, 20000, (B, T))
-    x = np.ascontiguousarray(enc.forward(ids, output_layers=[enc.num_layers - k])[0].reshape(B * T, -1))
-    lengths = np.full(B, T, np.int32)
-    y = rng.integers(0, 2, B).astype(np.int32)
-    xt, yt = torch.from_numpy(x.reshape(B, T, -1)), torch.from_numpy(y.astype(np.int64))
+    x, lengths, y, xt, yt = cached_inputs(enc, k)
     layers.eval()
     with torch.no_grad():
-        want = xt
-        for layer in layers:
-            o = layer(want)
-            want = o[0] if isinstance(o, tuple) else o
+        want = run_layers(layers, xt)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            amp = xt
-            for layer in layers:
-                o = layer(amp)
-                amp = o[0] if isinstance(o, tuple) else o
+            amp = run_layers(layers, xt)
     want, amp = want.numpy().astype(np.float64), amp.float().numpy().astype(np.float64)
     got = top.forward(x, lengths).reshape(B, T, -1)
     rel = lambda a: float(np.linalg.norm(a - want) / np.linalg.norm(want))
