@@ -731,6 +731,7 @@ class Trainer:
                 for ids, batch in it:
                     self._pos = (epoch, b)
                     n, loss, c = self._step(cache, y, ids, batch, grads, gviews, total, warm)
+                    del batch   # its buffer goes back to the reader before the next is asked for
                     b += 1
                     self._pos = (epoch, b)
                     self.loss_curve.append((self.global_step, float(loss)))
