@@ -419,7 +419,10 @@ class ActivationCache:
         shuffled and read `passes_per_chunk` times before moving on. `start` skips the first
         batches of the epoch (resuming an interrupted one: the order depends only on `seed`).
         output="device" (and `device`) as in :meth:`get`: each batch is a fasttran.Tensor over one
-        of the reader's device buffers, given back when the Tensor dies.
+        of the reader's device buffers, given back when the Tensor dies. The reader holds
+        `prefetch` batches plus the one being used; a loop that keeps the previous batch alive
+        while it asks for the next (`for ids, batch in ...` without `del batch`, or zip() and
+        enumerate(), which keep their last item) can make it take one buffer more.
         The iterator's close() stops the reader (also done when it is exhausted or freed)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
