@@ -11,7 +11,8 @@
 #   bash .ci/gpu_session.sh optim      # benchmarks/test_gpu_optim.py (LAMB/AdamW vs torch fused, timm)
 #   bash .ci/gpu_session.sh cache      # benchmarks/test_gpu_cache.py (tier read rates, prefetch overlap)
 #   bash .ci/gpu_session.sh topk       # benchmarks/test_gpu_topk.py (issue 17: the top-k step against
-#                                      # torch fp32 and AMP bf16; the largest batch at seq 512, Tempo on/off)
+#                                      # torch fp32 and AMP bf16; the largest batch at seq 512, Tempo on/off),
+#                                      # then the BERT-base steps again on the per-sequence training attention
 #   bash .ci/gpu_session.sh table1     # benchmarks/gpu_table1.py: FastTran's Table 1 (SQuAD, 3,433
 #                                      # features, 5 epochs), then --accuracy (MiniLM, CUDA vs CPU EM/F1)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
@@ -90,7 +91,12 @@ case "${1:-all}" in
     cache) python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_cache.py 2>&1 | tee "$OUT/gpu-cache.log" | tail -20
            cp benchmarks/last_gpu_cache.json "$OUT/" 2>/dev/null || true ;;
     topk) python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py 2>&1 | tee "$OUT/gpu-topk.log" | tail -40
-          cp benchmarks/last_gpu_topk.json "$OUT/" 2>/dev/null || true ;;
+          cp benchmarks/last_gpu_topk.json "$OUT/" 2>/dev/null || true
+          # the training attention's earlier variant (a sequence at a time) on the BERT-base steps, to
+          # measure the fused kernels against
+          FASTTRAN_CUDA_TRAIN_ATTENTION=per_sequence python3 -m pytest -q -s -p no:cacheprovider \
+              benchmarks/test_gpu_topk.py -k "step and bert" 2>&1 | tee "$OUT/gpu-topk-per-sequence.log" | tail -15
+          cp benchmarks/last_gpu_topk_per_sequence.json "$OUT/" 2>/dev/null || true ;;
     table1) phase_table1 ;;
     all) phase_build && phase_test && phase_sanitize ;;
     *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|all" >&2; exit 2 ;;

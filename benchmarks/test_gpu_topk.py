@@ -112,13 +112,16 @@ def sync_torch():
 
 
 def save():
-    out = os.path.join(os.path.dirname(__file__), "last_gpu_topk.json")
+    # the CUDA training attention's variant (csrc/cuda/train_attention.cu): fused unless asked
+    variant = os.environ.get("FASTTRAN_CUDA_TRAIN_ATTENTION") or "fused"
+    suffix = "" if variant == "fused" else f"_{variant}"
+    out = os.path.join(os.path.dirname(__file__), f"last_gpu_topk{suffix}.json")
     if SMOKE:   # never over a GPU run's figures
         import tempfile
         out = os.path.join(tempfile.gettempdir(), "last_gpu_topk_smoke.json")
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
             "device": torch.cuda.get_device_name() if GPU else "CUDA emulator (smoke run, no timings)",
-            "fasttran_cuda": fasttran.build_info()["cuda"]}
+            "fasttran_cuda": fasttran.build_info()["cuda"], "train_attention": variant}
     with open(out, "w") as f:
         json.dump({"meta": meta, "results": RESULTS}, f, indent=1, default=str)
 

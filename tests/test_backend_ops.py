@@ -696,7 +696,8 @@ def _attn_train(lengths, NH, hs, p, keep_mask):
 
 
 for lens, NH, hs, p, keep in [([1], 1, 1, 0.0, False), ([7, 3, 5], 3, 5, 0.1, True), ([33, 1, 17], 2, 17, 0.5, False),
-                              ([128, 64], 4, 16, 0.1, False), ([9, 0, 12], 12, 3, 0.0, False)]:
+                              ([128, 64], 4, 16, 0.1, False), ([9, 0, 12], 12, 3, 0.0, False),
+                              ([70, 45, 3], 2, 40, 0.1, True), ([100], 3, 64, 0.0, False)]:
     case("attention_train_forward", "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}" + ("-mask" if keep else ""))(
         _attn_train(lens, NH, hs, p, keep))
 
@@ -720,7 +721,8 @@ def _attn_backward(lengths, NH, hs, p, keep_mask):
 
 
 for lens, NH, hs, p, keep in [([1], 1, 1, 0.0, False), ([7, 3, 5], 3, 5, 0.1, True), ([33, 1, 17], 2, 17, 0.5, False),
-                              ([128, 64], 4, 16, 0.1, False), ([9, 0, 12], 12, 3, 0.2, True)]:
+                              ([128, 64], 4, 16, 0.1, False), ([9, 0, 12], 12, 3, 0.2, True),
+                              ([70, 45, 3], 2, 40, 0.1, True), ([100], 3, 64, 0.0, False), ([65, 31], 2, 33, 0.3, False)]:
     case("attention_backward", "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}" + ("-mask" if keep else ""))(
         _attn_backward(lens, NH, hs, p, keep))
 
@@ -857,6 +859,28 @@ def test_cuda_op_matches_cpu(op, ident, build):
     ref = run_case(Backend(-1), op, args)
     got = run_case(Backend(0), op, args)
     compare(op, args, ref, got)
+
+
+
+@cuda
+def test_cuda_per_sequence_training_attention_variant():
+    """The training attention's kept variant (FASTTRAN_CUDA_TRAIN_ATTENTION=per_sequence: cuBLAS a
+    sequence at a time, the fused kernels' predecessor, read once per process) matches the CPU on
+    the same cases in a fresh process; an unknown variant is refused by the ops with the names
+    they take."""
+    import os
+    import subprocess
+    import sys
+
+    def sub(variant, *k):
+        env = dict(os.environ, FASTTRAN_CUDA_TRAIN_ATTENTION=variant)
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", *k],
+                              env=env, capture_output=True, text=True, timeout=600)
+    r = sub("per_sequence", "cuda_op_matches_cpu and (attention_train_forward or attention_backward)")
+    assert r.returncode == 0 and " 0 passed" not in r.stdout and "passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    r = sub("flash", "cuda_op_matches_cpu and attention_backward-1-1h1")
+    assert r.returncode != 0 and "FASTTRAN_CUDA_TRAIN_ATTENTION=flash is not a variant: use fused" in r.stdout, \
+        r.stdout[-3000:]
 
 
 # ---- half precision (CUDA only): the encoder ops in float16 / bfloat16 against float64 ------------

@@ -93,6 +93,19 @@ inline ft_status launched(const char *what) {
 #define FT_CU(call, what) do { cudaError_t _e = (call); if (_e != cudaSuccess) return ftcuda::cuda_fail(_e, what); } while (0)
 #define FT_CUBLAS(call, what) do { cublasStatus_t _s = (call); if (_s != CUBLAS_STATUS_SUCCESS) return ftcuda::blas_fail(_s, what); } while (0)
 
+// blocks for a grid-stride loop over `total` items, `threads` per block (at least 1, at most
+// 65535 x 8: the loop covers the rest)
+inline unsigned grid_of(int64_t total, int threads) {
+    int64_t g = (total + threads - 1) / threads;
+    return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
+}
+
+// threads of a one-block-per-row kernel over rows of C elements: C rounded up to whole warps, 32..256
+inline int row_threads(int64_t C) {
+    int64_t t = (C + 31) / 32 * 32;
+    return (int)(t < 32 ? 32 : t > 256 ? 256 : t);
+}
+
 // Sum of v over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
 __device__ inline float block_sum(float v, float *shared32) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

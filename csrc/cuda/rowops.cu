@@ -10,11 +10,6 @@ using namespace ftcuda;
 
 namespace {
 
-int row_threads(int64_t C) {
-    int64_t t = (C + 31) / 32 * 32;
-    return (int)(t < 32 ? 32 : t > 256 ? 256 : t);
-}
-
 template <typename T>
 __device__ void layernorm_row(T *o, const T *gamma, const T *beta, int64_t C, float sum, float eps,
                               float *sh) {
@@ -104,11 +99,6 @@ __global__ void scatter_rows_kernel(float *dst, const T *src, const int32_t *ind
         dst[(int64_t)index[k / C] * C + k % C] = to_f(src[k]);
 }
 
-unsigned grid_for(int64_t total, int threads) {
-    int64_t g = (total + threads - 1) / threads;
-    return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
-}
-
 }  // namespace
 
 ft_status cuda_embed_ln_forward(ft_backend *be, ft_dtype dt, void *out, const int32_t *ids, const int32_t *types,
@@ -125,7 +115,7 @@ ft_status cuda_embed_ln_forward(ft_backend *be, ft_dtype dt, void *out, const in
 }
 
 ft_status cuda_broadcast_rows(ft_backend *be, float *dst, const float *bias, int64_t N, int64_t C) {
-    FT_LAUNCH(broadcast_rows_kernel<float>, grid_for(N * C, 256), 256, 0, ctx_of(be)->stream)(dst, bias, N * C, C);
+    FT_LAUNCH(broadcast_rows_kernel<float>, grid_of(N * C, 256), 256, 0, ctx_of(be)->stream)(dst, bias, N * C, C);
     return launched("broadcast_rows");
 }
 
@@ -135,7 +125,7 @@ ft_status act_rows(cuda_ctx *c, ft_dtype dt, void *h, const void *bias, int64_t 
     if (N * I == 0) return FT_OK;
     return with_dtype(dt, "bias_act_forward", [&](auto tag) {
         typedef decltype(tag) T;
-        FT_LAUNCH(bias_act_kernel<T>, grid_for(N * I, 256), 256, 0, c->stream)((T *)h, (const T *)bias, N * I, I, act);
+        FT_LAUNCH(bias_act_kernel<T>, grid_of(N * I, 256), 256, 0, c->stream)((T *)h, (const T *)bias, N * I, I, act);
         return launched("bias_act_forward");
     });
 }
@@ -179,7 +169,7 @@ ft_status cuda_scatter_rows(ft_backend *be, ft_dtype dt, float *dst, const void 
     if (N * C == 0) return FT_OK;
     return with_dtype(dt, "scatter_rows", [&](auto tag) {
         typedef decltype(tag) T;
-        FT_LAUNCH(scatter_rows_kernel<T>, grid_for(N * C, 256), 256, 0, ctx_of(be)->stream)(dst, (const T *)src, index,
+        FT_LAUNCH(scatter_rows_kernel<T>, grid_of(N * C, 256), 256, 0, ctx_of(be)->stream)(dst, (const T *)src, index,
                                                                                             N * C, C);
         return launched("scatter_rows");
     });

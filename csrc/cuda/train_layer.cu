@@ -1,9 +1,9 @@
 // Training ops of an encoder layer on the GPU (backend.h, "training of encoder layers"): the
 // LayerNorm forward that keeps its statistics and its backward, the activation forward that keeps
 // what its backward needs (the pre-activation, or Tempo's GELU branch bits) and its backward, and
-// attention over packed sequences with its backward. Dropout masks come from core/rng.h, keyed
-// by the element index, so the CPU and the GPU drop the same elements and the backward recomputes
-// the masks. Column sums (dgamma, dbeta) are deterministic: fixed row chunks, then the chunks in
+// pooling's backward (attention and its backward: train_attention.cu). Dropout masks come from
+// core/rng.h, keyed by the element index, so the CPU and the GPU drop the same elements and the
+// backward recomputes the masks. Column sums (dgamma, dbeta) are deterministic: fixed row chunks, then the chunks in
 // order.
 #include <cmath>
 #include <cstdlib>
@@ -17,16 +17,6 @@ using namespace ftcuda;
 namespace {
 
 constexpr int LN_CHUNK = 64;   // rows per partial column sum
-
-unsigned grid_of(int64_t total, int threads) {
-    int64_t g = (total + threads - 1) / threads;
-    return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
-}
-
-int row_threads(int64_t C) {
-    int64_t t = (C + 31) / 32 * 32;
-    return (int)(t < 32 ? 32 : t > 256 ? 256 : t);
-}
 
 // one block per row: t = residual + dropout(y + bias); out = LN(t); stats = (mean, rstd)
 __global__ void residual_ln_train_kernel(float *out, float *ln_in, float *stats, const float *residual, const float *y,
@@ -147,54 +137,6 @@ __global__ void bias_act_backward_kernel(float *dh, const float *df, const float
     }
 }
 
-// one warp per row of n scores: softmax in place
-__global__ void softmax_rows_kernel(float *S, int64_t rows, int64_t n) {
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    float *s = S + row * n;
-    float mx = -INFINITY;
-    for (int64_t j = lane; j < n; j += 32) mx = fmaxf(mx, s[j]);
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.0f;
-    for (int64_t j = lane; j < n; j += 32) { float e = expf(s[j] - mx); s[j] = e; sum += e; }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float inv = 1.0f / sum;
-    for (int64_t j = lane; j < n; j += 32) s[j] *= inv;
-}
-
-// pd = dropout(p) with element index base + i; the mask kept in dmask when given, read from it
-// when `from_mask`
-__global__ void dropout_probs_kernel(float *pd, uint8_t *dmask, const float *p, int64_t n, int64_t base, uint32_t thr,
-                                     float scale, uint64_t key, int from_mask) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int keep = from_mask ? dmask[i] : ft_dropout_keep(key, (uint64_t)(base + i), thr);
-        if (dmask && !from_mask) dmask[i] = (uint8_t)keep;
-        pd[i] = keep ? p[i] * scale : 0.0f;
-    }
-}
-
-// one warp per row: dS = P (dP - sum(dP P)), dP = dropout backward of dPd (mask from dmask or the
-// hash); in place over dpd
-__global__ void softmax_dropout_backward_kernel(float *dpd, const float *P, const uint8_t *dmask, int64_t rows, int64_t n,
-                                                int64_t base, uint32_t thr, float scale, uint64_t key) {
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    float *d = dpd + row * n;
-    const float *p = P + row * n;
-    float dot = 0.0f;
-    for (int64_t j = lane; j < n; j += 32) {
-        const int64_t i = row * n + j;
-        const int keep = !thr ? 1 : dmask ? dmask[i] : ft_dropout_keep(key, (uint64_t)(base + i), thr);
-        const float dp = keep ? d[j] * scale : 0.0f;
-        d[j] = dp;
-        dot += dp * p[j];
-    }
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    for (int64_t j = lane; j < n; j += 32) d[j] = p[j] * (d[j] - dot);
-}
-
 // grid (B, column blocks): sequence b's rows get dout[b] / count[b]
 __global__ void pool_backward_kernel(float *dh, const float *dout, const int32_t *first, const int32_t *count,
                                      int64_t C) {
@@ -270,103 +212,6 @@ ft_status cuda_bias_act_backward(ft_backend *be, float *dh, const float *df, con
     FT_LAUNCH(bias_act_backward_kernel, grid_of(total, 256), 256, 0, ctx_of(be)->stream)(dh, df, saved, bits, in, w, bias,
                                                                                           total, K, C, (int)act);
     return launched("bias_act_backward");
-}
-
-size_t cuda_attention_train_scratch_bytes(ft_backend *, int64_t B, int64_t T, int64_t NH) {
-    (void)B;   // sequences run one after another: two (NH, T, T) score blocks
-    return 2 * (size_t)NH * (size_t)T * (size_t)T * sizeof(float);
-}
-
-ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
-                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
-                                       float *scratch, size_t scratch_bytes) {
-    (void)scratch_bytes;   // sized by B, T, NH only (cuda_attention_train_scratch_bytes)
-    cuda_ctx *c = ctx_of(be);
-    blas_use blas(c);
-    FT_TRY(blas.status);
-    const int64_t hs = C / NH, ld = 3 * C;
-    const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
-    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
-    const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-    int64_t base = 0;   // index of the sequence's first probability
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t first = seqs[3 * b], n = seqs[3 * b + 1];
-        if (n == 0) continue;
-        const float *q = qkv + first * ld, *k = q + C, *v = q + 2 * C;
-        float *P = probs + base;
-        // row-major P_h (n, n) = Q_h K_h^T scale: column-major P_h^T = K_h Q_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &scale, k, (int)ld,
-                                            hs, q, (int)ld, hs, &zero, P, (int)n, n * n, (int)NH),
-                  "attention scores");
-        const int64_t rows = NH * n;
-        FT_LAUNCH(softmax_rows_kernel, (unsigned)((rows + 7) / 8), 256, 0, c->stream)(P, rows, n);
-        const float *Pd = P;
-        if (thr) {
-            FT_LAUNCH(dropout_probs_kernel, grid_of(rows * n, 256), 256, 0, c->stream)(
-                scratch, dmask ? dmask + base : nullptr, P, rows * n, base, thr, keep_scale, key, 0);
-            Pd = scratch;
-        }
-        FT_TRY(launched("attention_train_forward"));
-        // row-major ctx_h (n, hs) = Pd_h (n, n) V_h (n, hs): column-major ctx_h^T = V_h^T Pd_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &one, v, (int)ld,
-                                            hs, Pd, (int)n, n * n, &zero, ctx + first * C, (int)C, hs, (int)NH),
-                  "attention output");
-        base += NH * n * n;
-    }
-    return FT_OK;
-}
-
-ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
-                                  const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
-                                  uint64_t key, float *scratch, size_t scratch_bytes) {
-    (void)scratch_bytes;
-    cuda_ctx *c = ctx_of(be);
-    blas_use blas(c);
-    FT_TRY(blas.status);
-    const int64_t hs = C / NH, ld = 3 * C;
-    const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
-    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
-    const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-    int64_t base = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t first = seqs[3 * b], n = seqs[3 * b + 1];
-        if (n == 0) continue;
-        const float *q = qkv + first * ld, *k = q + C, *v = q + 2 * C;
-        const float *dout = dctx + first * C;
-        float *dq = dqkv + first * ld, *dk = dq + C, *dv = dq + 2 * C;
-        const float *P = probs + base;
-        float *Pd = scratch, *dS = scratch + NH * n * n;
-        const int64_t rows = NH * n;
-        const float *pd = P;
-        if (thr) {   // the dropped probabilities again, from the kept mask or the hash
-            FT_LAUNCH(dropout_probs_kernel, grid_of(rows * n, 256), 256, 0, c->stream)(
-                Pd, const_cast<uint8_t *>(dmask ? dmask + base : nullptr), P, rows * n, base, thr, keep_scale, key,
-                dmask != nullptr);
-            pd = Pd;
-            FT_TRY(launched("attention_backward"));
-        }
-        // dV_h (n, hs) = Pd_h^T dctx_h: column-major dV_h^T = dctx_h^T Pd_h
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &one, dout, (int)C,
-                                            hs, pd, (int)n, n * n, &zero, dv, (int)ld, hs, (int)NH),
-                  "attention dV");
-        // dPd_h (n, n) = dctx_h V_h^T: column-major dPd_h^T = V_h dctx_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &one, v, (int)ld,
-                                            hs, dout, (int)C, hs, &zero, dS, (int)n, n * n, (int)NH),
-                  "attention dP");
-        FT_LAUNCH(softmax_dropout_backward_kernel, (unsigned)((rows + 7) / 8), 256, 0, c->stream)(
-            dS, P, dmask ? dmask + base : nullptr, rows, n, base, thr, keep_scale, key);
-        FT_TRY(launched("attention_backward"));
-        // dQ_h (n, hs) = dS_h K_h scale: column-major dQ_h^T = K_h^T dS_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &scale, k, (int)ld,
-                                            hs, dS, (int)n, n * n, &zero, dq, (int)ld, hs, (int)NH),
-                  "attention dQ");
-        // dK_h (n, hs) = dS_h^T Q_h scale: column-major dK_h^T = Q_h^T dS_h
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &scale, q, (int)ld,
-                                            hs, dS, (int)n, n * n, &zero, dk, (int)ld, hs, (int)NH),
-                  "attention dK");
-        base += NH * n * n;
-    }
-    return FT_OK;
 }
 
 ft_status cuda_pool_backward(ft_backend *be, float *dh, const float *dout, const int32_t *first, const int32_t *count,

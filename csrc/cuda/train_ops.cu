@@ -11,11 +11,6 @@ using namespace ftcuda;
 
 namespace {
 
-unsigned grid_of(int64_t total, int threads) {
-    int64_t g = (total + threads - 1) / threads;
-    return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
-}
-
 __global__ void dropout_kernel(float *y, const float *x, int64_t n, uint32_t thr, float scale, uint64_t key) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = ft_dropout_keep(key, (uint64_t)i, thr) ? x[i] * scale : 0.0f;

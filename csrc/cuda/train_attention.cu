@@ -1,0 +1,597 @@
+// Attention of the layer-training ops on the GPU (backend.h: attention_train_forward and
+// attention_backward), float32, over packed sequences: probabilities kept, (NH, n, n) per
+// sequence one after another, the dropout mask kept or recomputed from core/rng.h by the
+// probability's index (the CPU's elements exactly).
+//
+// fused (the default): one launch for the forward of the whole batch and two for the backward,
+// whatever the batch's lengths. A block owns 32 rows of one (sequence, head) and 128 threads, a
+// 2 x 4 register tile each of a 32 x 32 output tile; the operands move through shared memory in
+// 32 x 32 chunks (any head size: its columns in chunks of 32, zero-padded).
+//   forward, block = (query tile, head, sequence): S = Q K^T * scale for every real key, written
+//     to its place in probs; the rows' softmax in place there (a warp per row); then ctx = Pd V,
+//     Pd = dropout(P) read back in tiles (the mask written on the way when it is kept).
+//   backward (FlashAttention-2's split, without its atomics):
+//     dQ kernel, block = (query tile, head, sequence): dPd = dO V^T tile by tile, dP its dropout
+//     backward, D_r = sum_c P_rc dP_rc for each row (a fixed shuffle tree: deterministic) kept in
+//     scratch; then again dS = P (dP - D) per key tile and dQ += dS K * scale, the block's own
+//     rows of dqkv updated in place, key tile after key tile.
+//     dK/dV kernel, block = (key tile, head, sequence): for each query tile, dP again and dS from
+//     the kept D, then dV += Pd^T dO and dK += dS^T Q * scale into the block's own key rows.
+//   Nothing is added by two blocks: the results do not depend on scheduling. Scratch: the
+//   sequence table (first row, length, first probability) and D (N x NH floats).
+// per_sequence (FASTTRAN_CUDA_TRAIN_ATTENTION=per_sequence, kept to measure against): a sequence
+//   at a time, strided-batched cuBLAS SGEMMs over its heads with softmax and dropout kernels in
+//   between: 4 launches per sequence forward, 6 backward; scratch two (NH, T, T) score blocks.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "core/rng.h"
+#include "cuda_common.cuh"
+
+using namespace ftcuda;
+
+namespace {
+
+constexpr int AT_TILE = 32;                  // rows of a block's tile, keys of a key tile, columns of a chunk
+constexpr int AT_PAD = AT_TILE + 1;          // floats per row of a shared tile (no bank conflicts)
+constexpr int AT_THREADS = 128;              // 16 x 8 threads, a 2 x 4 register tile each
+constexpr int AT_WARPS = AT_THREADS / 32;
+
+// a sequence of the batch as the fused kernels read it (device copy in the scratch)
+struct seq_entry {
+    int64_t first;   // its first row in the packed (N, .) matrices
+    int64_t n;       // its rows (queries = keys)
+    int64_t base;    // index of its first probability: sum over earlier sequences of NH n^2
+};
+
+typedef float tile_t[AT_TILE][AT_PAD];
+
+// dst = rows [0, 32) x columns [d0, d0 + 32) of a row-major source (stride ld), zero past `rows`
+// real rows and past column `cols`
+__device__ inline void load_chunk(tile_t &dst, const float *src, int64_t ld, int64_t rows, int d0, int cols) {
+    for (int i = threadIdx.x; i < AT_TILE * AT_TILE; i += AT_THREADS) {
+        const int r = i / AT_TILE, d = i % AT_TILE;
+        dst[r][d] = r < rows && d0 + d < cols ? src[r * ld + d0 + d] : 0.0f;
+    }
+}
+
+// the thread's register tile: rows 2 ty + i (i < 2), columns tx + 8 j (j < 4)
+__device__ inline int tile_row(int i) { return (int)(threadIdx.x >> 3) * 2 + i; }
+__device__ inline int tile_col(int j) { return (int)(threadIdx.x & 7) + 8 * j; }
+
+// acc += A B^T (A rows x k, B columns x k)
+__device__ inline void mma_abt(float acc[2][4], const tile_t &A, const tile_t &B) {
+    const int r = tile_row(0), c = tile_col(0);
+    for (int k = 0; k < AT_TILE; k++) {
+        const float a0 = A[r][k], a1 = A[r + 1][k];
+        for (int j = 0; j < 4; j++) {
+            const float b = B[c + 8 * j][k];
+            acc[0][j] += a0 * b;
+            acc[1][j] += a1 * b;
+        }
+    }
+}
+
+// acc += A B (A rows x k, B k x columns)
+__device__ inline void mma_ab(float acc[2][4], const tile_t &A, const tile_t &B) {
+    const int r = tile_row(0), c = tile_col(0);
+    for (int k = 0; k < AT_TILE; k++) {
+        const float a0 = A[r][k], a1 = A[r + 1][k];
+        for (int j = 0; j < 4; j++) {
+            const float b = B[k][c + 8 * j];
+            acc[0][j] += a0 * b;
+            acc[1][j] += a1 * b;
+        }
+    }
+}
+
+// acc += A^T B (A k x rows, B k x columns)
+__device__ inline void mma_atb(float acc[2][4], const tile_t &A, const tile_t &B) {
+    const int r = tile_row(0), c = tile_col(0);
+    for (int k = 0; k < AT_TILE; k++) {
+        const float a0 = A[k][r], a1 = A[k][r + 1];
+        for (int j = 0; j < 4; j++) {
+            const float b = B[k][c + 8 * j];
+            acc[0][j] += a0 * b;
+            acc[1][j] += a1 * b;
+        }
+    }
+}
+
+inline __device__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// the dropout of probability index i: 1 (kept) or 0, from the kept mask or the hash
+__device__ inline int kept(const uint8_t *dmask, int64_t i, uint32_t thr, uint64_t key) {
+    return !thr ? 1 : dmask ? dmask[i] : ft_dropout_keep(key, (uint64_t)i, thr);
+}
+
+// grid (query tiles x heads, sequences): probs and ctx rows of the block's tile
+__global__ void __launch_bounds__(AT_THREADS)
+attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+                               int64_t C, int hs, int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
+    __shared__ tile_t As, Bs;
+    const seq_entry sq = seqs[blockIdx.y];
+    const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
+    const int64_t n = sq.n, q0 = (int64_t)tile * AT_TILE;
+    if (q0 >= n) return;   // the whole block: before any barrier
+    const int64_t ld = 3 * C, nq = min64(n - q0, AT_TILE);
+    const float *qg = qkv + (sq.first + q0) * ld + (int64_t)head * hs;
+    const float *kg = qkv + sq.first * ld + C + (int64_t)head * hs, *vg = kg + C;
+    const int64_t pbase = sq.base + ((int64_t)head * n + q0) * n;   // index of the tile's P[0][0]
+    float *P = probs + pbase;                                       // row r of the tile: P + r n
+    // scores
+    for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
+        float acc[2][4] = {};
+        for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
+            load_chunk(As, qg, ld, nq, d0, hs);
+            load_chunk(Bs, kg + k0 * ld, ld, n - k0, d0, hs);
+            __syncthreads();
+            mma_abt(acc, As, Bs);
+            __syncthreads();
+        }
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 4; j++) {
+                const int64_t r = tile_row(i), c = k0 + tile_col(j);
+                if (r < nq && c < n) P[r * n + c] = acc[i][j] * scale;
+            }
+    }
+    __syncthreads();   // the block's global writes are visible to its threads after the barrier
+    // softmax of each row in place (a warp per row)
+    const int warp = (int)(threadIdx.x >> 5), lane = (int)(threadIdx.x & 31);
+    for (int64_t r = warp; r < nq; r += AT_WARPS) {
+        float *s = P + r * n;
+        float mx = -INFINITY;
+        for (int64_t j = lane; j < n; j += 32) mx = fmaxf(mx, s[j]);
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float sum = 0.0f;
+        for (int64_t j = lane; j < n; j += 32) {
+            const float e = expf(s[j] - mx);
+            s[j] = e;
+            sum += e;
+        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float inv = 1.0f / sum;
+        for (int64_t j = lane; j < n; j += 32) s[j] *= inv;
+    }
+    __syncthreads();
+    // ctx = Pd V, a chunk of 32 head columns at a time
+    for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
+        float acc[2][4] = {};
+        for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
+            for (int i = threadIdx.x; i < AT_TILE * AT_TILE; i += AT_THREADS) {
+                const int r = i / AT_TILE, c = i % AT_TILE;
+                float v = 0.0f;
+                if (r < nq && k0 + c < n) {
+                    const int64_t at = r * n + k0 + c;
+                    v = P[at];
+                    if (thr) {
+                        const int keep = ft_dropout_keep(key, (uint64_t)(pbase + at), thr);
+                        if (dmask && d0 == 0) dmask[pbase + at] = (uint8_t)keep;
+                        v = keep ? v * keep_scale : 0.0f;
+                    }
+                }
+                As[r][c] = v;
+            }
+            load_chunk(Bs, vg + k0 * ld, ld, n - k0, d0, hs);
+            __syncthreads();
+            mma_ab(acc, As, Bs);
+            __syncthreads();
+        }
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 4; j++) {
+                const int64_t r = tile_row(i);
+                const int c = d0 + tile_col(j);
+                if (r < nq && c < hs) ctx[(sq.first + q0 + r) * C + (int64_t)head * hs + c] = acc[i][j];
+            }
+    }
+}
+
+// acc = dPd tile (query rows of og x keys of vg) = dO V^T over the head's columns
+__device__ inline void dprobs_tile(float acc[2][4], tile_t &As, tile_t &Bs, const float *og, int64_t C,
+                                   int64_t nq, const float *vg, int64_t ld, int64_t nk, int hs) {
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
+        load_chunk(As, og, C, nq, d0, hs);
+        load_chunk(Bs, vg, ld, nk, d0, hs);
+        __syncthreads();
+        mma_abt(acc, As, Bs);
+        __syncthreads();
+    }
+}
+
+// grid (query tiles x heads, sequences): the tile's rows of dQ, and D for them
+__global__ void __launch_bounds__(AT_THREADS)
+attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, const float *dctx, const float *qkv,
+                             const float *probs, const uint8_t *dmask, int64_t C, int NH, int hs, int tiles,
+                             float scale, uint32_t thr, float keep_scale, uint64_t key) {
+    __shared__ tile_t As, Bs, Ss;
+    const seq_entry sq = seqs[blockIdx.y];
+    const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
+    const int64_t n = sq.n, q0 = (int64_t)tile * AT_TILE;
+    if (q0 >= n) return;
+    const int64_t ld = 3 * C, nq = min64(n - q0, AT_TILE);
+    const float *og = dctx + (sq.first + q0) * C + (int64_t)head * hs;
+    const float *kg = qkv + sq.first * ld + C + (int64_t)head * hs, *vg = kg + C;
+    float *dq = dqkv + (sq.first + q0) * ld + (int64_t)head * hs;
+    const int64_t pbase = sq.base + ((int64_t)head * n + q0) * n;
+    const float *P = probs + pbase;
+    // D_r = sum_c P_rc dP_rc
+    float dsum[2] = {0.0f, 0.0f};
+    for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
+        float acc[2][4];
+        dprobs_tile(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 4; j++) {
+                const int64_t r = tile_row(i), c = k0 + tile_col(j);
+                if (r < nq && c < n) {
+                    const int64_t at = r * n + c;
+                    dsum[i] += kept(dmask, pbase + at, thr, key) ? acc[i][j] * keep_scale * P[at] : 0.0f;
+                }
+            }
+    }
+    for (int i = 0; i < 2; i++)   // over the row's 8 threads (adjacent lanes of one warp)
+        for (int o = 4; o > 0; o >>= 1) dsum[i] += __shfl_xor_sync(0xffffffffu, dsum[i], o);
+    if ((threadIdx.x & 7) == 0)
+        for (int i = 0; i < 2; i++)
+            if (tile_row(i) < nq) Dsum[(sq.first + q0 + tile_row(i)) * NH + head] = dsum[i];
+    // dS = P (dP - D) per key tile, dQ += dS K scale
+    for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
+        float acc[2][4];
+        dprobs_tile(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 4; j++) {
+                const int64_t r = tile_row(i), c = k0 + tile_col(j);
+                float v = 0.0f;
+                if (r < nq && c < n) {
+                    const int64_t at = r * n + c;
+                    const float dp = kept(dmask, pbase + at, thr, key) ? acc[i][j] * keep_scale : 0.0f;
+                    v = P[at] * (dp - dsum[i]);
+                }
+                Ss[tile_row(i)][tile_col(j)] = v;
+            }
+        for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
+            load_chunk(Bs, kg + k0 * ld, ld, n - k0, d0, hs);
+            __syncthreads();   // and Ss written
+            float part[2][4] = {};
+            mma_ab(part, Ss, Bs);
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 4; j++) {
+                    const int64_t r = tile_row(i);
+                    const int c = d0 + tile_col(j);
+                    if (r < nq && c < hs) {
+                        float *o = dq + r * ld + c;
+                        *o = k0 == 0 ? part[i][j] * scale : *o + part[i][j] * scale;
+                    }
+                }
+            __syncthreads();
+        }
+    }
+}
+
+// grid (key tiles x heads, sequences): the tile's key rows of dK and dV
+__global__ void __launch_bounds__(AT_THREADS)
+attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *Dsum, const float *dctx,
+                              const float *qkv, const float *probs, const uint8_t *dmask, int64_t C, int NH, int hs, int tiles,
+                              float scale, uint32_t thr, float keep_scale, uint64_t key) {
+    __shared__ tile_t As, Bs, Ss, Ps;
+    const seq_entry sq = seqs[blockIdx.y];
+    const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
+    const int64_t n = sq.n, k0 = (int64_t)tile * AT_TILE;
+    if (k0 >= n) return;
+    const int64_t ld = 3 * C, nk = min64(n - k0, AT_TILE);
+    const float *qg = qkv + sq.first * ld + (int64_t)head * hs;
+    const float *vt = qg + 2 * C + k0 * ld;   // the tile's V rows
+    const float *og = dctx + sq.first * C + (int64_t)head * hs;
+    float *dk = dqkv + (sq.first + k0) * ld + C + (int64_t)head * hs, *dv = dk + C;
+    const int64_t hbase = sq.base + (int64_t)head * n * n;   // index of the head's P[0][0]
+    for (int64_t q0 = 0; q0 < n; q0 += AT_TILE) {
+        const int64_t nq = min64(n - q0, AT_TILE);
+        float acc[2][4];
+        dprobs_tile(acc, As, Bs, og + q0 * C, C, nq, vt, ld, nk, hs);
+        for (int i = 0; i < 2; i++) {
+            const int64_t r = tile_row(i);
+            const float D = r < nq ? Dsum[(sq.first + q0 + r) * NH + head] : 0.0f;
+            for (int j = 0; j < 4; j++) {
+                const int c = tile_col(j);
+                float s = 0.0f, pd = 0.0f;
+                if (r < nq && c < nk) {
+                    const int64_t at = hbase + (q0 + r) * n + k0 + c;
+                    const float p = probs[at];
+                    const int keep = kept(dmask, at, thr, key);
+                    s = p * ((keep ? acc[i][j] * keep_scale : 0.0f) - D);
+                    pd = keep ? p * keep_scale : 0.0f;
+                }
+                Ss[r][c] = s;
+                Ps[r][c] = pd;
+            }
+        }
+        for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
+            load_chunk(As, og + q0 * C, C, nq, d0, hs);
+            load_chunk(Bs, qg + q0 * ld, ld, nq, d0, hs);
+            __syncthreads();   // and Ss, Ps written
+            float gv[2][4] = {}, gk[2][4] = {};
+            mma_atb(gv, Ps, As);
+            mma_atb(gk, Ss, Bs);
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 4; j++) {
+                    const int64_t r = tile_row(i);
+                    const int c = d0 + tile_col(j);
+                    if (r < nk && c < hs) {
+                        float *v = dv + r * ld + c, *k = dk + r * ld + c;
+                        *v = q0 == 0 ? gv[i][j] : *v + gv[i][j];
+                        *k = q0 == 0 ? gk[i][j] * scale : *k + gk[i][j] * scale;
+                    }
+                }
+            __syncthreads();
+        }
+    }
+}
+
+// ---- the per-sequence variant -------------------------------------------------------------------
+// one warp per row of n scores: softmax in place
+__global__ void softmax_rows_kernel(float *S, int64_t rows, int64_t n) {
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float *s = S + row * n;
+    float mx = -INFINITY;
+    for (int64_t j = lane; j < n; j += 32) mx = fmaxf(mx, s[j]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.0f;
+    for (int64_t j = lane; j < n; j += 32) { float e = expf(s[j] - mx); s[j] = e; sum += e; }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float inv = 1.0f / sum;
+    for (int64_t j = lane; j < n; j += 32) s[j] *= inv;
+}
+
+// pd = dropout(p) with element index base + i; the mask kept in dmask when given, read from it
+// when `from_mask`
+__global__ void dropout_probs_kernel(float *pd, uint8_t *dmask, const float *p, int64_t n, int64_t base, uint32_t thr,
+                                     float scale, uint64_t key, int from_mask) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int keep = from_mask ? dmask[i] : ft_dropout_keep(key, (uint64_t)(base + i), thr);
+        if (dmask && !from_mask) dmask[i] = (uint8_t)keep;
+        pd[i] = keep ? p[i] * scale : 0.0f;
+    }
+}
+
+// one warp per row: dS = P (dP - sum(dP P)), dP = dropout backward of dPd (mask from dmask or the
+// hash); in place over dpd
+__global__ void softmax_dropout_backward_kernel(float *dpd, const float *P, const uint8_t *dmask, int64_t rows, int64_t n,
+                                                int64_t base, uint32_t thr, float scale, uint64_t key) {
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float *d = dpd + row * n;
+    const float *p = P + row * n;
+    float dot = 0.0f;
+    for (int64_t j = lane; j < n; j += 32) {
+        const int64_t i = row * n + j;
+        const int keep = !thr ? 1 : dmask ? dmask[i] : ft_dropout_keep(key, (uint64_t)(base + i), thr);
+        const float dp = keep ? d[j] * scale : 0.0f;
+        d[j] = dp;
+        dot += dp * p[j];
+    }
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    for (int64_t j = lane; j < n; j += 32) d[j] = p[j] * (d[j] - dot);
+}
+
+// sequences run one after another: two (NH, T, T) score blocks
+size_t per_sequence_scratch_bytes(int64_t T, int64_t NH) { return 2 * (size_t)NH * (size_t)T * (size_t)T * sizeof(float); }
+
+ft_status forward_per_sequence(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+                               const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
+                               float *scratch) {
+    cuda_ctx *c = ctx_of(be);
+    blas_use blas(c);
+    FT_TRY(blas.status);
+    const int64_t hs = C / NH, ld = 3 * C;
+    const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
+    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
+    const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+    int64_t base = 0;   // index of the sequence's first probability
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t first = seqs[3 * b], n = seqs[3 * b + 1];
+        if (n == 0) continue;
+        const float *q = qkv + first * ld, *k = q + C, *v = q + 2 * C;
+        float *P = probs + base;
+        // row-major P_h (n, n) = Q_h K_h^T scale: column-major P_h^T = K_h Q_h^T
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &scale, k, (int)ld,
+                                            hs, q, (int)ld, hs, &zero, P, (int)n, n * n, (int)NH),
+                  "attention scores");
+        const int64_t rows = NH * n;
+        FT_LAUNCH(softmax_rows_kernel, (unsigned)((rows + 7) / 8), 256, 0, c->stream)(P, rows, n);
+        const float *Pd = P;
+        if (thr) {
+            FT_LAUNCH(dropout_probs_kernel, grid_of(rows * n, 256), 256, 0, c->stream)(
+                scratch, dmask ? dmask + base : nullptr, P, rows * n, base, thr, keep_scale, key, 0);
+            Pd = scratch;
+        }
+        FT_TRY(launched("attention_train_forward"));
+        // row-major ctx_h (n, hs) = Pd_h (n, n) V_h (n, hs): column-major ctx_h^T = V_h^T Pd_h^T
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &one, v, (int)ld,
+                                            hs, Pd, (int)n, n * n, &zero, ctx + first * C, (int)C, hs, (int)NH),
+                  "attention output");
+        base += NH * n * n;
+    }
+    return FT_OK;
+}
+
+ft_status backward_per_sequence(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
+                                const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
+                                uint64_t key, float *scratch) {
+    cuda_ctx *c = ctx_of(be);
+    blas_use blas(c);
+    FT_TRY(blas.status);
+    const int64_t hs = C / NH, ld = 3 * C;
+    const float scale = 1.0f / sqrtf((float)hs), one = 1.0f, zero = 0.0f;
+    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
+    const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+    int64_t base = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t first = seqs[3 * b], n = seqs[3 * b + 1];
+        if (n == 0) continue;
+        const float *q = qkv + first * ld, *k = q + C, *v = q + 2 * C;
+        const float *dout = dctx + first * C;
+        float *dq = dqkv + first * ld, *dk = dq + C, *dv = dq + 2 * C;
+        const float *P = probs + base;
+        float *Pd = scratch, *dS = scratch + NH * n * n;
+        const int64_t rows = NH * n;
+        const float *pd = P;
+        if (thr) {   // the dropped probabilities again, from the kept mask or the hash
+            FT_LAUNCH(dropout_probs_kernel, grid_of(rows * n, 256), 256, 0, c->stream)(
+                Pd, const_cast<uint8_t *>(dmask ? dmask + base : nullptr), P, rows * n, base, thr, keep_scale, key,
+                dmask != nullptr);
+            pd = Pd;
+            FT_TRY(launched("attention_backward"));
+        }
+        // dV_h (n, hs) = Pd_h^T dctx_h: column-major dV_h^T = dctx_h^T Pd_h
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &one, dout, (int)C,
+                                            hs, pd, (int)n, n * n, &zero, dv, (int)ld, hs, (int)NH),
+                  "attention dV");
+        // dPd_h (n, n) = dctx_h V_h^T: column-major dPd_h^T = V_h dctx_h^T
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &one, v, (int)ld,
+                                            hs, dout, (int)C, hs, &zero, dS, (int)n, n * n, (int)NH),
+                  "attention dP");
+        FT_LAUNCH(softmax_dropout_backward_kernel, (unsigned)((rows + 7) / 8), 256, 0, c->stream)(
+            dS, P, dmask ? dmask + base : nullptr, rows, n, base, thr, keep_scale, key);
+        FT_TRY(launched("attention_backward"));
+        // dQ_h (n, hs) = dS_h K_h scale: column-major dQ_h^T = K_h^T dS_h^T
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &scale, k, (int)ld,
+                                            hs, dS, (int)n, n * n, &zero, dq, (int)ld, hs, (int)NH),
+                  "attention dQ");
+        // dK_h (n, hs) = dS_h^T Q_h scale: column-major dK_h^T = Q_h^T dS_h
+        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &scale, q, (int)ld,
+                                            hs, dS, (int)n, n * n, &zero, dk, (int)ld, hs, (int)NH),
+                  "attention dK");
+        base += NH * n * n;
+    }
+    return FT_OK;
+}
+
+
+// ---- which variant ------------------------------------------------------------------------------
+enum variant_id { FUSED, PER_SEQUENCE, UNKNOWN };
+
+variant_id read_variant() {
+    const char *s = getenv("FASTTRAN_CUDA_TRAIN_ATTENTION");
+    if (!s || !*s || !strcmp(s, "fused")) return FUSED;
+    return !strcmp(s, "per_sequence") ? PER_SEQUENCE : UNKNOWN;
+}
+
+// FASTTRAN_CUDA_TRAIN_ATTENTION, read once per process (scratch sizes and ops always agree)
+variant_id variant() {
+    static const variant_id v = read_variant();
+    return v;
+}
+
+ft_status unknown_variant(const char *op) {
+    return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: FASTTRAN_CUDA_TRAIN_ATTENTION=%s is not a variant: use fused "
+                         "(the default) or per_sequence", op, getenv("FASTTRAN_CUDA_TRAIN_ATTENTION"));
+}
+
+// ---- the fused variant's launches ---------------------------------------------------------------
+size_t table_bytes(int64_t B) { return ((size_t)B * sizeof(seq_entry) + 255) / 256 * 256; }
+
+// the table and D: N <= B T rows of NH floats
+size_t fused_scratch_bytes(int64_t B, int64_t T, int64_t NH) {
+    return table_bytes(B) + (size_t)B * (size_t)T * (size_t)NH * sizeof(float);
+}
+
+// the sequence table copied into the scratch (queued on the stream; the pageable copy has read the
+// host table when it returns); *tiles = 32-row tiles of the longest sequence, *rows = N
+ft_status upload_table(cuda_ctx *c, const int32_t *seqs, int64_t B, int64_t NH, void *scratch, size_t scratch_bytes,
+                       bool with_d, const char *op, int64_t *tiles, int64_t *rows) {
+    seq_entry *t = static_cast<seq_entry *>(malloc((size_t)B * sizeof(seq_entry)));
+    if (!t) return g_host->error(FT_ERR_NOMEM, "%s: out of memory for the table of %lld sequences", op, (long long)B);
+    int64_t base = 0, longest = 0, end = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t first = seqs[3 * b], n = seqs[3 * b + 1];
+        t[b] = seq_entry{first, n, base};
+        base += NH * n * n;
+        longest = n > longest ? n : longest;
+        end = first + n > end ? first + n : end;
+    }
+    const size_t need = table_bytes(B) + (with_d ? (size_t)end * (size_t)NH * sizeof(float) : 0);
+    *tiles = (longest + AT_TILE - 1) / AT_TILE;
+    *rows = end;
+    if (scratch_bytes < need) {
+        free(t);
+        return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: scratch of %zu bytes given, %zu needed "
+                             "(attention_train_scratch_bytes)", op, scratch_bytes, need);
+    }
+    if (*tiles * NH > 0x7fffffff) {
+        free(t);
+        return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: %lld heads x %lld row tiles is too many", op, (long long)NH,
+                             (long long)*tiles);
+    }
+    const cudaError_t e = cudaMemcpyAsync(scratch, t, (size_t)B * sizeof(seq_entry), cudaMemcpyHostToDevice, c->stream);
+    free(t);
+    return e == cudaSuccess ? FT_OK : cuda_fail(e, op);
+}
+
+// kernel(args...) over grid (tiles x NH, B) in slices of 65535 sequences (gridDim.y); the kernel's
+// sequence-table argument is the slice's
+template <typename K, typename... A>
+ft_status launch_over_sequences(cuda_ctx *c, K kernel, const char *op, int64_t B, int64_t tiles, int64_t NH,
+                                const seq_entry *table, A... args) {
+    for (int64_t b0 = 0; b0 < B; b0 += 65535) {
+        const int64_t nb = B - b0 < 65535 ? B - b0 : 65535;
+        FT_LAUNCH(kernel, dim3((unsigned)(tiles * NH), (unsigned)nb), AT_THREADS, 0, c->stream)(table + b0, args...);
+        FT_TRY(launched(op));
+    }
+    return FT_OK;
+}
+
+}  // namespace
+
+size_t cuda_attention_train_scratch_bytes(ft_backend *, int64_t B, int64_t T, int64_t NH) {
+    return variant() == PER_SEQUENCE ? per_sequence_scratch_bytes(T, NH) : fused_scratch_bytes(B, T, NH);
+}
+
+ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
+                                       float *scratch, size_t scratch_bytes) {
+    const char *op = "attention_train_forward";
+    const variant_id v = variant();
+    if (v == UNKNOWN) return unknown_variant(op);
+    if (B == 0) return FT_OK;
+    if (v == PER_SEQUENCE) return forward_per_sequence(be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
+    cuda_ctx *c = ctx_of(be);
+    int64_t tiles = 0, rows = 0;
+    FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, false, op, &tiles, &rows));
+    if (tiles == 0) return FT_OK;
+    const int hs = (int)(C / NH);
+    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
+    return launch_over_sequences(c, attention_train_forward_kernel, op, B, tiles, NH,
+                                 reinterpret_cast<const seq_entry *>(scratch), ctx, probs, dmask, qkv, C, hs,
+                                 (int)tiles, 1.0f / sqrtf((float)hs), thr, p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, key);
+}
+
+ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
+                                  const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
+                                  uint64_t key, float *scratch, size_t scratch_bytes) {
+    const char *op = "attention_backward";
+    const variant_id v = variant();
+    if (v == UNKNOWN) return unknown_variant(op);
+    if (B == 0) return FT_OK;
+    if (v == PER_SEQUENCE)
+        return backward_per_sequence(be, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch);
+    cuda_ctx *c = ctx_of(be);
+    int64_t tiles = 0, rows = 0;
+    FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, true, op, &tiles, &rows));
+    if (tiles == 0) return FT_OK;
+    const int hs = (int)(C / NH);
+    const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
+    const float scale = 1.0f / sqrtf((float)hs), keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+    const seq_entry *table = reinterpret_cast<const seq_entry *>(scratch);
+    float *D = reinterpret_cast<float *>(reinterpret_cast<char *>(scratch) + table_bytes(B));
+    FT_TRY(launch_over_sequences(c, attention_backward_dq_kernel, op, B, tiles, NH, table, dqkv, D, dctx, qkv, probs,
+                                 dmask, C, (int)NH, hs, (int)tiles, scale, thr, keep_scale, key));
+    return launch_over_sequences(c, attention_backward_dkv_kernel, op, B, tiles, NH, table, dqkv,
+                                 static_cast<const float *>(D), dctx, qkv, probs, dmask, C, (int)NH, hs, (int)tiles,
+                                 scale, thr, keep_scale, key);
+}
