@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 8
+#define FT_BACKEND_ABI 9
 
 typedef struct ft_backend ft_backend;
 
@@ -199,17 +199,22 @@ typedef struct {
                           const uint8_t *bits, const float *in, const float *w, const float *bias,  \
                           int64_t N, int64_t K, int64_t C, ft_activation act), (be, dh, df, saved, bits, in, w, bias, N, K, C, act))                     \
     /* probs (sum over b of NH n_b^2, sequence after sequence, (NH, n, n) each) = softmax(Q K^T / \
-     * sqrt(C/NH)) per (b, h); ctx (N, C) = dropout(probs) V, dropout index = index in probs;     \
-     * dmask (like probs, bytes) or NULL: the dropout mask kept (else the backward recomputes it).\
-     * qkv (N, 3C): Q, K, V at column offsets 0, C, 2C. */                                         \
-    X(attention_train_forward, (ft_backend *be, float *ctx, float *probs, uint8_t *dmask,          \
-                                const float *qkv, const int32_t *seqs, int64_t B, int64_t C,        \
-                                int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes), (be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch, scratch_bytes))                 \
-    /* dqkv (N, 3C) = the gradients of Q, K and V from dctx (N, C), with the forward's probs and  \
-     * dmask (or the same p and key) */                                                            \
+     * sqrt(C/NH)) per (b, h), or NULL (not kept); stats (N, NH, 2) or NULL: per query row and    \
+     * head, the scaled scores' maximum m and 1 / sum(exp(s - m)), so that P = exp(s - m) / sum    \
+     * can be recomputed (FlashAttention); ctx (N, C) = dropout(P) V, dropout index = index in    \
+     * probs (whether kept or not); dmask (like probs, bytes) or NULL: the dropout mask kept (else \
+     * the backward recomputes it). qkv (N, 3C): Q, K, V at column offsets 0, C, 2C. */          \
+    X(attention_train_forward, (ft_backend *be, float *ctx, float *probs, float *stats,            \
+                                uint8_t *dmask, const float *qkv, const int32_t *seqs, int64_t B,   \
+                                int64_t C, int64_t NH, float p, uint64_t key, float *scratch,       \
+                                size_t scratch_bytes), (be, ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, scratch, scratch_bytes))                 \
+    /* dqkv (N, 3C) = the gradients of Q, K and V from dctx (N, C), with the forward's probs, or  \
+     * (probs NULL) the probabilities recomputed from qkv and the forward's stats, and its dmask  \
+     * (or the same p and key) */                                                                  \
     X(attention_backward, (ft_backend *be, float *dqkv, const float *dctx, const float *qkv,       \
-                           const float *probs, const uint8_t *dmask, const int32_t *seqs, int64_t B, \
-                           int64_t C, int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes), (be, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch, scratch_bytes))                \
+                           const float *probs, const float *stats, const uint8_t *dmask,           \
+                           const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,          \
+                           uint64_t key, float *scratch, size_t scratch_bytes), (be, dqkv, dctx, qkv, probs, stats, dmask, seqs, B, C, NH, p, key, scratch, scratch_bytes))                \
     /* dh (N, C) = the backward of mean pooling: row r of sequence b (rows [first[b], first[b] +  \
      * count[b]), device int32) gets dout[b] / count[b] (CLS pooling: count 1); rows of no        \
      * sequence get 0 */                                                                           \

@@ -36,7 +36,8 @@ class TopLayers:
     each, with named views (`named_parameters()`, `named_gradients()`)."""
 
     def __init__(self, encoder, k, device=None, hidden_dropout=None, attention_dropout=None, inplace_gelu=None,
-                 inplace_layernorm=True, recompute_attention_dropout=True, matmul_precision="float32"):
+                 inplace_layernorm=True, recompute_attention_dropout=True, matmul_precision="float32",
+                 recompute_attention_probs=False):
         """k: how many of the top layers to train (1..L). device: where to train ('cpu', 'cuda:N';
         default the encoder's). Dropout defaults to the checkpoint's (hidden_dropout_prob,
         attention_probs_dropout_prob). Tempo's options (each leaves the gradients unchanged up to fp32
@@ -45,6 +46,11 @@ class TopLayers:
         byte per attention probability), inplace_gelu (keep GELU's output and one bit per element,
         not its input: saves about N I floats per layer; default on for CUDA only, because inverting
         GELU costs more CPU time than the memory is worth there).
+        recompute_attention_probs (FlashAttention's: the attention probabilities, NH n^2 floats per
+        sequence of n tokens, are not kept; each row's softmax maximum and 1/sum are, 2 floats per
+        row and head, and the backward recomputes the probabilities from Q and K: at 512 tokens a
+        quarter or more of a layer's saved bytes, for one more Q K^T and exp per layer in the
+        backward; the gradients are unchanged up to fp32 rounding. Default off).
         matmul_precision: the projections' products, forward and backward: 'float32', or mixed
         precision, 'bfloat16' / 'float16' (float32 storage, master weights and sums; products on
         half-precision tensor cores, cuBLAS's FAST_16BF / FAST_16F: each product's inputs rounded to
@@ -71,7 +77,8 @@ class TopLayers:
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.options = dict(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                             inplace_gelu=bool(inplace_gelu), inplace_layernorm=bool(inplace_layernorm),
-                            recompute_attention_dropout=bool(recompute_attention_dropout))
+                            recompute_attention_dropout=bool(recompute_attention_dropout),
+                            recompute_attention_probs=bool(recompute_attention_probs))
         self.hidden_size = encoder.config["hidden_size"]
         self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, index, **self.options,
                                     matmul_precision=dict(_C.DTYPES)[matmul_precision])
@@ -188,7 +195,8 @@ class TopLayers:
         self._stack.export(encoder._core)
 
     def __repr__(self):
-        opts = ", ".join(k for k in ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout")
+        opts = ", ".join(k for k in ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout",
+                                     "recompute_attention_probs")
                          if self.options[k])
         return (f"TopLayers(layers {self.first_layer}..{self.num_layers - 1} of {self.num_layers}, "
                 f"{self.num_params / 1e6:.1f}M params, {self.device}, dropout {self.options['hidden_dropout']}/"

@@ -64,7 +64,7 @@ def default_lr(optimizer, head="classification"):
 #: Top-layer fine-tuning (train_layers > 0): one learning rate for the layers and the head, the
 #: rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py measures them).
 DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
-_TEMPO = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout")
+_TEMPO = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "recompute_attention_probs")
 
 
 class TrainingInterrupted(Exception):
@@ -201,7 +201,8 @@ class Trainer:
     (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls" (a QA head takes every
     token's state of the top layer, padded per batch, and returns its gradient); `layer_dropout` is their
     hidden and attention dropout (None: the checkpoint's), `dropout` the head's; `tempo` switches
-    Tempo's memory options (see fasttran.finetune.TopLayers). `precision="bfloat16"` (with
+    Tempo's memory options and FlashAttention's recomputed probabilities (see
+    fasttran.finetune.TopLayers; e.g. tempo={"recompute_attention_probs": True} for long sequences). `precision="bfloat16"` (with
     train_layers; on CUDA, or on a CPU with AMX) trains the layers in mixed precision: float32
     storage, master weights and sums, the projections' products in bf16 on tensor cores / AMX tiles
     (about 0.5% relative error per product, like PyTorch's AMP; attention's products stay float32);

@@ -167,7 +167,7 @@ def test_dropout_masks_reproduced_in_torch_give_the_same_gradients(minilm, devic
     assert np.abs(out - out0).max() > 1e-2
 
 
-TEMPO = ["inplace_gelu", "inplace_layernorm", "recompute_attention_dropout"]
+TEMPO = ["inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "recompute_attention_probs"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -177,7 +177,8 @@ def test_each_tempo_option_keeps_the_gradients_and_saves_what_it_predicts(minilm
     L = enc.num_layers
     x, dout = inputs(enc, L - 2, seed=2)
     drop = dict(hidden_dropout=0.1, attention_dropout=0.1)
-    base = dict(drop, inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=False)
+    base = dict(drop, inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=False,
+                recompute_attention_probs=False)
     off = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device, **base)
     on = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device, **dict(base, **{option: True}))
     assert np.array_equal(off[0], on[0])   # the forward is the same
@@ -185,7 +186,7 @@ def test_each_tempo_option_keeps_the_gradients_and_saves_what_it_predicts(minilm
         assert all(np.array_equal(on[1][n], off[1][n]) for n in off[1]) and np.array_equal(on[2], off[2])
     # fp32 rounding: the backward reads the activations back in another form (the LayerNorm's
     # normalised input from its output; GELU's input from its output, its branch bit and, near the
-    # minimum, the GEMM it came from)
+    # minimum, the GEMM it came from; the probabilities from Q K^T and their rows' max and 1/sum)
     check_grads(on[1], {n: v.astype(np.float64) for n, v in off[1].items()}, 2e-6)
     assert rel(on[2], off[2]) <= 2e-6
     # saved bytes: what the design predicts, per layer (2 layers, B sequences of T tokens)
@@ -195,7 +196,9 @@ def test_each_tempo_option_keeps_the_gradients_and_saves_what_it_predicts(minilm
     saved = sum(m_off.values()) - sum(m_on.values())
     predicted = {"inplace_gelu": N * I * 4 - (N * I + 7) // 8,          # GELU input -> one bit per element
                  "inplace_layernorm": 2 * N * C * 4,                    # both LayerNorm inputs
-                 "recompute_attention_dropout": B * NH * T * T}[option]  # the byte mask of the probabilities
+                 "recompute_attention_dropout": B * NH * T * T,  # the byte mask of the probabilities
+                 # the probabilities (NH T^2 floats per sequence) -> their rows' max and 1/sum (2 N NH floats)
+                 "recompute_attention_probs": B * NH * T * T * 4 - 2 * N * NH * 4}[option]
     assert saved == 2 * predicted, (option, saved, 2 * predicted)
 
 

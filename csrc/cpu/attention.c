@@ -12,7 +12,8 @@
  * zero output, as transformers' default (SDPA) path and torch's SDPA give.
  *
  * A training forward (attention_train_forward, train_layer.c) runs the same tasks: each row of
- * probabilities is also kept for the backward, then dropped out in place before P V. */
+ * probabilities is also kept for the backward (or only its softmax statistics, from which the
+ * backward recomputes it), then dropped out in place before P V. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +32,9 @@ size_t cpu_attention_scratch_bytes(ft_backend *be, ft_dtype dt, int64_t B, int64
 /* A training forward's extras for one (sequence, head): the probabilities kept for the backward
  * and the dropout applied to them before P V */
 typedef struct {
-    float *probs;        /* (n, n) softmax output, row stride n */
+    float *probs;        /* (n, n) softmax output, row stride n, or NULL (not kept) */
+    float *stats;        /* row i's {max, 1 / sum} at stats + i stats_ld, or NULL */
+    int64_t stats_ld;
     uint8_t *dmask;      /* (n, n) 1 = kept, or NULL */
     uint64_t key, base;  /* element (i, j) keeps ft_dropout_keep(key, base + i n + j) */
     uint32_t thr;        /* 0: no dropout */
@@ -76,10 +79,10 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
         }
         for (int i = 0; i < m; i++) {
             float *row = S + i * lds;
-            ft_cpu_softmax_row(row, nk, scale);
+            ft_cpu_softmax_row(row, nk, scale, tr && tr->stats ? tr->stats + (i0 + i) * tr->stats_ld : NULL);
             if (!tr) continue;
             const int64_t e = (i0 + i) * nk;   /* the row's first element in the (nq, nk) block */
-            memcpy(tr->probs + e, row, (size_t)nk * sizeof(float));
+            if (tr->probs) memcpy(tr->probs + e, row, (size_t)nk * sizeof(float));
             if (tr->thr) ft_cpu_dropout_row(row, tr->dmask ? tr->dmask + e : NULL, nk, tr->key, tr->base + e, tr->thr,
                                             tr->keep_scale);
         }
@@ -91,18 +94,19 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
     }
 }
 
-/* the (sequence, head) tasks on at most `workers` threads; probs NULL: inference, else a
- * training forward (every query row real: nq = nk) whose (sequence b, head h) block of probs
- * starts at NH sum_{b' < b} n_b'^2 + h n_b^2 */
+/* the (sequence, head) tasks on at most `workers` threads; probs and stats NULL: inference, else
+ * a training forward (every query row real: nq = nk) whose (sequence b, head h) block of probs
+ * starts at NH sum_{b' < b} n_b'^2 + h n_b^2 (the dropout's element index, kept or not) */
 static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH,
-                               int workers, float *probs, uint8_t *dmask, float p, uint64_t key) {
+                               int workers, float *probs, float *stats, uint8_t *dmask, float p, uint64_t key) {
+    const int training = probs || stats;
     const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int64_t hs = C / NH, ld = 3 * C;
     const float scale = 1.0f / sqrtf((float)hs);
     int64_t maxk = 0;
     for (int64_t b = 0; b < B; b++) maxk = seqs[3 * b + 1] > maxk ? seqs[3 * b + 1] : maxk;
     int64_t *base = NULL;
-    if (probs) {
+    if (training) {
         if (!(base = malloc((size_t)(B > 0 ? B : 1) * sizeof *base)))
             return ft_error(FT_ERR_NOMEM, "attention_train_forward: out of memory");
         int64_t at = 0;
@@ -116,8 +120,8 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
     const int64_t hsp = (hs + kr->nr - 1) / kr->nr * kr->nr;
     const size_t floats = (size_t)(lds * hs + maxk * hsp + kr->mr * lds + hs * kr->mr);
     const int64_t tasks = B * NH;
-    const uint32_t thr = probs && p > 0.0f ? ft_dropout_threshold(p) : 0;
-    const float keep_scale = probs && p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+    const uint32_t thr = training && p > 0.0f ? ft_dropout_threshold(p) : 0;
+    const float keep_scale = training && p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
     int failed = 0;
 #pragma omp parallel num_threads(tasks < workers ? (int)tasks : workers)
     {
@@ -130,16 +134,17 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
         for (int64_t t = 0; t < tasks; t++) {
             if (!buf) continue;
             const int64_t b = t / NH, h = t % NH;
-            const int64_t first = seqs[3 * b], nk = seqs[3 * b + 1], nq = probs ? nk : seqs[3 * b + 2];
+            const int64_t first = seqs[3 * b], nk = seqs[3 * b + 1], nq = training ? nk : seqs[3 * b + 2];
             float *out = ctx + first * C + h * hs;
             if (nk == 0) {   /* no real key: zero output */
                 for (int64_t i = 0; i < nq; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
                 continue;
             }
             head_train tr, *trp = NULL;
-            if (probs) {
+            if (training) {
                 const int64_t at = base[b] + h * nk * nk;
-                tr = (head_train){probs + at, dmask ? dmask + at : NULL, key, (uint64_t)at, thr, keep_scale};
+                tr = (head_train){probs ? probs + at : NULL, stats ? stats + (first * NH + h) * 2 : NULL, NH * 2,
+                                  dmask ? dmask + at : NULL, key, (uint64_t)at, thr, keep_scale};
                 trp = &tr;
             }
             float *kp = buf, *vp = kp + lds * hs, *S = vp + maxk * hsp, *qpad = S + kr->mr * lds;
@@ -156,11 +161,11 @@ ft_status cpu_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const vo
                                 const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, void *scratch) {
     (void)be; (void)scratch; (void)seqs_dev;
     FT_CPU_F32_ONLY(dt, "attention_forward");
-    return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, 0.0f, 0);
+    return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, NULL, 0.0f, 0);
 }
 
-ft_status ft_cpu_attention_train_heads(float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+ft_status ft_cpu_attention_train_heads(float *ctx, float *probs, float *stats, uint8_t *dmask, const float *qkv,
                                        const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
                                        int workers) {
-    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, dmask, p, key);
+    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, stats, dmask, p, key);
 }

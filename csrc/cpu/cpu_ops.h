@@ -35,8 +35,9 @@ void ft_cpu_dropout_row(float *row, uint8_t *mask, int64_t n, uint64_t key, uint
                         float keep_scale);
 
 /* attention_train_forward's work (attention.c): the inference tasks, keeping each (sequence,
- * head)'s probabilities and dropping them out before P V, on at most `workers` threads */
-ft_status ft_cpu_attention_train_heads(float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+ * head)'s probabilities (probs) and/or their rows' softmax statistics (stats, (N, NH, 2)) and
+ * dropping them out before P V, on at most `workers` threads */
+ft_status ft_cpu_attention_train_heads(float *ctx, float *probs, float *stats, uint8_t *dmask, const float *qkv,
                                        const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
                                        int workers);
 #endif

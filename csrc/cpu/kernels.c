@@ -283,7 +283,7 @@ void ft_cpu_pack_keys_t(float *kp, const float *k, int64_t ld, int64_t nk, int64
  * would); the sum adds element j into lane j % 16 in order of j, then folds the lanes in
  * rowfun.h's tree: the same order as ft_row_sum, on registers. Whole vectors go through plain
  * loads and stores (masked ones give the same values, slower). */
-__attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t n, float scale) {
+__attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t n, float scale, float *stats) {
     const int64_t n16 = n & ~(int64_t)15, n64 = n & ~(int64_t)63;
     __m512 m4[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
                     _mm512_set1_ps(-INFINITY)};
@@ -296,7 +296,8 @@ __attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t 
     }
     const __m512 mx = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
     /* exp(scale s - scale max) with the scale in the FMA (scale > 0: the max of s is that of scale s) */
-    const __m512 sc = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(mx));
+    const float top = scale * _mm512_reduce_max_ps(mx);
+    const __m512 sc = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-top);
     __m512 sum = _mm512_setzero_ps();
     for (j = 0; j < n16; j += 16) {
         const __m512 e = ft_exp512(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), sc, shift));
@@ -311,7 +312,9 @@ __attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t 
     }
     float lane[FT_LANES];
     _mm512_storeu_ps(lane, sum);
-    const __m512 inv = _mm512_set1_ps(1.0f / ft_fold_lanes(lane));
+    const float inv1 = 1.0f / ft_fold_lanes(lane);
+    if (stats) { stats[0] = top; stats[1] = inv1; }
+    const __m512 inv = _mm512_set1_ps(inv1);
     for (j = 0; j < n16; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
     if (j < n) {
         const __mmask16 k = ft_mask16(n - j);
@@ -319,7 +322,7 @@ __attribute__((target("avx512f"))) static void softmax_avx512(float *s, int64_t 
     }
 }
 
-__attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n, float scale) {
+__attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n, float scale, float *stats) {
     const int64_t n8 = n & ~(int64_t)7, n16 = n & ~(int64_t)15, n32 = n & ~(int64_t)31;
     __m256 m4[4] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
                     _mm256_set1_ps(-INFINITY)};
@@ -335,7 +338,8 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n
     _mm256_storeu_ps(l8, mx);
     float top = l8[0];
     for (int l = 1; l < 8; l++) top = l8[l] > top ? l8[l] : top;
-    const __m256 sc = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-scale * top);
+    top *= scale;
+    const __m256 sc = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-top);
     /* lanes j % 16: two accumulators, elements [16c, 16c + 8) and [16c + 8, 16c + 16) */
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (j = 0; j < n16; j += 16)
@@ -354,7 +358,9 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n
     float lane[FT_LANES];
     _mm256_storeu_ps(lane, sum[0]);
     _mm256_storeu_ps(lane + 8, sum[1]);
-    const __m256 inv = _mm256_set1_ps(1.0f / ft_fold_lanes(lane));
+    const float inv1 = 1.0f / ft_fold_lanes(lane);
+    if (stats) { stats[0] = top; stats[1] = inv1; }
+    const __m256 inv = _mm256_set1_ps(inv1);
     for (j = 0; j < n8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
     if (j < n) {
         const __m256i k = ft_mask8(n - j);
@@ -362,7 +368,7 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *s, int64_t n
     }
 }
 
-static void softmax_generic(float *s, int64_t n, float scale) {
+static void softmax_generic(float *s, int64_t n, float scale, float *stats) {
     float lane[FT_LANES];
     for (int l = 0; l < FT_LANES; l++) lane[l] = -INFINITY;
     int64_t j = 0;
@@ -382,15 +388,16 @@ static void softmax_generic(float *s, int64_t n, float scale) {
 #pragma omp simd
     for (j = 0; j < n; j++) s[j] = ft_expf(s[j] - mx);
     const float inv = 1.0f / ft_row_sum(s, n);
+    if (stats) { stats[0] = mx; stats[1] = inv; }
 #pragma omp simd
     for (j = 0; j < n; j++) s[j] *= inv;
 }
 
-void ft_cpu_softmax_row(float *s, int64_t n, float scale) {
+void ft_cpu_softmax_row(float *s, int64_t n, float scale, float *stats) {
     const ft_tile_fn tile = ft_cpu_kernel_get()->tile;
-    if (tile == tile_avx512) softmax_avx512(s, n, scale);
-    else if (tile == tile_avx2) softmax_avx2(s, n, scale);
-    else softmax_generic(s, n, scale);
+    if (tile == tile_avx512) softmax_avx512(s, n, scale, stats);
+    else if (tile == tile_avx2) softmax_avx2(s, n, scale, stats);
+    else softmax_generic(s, n, scale, stats);
 }
 
 /* ---- activation backward of a row: dh = df act'(x) ------------------------------------------ */

@@ -46,8 +46,9 @@ void ft_cpu_epilogue(float *c, int64_t ldc, int m, int n, const float *bias, int
  * zero for keys >= nk; 8 x 8 register transposes where a block is whole */
 void ft_cpu_pack_keys_t(float *kp, const float *k, int64_t ld, int64_t nk, int64_t hs);
 
-/* s[0..n) = softmax(scale s) in place: max, exp, sum in 16 fixed lanes (rowfun.h's order) */
-void ft_cpu_softmax_row(float *s, int64_t n, float scale);
+/* s[0..n) = softmax(scale s) in place: max, exp, sum in 16 fixed lanes (rowfun.h's order);
+ * stats (or NULL) = {m, 1 / sum}: the maximum of scale s and the inverse of the sum of exp(scale s - m) */
+void ft_cpu_softmax_row(float *s, int64_t n, float scale, float *stats);
 
 /* dh[0..n) = df * act'(x) on the kernel set's registers (vecmath.h's ft_act_grad512/256; the
  * portable path: mathfun.h's ft_act_gradf); dh may alias df */

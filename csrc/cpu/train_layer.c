@@ -181,9 +181,12 @@ ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, cons
     return FT_OK;
 }
 
+/* score blocks per worker: dropped probabilities, dS, and recomputed probabilities */
+#define ATTN_BLOCKS 3
+
 size_t cpu_attention_train_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t NH) {
-    (void)be; (void)B; (void)NH;   /* one (T, T) pair of score blocks per worker (ft_num_threads) */
-    return (size_t)ft_num_threads() * 2 * (size_t)T * (size_t)T * sizeof(float);
+    (void)be; (void)B; (void)NH;   /* ATTN_BLOCKS (T, T) score blocks per worker (ft_num_threads) */
+    return (size_t)ft_num_threads() * ATTN_BLOCKS * (size_t)T * (size_t)T * sizeof(float);
 }
 
 /* (sequence, head) tasks: the sequence of task j, its first row, length and probs offset */
@@ -218,11 +221,11 @@ static ft_status attn_plan_make(attn_plan *pl, const int32_t *seqs, int64_t B, i
     return FT_OK;
 }
 
-/* the team for a scratch of scratch_bytes: one (T, T) pair of score blocks per worker, at most
+/* the team for a scratch of scratch_bytes: ATTN_BLOCKS (T, T) score blocks per worker, at most
  * ft_num_threads() workers -- never more than the scratch holds, even when another thread
  * raised the thread count after the caller sized it */
 static ft_status scratch_workers(const attn_plan *pl, size_t scratch_bytes, const char *op, int *workers) {
-    const size_t slot = 2 * (size_t)pl->tmax * (size_t)pl->tmax * sizeof(float);
+    const size_t slot = ATTN_BLOCKS * (size_t)pl->tmax * (size_t)pl->tmax * sizeof(float);
     const size_t fit = slot ? scratch_bytes / slot : (size_t)ft_num_threads();
     if (fit < 1) {
         free(pl->tasks);
@@ -234,10 +237,13 @@ static ft_status scratch_workers(const attn_plan *pl, size_t scratch_bytes, cons
     return FT_OK;
 }
 
-ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
-                                      const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
-                                      float *scratch, size_t scratch_bytes) {
+ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, float *stats, uint8_t *dmask,
+                                      const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
+                                      uint64_t key, float *scratch, size_t scratch_bytes) {
     (void)be;
+    if (!probs && !stats)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_train_forward: probs and stats are both NULL (the "
+                        "backward needs one of them)");
     attn_plan pl;
     ft_status st = attn_plan_make(&pl, seqs, B, C, NH, p, "attention_train_forward");
     if (st != FT_OK) return st;
@@ -247,13 +253,15 @@ ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, 
     /* the packed-panel kernels of inference attention (attention.c): the scratch only bounds the
      * team here, each worker packs its panels in its own buffer */
     (void)scratch;
-    return ft_cpu_attention_train_heads(ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, workers);
+    return ft_cpu_attention_train_heads(ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, workers);
 }
 
 ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
-                                 const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
-                                 uint64_t key, float *scratch, size_t scratch_bytes) {
+                                 const float *stats, const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C,
+                                 int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
     (void)be;
+    if (!probs && !stats)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_backward: probs and stats are both NULL");
     attn_plan pl;
     ft_status st = attn_plan_make(&pl, seqs, B, C, NH, p, "attention_backward");
     if (st != FT_OK) return st;
@@ -267,8 +275,8 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
     ft_blas_set_threads(1);
 #pragma omp parallel num_threads(workers)
     {
-        float *Pd = scratch + (size_t)omp_get_thread_num() * 2 * (size_t)tmax * (size_t)tmax;
-        float *dS = Pd + (size_t)tmax * (size_t)tmax;
+        float *Pd = scratch + (size_t)omp_get_thread_num() * ATTN_BLOCKS * (size_t)tmax * (size_t)tmax;
+        float *dS = Pd + (size_t)tmax * (size_t)tmax, *Pr = dS + (size_t)tmax * (size_t)tmax;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < ntasks; j++) {
             const int64_t n = tasks[j].n, h = j % NH, base = tasks[j].base;
@@ -276,7 +284,18 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
             const float *q = qkv + tasks[j].first * ld + h * hs, *k = q + C, *v = q + 2 * C;
             const float *dout = dctx + tasks[j].first * C + h * hs;
             float *dq = dqkv + tasks[j].first * ld + h * hs, *dk = dq + C, *dv = dq + 2 * C;
-            const float *P = probs + base, *pd = P;
+            const float *P = probs ? probs + base : Pr, *pd = P;
+            if (!probs) {   /* recomputed: P = exp(scale Q K^T - m) / sum, (m, 1 / sum) per row */
+                ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)n, (blasint)hs, scale, q,
+                              (blasint)ld, k, (blasint)ld, 0.0f, Pr, (blasint)n);
+                for (int64_t i = 0; i < n; i++) {
+                    const float *st = stats + ((tasks[j].first + i) * NH + h) * 2;
+                    const float m = st[0], inv = st[1];
+                    float *row = Pr + i * n;
+#pragma omp simd
+                    for (int64_t c = 0; c < n; c++) row[c] = ft_expf(row[c] - m) * inv;
+                }
+            }
             if (thr) {
                 if (dmask) {
                     const uint8_t *mk = dmask + base;

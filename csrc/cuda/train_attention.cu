@@ -1,16 +1,20 @@
 // Attention of the layer-training ops on the GPU (backend.h: attention_train_forward and
-// attention_backward), float32, over packed sequences: probabilities kept, (NH, n, n) per
-// sequence one after another, the dropout mask kept or recomputed from core/rng.h by the
+// attention_backward), float32, over packed sequences: probabilities kept ((NH, n, n) per
+// sequence one after another) or recomputed in the backward from Q K^T and each row's softmax
+// statistics (max, 1/sum); the dropout mask kept or recomputed from core/rng.h by the
 // probability's index (the CPU's elements exactly).
 //
 // fused (the default): one launch for the forward of the whole batch and two for the backward,
 // whatever the batch's lengths. A block owns 32 rows of one (sequence, head) and 128 threads, a
 // 2 x 4 register tile each of a 32 x 32 output tile; the operands move through shared memory in
 // 32 x 32 chunks (any head size: its columns in chunks of 32, zero-padded).
-//   forward, block = (query tile, head, sequence): S = Q K^T * scale for every real key, written
-//     to its place in probs; the rows' softmax in place there (a warp per row); then ctx = Pd V,
-//     Pd = dropout(P) read back in tiles (the mask written on the way when it is kept).
-//   backward (FlashAttention-2's split, without its atomics):
+//   forward, block = (query tile, head, sequence): S = Q K^T * scale over the real keys, tile by
+//     tile, each row's maximum and sum of exp online (FlashAttention's rescaling, per thread, then
+//     over the row's 8 threads in a fixed shuffle tree); then S again (the same bits), P = exp(S -
+//     m) / sum written to probs when kept, the statistics when asked, dropout (the mask written
+//     when kept) and ctx += Pd V into the block's own rows, key tile by key tile.
+//   backward (FlashAttention-2's split, without its atomics; P read, or recomputed by the
+//   forward's own expression from the same bits of Q K^T):
 //     dQ kernel, block = (query tile, head, sequence): dPd = dO V^T tile by tile, dP its dropout
 //     backward, D_r = sum_c P_rc dP_rc for each row (a fixed shuffle tree: deterministic) kept in
 //     scratch; then again dS = P (dP - D) per key tile and dQ += dS K * scale, the block's own
@@ -37,7 +41,6 @@ namespace {
 constexpr int AT_TILE = 32;                  // rows of a block's tile, keys of a key tile, columns of a chunk
 constexpr int AT_PAD = AT_TILE + 1;          // floats per row of a shared tile (no bank conflicts)
 constexpr int AT_THREADS = 128;              // 16 x 8 threads, a 2 x 4 register tile each
-constexpr int AT_WARPS = AT_THREADS / 32;
 
 // a sequence of the batch as the fused kernels read it (device copy in the scratch)
 struct seq_entry {
@@ -107,11 +110,65 @@ __device__ inline int kept(const uint8_t *dmask, int64_t i, uint32_t thr, uint64
     return !thr ? 1 : dmask ? dmask[i] : ft_dropout_keep(key, (uint64_t)i, thr);
 }
 
-// grid (query tiles x heads, sequences): probs and ctx rows of the block's tile
+// acc = A B^T for a 32 x 32 tile: rows of a (stride lda, na real) times rows of b (stride ldb, nb
+// real) over `cols` columns, chunk by chunk through As and Bs (every thread of the block calls it)
+__device__ inline void product_tile_abt(float acc[2][4], tile_t &As, tile_t &Bs, const float *a, int64_t lda,
+                                        int64_t na, const float *b, int64_t ldb, int64_t nb, int cols) {
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    for (int d0 = 0; d0 < cols; d0 += AT_TILE) {
+        load_chunk(As, a, lda, na, d0, cols);
+        load_chunk(Bs, b, ldb, nb, d0, cols);
+        __syncthreads();
+        mma_abt(acc, As, Bs);
+        __syncthreads();
+    }
+}
+
+// a probability from its scaled score and its row's statistics: the forward's and the backward's
+// recomputation are the same expression over the same bits
+__device__ inline float prob_of(float score_acc, float scale, float m, float inv) {
+    return expf(score_acc * scale - m) * inv;
+}
+
+// p = the probabilities of a tile (query rows q0.., keys k0..; zero outside the real ones): read
+// from probs (P: the tile's P[0][0], row stride n), or recomputed from Q K^T and the rows' (m, 1/sum)
+__device__ inline void probs_tile(float p[2][4], tile_t &As, tile_t &Bs, const float *P, int64_t n, const float *qg,
+                                  const float *kg, int64_t ld, int64_t nq, int64_t nk, int hs, float scale,
+                                  const float m[2], const float inv[2]) {
+    if (!P) product_tile_abt(p, As, Bs, qg, ld, nq, kg, ld, nk, hs);
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            const int r = tile_row(i), c = tile_col(j);
+            p[i][j] = r >= nq || c >= nk ? 0.0f : P ? P[r * n + c] : prob_of(p[i][j], scale, m[i], inv[i]);
+        }
+}
+
+// the rows' (m, 1/sum) from stats ((N, NH, 2); rows of the tile from `row0`), or nothing when the
+// probabilities are kept
+__device__ inline void row_stats(float m[2], float inv[2], const float *stats, int64_t row0, int64_t nq, int NH,
+                                 int head) {
+    for (int i = 0; i < 2; i++) {
+        const int r = tile_row(i);
+        m[i] = 0.0f;
+        inv[i] = 0.0f;
+        if (stats && r < nq) {
+            m[i] = stats[((row0 + r) * NH + head) * 2];
+            inv[i] = stats[((row0 + r) * NH + head) * 2 + 1];
+        }
+    }
+}
+
+// grid (query tiles x heads, sequences): the block's rows of ctx, probs (when kept) and stats (when
+// asked). Pass 1: each row's maximum and sum of exp, online per thread over the key tiles, then over
+// the row's 8 threads (a fixed shuffle tree: all 8 get the same bits). Pass 2: the scores again
+// (the same bits), P = exp(s - m) / sum, dropout, ctx += Pd V, the block's own rows of ctx updated
+// in place key tile by key tile.
 __global__ void __launch_bounds__(AT_THREADS)
-attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
-                               int64_t C, int hs, int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
-    __shared__ tile_t As, Bs;
+attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, float *stats, uint8_t *dmask,
+                               const float *qkv, int64_t C, int NH, int hs, int tiles, float scale, uint32_t thr,
+                               float keep_scale, uint64_t key) {
+    __shared__ tile_t As, Bs, Ps;
     const seq_entry sq = seqs[blockIdx.y];
     const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
     const int64_t n = sq.n, q0 = (int64_t)tile * AT_TILE;
@@ -120,93 +177,82 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
     const float *qg = qkv + (sq.first + q0) * ld + (int64_t)head * hs;
     const float *kg = qkv + sq.first * ld + C + (int64_t)head * hs, *vg = kg + C;
     const int64_t pbase = sq.base + ((int64_t)head * n + q0) * n;   // index of the tile's P[0][0]
-    float *P = probs + pbase;                                       // row r of the tile: P + r n
-    // scores
+    float *og = ctx + (sq.first + q0) * C + (int64_t)head * hs;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
-        float acc[2][4] = {};
-        for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
-            load_chunk(As, qg, ld, nq, d0, hs);
-            load_chunk(Bs, kg + k0 * ld, ld, n - k0, d0, hs);
-            __syncthreads();
-            mma_abt(acc, As, Bs);
-            __syncthreads();
+        float acc[2][4];
+        product_tile_abt(acc, As, Bs, qg, ld, nq, kg + k0 * ld, ld, n - k0, hs);
+        for (int i = 0; i < 2; i++) {
+            float mt = -INFINITY;
+            for (int j = 0; j < 4; j++)
+                if (k0 + tile_col(j) < n) mt = fmaxf(mt, acc[i][j] * scale);
+            if (mt == -INFINITY) continue;   // none of this thread's columns is a key here
+            const float mn = fmaxf(m[i], mt);
+            float sum = l[i] * expf(m[i] - mn);
+            for (int j = 0; j < 4; j++)
+                if (k0 + tile_col(j) < n) sum += expf(acc[i][j] * scale - mn);
+            l[i] = sum;
+            m[i] = mn;
         }
+    }
+    float inv[2];
+    for (int i = 0; i < 2; i++) {
+        for (int o = 4; o > 0; o >>= 1) {   // the row's 8 threads are adjacent lanes of one warp
+            const float mo = __shfl_xor_sync(0xffffffffu, m[i], o), lo = __shfl_xor_sync(0xffffffffu, l[i], o);
+            const float mn = fmaxf(m[i], mo);
+            l[i] = (m[i] == -INFINITY ? 0.0f : l[i] * expf(m[i] - mn)) + (mo == -INFINITY ? 0.0f : lo * expf(mo - mn));
+            m[i] = mn;
+        }
+        inv[i] = 1.0f / l[i];
+        const int r = tile_row(i);
+        if (stats && (threadIdx.x & 7) == 0 && r < nq) {
+            stats[((sq.first + q0 + r) * NH + head) * 2] = m[i];
+            stats[((sq.first + q0 + r) * NH + head) * 2 + 1] = inv[i];
+        }
+    }
+    for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
+        float acc[2][4];
+        product_tile_abt(acc, As, Bs, qg, ld, nq, kg + k0 * ld, ld, n - k0, hs);
         for (int i = 0; i < 2; i++)
             for (int j = 0; j < 4; j++) {
-                const int64_t r = tile_row(i), c = k0 + tile_col(j);
-                if (r < nq && c < n) P[r * n + c] = acc[i][j] * scale;
-            }
-    }
-    __syncthreads();   // the block's global writes are visible to its threads after the barrier
-    // softmax of each row in place (a warp per row)
-    const int warp = (int)(threadIdx.x >> 5), lane = (int)(threadIdx.x & 31);
-    for (int64_t r = warp; r < nq; r += AT_WARPS) {
-        float *s = P + r * n;
-        float mx = -INFINITY;
-        for (int64_t j = lane; j < n; j += 32) mx = fmaxf(mx, s[j]);
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        float sum = 0.0f;
-        for (int64_t j = lane; j < n; j += 32) {
-            const float e = expf(s[j] - mx);
-            s[j] = e;
-            sum += e;
-        }
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        const float inv = 1.0f / sum;
-        for (int64_t j = lane; j < n; j += 32) s[j] *= inv;
-    }
-    __syncthreads();
-    // ctx = Pd V, a chunk of 32 head columns at a time
-    for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
-        float acc[2][4] = {};
-        for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
-            for (int i = threadIdx.x; i < AT_TILE * AT_TILE; i += AT_THREADS) {
-                const int r = i / AT_TILE, c = i % AT_TILE;
-                float v = 0.0f;
+                const int r = tile_row(i), c = tile_col(j);
+                float pd = 0.0f;
                 if (r < nq && k0 + c < n) {
                     const int64_t at = r * n + k0 + c;
-                    v = P[at];
+                    const float p = prob_of(acc[i][j], scale, m[i], inv[i]);
+                    if (probs) probs[pbase + at] = p;
+                    pd = p;
                     if (thr) {
                         const int keep = ft_dropout_keep(key, (uint64_t)(pbase + at), thr);
-                        if (dmask && d0 == 0) dmask[pbase + at] = (uint8_t)keep;
-                        v = keep ? v * keep_scale : 0.0f;
+                        if (dmask) dmask[pbase + at] = (uint8_t)keep;
+                        pd = keep ? p * keep_scale : 0.0f;
                     }
                 }
-                As[r][c] = v;
+                Ps[r][c] = pd;
             }
+        for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
             load_chunk(Bs, vg + k0 * ld, ld, n - k0, d0, hs);
-            __syncthreads();
-            mma_ab(acc, As, Bs);
+            __syncthreads();   // and Ps written
+            float part[2][4] = {};
+            mma_ab(part, Ps, Bs);
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 4; j++) {
+                    const int r = tile_row(i), c = d0 + tile_col(j);
+                    if (r < nq && c < hs) {
+                        float *o = og + r * C + c;
+                        *o = k0 == 0 ? part[i][j] : *o + part[i][j];
+                    }
+                }
             __syncthreads();
         }
-        for (int i = 0; i < 2; i++)
-            for (int j = 0; j < 4; j++) {
-                const int64_t r = tile_row(i);
-                const int c = d0 + tile_col(j);
-                if (r < nq && c < hs) ctx[(sq.first + q0 + r) * C + (int64_t)head * hs + c] = acc[i][j];
-            }
-    }
-}
-
-// acc = dPd tile (query rows of og x keys of vg) = dO V^T over the head's columns
-__device__ inline void dprobs_tile(float acc[2][4], tile_t &As, tile_t &Bs, const float *og, int64_t C,
-                                   int64_t nq, const float *vg, int64_t ld, int64_t nk, int hs) {
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
-    for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
-        load_chunk(As, og, C, nq, d0, hs);
-        load_chunk(Bs, vg, ld, nk, d0, hs);
-        __syncthreads();
-        mma_abt(acc, As, Bs);
-        __syncthreads();
     }
 }
 
 // grid (query tiles x heads, sequences): the tile's rows of dQ, and D for them
 __global__ void __launch_bounds__(AT_THREADS)
 attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, const float *dctx, const float *qkv,
-                             const float *probs, const uint8_t *dmask, int64_t C, int NH, int hs, int tiles,
-                             float scale, uint32_t thr, float keep_scale, uint64_t key) {
+                             const float *probs, const float *stats, const uint8_t *dmask, int64_t C, int NH, int hs,
+                             int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
     __shared__ tile_t As, Bs, Ss;
     const seq_entry sq = seqs[blockIdx.y];
     const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
@@ -214,22 +260,24 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
     if (q0 >= n) return;
     const int64_t ld = 3 * C, nq = min64(n - q0, AT_TILE);
     const float *og = dctx + (sq.first + q0) * C + (int64_t)head * hs;
+    const float *qg = qkv + (sq.first + q0) * ld + (int64_t)head * hs;
     const float *kg = qkv + sq.first * ld + C + (int64_t)head * hs, *vg = kg + C;
     float *dq = dqkv + (sq.first + q0) * ld + (int64_t)head * hs;
     const int64_t pbase = sq.base + ((int64_t)head * n + q0) * n;
-    const float *P = probs + pbase;
+    const float *P = probs ? probs + pbase : nullptr;
+    float m[2], inv[2];
+    row_stats(m, inv, probs ? nullptr : stats, sq.first + q0, nq, NH, head);
     // D_r = sum_c P_rc dP_rc
     float dsum[2] = {0.0f, 0.0f};
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
-        float acc[2][4];
-        dprobs_tile(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
+        float p[2][4], acc[2][4];
+        probs_tile(p, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, ld, nq, n - k0, hs, scale, m, inv);
+        product_tile_abt(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
         for (int i = 0; i < 2; i++)
             for (int j = 0; j < 4; j++) {
                 const int64_t r = tile_row(i), c = k0 + tile_col(j);
-                if (r < nq && c < n) {
-                    const int64_t at = r * n + c;
-                    dsum[i] += kept(dmask, pbase + at, thr, key) ? acc[i][j] * keep_scale * P[at] : 0.0f;
-                }
+                if (r < nq && c < n)
+                    dsum[i] += kept(dmask, pbase + r * n + c, thr, key) ? acc[i][j] * keep_scale * p[i][j] : 0.0f;
             }
     }
     for (int i = 0; i < 2; i++)   // over the row's 8 threads (adjacent lanes of one warp)
@@ -239,16 +287,16 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
             if (tile_row(i) < nq) Dsum[(sq.first + q0 + tile_row(i)) * NH + head] = dsum[i];
     // dS = P (dP - D) per key tile, dQ += dS K scale
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
-        float acc[2][4];
-        dprobs_tile(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
+        float p[2][4], acc[2][4];
+        probs_tile(p, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, ld, nq, n - k0, hs, scale, m, inv);
+        product_tile_abt(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
         for (int i = 0; i < 2; i++)
             for (int j = 0; j < 4; j++) {
                 const int64_t r = tile_row(i), c = k0 + tile_col(j);
                 float v = 0.0f;
                 if (r < nq && c < n) {
-                    const int64_t at = r * n + c;
-                    const float dp = kept(dmask, pbase + at, thr, key) ? acc[i][j] * keep_scale : 0.0f;
-                    v = P[at] * (dp - dsum[i]);
+                    const float dp = kept(dmask, pbase + r * n + c, thr, key) ? acc[i][j] * keep_scale : 0.0f;
+                    v = p[i][j] * (dp - dsum[i]);
                 }
                 Ss[tile_row(i)][tile_col(j)] = v;
             }
@@ -274,8 +322,8 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
 // grid (key tiles x heads, sequences): the tile's key rows of dK and dV
 __global__ void __launch_bounds__(AT_THREADS)
 attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *Dsum, const float *dctx,
-                              const float *qkv, const float *probs, const uint8_t *dmask, int64_t C, int NH, int hs, int tiles,
-                              float scale, uint32_t thr, float keep_scale, uint64_t key) {
+                              const float *qkv, const float *probs, const float *stats, const uint8_t *dmask, int64_t C,
+                              int NH, int hs, int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
     __shared__ tile_t As, Bs, Ss, Ps;
     const seq_entry sq = seqs[blockIdx.y];
     const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
@@ -283,14 +331,17 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
     if (k0 >= n) return;
     const int64_t ld = 3 * C, nk = min64(n - k0, AT_TILE);
     const float *qg = qkv + sq.first * ld + (int64_t)head * hs;
-    const float *vt = qg + 2 * C + k0 * ld;   // the tile's V rows
+    const float *kt = qg + C + k0 * ld, *vt = qg + 2 * C + k0 * ld;   // the tile's K and V rows
     const float *og = dctx + sq.first * C + (int64_t)head * hs;
     float *dk = dqkv + (sq.first + k0) * ld + C + (int64_t)head * hs, *dv = dk + C;
     const int64_t hbase = sq.base + (int64_t)head * n * n;   // index of the head's P[0][0]
     for (int64_t q0 = 0; q0 < n; q0 += AT_TILE) {
         const int64_t nq = min64(n - q0, AT_TILE);
-        float acc[2][4];
-        dprobs_tile(acc, As, Bs, og + q0 * C, C, nq, vt, ld, nk, hs);
+        float m[2], inv[2], p[2][4], acc[2][4];
+        row_stats(m, inv, probs ? nullptr : stats, sq.first + q0, nq, NH, head);
+        probs_tile(p, As, Bs, probs ? probs + hbase + q0 * n + k0 : nullptr, n, qg + q0 * ld, kt, ld, nq, nk, hs,
+                   scale, m, inv);
+        product_tile_abt(acc, As, Bs, og + q0 * C, C, nq, vt, ld, nk, hs);
         for (int i = 0; i < 2; i++) {
             const int64_t r = tile_row(i);
             const float D = r < nq ? Dsum[(sq.first + q0 + r) * NH + head] : 0.0f;
@@ -298,11 +349,9 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
                 const int c = tile_col(j);
                 float s = 0.0f, pd = 0.0f;
                 if (r < nq && c < nk) {
-                    const int64_t at = hbase + (q0 + r) * n + k0 + c;
-                    const float p = probs[at];
-                    const int keep = kept(dmask, at, thr, key);
-                    s = p * ((keep ? acc[i][j] * keep_scale : 0.0f) - D);
-                    pd = keep ? p * keep_scale : 0.0f;
+                    const int keep = kept(dmask, hbase + (q0 + r) * n + k0 + c, thr, key);
+                    s = p[i][j] * ((keep ? acc[i][j] * keep_scale : 0.0f) - D);
+                    pd = keep ? p[i][j] * keep_scale : 0.0f;
                 }
                 Ss[r][c] = s;
                 Ps[r][c] = pd;
@@ -552,14 +601,22 @@ size_t cuda_attention_train_scratch_bytes(ft_backend *, int64_t B, int64_t T, in
     return variant() == PER_SEQUENCE ? per_sequence_scratch_bytes(T, NH) : fused_scratch_bytes(B, T, NH);
 }
 
-ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
-                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
-                                       float *scratch, size_t scratch_bytes) {
+ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs, float *stats, uint8_t *dmask,
+                                       const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
+                                       uint64_t key, float *scratch, size_t scratch_bytes) {
     const char *op = "attention_train_forward";
     const variant_id v = variant();
     if (v == UNKNOWN) return unknown_variant(op);
+    if (!probs && !stats)
+        return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: probs and stats are both NULL (the backward needs one of "
+                             "them)", op);
     if (B == 0) return FT_OK;
-    if (v == PER_SEQUENCE) return forward_per_sequence(be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
+    if (v == PER_SEQUENCE) {
+        if (!probs || stats)
+            return g_host->error(FT_ERR_UNSUPPORTED, "%s: the per_sequence variant (FASTTRAN_CUDA_TRAIN_ATTENTION) "
+                                 "keeps the probabilities and no statistics: recomputing them needs the fused one", op);
+        return forward_per_sequence(be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
+    }
     cuda_ctx *c = ctx_of(be);
     int64_t tiles = 0, rows = 0;
     FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, false, op, &tiles, &rows));
@@ -567,19 +624,25 @@ ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs,
     const int hs = (int)(C / NH);
     const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
     return launch_over_sequences(c, attention_train_forward_kernel, op, B, tiles, NH,
-                                 reinterpret_cast<const seq_entry *>(scratch), ctx, probs, dmask, qkv, C, hs,
-                                 (int)tiles, 1.0f / sqrtf((float)hs), thr, p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, key);
+                                 reinterpret_cast<const seq_entry *>(scratch), ctx, probs, stats, dmask, qkv, C,
+                                 (int)NH, hs, (int)tiles, 1.0f / sqrtf((float)hs), thr,
+                                 p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, key);
 }
 
 ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
-                                  const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
-                                  uint64_t key, float *scratch, size_t scratch_bytes) {
+                                  const float *stats, const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C,
+                                  int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
     const char *op = "attention_backward";
     const variant_id v = variant();
     if (v == UNKNOWN) return unknown_variant(op);
+    if (!probs && !stats) return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: probs and stats are both NULL", op);
     if (B == 0) return FT_OK;
-    if (v == PER_SEQUENCE)
+    if (v == PER_SEQUENCE) {
+        if (!probs)
+            return g_host->error(FT_ERR_UNSUPPORTED, "%s: the per_sequence variant (FASTTRAN_CUDA_TRAIN_ATTENTION) "
+                                 "reads kept probabilities: recomputing them needs the fused one", op);
         return backward_per_sequence(be, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch);
+    }
     cuda_ctx *c = ctx_of(be);
     int64_t tiles = 0, rows = 0;
     FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, true, op, &tiles, &rows));
@@ -590,8 +653,8 @@ ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx
     const seq_entry *table = reinterpret_cast<const seq_entry *>(scratch);
     float *D = reinterpret_cast<float *>(reinterpret_cast<char *>(scratch) + table_bytes(B));
     FT_TRY(launch_over_sequences(c, attention_backward_dq_kernel, op, B, tiles, NH, table, dqkv, D, dctx, qkv, probs,
-                                 dmask, C, (int)NH, hs, (int)tiles, scale, thr, keep_scale, key));
+                                 stats, dmask, C, (int)NH, hs, (int)tiles, scale, thr, keep_scale, key));
     return launch_over_sequences(c, attention_backward_dkv_kernel, op, B, tiles, NH, table, dqkv,
-                                 static_cast<const float *>(D), dctx, qkv, probs, dmask, C, (int)NH, hs, (int)tiles,
-                                 scale, thr, keep_scale, key);
+                                 static_cast<const float *>(D), dctx, qkv, probs, stats, dmask, C, (int)NH, hs,
+                                 (int)tiles, scale, thr, keep_scale, key);
 }

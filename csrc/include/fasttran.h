@@ -456,10 +456,14 @@ ft_status ft_device_write(ft_device dev, void *dst, const void *host_src, size_t
  *   inplace_gelu: keep the GELU output and one branch bit per element, not its input;
  *   inplace_layernorm: the LayerNorm backward works from its output and statistics, not its input;
  *   recompute_attention_dropout: the attention-dropout mask is regenerated in the backward pass from
- *   the counter-based generator, never stored. */
+ *   the counter-based generator, never stored.
+ * And FlashAttention's (Dao et al. 2022), which Tempo's paper leaves out:
+ *   recompute_attention_probs: the attention probabilities (NH n^2 floats per sequence) are not
+ *   kept; each row's softmax maximum and 1/sum are (2 floats per row and head), and the backward
+ *   recomputes the probabilities from Q and K. */
 typedef struct {
     float hidden_dropout, attention_dropout;
-    int inplace_gelu, inplace_layernorm, recompute_attention_dropout;
+    int inplace_gelu, inplace_layernorm, recompute_attention_dropout, recompute_attention_probs;
     /* the projections' products (forward and backward): FT_F32, or FT_BF16 / FT_F16 (mixed
      * precision: float32 storage, master weights and sums; half-precision products on tensor
      * cores, backend op gemm_prec). Attention's products stay float32. */

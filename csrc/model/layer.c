@@ -41,7 +41,8 @@ void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt,
     const size_t C = (size_t)cfg->hidden_size, I = (size_t)cfg->intermediate_size, n = (size_t)N, f = sizeof(float);
     memset(sizes, 0, FT_LAYER_ACT_KINDS * sizeof(size_t));
     sizes[ACT_QKV] = n * 3 * C * f;
-    sizes[ACT_PROBS] = (size_t)P * f;
+    /* the probabilities, or (recomputed in the backward) each row's softmax statistics: 2 floats per row and head */
+    sizes[ACT_PROBS] = opt->recompute_attention_probs ? n * (size_t)cfg->num_heads * 2 * f : (size_t)P * f;
     sizes[ACT_ATTN_MASK] = !opt->recompute_attention_dropout && opt->attention_dropout > 0.0f ? (size_t)P : 0;
     sizes[ACT_CTX] = n * C * f;
     sizes[ACT_LN_IN] = opt->inplace_layernorm ? 0 : 2 * n * C * f;
@@ -61,7 +62,7 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
     /* qkv (N, 3C) = x Wqkv^T + bqkv */
     FT_TRY(be->broadcast_rows(be, a->qkv, w->bqkv, N, 3 * C));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, 3 * C, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * C));
-    FT_TRY(be->attention_train_forward(be, a->ctx, a->probs, a->attn_mask, a->qkv, bt->seqs, bt->B, C, NH,
+    FT_TRY(be->attention_train_forward(be, a->ctx, a->probs, a->attn_stats, a->attn_mask, a->qkv, bt->seqs, bt->B, C, NH,
                                        o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch,
                                        wk->attn_scratch_bytes));
     /* h1 = LN(x + dropout(ctx Wo^T + bo)) */
@@ -121,7 +122,8 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->sum_axis(be, gw->bo, da, N, C, 0));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, C, N, 1.0f, da, C, a->ctx, C, 0.0f, gw->wo, C));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, C, 1.0f, da, C, w->wo, C, 0.0f, wk->dctx, C));
-    FT_TRY(be->attention_backward(be, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_mask, bt->seqs, bt->B, C, NH,
+    FT_TRY(be->attention_backward(be, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_stats, a->attn_mask, bt->seqs, bt->B,
+                                  C, NH,
                                   o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch,
                                   wk->attn_scratch_bytes));
     FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * C, 0));
@@ -321,7 +323,13 @@ static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, char *
     for (int64_t l = 0; l < s->count; l++) {
         ft_layer_acts *a = &s->acts[l];
         TAKE(a->qkv, float *, sizes[ACT_QKV]);
-        TAKE(a->probs, float *, sizes[ACT_PROBS]);
+        if (s->opt.recompute_attention_probs) {
+            if (base) a->probs = NULL;
+            TAKE(a->attn_stats, float *, sizes[ACT_PROBS]);
+        } else {
+            if (base) a->attn_stats = NULL;
+            TAKE(a->probs, float *, sizes[ACT_PROBS]);
+        }
         TAKE(a->attn_mask, uint8_t *, sizes[ACT_ATTN_MASK]);
         TAKE(a->ctx, float *, sizes[ACT_CTX]);
         TAKE(a->ln1_in, float *, sizes[ACT_LN_IN] / 2);

@@ -18,7 +18,8 @@ typedef struct {
 typedef struct {
     const float *x;      /* (N, C)   the layer input: the previous layer's `out`, or the batch */
     float *qkv;          /* (N, 3C)  Q, K, V */
-    float *probs;        /* (P)      attention probabilities before dropout */
+    float *probs;        /* (P)      attention probabilities before dropout, unless recomputed */
+    float *attn_stats;   /* (N, NH, 2) their rows' softmax max and 1/sum, when recomputed */
     uint8_t *attn_mask;  /* (P)      attention dropout mask, unless it is recomputed (Tempo) */
     float *ctx;          /* (N, C)   attention output */
     float *ln1_in;       /* (N, C)   LayerNorm 1 input, unless the backward uses its output (Tempo) */

@@ -72,18 +72,18 @@ static void *buffer(LayerStack *self, PyObject *o, const char *what, ft_dtype dt
 static int LayerStack_init(LayerStack *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"encoder", "first", "count", "device_index", "hidden_dropout", "attention_dropout",
                              "inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "matmul_precision",
-                             NULL};
+                             "recompute_attention_probs", NULL};
     PyObject *enc_o;
     long long first, count;
-    int device_index = -1, ig = 0, il = 0, rd = 1, prec = FT_F32;
+    int device_index = -1, ig = 0, il = 0, rd = 1, prec = FT_F32, rp = 0;
     float hp = 0.0f, ap = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffpppi", kwlist, &enc_o, &first, &count, &device_index, &hp, &ap,
-                                     &ig, &il, &rd, &prec))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffpppip", kwlist, &enc_o, &first, &count, &device_index, &hp, &ap,
+                                     &ig, &il, &rd, &prec, &rp))
         return -1;
     ft_encoder *enc = ft_py_encoder_of(enc_o);
     if (!enc) return -1;
     if (self->stack) { ft_py_fail(ft_errors.base, "LayerStack is already initialised"); return -1; }
-    ft_layer_options opt = {hp, ap, ig, il, rd, (ft_dtype)prec};
+    ft_layer_options opt = {hp, ap, ig, il, rd, rp, (ft_dtype)prec};
     ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
     ft_status st;
     ft_layer_stack *s = NULL;
@@ -287,7 +287,8 @@ static PyType_Slot LayerStack_slots[] = {
     {Py_tp_dealloc, LayerStack_dealloc}, {Py_tp_init, LayerStack_init}, {Py_tp_new, PyType_GenericNew},
     {Py_tp_methods, LayerStack_methods}, {Py_tp_getset, LayerStack_getset},
     {Py_tp_doc, "LayerStack(encoder, first, count, device_index=-1, hidden_dropout=0, attention_dropout=0, "
-                "inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=True, matmul_precision=0 (ft_dtype))"},
+                "inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=True, matmul_precision=0 (ft_dtype), "
+                "recompute_attention_probs=False)"},
     {0, NULL}};
 
 static PyType_Spec LayerStack_spec = {"fasttran._C.LayerStack", sizeof(LayerStack), 0, Py_TPFLAGS_DEFAULT,
