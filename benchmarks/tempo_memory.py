@@ -1,5 +1,6 @@
 """Tempo's memory savings in top-k training (issue 17): saved-activation bytes of a training step
-with each option on alone and all three, predicted from the design and measured from the layer
+with each option on alone, Tempo's three together and all four (with FlashAttention's recomputed
+probabilities), predicted from the design and measured from the layer
 stack's own memory model (the same layout it allocates: tests/test_layer_training.py checks that
 report against the allocation), and the largest batch of 512-token sequences that fits a budget.
 
@@ -9,7 +10,7 @@ Models: all-MiniLM-L6-v2 (real) and BERT-base (the architecture, random weights;
 transformers to write it), every layer trained (k = L), dropout 0.1. Predictions per layer, N
 tokens, P attention probabilities (sum over sequences of heads * n^2):
 inplace_layernorm 2 N C floats; inplace_gelu N I floats less N I bits; recompute_attention_dropout
-P bytes. Nothing is run here: the byte counts are the layout's, the same on CPU and CUDA."""
+P bytes; recompute_attention_probs P floats less 2 N NH floats (each row's max and 1/sum). Nothing is run here: the byte counts are the layout's, the same on CPU and CUDA."""
 import argparse
 import json
 import os
@@ -18,13 +19,14 @@ import tempfile
 import fasttran
 from fasttran.finetune import TopLayers
 
-OPTIONS = ("inplace_layernorm", "inplace_gelu", "recompute_attention_dropout")
+TEMPO = ("inplace_layernorm", "inplace_gelu", "recompute_attention_dropout")
+OPTIONS = TEMPO + ("recompute_attention_probs",)
 
 
 def predicted_saving(option, L, B, T, C, I, NH):
     N, P = B * T, NH * B * T * T
     return L * {"inplace_layernorm": 2 * N * C * 4, "inplace_gelu": N * I * 4 - N * I // 8,
-                "recompute_attention_dropout": P}[option]
+                "recompute_attention_dropout": P, "recompute_attention_probs": 4 * P - 2 * N * NH * 4}[option]
 
 
 def bert_base(tmp):
@@ -58,7 +60,8 @@ def main():
                 return sum(top.memory_report(B, T)["activations"].values()), top.largest_batch(512, budget)
             for B, T in ((32, 128), (8, 512)):
                 base, base_lb = report(B, T)
-                cases = [("none", {})] + [(o, {o: True}) for o in OPTIONS] + [("all three", dict.fromkeys(OPTIONS, True))]
+                cases = [("none", {})] + [(o, {o: True}) for o in OPTIONS] + [
+                    ("Tempo's three", dict.fromkeys(TEMPO, True)), ("all four", dict.fromkeys(OPTIONS, True))]
                 for label, opt in cases:
                     act, lb = report(B, T, **opt)
                     pred = sum(predicted_saving(o, L, B, T, C, I, NH) for o in opt)
