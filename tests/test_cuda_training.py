@@ -344,16 +344,19 @@ def _topk_pair(model, inputs, head, k, pooling="mean", **kw):
     return out
 
 
-@pytest.mark.parametrize("head,k,pooling,optimizer", [("classification", 1, "mean", "adamw"),
-                                                      ("classification", 2, "cls", "lamb"),
-                                                      ("classification-pooler", 5, "mean", "adamw"),
-                                                      ("qa", 2, "mean", "adamw")])
-def test_cuda_topk_trainer_matches_the_cpu_trainer(model, inputs, head, k, pooling, optimizer):
+@pytest.mark.parametrize("head,k,pooling,optimizer,tempo", [("classification", 1, "mean", "adamw", None),
+                                                            ("classification", 2, "cls", "lamb", None),
+                                                            ("classification-pooler", 5, "mean", "adamw", None),
+                                                            ("qa", 2, "mean", "adamw", None),
+                                                            ("classification", 2, "mean", "adamw",
+                                                             {"recompute_attention_probs": True})])
+def test_cuda_topk_trainer_matches_the_cpu_trainer(model, inputs, head, k, pooling, optimizer, tempo):
     """Top-layer training on CUDA (layers, pooling, head, loss, backward and the fused optimizer on the
     device; dropout in the layers and the head, with the CPU's masks) equals the CPU trainer within
-    fp32 rounding, loss by loss and weight by weight, and evaluates the same."""
+    fp32 rounding, loss by loss and weight by weight, and evaluates the same (also with the attention
+    probabilities recomputed in the backward on both)."""
     kw = dict(optimizer=optimizer, epochs=2, batch_size=7, lr=2e-3, max_grad_norm=0.5, layer_dropout=0.1,
-              dropout=0.1, num_labels=None if head == "qa" else 3)
+              dropout=0.1, num_labels=None if head == "qa" else 3, tempo=tempo)
     (cpu, cache, y), (gpu, gcache, gy) = _topk_pair(model, inputs, head, k, pooling, **kw)
     assert gpu.top.device == "cuda:0" and gpu.optimizer.device == "cuda:0"
     assert np.array_equal(cache.get(cache.example_ids)[0], gcache.get(gcache.example_ids)[0])
@@ -587,7 +590,8 @@ def test_cuda_topk_resumes_exactly_and_exports(model, inputs, tmp_path):
         assert np.array_equal(a, np.asarray(b))
 
 
-def test_cuda_topk_memory_report_is_what_the_device_allocates(enc_cuda):
+@pytest.mark.parametrize("recompute", [False, True], ids=["probs-kept", "probs-recomputed"])
+def test_cuda_topk_memory_report_is_what_the_device_allocates(enc_cuda, recompute):
     """The layer stack's accounting on CUDA against the device allocator itself (free memory before
     and after a training step): the same bytes up to a few small tables, and the report for the
     batch's longest sequence bounds it. (The emulator's free memory is byte-exact; a GPU's moves in
@@ -601,7 +605,7 @@ def test_cuda_topk_memory_report_is_what_the_device_allocates(enc_cuda):
     dout = fasttran.Tensor.from_dlpack(np.ones((N, C), np.float32)).to("cuda")
     free = lambda: enc_cuda._core.memory_report()["device_free"]
     f0 = free()
-    top = TopLayers(enc_cuda, 2, device="cuda")
+    top = TopLayers(enc_cuda, 2, device="cuda", recompute_attention_probs=recompute)
     out = top.forward(x, lengths, training=True)   # a new (N, C) device buffer, kept
     top.backward(dout)
     used = f0 - free()

@@ -68,6 +68,21 @@ def test_learns_and_resumes_exactly(enc, data, cache1, tmp_path):
     assert_resumes_exactly(full, trainer(1, epochs=2, lr=3e-4), cache1, y, tmp_path)
 
 
+def test_recomputed_attention_probabilities_train_alike_and_resume_exactly(enc, data, cache1, tmp_path):
+    """tempo={"recompute_attention_probs": True}: the same training to fp32 rounding as with the
+    probabilities kept (16 steps), kept in the checkpoint, resumed bit for bit."""
+    y = data[3]
+    rp = {"recompute_attention_probs": True}
+    kept, rec = trainer(1), trainer(1, tempo=rp)
+    kept.fit(cache1, y)
+    rec.fit(cache1, y)
+    assert rec.top.options["recompute_attention_probs"] and "recompute_attention_probs" in repr(rec.top)
+    for (n, a), (_, b) in zip(kept.top.named_parameters(), rec.top.named_parameters()):
+        assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(a).max()), n
+    assert_resumes_exactly(rec, trainer(1, tempo=rp), cache1, y, tmp_path)
+    assert Trainer.load(str(tmp_path / "ck"), show_progress=False).tempo == rp
+
+
 @pytest.mark.skipif(fasttran._C.cpu_isa() != "amx", reason="bf16 training on the CPU needs AMX (Sapphire Rapids+)")
 def test_bf16_on_amx_learns_like_float32_and_resumes_exactly(enc, data, cache1, tmp_path):
     """precision="bfloat16" on a CPU with AMX: the layers' products on the tiles in bf16 (one term of
