@@ -93,6 +93,15 @@ inline ft_status launched(const char *what) {
 #define FT_CU(call, what) do { cudaError_t _e = (call); if (_e != cudaSuccess) return ftcuda::cuda_fail(_e, what); } while (0)
 #define FT_CUBLAS(call, what) do { cublasStatus_t _s = (call); if (_s != CUBLAS_STATUS_SUCCESS) return ftcuda::blas_fail(_s, what); } while (0)
 
+// a loop nvcc must unroll (a register tile's fixed trip count: indexing a register array with a
+// loop variable that is not unrolled puts the array in local memory); the emulator's host compiler
+// decides for itself
+#ifdef FT_CUDA_EMU
+#define FT_UNROLL
+#else
+#define FT_UNROLL _Pragma("unroll")
+#endif
+
 // blocks for a grid-stride loop over `total` items, `threads` per block (at least 1, at most
 // 65535 x 8: the loop covers the rest)
 inline unsigned grid_of(int64_t total, int threads) {

@@ -69,7 +69,7 @@ __device__ inline void mma_abt(float acc[2][4], const tile_t &A, const tile_t &B
     const int r = tile_row(0), c = tile_col(0);
     for (int k = 0; k < AT_TILE; k++) {
         const float a0 = A[r][k], a1 = A[r + 1][k];
-        for (int j = 0; j < 4; j++) {
+        FT_UNROLL for (int j = 0; j < 4; j++) {
             const float b = B[c + 8 * j][k];
             acc[0][j] += a0 * b;
             acc[1][j] += a1 * b;
@@ -82,7 +82,7 @@ __device__ inline void mma_ab(float acc[2][4], const tile_t &A, const tile_t &B)
     const int r = tile_row(0), c = tile_col(0);
     for (int k = 0; k < AT_TILE; k++) {
         const float a0 = A[r][k], a1 = A[r + 1][k];
-        for (int j = 0; j < 4; j++) {
+        FT_UNROLL for (int j = 0; j < 4; j++) {
             const float b = B[k][c + 8 * j];
             acc[0][j] += a0 * b;
             acc[1][j] += a1 * b;
@@ -95,7 +95,7 @@ __device__ inline void mma_atb(float acc[2][4], const tile_t &A, const tile_t &B
     const int r = tile_row(0), c = tile_col(0);
     for (int k = 0; k < AT_TILE; k++) {
         const float a0 = A[k][r], a1 = A[k][r + 1];
-        for (int j = 0; j < 4; j++) {
+        FT_UNROLL for (int j = 0; j < 4; j++) {
             const float b = B[k][c + 8 * j];
             acc[0][j] += a0 * b;
             acc[1][j] += a1 * b;
@@ -114,8 +114,8 @@ __device__ inline int kept(const uint8_t *dmask, int64_t i, uint32_t thr, uint64
 // real) over `cols` columns, chunk by chunk through As and Bs (every thread of the block calls it)
 __device__ inline void product_tile_abt(float acc[2][4], tile_t &As, tile_t &Bs, const float *a, int64_t lda,
                                         int64_t na, const float *b, int64_t ldb, int64_t nb, int cols) {
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    FT_UNROLL for (int i = 0; i < 2; i++)
+        FT_UNROLL for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
     for (int d0 = 0; d0 < cols; d0 += AT_TILE) {
         load_chunk(As, a, lda, na, d0, cols);
         load_chunk(Bs, b, ldb, nb, d0, cols);
@@ -137,8 +137,8 @@ __device__ inline void probs_tile(float p[2][4], tile_t &As, tile_t &Bs, const f
                                   const float *kg, int64_t ld, int64_t nq, int64_t nk, int hs, float scale,
                                   const float m[2], const float inv[2]) {
     if (!P) product_tile_abt(p, As, Bs, qg, ld, nq, kg, ld, nk, hs);
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
+    FT_UNROLL for (int i = 0; i < 2; i++)
+        FT_UNROLL for (int j = 0; j < 4; j++) {
             const int r = tile_row(i), c = tile_col(j);
             p[i][j] = r >= nq || c >= nk ? 0.0f : P ? P[r * n + c] : prob_of(p[i][j], scale, m[i], inv[i]);
         }
@@ -148,7 +148,7 @@ __device__ inline void probs_tile(float p[2][4], tile_t &As, tile_t &Bs, const f
 // probabilities are kept
 __device__ inline void row_stats(float m[2], float inv[2], const float *stats, int64_t row0, int64_t nq, int NH,
                                  int head) {
-    for (int i = 0; i < 2; i++) {
+    FT_UNROLL for (int i = 0; i < 2; i++) {
         const int r = tile_row(i);
         m[i] = 0.0f;
         inv[i] = 0.0f;
@@ -182,21 +182,22 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
         float acc[2][4];
         product_tile_abt(acc, As, Bs, qg, ld, nq, kg + k0 * ld, ld, n - k0, hs);
-        for (int i = 0; i < 2; i++) {
+        FT_UNROLL for (int i = 0; i < 2; i++) {
             float mt = -INFINITY;
-            for (int j = 0; j < 4; j++)
+            FT_UNROLL for (int j = 0; j < 4; j++)
                 if (k0 + tile_col(j) < n) mt = fmaxf(mt, acc[i][j] * scale);
-            if (mt == -INFINITY) continue;   // none of this thread's columns is a key here
-            const float mn = fmaxf(m[i], mt);
-            float sum = l[i] * expf(m[i] - mn);
-            for (int j = 0; j < 4; j++)
-                if (k0 + tile_col(j) < n) sum += expf(acc[i][j] * scale - mn);
-            l[i] = sum;
-            m[i] = mn;
+            if (mt != -INFINITY) {   // else none of this thread's columns is a key here
+                const float mn = fmaxf(m[i], mt);
+                float sum = l[i] * expf(m[i] - mn);
+                FT_UNROLL for (int j = 0; j < 4; j++)
+                    if (k0 + tile_col(j) < n) sum += expf(acc[i][j] * scale - mn);
+                l[i] = sum;
+                m[i] = mn;
+            }
         }
     }
     float inv[2];
-    for (int i = 0; i < 2; i++) {
+    FT_UNROLL for (int i = 0; i < 2; i++) {
         for (int o = 4; o > 0; o >>= 1) {   // the row's 8 threads are adjacent lanes of one warp
             const float mo = __shfl_xor_sync(0xffffffffu, m[i], o), lo = __shfl_xor_sync(0xffffffffu, l[i], o);
             const float mn = fmaxf(m[i], mo);
@@ -213,8 +214,8 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
         float acc[2][4];
         product_tile_abt(acc, As, Bs, qg, ld, nq, kg + k0 * ld, ld, n - k0, hs);
-        for (int i = 0; i < 2; i++)
-            for (int j = 0; j < 4; j++) {
+        FT_UNROLL for (int i = 0; i < 2; i++)
+            FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int r = tile_row(i), c = tile_col(j);
                 float pd = 0.0f;
                 if (r < nq && k0 + c < n) {
@@ -235,8 +236,8 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
             __syncthreads();   // and Ps written
             float part[2][4] = {};
             mma_ab(part, Ps, Bs);
-            for (int i = 0; i < 2; i++)
-                for (int j = 0; j < 4; j++) {
+            FT_UNROLL for (int i = 0; i < 2; i++)
+                FT_UNROLL for (int j = 0; j < 4; j++) {
                     const int r = tile_row(i), c = d0 + tile_col(j);
                     if (r < nq && c < hs) {
                         float *o = og + r * C + c;
@@ -273,25 +274,25 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
         float p[2][4], acc[2][4];
         probs_tile(p, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, ld, nq, n - k0, hs, scale, m, inv);
         product_tile_abt(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
-        for (int i = 0; i < 2; i++)
-            for (int j = 0; j < 4; j++) {
+        FT_UNROLL for (int i = 0; i < 2; i++)
+            FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int64_t r = tile_row(i), c = k0 + tile_col(j);
                 if (r < nq && c < n)
                     dsum[i] += kept(dmask, pbase + r * n + c, thr, key) ? acc[i][j] * keep_scale * p[i][j] : 0.0f;
             }
     }
-    for (int i = 0; i < 2; i++)   // over the row's 8 threads (adjacent lanes of one warp)
+    FT_UNROLL for (int i = 0; i < 2; i++)   // over the row's 8 threads (adjacent lanes of one warp)
         for (int o = 4; o > 0; o >>= 1) dsum[i] += __shfl_xor_sync(0xffffffffu, dsum[i], o);
     if ((threadIdx.x & 7) == 0)
-        for (int i = 0; i < 2; i++)
+        FT_UNROLL for (int i = 0; i < 2; i++)
             if (tile_row(i) < nq) Dsum[(sq.first + q0 + tile_row(i)) * NH + head] = dsum[i];
     // dS = P (dP - D) per key tile, dQ += dS K scale
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
         float p[2][4], acc[2][4];
         probs_tile(p, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, ld, nq, n - k0, hs, scale, m, inv);
         product_tile_abt(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
-        for (int i = 0; i < 2; i++)
-            for (int j = 0; j < 4; j++) {
+        FT_UNROLL for (int i = 0; i < 2; i++)
+            FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int64_t r = tile_row(i), c = k0 + tile_col(j);
                 float v = 0.0f;
                 if (r < nq && c < n) {
@@ -305,8 +306,8 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
             __syncthreads();   // and Ss written
             float part[2][4] = {};
             mma_ab(part, Ss, Bs);
-            for (int i = 0; i < 2; i++)
-                for (int j = 0; j < 4; j++) {
+            FT_UNROLL for (int i = 0; i < 2; i++)
+                FT_UNROLL for (int j = 0; j < 4; j++) {
                     const int64_t r = tile_row(i);
                     const int c = d0 + tile_col(j);
                     if (r < nq && c < hs) {
@@ -342,10 +343,10 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
         probs_tile(p, As, Bs, probs ? probs + hbase + q0 * n + k0 : nullptr, n, qg + q0 * ld, kt, ld, nq, nk, hs,
                    scale, m, inv);
         product_tile_abt(acc, As, Bs, og + q0 * C, C, nq, vt, ld, nk, hs);
-        for (int i = 0; i < 2; i++) {
+        FT_UNROLL for (int i = 0; i < 2; i++) {
             const int64_t r = tile_row(i);
             const float D = r < nq ? Dsum[(sq.first + q0 + r) * NH + head] : 0.0f;
-            for (int j = 0; j < 4; j++) {
+            FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int c = tile_col(j);
                 float s = 0.0f, pd = 0.0f;
                 if (r < nq && c < nk) {
@@ -364,8 +365,8 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
             float gv[2][4] = {}, gk[2][4] = {};
             mma_atb(gv, Ps, As);
             mma_atb(gk, Ss, Bs);
-            for (int i = 0; i < 2; i++)
-                for (int j = 0; j < 4; j++) {
+            FT_UNROLL for (int i = 0; i < 2; i++)
+                FT_UNROLL for (int j = 0; j < 4; j++) {
                     const int64_t r = tile_row(i);
                     const int c = d0 + tile_col(j);
                     if (r < nk && c < hs) {
