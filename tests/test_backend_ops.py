@@ -885,6 +885,25 @@ def test_cuda_op_matches_cpu(op, ident, build):
 
 
 @cuda
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_cuda_recomputed_probabilities_are_the_kept_ones_bit_for_bit(p):
+    """The fused kernels recompute P from the same bits of Q K^T with the forward's own expression
+    and the statistics the forward used: the backward from kept probabilities and the backward from
+    the statistics give the same dqkv, bit for bit (several key tiles, a partial one, hs 40)."""
+    lens, NH, hs = [70, 0, 45, 3], 2, 40
+    gpu = Backend(0)
+    fwd = dict(_attn_train(lens, NH, hs, p, False, "both")(np.random.default_rng(11)))
+    got = run_case(gpu, "attention_train_forward", fwd)
+    rng = np.random.default_rng(12)
+    common = dict(dqkv=Out((sum(lens), 3 * NH * hs)), dctx=In(f32(rng, sum(lens), NH * hs)), qkv=fwd["qkv"],
+                  dmask=None, seqs=fwd["seqs"], B=len(lens), C=NH * hs, NH=NH, p=p, key=fwd["key"],
+                  scratch=fwd["scratch"], scratch_bytes=fwd["scratch_bytes"])
+    kept = run_case(gpu, "attention_backward", dict(common, probs=In(got["probs"]), stats=None))
+    rec = run_case(gpu, "attention_backward", dict(common, probs=None, stats=In(got["stats"])))
+    assert np.array_equal(kept["dqkv"], rec["dqkv"]), np.abs(kept["dqkv"] - rec["dqkv"]).max()
+
+
+@cuda
 def test_cuda_per_sequence_training_attention_variant():
     """The training attention's kept variant (FASTTRAN_CUDA_TRAIN_ATTENTION=per_sequence: cuBLAS a
     sequence at a time, the fused kernels' predecessor, read once per process) matches the CPU on

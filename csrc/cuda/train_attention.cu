@@ -161,7 +161,7 @@ __device__ inline void row_stats(float m[2], float inv[2], const float *stats, i
 
 // grid (query tiles x heads, sequences): the block's rows of ctx, probs (when kept) and stats (when
 // asked). Pass 1: each row's maximum and sum of exp, online per thread over the key tiles, then over
-// the row's 8 threads (a fixed shuffle tree: all 8 get the same bits). Pass 2: the scores again
+// the row's 8 threads (a fixed shuffle tree, then its first lane's bits for all 8). Pass 2: the scores again
 // (the same bits), P = exp(s - m) / sum, dropout, ctx += Pd V, the block's own rows of ctx updated
 // in place key tile by key tile.
 __global__ void __launch_bounds__(AT_THREADS)
@@ -204,6 +204,11 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
             l[i] = (m[i] == -INFINITY ? 0.0f : l[i] * expf(m[i] - mn)) + (mo == -INFINITY ? 0.0f : lo * expf(mo - mn));
             m[i] = mn;
         }
+        // the row's first lane's bits for all 8 (nvcc may fuse either product into the sum, which
+        // makes the pair's results differ in the last bit): the statistics written are the ones used
+        const int first_lane = (int)(threadIdx.x & 31) & ~7;
+        m[i] = __shfl_sync(0xffffffffu, m[i], first_lane);
+        l[i] = __shfl_sync(0xffffffffu, l[i], first_lane);
         inv[i] = 1.0f / l[i];
         const int r = tile_row(i);
         if (stats && (threadIdx.x & 7) == 0 && r < nq) {
