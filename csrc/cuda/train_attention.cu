@@ -105,6 +105,21 @@ __device__ inline void mma_atb(float acc[2][4], const tile_t &A, const tile_t &B
 
 inline __device__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// rows [0, rows) x columns [d0, cols) of the block's own part of a global matrix (stride ld): the
+// thread's register tile times `scale`, written on the first pass and added after (the same thread
+// owns the same elements on every pass: no other block or thread touches them)
+__device__ inline void tile_update(float *dst, int64_t ld, const float part[2][4], float scale, bool first,
+                                   int64_t rows, int d0, int cols) {
+    FT_UNROLL for (int i = 0; i < 2; i++)
+        FT_UNROLL for (int j = 0; j < 4; j++) {
+            const int r = tile_row(i), c = d0 + tile_col(j);
+            if (r < rows && c < cols) {
+                float *o = dst + r * ld + c;
+                *o = first ? part[i][j] * scale : *o + part[i][j] * scale;
+            }
+        }
+}
+
 // the dropout of probability index i: 1 (kept) or 0, from the kept mask or the hash
 __device__ inline int kept(const uint8_t *dmask, int64_t i, uint32_t thr, uint64_t key) {
     return !thr ? 1 : dmask ? dmask[i] : ft_dropout_keep(key, (uint64_t)i, thr);
@@ -141,6 +156,24 @@ __device__ inline void probs_tile(float p[2][4], tile_t &As, tile_t &Bs, const f
         FT_UNROLL for (int j = 0; j < 4; j++) {
             const int r = tile_row(i), c = tile_col(j);
             p[i][j] = r >= nq || c >= nk ? 0.0f : P ? P[r * n + c] : prob_of(p[i][j], scale, m[i], inv[i]);
+        }
+}
+
+// what the backward needs of a tile (query rows of qg / og, keys of kg / vg): p its probabilities
+// (probs_tile), keep their dropout bits, dp the gradient reaching P = dropout's backward of dO V^T
+// (zero outside the real rows and keys); element (r, c) has probability index pidx + r n + c
+__device__ inline void grad_tiles(float p[2][4], int keep[2][4], float dp[2][4], tile_t &As, tile_t &Bs,
+                                  const float *P, int64_t n, const float *qg, const float *kg, const float *og,
+                                  int64_t C, const float *vg, int64_t ld, int64_t nq, int64_t nk, int hs, float scale,
+                                  const float m[2], const float inv[2], const uint8_t *dmask, int64_t pidx,
+                                  uint32_t thr, float keep_scale, uint64_t key) {
+    probs_tile(p, As, Bs, P, n, qg, kg, ld, nq, nk, hs, scale, m, inv);
+    product_tile_abt(dp, As, Bs, og, C, nq, vg, ld, nk, hs);
+    FT_UNROLL for (int i = 0; i < 2; i++)
+        FT_UNROLL for (int j = 0; j < 4; j++) {
+            const int r = tile_row(i), c = tile_col(j);
+            keep[i][j] = r < nq && c < nk ? kept(dmask, pidx + r * n + c, thr, key) : 0;
+            dp[i][j] = keep[i][j] ? dp[i][j] * keep_scale : 0.0f;
         }
 }
 
@@ -241,14 +274,7 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
             __syncthreads();   // and Ps written
             float part[2][4] = {};
             mma_ab(part, Ps, Bs);
-            FT_UNROLL for (int i = 0; i < 2; i++)
-                FT_UNROLL for (int j = 0; j < 4; j++) {
-                    const int r = tile_row(i), c = d0 + tile_col(j);
-                    if (r < nq && c < hs) {
-                        float *o = og + r * C + c;
-                        *o = k0 == 0 ? part[i][j] : *o + part[i][j];
-                    }
-                }
+            tile_update(og, C, part, 1.0f, k0 == 0, nq, d0, hs);
             __syncthreads();
         }
     }
@@ -276,15 +302,12 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
     // D_r = sum_c P_rc dP_rc
     float dsum[2] = {0.0f, 0.0f};
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
-        float p[2][4], acc[2][4];
-        probs_tile(p, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, ld, nq, n - k0, hs, scale, m, inv);
-        product_tile_abt(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
+        float p[2][4], dp[2][4];
+        int keep[2][4];
+        grad_tiles(p, keep, dp, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq, n - k0,
+                   hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
         FT_UNROLL for (int i = 0; i < 2; i++)
-            FT_UNROLL for (int j = 0; j < 4; j++) {
-                const int64_t r = tile_row(i), c = k0 + tile_col(j);
-                if (r < nq && c < n)
-                    dsum[i] += kept(dmask, pbase + r * n + c, thr, key) ? acc[i][j] * keep_scale * p[i][j] : 0.0f;
-            }
+            FT_UNROLL for (int j = 0; j < 4; j++) dsum[i] += dp[i][j] * p[i][j];   // zero outside the tile
     }
     FT_UNROLL for (int i = 0; i < 2; i++)   // over the row's 8 threads (adjacent lanes of one warp)
         for (int o = 4; o > 0; o >>= 1) dsum[i] += __shfl_xor_sync(0xffffffffu, dsum[i], o);
@@ -293,33 +316,18 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
             if (tile_row(i) < nq) Dsum[(sq.first + q0 + tile_row(i)) * NH + head] = dsum[i];
     // dS = P (dP - D) per key tile, dQ += dS K scale
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
-        float p[2][4], acc[2][4];
-        probs_tile(p, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, ld, nq, n - k0, hs, scale, m, inv);
-        product_tile_abt(acc, As, Bs, og, C, nq, vg + k0 * ld, ld, n - k0, hs);
+        float p[2][4], dp[2][4];
+        int keep[2][4];
+        grad_tiles(p, keep, dp, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq, n - k0,
+                   hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
         FT_UNROLL for (int i = 0; i < 2; i++)
-            FT_UNROLL for (int j = 0; j < 4; j++) {
-                const int64_t r = tile_row(i), c = k0 + tile_col(j);
-                float v = 0.0f;
-                if (r < nq && c < n) {
-                    const float dp = kept(dmask, pbase + r * n + c, thr, key) ? acc[i][j] * keep_scale : 0.0f;
-                    v = p[i][j] * (dp - dsum[i]);
-                }
-                Ss[tile_row(i)][tile_col(j)] = v;
-            }
+            FT_UNROLL for (int j = 0; j < 4; j++) Ss[tile_row(i)][tile_col(j)] = p[i][j] * (dp[i][j] - dsum[i]);
         for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
             load_chunk(Bs, kg + k0 * ld, ld, n - k0, d0, hs);
             __syncthreads();   // and Ss written
             float part[2][4] = {};
             mma_ab(part, Ss, Bs);
-            FT_UNROLL for (int i = 0; i < 2; i++)
-                FT_UNROLL for (int j = 0; j < 4; j++) {
-                    const int64_t r = tile_row(i);
-                    const int c = d0 + tile_col(j);
-                    if (r < nq && c < hs) {
-                        float *o = dq + r * ld + c;
-                        *o = k0 == 0 ? part[i][j] * scale : *o + part[i][j] * scale;
-                    }
-                }
+            tile_update(dq, ld, part, scale, k0 == 0, nq, d0, hs);
             __syncthreads();
         }
     }
@@ -343,24 +351,18 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
     const int64_t hbase = sq.base + (int64_t)head * n * n;   // index of the head's P[0][0]
     for (int64_t q0 = 0; q0 < n; q0 += AT_TILE) {
         const int64_t nq = min64(n - q0, AT_TILE);
-        float m[2], inv[2], p[2][4], acc[2][4];
+        float m[2], inv[2], p[2][4], dp[2][4];
+        int keep[2][4];
         row_stats(m, inv, probs ? nullptr : stats, sq.first + q0, nq, NH, head);
-        probs_tile(p, As, Bs, probs ? probs + hbase + q0 * n + k0 : nullptr, n, qg + q0 * ld, kt, ld, nq, nk, hs,
-                   scale, m, inv);
-        product_tile_abt(acc, As, Bs, og + q0 * C, C, nq, vt, ld, nk, hs);
+        grad_tiles(p, keep, dp, As, Bs, probs ? probs + hbase + q0 * n + k0 : nullptr, n, qg + q0 * ld, kt,
+                   og + q0 * C, C, vt, ld, nq, nk, hs, scale, m, inv, dmask, hbase + q0 * n + k0, thr, keep_scale, key);
         FT_UNROLL for (int i = 0; i < 2; i++) {
-            const int64_t r = tile_row(i);
+            const int r = tile_row(i);
             const float D = r < nq ? Dsum[(sq.first + q0 + r) * NH + head] : 0.0f;
             FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int c = tile_col(j);
-                float s = 0.0f, pd = 0.0f;
-                if (r < nq && c < nk) {
-                    const int keep = kept(dmask, hbase + (q0 + r) * n + k0 + c, thr, key);
-                    s = p[i][j] * ((keep ? acc[i][j] * keep_scale : 0.0f) - D);
-                    pd = keep ? p[i][j] * keep_scale : 0.0f;
-                }
-                Ss[r][c] = s;
-                Ps[r][c] = pd;
+                Ss[r][c] = p[i][j] * (dp[i][j] - D);   // zero outside the tile: p is
+                Ps[r][c] = keep[i][j] ? p[i][j] * keep_scale : 0.0f;
             }
         }
         for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
@@ -370,16 +372,8 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
             float gv[2][4] = {}, gk[2][4] = {};
             mma_atb(gv, Ps, As);
             mma_atb(gk, Ss, Bs);
-            FT_UNROLL for (int i = 0; i < 2; i++)
-                FT_UNROLL for (int j = 0; j < 4; j++) {
-                    const int64_t r = tile_row(i);
-                    const int c = d0 + tile_col(j);
-                    if (r < nk && c < hs) {
-                        float *v = dv + r * ld + c, *k = dk + r * ld + c;
-                        *v = q0 == 0 ? gv[i][j] : *v + gv[i][j];
-                        *k = q0 == 0 ? gk[i][j] * scale : *k + gk[i][j] * scale;
-                    }
-                }
+            tile_update(dv, ld, gv, 1.0f, q0 == 0, nk, d0, hs);
+            tile_update(dk, ld, gk, scale, q0 == 0, nk, d0, hs);
             __syncthreads();
         }
     }
