@@ -192,6 +192,12 @@ def test_topk_step_on_the_gpu(arch, k, tmp_path):
            "vs_torch_fp32": med["torch fp32"] / med["fasttran fp32"],
            "vs_torch_amp": med["torch AMP bf16"] / med["fasttran fp32"],
            "bf16_vs_torch_amp": med["torch AMP bf16"] / med["fasttran bf16"]}
+    # where fasttran's step spends its time, per backend op (device time from CUDA events): attention
+    # against the GEMMs and the row ops decides what to fuse or move to tensor cores next
+    for name, fn in (("fasttran fp32", ours), ("fasttran bf16", ours_bf16)):
+        prof = fasttran.profile(fn, name=f"{arch} k={k} {name}, {STEPS} steps", device="cuda")
+        row[f"profile {name}"] = prof.to_dict()
+        print(prof)
     RESULTS[f"step {arch} k={k}"] = row
     print(f"\n{arch} k={k} {B}x{T}: " + ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in med.items()) +
           f"; fasttran fp32 vs torch fp32 {row['vs_torch_fp32']:.2f}x, vs AMP {row['vs_torch_amp']:.2f}x; "

@@ -34,7 +34,8 @@ def test_every_op_is_wrapped_with_its_own_arguments():
         assert name in stats, f"op {name} has no profiler entry"
         assert _names(stats[name][5]) == _names(params), f"the argument names of {name} in the op list do not match its parameters"
     kinds = {s[0]: s[1] for s in _C.profile_stats()}
-    assert kinds["gemm"] == "gemm" and kinds["attention_forward"] == "attention"
+    assert kinds["gemm"] == kinds["gemm_prec"] == "gemm" and kinds["attention_forward"] == "attention"
+    assert kinds["attention_train_forward"] == kinds["attention_backward"] == "attention"
     assert kinds["optim_step"] == "optimizer" and kinds["cache_gather"] == "cache read"
     assert kinds["upload"] == kinds["download"] == "copy" and kinds["bias_residual_ln_forward"] == "row ops"
     assert set(kinds.values()) == set(fasttran.profiling.KINDS)

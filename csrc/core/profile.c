@@ -135,7 +135,8 @@ FT_PROF_WRAP_COPY(copy, dst, src)
 
 /* ---- entries ------------------------------------------------------------------------------- */
 static ft_prof_kind kind_of_op(const char *name) {
-    if (!strcmp(name, "gemm") || !strncmp(name, "linear", 6) || !strcmp(name, "pack_weight")) return FT_PROF_GEMM;
+    if (!strncmp(name, "gemm", 4) || !strncmp(name, "linear", 6) || !strcmp(name, "pack_weight"))
+        return FT_PROF_GEMM;   /* gemm and gemm_prec (the layers' projections) */
     if (strstr(name, "attention")) return FT_PROF_ATTENTION;
     if (!strcmp(name, "optim_step")) return FT_PROF_OPTIMIZER;
     return FT_PROF_ROWOPS;   /* every other op of the list: fused elementwise / row kernels */
