@@ -57,6 +57,15 @@ phase_sanitize() {
         echo "$name: exit $? ($(grep -c '=========' "$OUT/sanitize-$name.log") sanitizer lines)"
         grep -m5 "ERROR SUMMARY\|LEAK SUMMARY" "$OUT/sanitize-$name.log"
     done
+    # the fused training attention's kernels (shared-memory tiles, shuffles, barriers): racecheck and
+    # synccheck over its op cases (small shapes, every path: kept / recomputed probabilities, dropout)
+    for t in racecheck synccheck; do
+        timeout 120 $cs --tool $t --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
+            tests/test_backend_ops.py -k "cuda and (attention_train or attention_backward or bit_for_bit)" \
+            >"$OUT/sanitize-$t-train-attention.log" 2>&1
+        echo "$t (training attention): exit $? ($(grep -c '=========' "$OUT/sanitize-$t-train-attention.log") sanitizer lines)"
+        grep -m5 "ERROR SUMMARY" "$OUT/sanitize-$t-train-attention.log"
+    done
     # the CUDA Trainer's paths (head only and top-k layers): memcheck with the leak check
     timeout 140 $cs --tool memcheck --leak-check full --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
         tests/test_cuda_training.py -k "topk or matches_the_cpu" >"$OUT/sanitize-memcheck-training.log" 2>&1
