@@ -321,7 +321,10 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
         grad_tiles(p, keep, dp, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq, n - k0,
                    hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
         FT_UNROLL for (int i = 0; i < 2; i++)
-            FT_UNROLL for (int j = 0; j < 4; j++) Ss[tile_row(i)][tile_col(j)] = p[i][j] * (dp[i][j] - dsum[i]);
+            FT_UNROLL for (int j = 0; j < 4; j++) {
+                const int r = tile_row(i), c = tile_col(j);
+                Ss[r][c] = r < nq && k0 + c < n ? p[i][j] * (dp[i][j] - dsum[i]) : 0.0f;
+            }
         for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
             load_chunk(Bs, kg + k0 * ld, ld, n - k0, d0, hs);
             __syncthreads();   // and Ss written
@@ -361,7 +364,7 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
             const float D = r < nq ? Dsum[(sq.first + q0 + r) * NH + head] : 0.0f;
             FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int c = tile_col(j);
-                Ss[r][c] = p[i][j] * (dp[i][j] - D);   // zero outside the tile: p is
+                Ss[r][c] = r < nq && c < nk ? p[i][j] * (dp[i][j] - D) : 0.0f;
                 Ps[r][c] = keep[i][j] ? p[i][j] * keep_scale : 0.0f;
             }
         }
