@@ -41,6 +41,9 @@ namespace {
 constexpr int AT_TILE = 32;                  // rows of a block's tile, keys of a key tile, columns of a chunk
 constexpr int AT_PAD = AT_TILE + 1;          // floats per row of a shared tile (no bank conflicts)
 constexpr int AT_THREADS = 128;              // 16 x 8 threads, a 2 x 4 register tile each
+// blocks per SM the kernels are compiled for: at most 80 registers a thread, no spill (ptxas -v,
+// sm_80 and sm_90; left to itself ptxas took 64 and spilled in the dQ kernel, or 96-128 with 4)
+constexpr int AT_MIN_BLOCKS = 6;
 
 // a sequence of the batch as the fused kernels read it (device copy in the scratch)
 struct seq_entry {
@@ -197,7 +200,7 @@ __device__ inline void row_stats(float m[2], float inv[2], const float *stats, i
 // the row's 8 threads (a fixed shuffle tree, then its first lane's bits for all 8). Pass 2: the scores again
 // (the same bits), P = exp(s - m) / sum, dropout, ctx += Pd V, the block's own rows of ctx updated
 // in place key tile by key tile.
-__global__ void __launch_bounds__(AT_THREADS)
+__global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, float *stats, uint8_t *dmask,
                                const float *qkv, int64_t C, int NH, int hs, int tiles, float scale, uint32_t thr,
                                float keep_scale, uint64_t key) {
@@ -281,7 +284,7 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
 }
 
 // grid (query tiles x heads, sequences): the tile's rows of dQ, and D for them
-__global__ void __launch_bounds__(AT_THREADS)
+__global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, const float *dctx, const float *qkv,
                              const float *probs, const float *stats, const uint8_t *dmask, int64_t C, int NH, int hs,
                              int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
@@ -337,7 +340,7 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
 }
 
 // grid (key tiles x heads, sequences): the tile's key rows of dK and dV
-__global__ void __launch_bounds__(AT_THREADS)
+__global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *Dsum, const float *dctx,
                               const float *qkv, const float *probs, const float *stats, const uint8_t *dmask, int64_t C,
                               int NH, int hs, int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
