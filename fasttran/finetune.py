@@ -29,6 +29,8 @@ def mean_rows(out, offsets):
 
 
 _MATMUL_PRECISIONS = ("float32", "bfloat16", "float16")
+#: the options that change what a training step keeps (Tempo's three and FlashAttention's)
+MEMORY_OPTIONS = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "recompute_attention_probs")
 
 
 class TopLayers:
@@ -161,26 +163,32 @@ class TopLayers:
         self._saved_x = None   # the stack is done with it
         return dx
 
-    def memory_report(self, batch_size, seq_len, optimizer_states=2):
+    def memory_report(self, batch_size, seq_len, optimizer_states=2, **options):
         """Bytes a training step over `batch_size` sequences of `seq_len` tokens holds, by category:
         weights, gradients, optimizer state (`optimizer_states` floats per parameter: 2 for Adam
-        and LAMB), saved activations by kind, workspace, and the total."""
-        m = self._stack.memory(int(batch_size), int(seq_len))
+        and LAMB), saved activations by kind, workspace, and the total. `options` (any of
+        MEMORY_OPTIONS = True / False) report another configuration of these layers instead of this
+        one (nothing is allocated), e.g. memory_report(32, 512, recompute_attention_probs=True)."""
+        unknown = sorted(set(options) - set(MEMORY_OPTIONS))
+        if unknown:
+            raise InputError(f"unknown memory option(s) {unknown}; known: {list(MEMORY_OPTIONS)}")
+        m = self._stack.memory(int(batch_size), int(seq_len), **{k: int(bool(v)) for k, v in options.items()})
         m["optimizer_state"] = optimizer_states * m["weights"]
         m["total"] = (m["weights"] + m["gradients"] + m["optimizer_state"] + sum(m["activations"].values()) +
                       m["workspace"])
         return m
 
-    def largest_batch(self, seq_len, budget_bytes, optimizer_states=2):
-        """The largest batch of `seq_len`-token sequences whose training step fits `budget_bytes`."""
+    def largest_batch(self, seq_len, budget_bytes, optimizer_states=2, **options):
+        """The largest batch of `seq_len`-token sequences whose training step fits `budget_bytes`
+        (under this stack's options, or those given: see memory_report)."""
         lo, hi = 0, 1
-        while self.memory_report(hi, seq_len, optimizer_states)["total"] <= budget_bytes:
+        while self.memory_report(hi, seq_len, optimizer_states, **options)["total"] <= budget_bytes:
             lo, hi = hi, hi * 2
             if hi > 1 << 24:
                 return lo
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.memory_report(mid, seq_len, optimizer_states)["total"] <= budget_bytes:
+            if self.memory_report(mid, seq_len, optimizer_states, **options)["total"] <= budget_bytes:
                 lo = mid
             else:
                 hi = mid

@@ -28,7 +28,7 @@ from . import _C
 from ._progress import progress
 from .cache import ActivationCache
 from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, MissingDependencyError,
-                     NoGPUError)
+                     NoGPUError, UnsupportedError)
 from .heads import ClassificationHead, QAHead, _Head
 from .optim import SCHEDULES, flat_state, load_flat_state, make_optimizer, schedule_factor
 from .safetensors_io import read_safetensors, write_safetensors
@@ -1100,10 +1100,26 @@ class Trainer:
         """Bytes a top-layer training step holds, by category (weights, gradients, optimizer state,
         saved activations by kind, workspace, total), for `batch_size` examples of `seq_len` tokens;
         with `budget_bytes` also the largest batch that fits it. Tempo's options change the activations
-        (see fasttran.finetune.TopLayers)."""
+        (see fasttran.finetune.TopLayers): "options" gives, for each of them set on and off (the
+        others as this trainer has them), the total at this batch and the largest batch in the budget
+        (None where the model cannot take it: in-place activation needs GELU or ReLU)."""
         if self.top is None:
             raise InputError("memory_report() is for top-layer training: fit() with train_layers > 0 first")
-        rep = self.top.memory_report(batch_size or self.batch_size, seq_len)
+        bs = batch_size or self.batch_size
+        rep = self.top.memory_report(bs, seq_len)
+        rep["options"] = {}
+        for name in _TEMPO:
+            rep["options"][name] = {}
+            for state in (False, True):
+                try:
+                    other = self.top.memory_report(bs, seq_len, **{name: state})
+                except UnsupportedError:
+                    rep["options"][name]["on" if state else "off"] = None
+                    continue
+                row = {"total": other["total"], "activations": sum(other["activations"].values())}
+                if budget_bytes is not None:
+                    row["largest_batch"] = self.top.largest_batch(seq_len, budget_bytes, **{name: state})
+                rep["options"][name]["on" if state else "off"] = row
         if budget_bytes is not None:
             rep["largest_batch"] = self.top.largest_batch(seq_len, budget_bytes)
         return rep

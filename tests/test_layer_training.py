@@ -193,6 +193,9 @@ def test_each_tempo_option_keeps_the_gradients_and_saves_what_it_predicts(minilm
     B, T = 8, 128
     N, C, I, NH = B * T, enc.config["hidden_size"], enc.config["intermediate_size"], enc.config["num_attention_heads"]
     m_off, m_on = off[3].memory(B, T)["activations"], on[3].memory(B, T)["activations"]
+    # the report of the other configuration, asked of this stack, is that stack's own report
+    assert off[3].memory(B, T, **{option: 1}) == on[3].memory(B, T)
+    assert on[3].memory(B, T, **{option: 0}) == off[3].memory(B, T)
     saved = sum(m_off.values()) - sum(m_on.values())
     predicted = {"inplace_gelu": N * I * 4 - (N * I + 7) // 8,          # GELU input -> one bit per element
                  "inplace_layernorm": 2 * N * C * 4,                    # both LayerNorm inputs

@@ -144,6 +144,22 @@ def test_memory_report_matches_what_is_allocated(enc, data, cache1):
     assert peak <= held + 64 * 64   # a full batch of the longest examples bounds every real batch
     big = tr.memory_report(32, 128, budget_bytes=1 << 30)
     assert big["total"] > rep["total"] and big["largest_batch"] >= 32
+    # each memory option on and off (the others as configured): the report of a stack built that way
+    from fasttran.finetune import TopLayers
+    assert set(big["options"]) == {"inplace_gelu", "inplace_layernorm", "recompute_attention_dropout",
+                                   "recompute_attention_probs"}
+    for name, states in big["options"].items():
+        for state, row in states.items():
+            opts = dict(tr.top.options, **{name: state == "on"})
+            other = TopLayers(enc, 1, **opts).memory_report(32, 128)
+            assert row["total"] == other["total"], (name, state)
+            assert row["largest_batch"] == TopLayers(enc, 1, **opts).largest_batch(128, 1 << 30), (name, state)
+        # what is on now equals the trainer's own report
+        now = states["on" if tr.top.options[name] else "off"]
+        assert now["total"] == big["total"] and now["largest_batch"] == big["largest_batch"]
+    assert big["options"]["recompute_attention_probs"]["on"]["largest_batch"] > big["largest_batch"]
+    with pytest.raises(fasttran.InputError, match="unknown memory option"):
+        tr.top.memory_report(8, 128, inplace_relu=True)
 
 
 def test_profile_of_a_topk_trainer(enc, data, cache1):

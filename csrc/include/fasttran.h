@@ -511,9 +511,13 @@ void ft_layer_stack_last_batch(const ft_layer_stack *s, int64_t *B, int64_t *N);
  * first row (cls != 0); and the backward: dh (N, C) from dpooled (B, C). Device memory. */
 ft_status ft_layer_stack_pool(ft_layer_stack *s, const float *h, int cls, float *pooled);
 ft_status ft_layer_stack_pool_backward(ft_layer_stack *s, const float *dpooled, int cls, float *dh);
-/* what a training step over B sequences of T tokens holds (bytes), and the bytes the stack has
- * allocated now and at most so far */
-ft_status ft_layer_stack_memory(const ft_layer_stack *s, int64_t B, int64_t T, ft_layer_memory *m);
+/* what a training step over B sequences of T tokens holds (bytes) under the stack's options, or
+ * (opt not NULL) under others (its memory options: another configuration's report, nothing
+ * allocated); and the bytes the stack has allocated now and at most so far */
+ft_status ft_layer_stack_memory(const ft_layer_stack *s, const ft_layer_options *opt, int64_t B, int64_t T,
+                                ft_layer_memory *m);
+/* the options the stack was made with */
+void ft_layer_stack_options(const ft_layer_stack *s, ft_layer_options *out);
 void ft_layer_stack_allocated(const ft_layer_stack *s, size_t *now, size_t *peak);
 /* the stack's weights written back into the encoder's layers [first, first + count) (same config) */
 ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *enc);

@@ -31,6 +31,11 @@ const char *const ft_layer_act_kind_names[FT_LAYER_ACT_KINDS] = {
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* activations whose input the backward can recover from the output (Tempo's in-place GELU) */
+static int inplace_act_ok(ft_activation act) {
+    return act == FT_ACT_GELU_ERF || act == FT_ACT_GELU_TANH || act == FT_ACT_RELU;
+}
+
 /* sites 0..15 belong to the heads (train/heads.c); layer l's sites follow */
 static uint64_t site_key(const ft_layer_batch *bt, int64_t layer, int site) {
     return ft_dropout_key(bt->seed, bt->step, 16 + (uint64_t)layer * SITES + (uint64_t)site);
@@ -213,8 +218,7 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     if (opt->matmul_precision != FT_F32 && opt->matmul_precision != FT_BF16 && opt->matmul_precision != FT_F16)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "the layers' matmul precision must be float32, bfloat16 or float16, "
                         "got %s", ft_dtype_name(opt->matmul_precision));
-    if (opt->inplace_gelu && e->cfg.activation != FT_ACT_GELU_ERF && e->cfg.activation != FT_ACT_GELU_TANH &&
-        e->cfg.activation != FT_ACT_RELU)
+    if (opt->inplace_gelu && !inplace_act_ok(e->cfg.activation))
         return ft_error(FT_ERR_UNSUPPORTED, "in-place activation needs GELU or ReLU");
     ft_layer_stack *s = calloc(1, sizeof *s);
     if (!s) return ft_error(FT_ERR_NOMEM, "out of memory");
@@ -457,13 +461,17 @@ ft_status ft_layer_stack_pool_backward(ft_layer_stack *s, const float *dpooled, 
     return s->be->synchronize(s->be);
 }
 
-ft_status ft_layer_stack_memory(const ft_layer_stack *s, int64_t B, int64_t T, ft_layer_memory *m) {
+ft_status ft_layer_stack_memory(const ft_layer_stack *s, const ft_layer_options *opt, int64_t B, int64_t T,
+                                ft_layer_memory *m) {
     if (B < 1 || T < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "memory report: batch %lld x %lld", (long long)B,
                                         (long long)T);
+    if (!opt) opt = &s->opt;
+    if (opt->inplace_gelu && !inplace_act_ok(s->cfg.activation))
+        return ft_error(FT_ERR_UNSUPPORTED, "in-place activation needs GELU or ReLU");
     memset(m, 0, sizeof *m);
     const int64_t N = B * T, P = B * s->cfg.num_heads * T * T;
     size_t sizes[FT_LAYER_ACT_KINDS];
-    ft_layer_acts_sizes(&s->cfg, &s->opt, N, P, sizes);
+    ft_layer_acts_sizes(&s->cfg, opt, N, P, sizes);
     for (int k = 0; k < FT_LAYER_ACT_KINDS; k++) m->activations[k] = sizes[k] * (size_t)s->count;
     m->activations[ACT_INPUT] = (size_t)N * (size_t)s->cfg.hidden_size * sizeof(float);
     m->weights = m->gradients = s->n_params * sizeof(float);
@@ -471,6 +479,8 @@ ft_status ft_layer_stack_memory(const ft_layer_stack *s, int64_t B, int64_t T, f
     m->workspace = work_layout(s, B, N, T, &wk, NULL);
     return FT_OK;
 }
+
+void ft_layer_stack_options(const ft_layer_stack *s, ft_layer_options *out) { *out = s->opt; }
 
 void ft_layer_stack_allocated(const ft_layer_stack *s, size_t *now, size_t *peak) {
     *now = stack_bytes_now(s);

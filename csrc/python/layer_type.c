@@ -183,11 +183,23 @@ static PyObject *LayerStack_backward(LayerStack *self, PyObject *args, PyObject 
 }
 
 /* memory(B, T) -> {"weights", "gradients", "activations": {kind: bytes}, "workspace"} */
-static PyObject *LayerStack_memory(LayerStack *self, PyObject *args) {
+/* memory(B, T, *, inplace_gelu=, inplace_layernorm=, recompute_attention_dropout=,
+ * recompute_attention_probs=): the report under the stack's options, or with some of them changed */
+static PyObject *LayerStack_memory(LayerStack *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"batch", "seq_len", "inplace_gelu", "inplace_layernorm", "recompute_attention_dropout",
+                             "recompute_attention_probs", NULL};
     long long B, T;
-    if (!ready(self) || !PyArg_ParseTuple(args, "LL", &B, &T)) return NULL;
+    int ig = -1, il = -1, rd = -1, rp = -1;   /* -1: as the stack has it */
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "LL|$iiii", kwlist, &B, &T, &ig, &il, &rd, &rp))
+        return NULL;
+    ft_layer_options opt;
+    ft_layer_stack_options(self->stack, &opt);
+    if (ig >= 0) opt.inplace_gelu = ig != 0;
+    if (il >= 0) opt.inplace_layernorm = il != 0;
+    if (rd >= 0) opt.recompute_attention_dropout = rd != 0;
+    if (rp >= 0) opt.recompute_attention_probs = rp != 0;
     ft_layer_memory m;
-    ft_status st = ft_layer_stack_memory(self->stack, B, T, &m);
+    ft_status st = ft_layer_stack_memory(self->stack, &opt, B, T, &m);
     if (st != FT_OK) return ft_py_raise(st);
     PyObject *acts = PyDict_New();
     for (int k = 0; acts && k < FT_LAYER_ACT_KINDS; k++) {
@@ -273,7 +285,9 @@ static PyMethodDef LayerStack_methods[] = {
     {"backward", (PyCFunction)(void (*)(void))LayerStack_backward, METH_VARARGS | METH_KEYWORDS,
      "backward(dout, dx=None, loss_scale=1.0): gradients of the last training forward into grads (loss_scale: "
      "the backward runs on dout * loss_scale and the gradients are scaled back)."},
-    {"memory", (PyCFunction)LayerStack_memory, METH_VARARGS, "Bytes a training step over (B, T) holds, by category."},
+    {"memory", (PyCFunction)(void (*)(void))LayerStack_memory, METH_VARARGS | METH_KEYWORDS,
+     "memory(B, T, *, inplace_gelu=, inplace_layernorm=, recompute_attention_dropout=, recompute_attention_probs=): "
+     "bytes a training step over (B, T) holds, by category, under the stack's options or with some changed."},
     {"allocated", (PyCFunction)LayerStack_allocated, METH_NOARGS, "(bytes allocated now, peak)."},
     {"export", (PyCFunction)LayerStack_export, METH_O, "Write the trained weights into an EncoderCore."},
     {NULL, NULL, 0, NULL}};
