@@ -836,7 +836,7 @@ def test_cpu_op_writes_every_output(op, ident, build):
 
 @pytest.mark.parametrize("op", ["attention_train_forward", "attention_backward"])
 def test_cpu_attention_training_never_uses_more_scratch_than_it_was_given(op):
-    """The scratch is sized for the thread count of the moment (three score blocks per
+    """The scratch is sized for the thread count of the moment (two score blocks per
     worker); another Python thread may raise the count before the op runs. The op takes the size
     it was given and runs no more workers than that holds: with room for one worker and three
     threads it gives the same result (the guard pages of a tight allocation would catch a write
@@ -849,7 +849,7 @@ def test_cpu_attention_training_never_uses_more_scratch_than_it_was_given(op):
         ref = run_case(be, op, build(np.random.default_rng(7)))
         fasttran.set_num_threads(3)
         args = build(np.random.default_rng(7))
-        one_worker = 3 * 128 * 128 * 4   # three score blocks (cpu/train_layer.c ATTN_BLOCKS)
+        one_worker = 2 * 128 * 128 * 4   # two score blocks (cpu/train_layer.c ATTN_BLOCKS)
         args["scratch"] = In(np.zeros(one_worker // 4, np.float32))
         args["scratch_bytes"] = one_worker
         got = run_case(be, op, args)

@@ -181,8 +181,9 @@ ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, cons
     return FT_OK;
 }
 
-/* score blocks per worker: dropped probabilities, dS, and recomputed probabilities */
-#define ATTN_BLOCKS 3
+/* score blocks per worker: the recomputed probabilities (when they are not kept), and one that
+ * holds the dropped probabilities until dV is done, then dP and dS */
+#define ATTN_BLOCKS 2
 
 size_t cpu_attention_train_scratch_bytes(ft_backend *be, int64_t B, int64_t T, int64_t NH) {
     (void)be; (void)B; (void)NH;   /* ATTN_BLOCKS (T, T) score blocks per worker (ft_num_threads) */
@@ -275,8 +276,8 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
     ft_blas_set_threads(1);
 #pragma omp parallel num_threads(workers)
     {
-        float *Pd = scratch + (size_t)omp_get_thread_num() * ATTN_BLOCKS * (size_t)tmax * (size_t)tmax;
-        float *dS = Pd + (size_t)tmax * (size_t)tmax, *Pr = dS + (size_t)tmax * (size_t)tmax;
+        float *Pr = scratch + (size_t)omp_get_thread_num() * ATTN_BLOCKS * (size_t)tmax * (size_t)tmax;
+        float *dS = Pr + (size_t)tmax * (size_t)tmax, *Pd = dS;   /* Pd is read by dV before dPd is written */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < ntasks; j++) {
             const int64_t n = tasks[j].n, h = j % NH, base = tasks[j].base;
