@@ -203,9 +203,7 @@ class TopLayers:
         self._stack.export(encoder._core)
 
     def __repr__(self):
-        opts = ", ".join(k for k in ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout",
-                                     "recompute_attention_probs")
-                         if self.options[k])
+        opts = ", ".join(k for k in MEMORY_OPTIONS if self.options[k])
         return (f"TopLayers(layers {self.first_layer}..{self.num_layers - 1} of {self.num_layers}, "
                 f"{self.num_params / 1e6:.1f}M params, {self.device}, dropout {self.options['hidden_dropout']}/"
                 f"{self.options['attention_dropout']}, tempo: {opts or 'off'}"

@@ -29,6 +29,7 @@ from ._progress import progress
 from .cache import ActivationCache
 from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, MissingDependencyError,
                      NoGPUError, UnsupportedError)
+from .finetune import MEMORY_OPTIONS
 from .heads import ClassificationHead, QAHead, _Head
 from .optim import SCHEDULES, flat_state, load_flat_state, make_optimizer, schedule_factor
 from .safetensors_io import read_safetensors, write_safetensors
@@ -64,7 +65,7 @@ def default_lr(optimizer, head="classification"):
 #: Top-layer fine-tuning (train_layers > 0): one learning rate for the layers and the head, the
 #: rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py measures them).
 DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
-_TEMPO = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "recompute_attention_probs")
+_TEMPO = MEMORY_OPTIONS   # the Trainer's `tempo` keys: the layer stack's memory options
 
 
 class TrainingInterrupted(Exception):
