@@ -557,9 +557,10 @@ size_t fused_scratch_bytes(int64_t B, int64_t T, int64_t NH) {
 }
 
 // the sequence table copied into the scratch (queued on the stream; the pageable copy has read the
-// host table when it returns); *tiles = 32-row tiles of the longest sequence, *rows = N
+// host table when it returns); *tiles = 32-row tiles of the longest sequence. with_d: the scratch
+// must also hold D, NH floats per row
 ft_status upload_table(cuda_ctx *c, const int32_t *seqs, int64_t B, int64_t NH, void *scratch, size_t scratch_bytes,
-                       bool with_d, const char *op, int64_t *tiles, int64_t *rows) {
+                       bool with_d, const char *op, int64_t *tiles) {
     seq_entry *t = static_cast<seq_entry *>(malloc((size_t)B * sizeof(seq_entry)));
     if (!t) return g_host->error(FT_ERR_NOMEM, "%s: out of memory for the table of %lld sequences", op, (long long)B);
     int64_t base = 0, longest = 0, end = 0;
@@ -572,7 +573,6 @@ ft_status upload_table(cuda_ctx *c, const int32_t *seqs, int64_t B, int64_t NH, 
     }
     const size_t need = table_bytes(B) + (with_d ? (size_t)end * (size_t)NH * sizeof(float) : 0);
     *tiles = (longest + AT_TILE - 1) / AT_TILE;
-    *rows = end;
     if (scratch_bytes < need) {
         free(t);
         return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: scratch of %zu bytes given, %zu needed "
@@ -624,8 +624,8 @@ ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs,
         return forward_per_sequence(be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
     }
     cuda_ctx *c = ctx_of(be);
-    int64_t tiles = 0, rows = 0;
-    FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, false, op, &tiles, &rows));
+    int64_t tiles = 0;
+    FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, false, op, &tiles));
     if (tiles == 0) return FT_OK;
     const int hs = (int)(C / NH);
     const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
@@ -650,8 +650,8 @@ ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx
         return backward_per_sequence(be, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch);
     }
     cuda_ctx *c = ctx_of(be);
-    int64_t tiles = 0, rows = 0;
-    FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, true, op, &tiles, &rows));
+    int64_t tiles = 0;
+    FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, true, op, &tiles));
     if (tiles == 0) return FT_OK;
     const int hs = (int)(C / NH);
     const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
