@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 9
+#define FT_BACKEND_ABI 10
 
 typedef struct ft_backend ft_backend;
 
@@ -203,18 +203,22 @@ typedef struct {
      * head, the scaled scores' maximum m and 1 / sum(exp(s - m)), so that P = exp(s - m) / sum    \
      * can be recomputed (FlashAttention); ctx (N, C) = dropout(P) V, dropout index = index in    \
      * probs (whether kept or not); dmask (like probs, bytes) or NULL: the dropout mask kept (else \
-     * the backward recomputes it). qkv (N, 3C): Q, K, V at column offsets 0, C, 2C. */          \
-    X(attention_train_forward, (ft_backend *be, float *ctx, float *probs, float *stats,            \
-                                uint8_t *dmask, const float *qkv, const int32_t *seqs, int64_t B,   \
-                                int64_t C, int64_t NH, float p, uint64_t key, float *scratch,       \
-                                size_t scratch_bytes), (be, ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, scratch, scratch_bytes))                 \
+     * the backward recomputes it). qkv (N, 3C): Q, K, V at column offsets 0, C, 2C. prec: the    \
+     * products' precision, as gemm_prec's: FT_F32, or FT_BF16 / FT_F16 (mixed precision: the     \
+     * inputs of Q K^T and of dropout(P) V rounded to it, float32 sums; softmax, its statistics    \
+     * and the kept probabilities in float32). */                                                  \
+    X(attention_train_forward, (ft_backend *be, ft_dtype prec, float *ctx, float *probs,           \
+                                float *stats, uint8_t *dmask, const float *qkv, const int32_t *seqs,\
+                                int64_t B, int64_t C, int64_t NH, float p, uint64_t key,            \
+                                float *scratch, size_t scratch_bytes), (be, prec, ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, scratch, scratch_bytes))                 \
     /* dqkv (N, 3C) = the gradients of Q, K and V from dctx (N, C), with the forward's probs, or  \
      * (probs NULL) the probabilities recomputed from qkv and the forward's stats, and its dmask  \
-     * (or the same p and key) */                                                                  \
-    X(attention_backward, (ft_backend *be, float *dqkv, const float *dctx, const float *qkv,       \
-                           const float *probs, const float *stats, const uint8_t *dmask,           \
-                           const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,          \
-                           uint64_t key, float *scratch, size_t scratch_bytes), (be, dqkv, dctx, qkv, probs, stats, dmask, seqs, B, C, NH, p, key, scratch, scratch_bytes))                \
+     * (or the same p and key). prec as the forward's: the inputs of dO V^T, dropout(P)^T dO,     \
+     * dS K and dS^T Q rounded to it (dS = P (dP - D) in float32, then rounded), float32 sums. */  \
+    X(attention_backward, (ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx,          \
+                           const float *qkv, const float *probs, const float *stats,               \
+                           const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C,         \
+                           int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes), (be, prec, dqkv, dctx, qkv, probs, stats, dmask, seqs, B, C, NH, p, key, scratch, scratch_bytes))                \
     /* dh (N, C) = the backward of mean pooling: row r of sequence b (rows [first[b], first[b] +  \
      * count[b]), device int32) gets dout[b] / count[b] (CLS pooling: count 1); rows of no        \
      * sequence get 0 */                                                                           \

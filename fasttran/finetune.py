@@ -53,11 +53,13 @@ class TopLayers:
         row and head, and the backward recomputes the probabilities from Q and K: at 512 tokens a
         quarter or more of a layer's saved bytes, for one more Q K^T and exp per layer in the
         backward; the gradients are unchanged up to fp32 rounding. Default off).
-        matmul_precision: the projections' products, forward and backward: 'float32', or mixed
-        precision, 'bfloat16' / 'float16' (float32 storage, master weights and sums; products on
-        half-precision tensor cores, cuBLAS's FAST_16BF / FAST_16F: each product's inputs rounded to
-        8 / 11 significant bits). On the CPU the half-precision modes are a slow reference of the
-        GPU's arithmetic, for tests."""
+        matmul_precision: the products, forward and backward, of the projections and of attention
+        (Q K^T, P V and their four backward products): 'float32', or mixed precision, 'bfloat16' /
+        'float16' (float32 storage, master weights and sums; products on half-precision tensor
+        cores -- cuBLAS's FAST_16BF / FAST_16F for the projections, the fused attention kernels'
+        WMMA -- each product's inputs rounded to 8 / 11 significant bits; softmax, its statistics,
+        dropout and the kept probabilities stay float32, as in FlashAttention). On the CPU the
+        half-precision modes are a slow reference of the GPU's arithmetic, for tests."""
         L = encoder.num_layers
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= L:
             raise InputError(f"k (the number of top layers to train) must be an integer in [1, {L}], got {k!r}")

@@ -206,7 +206,8 @@ class Trainer:
     fasttran.finetune.TopLayers; e.g. tempo={"recompute_attention_probs": True} for long sequences). `precision="bfloat16"` (with
     train_layers; on CUDA, or on a CPU with AMX) trains the layers in mixed precision: float32
     storage, master weights and sums, the projections' products in bf16 on tensor cores / AMX tiles
-    (about 0.5% relative error per product, like PyTorch's AMP; attention's products stay float32);
+    (about 0.5% relative error per product, like PyTorch's AMP; attention's products too, as its
+    bf16 FlashAttention: softmax and its statistics stay float32);
     "float16" (CUDA) the same with fp16 products (11
     significant bits, range 65504) and dynamic loss scaling: the layers' backward runs on the loss
     gradient times `loss_scale[0]` (from 2**16), an overflowing step is skipped and halves it, 2000

@@ -681,15 +681,21 @@ def _packed(rng, lengths):
     return seqs, int(np.sum(lengths)), int(max(lengths) if len(lengths) else 0)
 
 
-def _attn_train(lengths, NH, hs, p, keep_mask, kept="probs"):
+# mixed precision's products (prec): CUDA and the CPU round the same operands; an fp32 ulp of
+# difference before a rounding can move an operand by one ulp of bf16 / fp16, hence the wider bounds
+PREC_TOL = {"float32": 1.0, "bfloat16": 500.0, "float16": 60.0}
+
+
+def _attn_train(lengths, NH, hs, p, keep_mask, kept="probs", prec="float32"):
     """kept: what the forward keeps for the backward: "probs", "stats" (the rows' softmax max and
-    1/sum: the probabilities are recomputed) or both (the two)"""
+    1/sum: the probabilities are recomputed) or both (the two); prec: the products' precision"""
     def build(rng):
         lens = np.asarray(lengths, np.int32)
         seqs, N, T = _packed(rng, lens)
         C = NH * hs
         total = int(NH * np.sum(lens.astype(np.int64) ** 2))
-        return dict(ctx=Out((N, C), tol=2e-5), probs=Out((total,), tol=2e-6) if kept != "stats" else None,
+        return dict(prec=DTYPE_CODES[prec], ctx=Out((N, C), tol=2e-5 * PREC_TOL[prec]),
+                    probs=Out((total,), tol=2e-6) if kept != "stats" else None,
                     stats=Out((N, NH, 2), tol=2e-6) if kept != "probs" else None,
                     dmask=Out((total,), np.uint8) if keep_mask else None, qkv=In(f32(rng, N, 3 * C)), seqs=Host(seqs),
                     B=len(lens), C=C, NH=NH, p=p, key=int(rng.integers(0, 2**63)),
@@ -706,11 +712,17 @@ for lens, NH, hs, p, keep, kept in [([1], 1, 1, 0.0, False, "probs"), ([7, 3, 5]
                                     ([128, 64], 4, 16, 0.0, False, "stats")]:
     case("attention_train_forward", "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}" + ("-mask" if keep else "")
          + ("" if kept == "probs" else f"-{kept}-recompute"))(_attn_train(lens, NH, hs, p, keep, kept))
+for prec in ("bfloat16", "float16"):
+    for lens, NH, hs, p, keep, kept in [([7, 3, 5], 3, 5, 0.1, True, "probs"), ([70, 0, 45, 3], 2, 40, 0.1, True, "both"),
+                                        ([100], 3, 64, 0.0, False, "stats")]:
+        case("attention_train_forward", f"{prec}-" + "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}"
+             + ("-mask" if keep else "") + ("" if kept == "probs" else f"-{kept}-recompute"))(
+            _attn_train(lens, NH, hs, p, keep, kept, prec))
 
 
-def _attn_backward(lengths, NH, hs, p, keep_mask, recompute=False):
+def _attn_backward(lengths, NH, hs, p, keep_mask, recompute=False, prec="float32"):
     """recompute: no probabilities, the rows' softmax statistics (from float64 scores of the same
-    qkv) instead"""
+    qkv) instead; prec: the products' precision"""
     def build(rng):
         lens = np.asarray(lengths, np.int32)
         seqs, N, T = _packed(rng, lens)
@@ -731,7 +743,8 @@ def _attn_backward(lengths, NH, hs, p, keep_mask, recompute=False):
         total = int(NH * np.sum(lens.astype(np.int64) ** 2))
         probs = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
         dmask = (rng.random(total) > p).astype(np.uint8)
-        return dict(dqkv=Out((N, 3 * C), tol=5e-5), dctx=In(f32(rng, N, C)), qkv=In(qkv),
+        return dict(prec=DTYPE_CODES[prec], dqkv=Out((N, 3 * C), tol=5e-5 * PREC_TOL[prec]), dctx=In(f32(rng, N, C)),
+                    qkv=In(qkv),
                     probs=None if recompute else In(probs), stats=In(stats) if recompute else None,
                     dmask=In(dmask) if keep_mask else None, seqs=Host(seqs), B=len(lens), C=C, NH=NH,
                     p=p, key=int(rng.integers(0, 2**63)), scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"),
@@ -747,6 +760,11 @@ for lens, NH, hs, p, keep, rec in [([1], 1, 1, 0.0, False, False), ([7, 3, 5], 3
                                    ([65, 31], 2, 33, 0.3, False, True), ([128, 64], 4, 16, 0.0, False, True)]:
     case("attention_backward", "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}" + ("-mask" if keep else "")
          + ("-recompute" if rec else ""))(_attn_backward(lens, NH, hs, p, keep, rec))
+for prec in ("bfloat16", "float16"):
+    for lens, NH, hs, p, keep, rec in [([7, 3, 5], 3, 5, 0.1, True, False), ([70, 0, 45, 3], 2, 40, 0.1, True, True),
+                                       ([65, 31], 2, 33, 0.3, False, False), ([100], 3, 64, 0.0, False, True)]:
+        case("attention_backward", f"{prec}-" + "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}"
+             + ("-mask" if keep else "") + ("-recompute" if rec else ""))(_attn_backward(lens, NH, hs, p, keep, rec, prec))
 
 
 def _pool_backward(lengths, C, cls):
@@ -895,12 +913,89 @@ def test_cuda_recomputed_probabilities_are_the_kept_ones_bit_for_bit(p):
     fwd = dict(_attn_train(lens, NH, hs, p, False, "both")(np.random.default_rng(11)))
     got = run_case(gpu, "attention_train_forward", fwd)
     rng = np.random.default_rng(12)
-    common = dict(dqkv=Out((sum(lens), 3 * NH * hs)), dctx=In(f32(rng, sum(lens), NH * hs)), qkv=fwd["qkv"],
+    common = dict(prec=0, dqkv=Out((sum(lens), 3 * NH * hs)), dctx=In(f32(rng, sum(lens), NH * hs)), qkv=fwd["qkv"],
                   dmask=None, seqs=fwd["seqs"], B=len(lens), C=NH * hs, NH=NH, p=p, key=fwd["key"],
                   scratch=fwd["scratch"], scratch_bytes=fwd["scratch_bytes"])
     kept = run_case(gpu, "attention_backward", dict(common, probs=In(got["probs"]), stats=None))
     rec = run_case(gpu, "attention_backward", dict(common, probs=None, stats=In(got["stats"])))
     assert np.array_equal(kept["dqkv"], rec["dqkv"]), np.abs(kept["dqkv"] - rec["dqkv"]).max()
+
+
+def _round_to(x, prec):
+    """x rounded to bf16 / fp16 (nearest even), as float64"""
+    x = np.asarray(x, np.float32)
+    if prec == "float16":
+        return x.astype(np.float16).astype(np.float64)
+    u = x.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return u.view(np.float32).astype(np.float64)
+
+
+def _attention_model(qkv, dctx, lens, NH, hs, p, mask, prec):
+    """float64 model of mixed-precision training attention: the operands of Q K^T, dropout(P) V,
+    dO V^T, dropout(P)^T dO, dS K and dS^T Q rounded to prec, nothing else rounded. -> ctx, dqkv"""
+    C = NH * hs
+    ctx, dqkv = np.zeros((len(qkv), C)), np.zeros((len(qkv), 3 * C))
+    r = (lambda x: _round_to(x, prec)) if prec != "float32" else (lambda x: np.asarray(x, np.float64))
+    first, base, ks = 0, 0, 1 / (1 - p)
+    for n in lens:
+        for h in range(NH):
+            cols = slice(h * hs, (h + 1) * hs)
+            q, k, v = (qkv[first:first + n, o * C:(o + 1) * C][:, cols] for o in range(3))
+            do = dctx[first:first + n, cols]
+            s = r(q) @ r(k).T / np.sqrt(hs)
+            P = np.exp(s - s.max(axis=1, keepdims=True)) if n else s
+            P = P / P.sum(axis=1, keepdims=True) if n else P
+            keep = mask[base:base + n * n].reshape(n, n) * ks
+            pd = r(P * keep)
+            ctx[first:first + n, cols] = pd @ r(v)
+            dp = (r(do) @ r(v).T) * keep
+            ds = r(P * (dp - (dp * P).sum(axis=1, keepdims=True)))
+            dqkv[first:first + n, cols] = ds @ r(k) / np.sqrt(hs)
+            dqkv[first:first + n, C:2 * C][:, cols] = ds.T @ r(q) / np.sqrt(hs)
+            dqkv[first:first + n, 2 * C:][:, cols] = pd.T @ r(do)
+            base += n * n
+        first += n
+    return ctx, dqkv
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("prec", ["bfloat16", "float16"])
+def test_mixed_precision_training_attention_rounds_the_products_inputs(device, prec):
+    """Mixed-precision training attention (prec bf16 / fp16, the layers' matmul_precision) against a
+    float64 model that rounds the inputs of its six products to prec and nothing else (softmax,
+    dropout, D and dS in full precision): both backends agree with it to a small fraction of the
+    precision's own effect, which is visible (the float32 op is far from the model); forward and
+    backward, kept and recomputed probabilities."""
+    be = Backend(-1 if device == "cpu" else 0)
+    lens, NH, hs, p = [70, 0, 45, 3], 2, 40, 0.1
+    rng = np.random.default_rng(21)
+    N, C = sum(lens), NH * hs
+    qkv, dctx = f32(rng, N, 3 * C), f32(rng, N, C)
+    seqs, _, T = _packed(rng, np.asarray(lens, np.int32))
+    total = NH * sum(n * n for n in lens)
+    rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+    # measured (emulator and CPU): 5e-8 (bf16) and 3e-6 (fp16) from the model, 3e-3 and 4e-4 for float32
+    bound = {"bfloat16": 1e-5, "float16": 2e-5}[prec]
+    for kept in ("probs", "stats"):
+        outs = {}
+        for pr in (prec, "float32"):
+            fwd = run_case(be, "attention_train_forward", dict(
+                prec=DTYPE_CODES[pr], ctx=Out((N, C)), probs=Out((total,)) if kept == "probs" else None,
+                stats=Out((N, NH, 2)) if kept == "stats" else None, dmask=Out((total,), np.uint8), qkv=In(qkv),
+                seqs=Host(seqs), B=len(lens), C=C, NH=NH, p=p, key=77,
+                scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"), scratch_bytes=ScratchSize("scratch")))
+            bwd = run_case(be, "attention_backward", dict(
+                prec=DTYPE_CODES[pr], dqkv=Out((N, 3 * C)), dctx=In(dctx), qkv=In(qkv),
+                probs=In(fwd["probs"]) if kept == "probs" else None, stats=In(fwd["stats"]) if kept == "stats" else None,
+                dmask=In(fwd["dmask"]), seqs=Host(seqs), B=len(lens), C=C, NH=NH, p=p, key=77,
+                scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"), scratch_bytes=ScratchSize("scratch")))
+            outs[pr] = (fwd["ctx"], bwd["dqkv"], fwd["dmask"])
+        assert np.array_equal(outs[prec][2], outs["float32"][2])   # the same dropout
+        model = _attention_model(qkv, dctx, lens, NH, hs, p, outs[prec][2], prec)
+        for i, what in ((0, "ctx"), (1, "dqkv")):
+            near, far = rel(outs[prec][i], model[i]), rel(outs["float32"][i], model[i])
+            assert near < bound and far > 10 * bound, (kept, what, near, far)
 
 
 @cuda

@@ -412,19 +412,29 @@ def test_mixed_precision_layers_on_cuda_against_the_cpu_reference(model, prec):
         gpu = _layer_step(enc, "cuda", prec, x, lengths, dout, inplace_gelu)
         # CUDA and CPU differ in fp32 by ulps (exp, erf, sum order); a half-precision rounding turns
         # the rare one that straddles a rounding boundary into one ulp of bf16 / fp16, and the
-        # backward carries it on: they agree to a fraction of the precision's own error
+        # backward carries it on: they agree to a fraction of the precision's own error. fp16's
+        # finer ulp is straddled about 8x as often, and a straddled attention operand (Q, K, V,
+        # P: rounded since the attention's products run on tensor cores) moves its whole sequence
+        # in the next layer: measured up to 0.39 of the error on these inputs, 0.01 for bf16
+        agree = {"bfloat16": 0.35, "float16": 0.6}[prec]
         for k, what in ((0, "out"), (1, "dx")):
             far = _rel(cpu[k], ref32[k])
-            assert _rel(gpu[k], cpu[k]) < 0.35 * far + 1e-6, (what, _rel(gpu[k], cpu[k]), far)
+            assert _rel(gpu[k], cpu[k]) < agree * far + 1e-6, (what, _rel(gpu[k], cpu[k]), far)
             assert 1e-5 < far < bound, (what, far)
-        # the gradient of the key bias is zero up to rounding (softmax ignores a per-row shift):
-        # relative to the largest gradient of its layer
-        floor = {n: 1e-3 * max(np.linalg.norm(v) for m, v in ref32[2].items() if m.split(".")[2] == n.split(".")[2])
-                 for n in ref32[2]}
-        relf = lambda a, b, n: float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), floor[n]))
+        # the gradient of the key bias is zero up to rounding (softmax ignores a per-row shift), so it
+        # is compared with the largest gradient of its layer. With dS rounded to half precision
+        # before dK = dS^T Q (as FlashAttention's backward) its rows no longer sum to exactly zero:
+        # measured 7e-5 of that gradient in bf16 -- noise on both backends, not to be matched
+        big = {n: max(np.linalg.norm(v) for m, v in ref32[2].items() if m.split(".")[2] == n.split(".")[2])
+               for n in ref32[2]}
+        relf = lambda a, b, n: float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-3 * big[n]))
         for n, g in cpu[2].items():
+            if n.endswith("key.bias"):
+                for got in (g, gpu[2][n]):
+                    assert np.linalg.norm(np.asarray(got, np.float64) - ref32[2][n]) < 3e-4 * big[n], n
+                continue
             far = relf(g, ref32[2][n], n)
-            assert relf(gpu[2][n], g, n) < 0.35 * far + 1e-5, (n, relf(gpu[2][n], g, n), far)
+            assert relf(gpu[2][n], g, n) < agree * far + 1e-5, (n, relf(gpu[2][n], g, n), far)
             assert far < bound, (n, far)
 
 

@@ -13,7 +13,9 @@
  *
  * A training forward (attention_train_forward, train_layer.c) runs the same tasks: each row of
  * probabilities is also kept for the backward (or only its softmax statistics, from which the
- * backward recomputes it), then dropped out in place before P V. */
+ * backward recomputes it), then dropped out in place before P V. In mixed precision (prec bf16 /
+ * fp16) Q, K, V and the dropped probabilities are rounded to it before their products, as the
+ * GPU's tensor cores read them; the kept probabilities and the statistics stay float32. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +41,7 @@ typedef struct {
     uint64_t key, base;  /* element (i, j) keeps ft_dropout_keep(key, base + i n + j) */
     uint32_t thr;        /* 0: no dropout */
     float keep_scale;
+    ft_dtype prec;       /* FT_BF16 / FT_F16: Q, K, V and the dropped P rounded to it before products */
 } head_train;
 
 /* one (sequence, head): q points at the head's columns of the sequence's first row; tr: NULL
@@ -51,6 +54,8 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
     const int64_t kpanels = (nk + nr - 1) / nr, lds = kpanels * nr;
     /* K^T in panels: panel p, element (d, j) = K[p nr + j][d] (register transposes) */
     ft_cpu_pack_keys_t(kp, k, ld, nk, hs);
+    const ft_dtype prec = tr ? tr->prec : FT_F32;
+    if (prec != FT_F32) ft_cpu_round_rows(kp, kp, 1, kpanels * nr * hs, 0, prec);
     /* V in panels of nr head columns, rows contiguous (read in place, each of its rows would sit
      * in another page: one TLB entry per key) */
     const int64_t vpanels = (hs + nr - 1) / nr;
@@ -60,14 +65,16 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
             float *row = vp + (p * nk + key) * nr;
             const float *src = v + key * ld + p * nr;
             for (int64_t c = 0; c < nr; c++) row[c] = c < n ? src[c] : 0.0f;
+            if (prec != FT_F32) ft_cpu_round_rows(row, row, 1, n, 0, prec);
         }
     }
     for (int64_t i0 = 0; i0 < nq; i0 += mr) {
         const int m = (int)(nq - i0 < mr ? nq - i0 : mr);
         const float *qa = q + i0 * ld;
         int64_t lda = ld;
-        if (m < mr) {   /* a short block: zero-padded copy of its rows, and no stale scores */
+        if (m < mr || prec != FT_F32) {   /* a short block: zero-padded copy of its rows, and no stale scores */
             ft_copy_rows(qpad, qa, ld, m, hs, mr);
+            if (prec != FT_F32) ft_cpu_round_rows(qpad, qpad, 1, (int64_t)m * hs, 0, prec);
             qa = qpad;
             lda = hs;
             for (int i = m; i < mr; i++) memset(S + i * lds, 0, (size_t)nk * sizeof(float));
@@ -85,6 +92,7 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
             if (tr->probs) memcpy(tr->probs + e, row, (size_t)nk * sizeof(float));
             if (tr->thr) ft_cpu_dropout_row(row, tr->dmask ? tr->dmask + e : NULL, nk, tr->key, tr->base + e, tr->thr,
                                             tr->keep_scale);
+            if (prec != FT_F32) ft_cpu_round_rows(row, row, 1, nk, 0, prec);
         }
         /* out (m x hs) = P V, P read in place from S */
         for (int64_t p = 0; p < vpanels; p++) {
@@ -98,7 +106,8 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
  * a training forward (every query row real: nq = nk) whose (sequence b, head h) block of probs
  * starts at NH sum_{b' < b} n_b'^2 + h n_b^2 (the dropout's element index, kept or not) */
 static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH,
-                               int workers, float *probs, float *stats, uint8_t *dmask, float p, uint64_t key) {
+                               int workers, float *probs, float *stats, uint8_t *dmask, float p, uint64_t key,
+                               ft_dtype prec) {
     const int training = probs || stats;
     const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int64_t hs = C / NH, ld = 3 * C;
@@ -144,7 +153,7 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
             if (training) {
                 const int64_t at = base[b] + h * nk * nk;
                 tr = (head_train){probs ? probs + at : NULL, stats ? stats + (first * NH + h) * 2 : NULL, NH * 2,
-                                  dmask ? dmask + at : NULL, key, (uint64_t)at, thr, keep_scale};
+                                  dmask ? dmask + at : NULL, key, (uint64_t)at, thr, keep_scale, prec};
                 trp = &tr;
             }
             float *kp = buf, *vp = kp + lds * hs, *S = vp + maxk * hsp, *qpad = S + kr->mr * lds;
@@ -161,11 +170,11 @@ ft_status cpu_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const vo
                                 const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, void *scratch) {
     (void)be; (void)scratch; (void)seqs_dev;
     FT_CPU_F32_ONLY(dt, "attention_forward");
-    return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, NULL, 0.0f, 0);
+    return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, NULL, 0.0f, 0, FT_F32);
 }
 
-ft_status ft_cpu_attention_train_heads(float *ctx, float *probs, float *stats, uint8_t *dmask, const float *qkv,
-                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
-                                       int workers) {
-    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, stats, dmask, p, key);
+ft_status ft_cpu_attention_train_heads(ft_dtype prec, float *ctx, float *probs, float *stats, uint8_t *dmask,
+                                       const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
+                                       uint64_t key, int workers) {
+    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, stats, dmask, p, key, prec);
 }

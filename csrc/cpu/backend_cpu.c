@@ -64,16 +64,21 @@ ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t 
     return FT_OK;
 }
 
-/* The region of a row-major operand a GEMM reads, rounded to prec into a packed copy (ld = cols). */
-static float *rounded_copy(const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec) {
-    float *r = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *r);
-    if (!r) return NULL;
+/* dst (rows x cols, packed) = the rows of X (stride ld) rounded to prec (FT_BF16 / FT_F16, nearest
+ * even: what tensor cores read); dst may be X when ld == cols */
+void ft_cpu_round_rows(float *dst, const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec) {
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (rows * cols > 65536)
     for (int64_t i = 0; i < rows; i++)
         for (int64_t j = 0; j < cols; j++) {
             const float v = X[i * ld + j];
-            r[i * cols + j] = prec == FT_BF16 ? ft_bf16_to_f32(ft_f32_to_bf16(v)) : ft_f16_to_f32(ft_f32_to_f16(v));
+            dst[i * cols + j] = prec == FT_BF16 ? ft_bf16_to_f32(ft_f32_to_bf16(v)) : ft_f16_to_f32(ft_f32_to_f16(v));
         }
+}
+
+/* The region of a row-major operand a GEMM reads, rounded to prec into a packed copy (ld = cols). */
+static float *rounded_copy(const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec) {
+    float *r = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *r);
+    if (r) ft_cpu_round_rows(r, X, rows, cols, ld, prec);
     return r;
 }
 

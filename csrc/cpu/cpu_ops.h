@@ -29,6 +29,11 @@ int ft_cpu_gemm_on_amx(int64_t M, int64_t N, int64_t K);
 ft_status ft_cpu_amx_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                           int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc, int bf16_only);
 
+/* dst (rows x cols, packed) = the rows of X (stride ld) rounded to prec (FT_BF16 / FT_F16: what
+ * tensor cores read); dst may be X when ld == cols. Parallel over rows when large: call it
+ * outside parallel regions or on small blocks (backend_cpu.c) */
+void ft_cpu_round_rows(float *dst, const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec);
+
 /* row[0..n) = row * keep_scale where ft_dropout_keep(key, e0 + j, thr), else 0; mask[j] = kept
  * (mask NULL: not stored). Vectorised over j (train_ops.c). */
 void ft_cpu_dropout_row(float *row, uint8_t *mask, int64_t n, uint64_t key, uint64_t e0, uint32_t thr,
@@ -36,8 +41,9 @@ void ft_cpu_dropout_row(float *row, uint8_t *mask, int64_t n, uint64_t key, uint
 
 /* attention_train_forward's work (attention.c): the inference tasks, keeping each (sequence,
  * head)'s probabilities (probs) and/or their rows' softmax statistics (stats, (N, NH, 2)) and
- * dropping them out before P V, on at most `workers` threads */
-ft_status ft_cpu_attention_train_heads(float *ctx, float *probs, float *stats, uint8_t *dmask, const float *qkv,
-                                       const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
-                                       int workers);
+ * dropping them out before P V, on at most `workers` threads; prec FT_BF16 / FT_F16: Q, K, V and
+ * the dropped probabilities rounded to it before their products (float32 sums) */
+ft_status ft_cpu_attention_train_heads(ft_dtype prec, float *ctx, float *probs, float *stats, uint8_t *dmask,
+                                       const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
+                                       uint64_t key, int workers);
 #endif

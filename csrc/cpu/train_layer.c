@@ -238,10 +238,18 @@ static ft_status scratch_workers(const attn_plan *pl, size_t scratch_bytes, cons
     return FT_OK;
 }
 
-ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, float *stats, uint8_t *dmask,
-                                      const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
-                                      uint64_t key, float *scratch, size_t scratch_bytes) {
+/* the products' precision of the attention ops: float32, bfloat16 or float16 */
+static ft_status check_prec(ft_dtype prec, const char *op) {
+    if (prec == FT_F32 || prec == FT_BF16 || prec == FT_F16) return FT_OK;
+    return ft_error(FT_ERR_INVALID_ARGUMENT, "%s: the products' precision must be float32, bfloat16 or float16, got %s",
+                    op, ft_dtype_name(prec));
+}
+
+ft_status cpu_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx, float *probs, float *stats,
+                                      uint8_t *dmask, const float *qkv, const int32_t *seqs, int64_t B, int64_t C,
+                                      int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
     (void)be;
+    FT_TRY(check_prec(prec, "attention_train_forward"));
     if (!probs && !stats)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_train_forward: probs and stats are both NULL (the "
                         "backward needs one of them)");
@@ -254,13 +262,15 @@ ft_status cpu_attention_train_forward(ft_backend *be, float *ctx, float *probs, 
     /* the packed-panel kernels of inference attention (attention.c): the scratch only bounds the
      * team here, each worker packs its panels in its own buffer */
     (void)scratch;
-    return ft_cpu_attention_train_heads(ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, workers);
+    return ft_cpu_attention_train_heads(prec, ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, workers);
 }
 
-ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
-                                 const float *stats, const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C,
-                                 int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
+ft_status cpu_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx, const float *qkv,
+                                 const float *probs, const float *stats, const uint8_t *dmask, const int32_t *seqs,
+                                 int64_t B, int64_t C, int64_t NH, float p, uint64_t key, float *scratch,
+                                 size_t scratch_bytes) {
     (void)be;
+    FT_TRY(check_prec(prec, "attention_backward"));
     if (!probs && !stats)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_backward: probs and stats are both NULL");
     attn_plan pl;
@@ -272,23 +282,44 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
     const float scale = pl.scale, keep_scale = pl.keep_scale;
     const uint32_t thr = pl.thr;
     const seq_task *tasks = pl.tasks;
+    const int rounded = prec != FT_F32;
     const int blas_threads = ft_blas_get_threads();
     ft_blas_set_threads(1);
+    int failed = 0;
 #pragma omp parallel num_threads(workers)
     {
         float *Pr = scratch + (size_t)omp_get_thread_num() * ATTN_BLOCKS * (size_t)tmax * (size_t)tmax;
         float *dS = Pr + (size_t)tmax * (size_t)tmax, *Pd = dS;   /* Pd is read by dV before dPd is written */
+        /* mixed precision: the head's Q, K, V and dO rounded to prec, (n, hs) each */
+        float *rq = rounded ? malloc((size_t)(tmax * hs > 0 ? tmax * hs : 1) * 4 * sizeof(float)) : NULL;
+        if (rounded && !rq) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < ntasks; j++) {
             const int64_t n = tasks[j].n, h = j % NH, base = tasks[j].base;
-            if (n == 0) continue;
+            if (n == 0 || (rounded && !rq)) continue;
             const float *q = qkv + tasks[j].first * ld + h * hs, *k = q + C, *v = q + 2 * C;
             const float *dout = dctx + tasks[j].first * C + h * hs;
             float *dq = dqkv + tasks[j].first * ld + h * hs, *dk = dq + C, *dv = dq + 2 * C;
+            int64_t lq = ld, lo = C;   /* row strides of q, k, v and of dout */
+            if (rounded) {
+                float *r = rq;
+                ft_cpu_round_rows(r, q, n, hs, ld, prec);
+                ft_cpu_round_rows(r + n * hs, k, n, hs, ld, prec);
+                ft_cpu_round_rows(r + 2 * n * hs, v, n, hs, ld, prec);
+                ft_cpu_round_rows(r + 3 * n * hs, dout, n, hs, C, prec);
+                q = r;
+                k = r + n * hs;
+                v = r + 2 * n * hs;
+                dout = r + 3 * n * hs;
+                lq = lo = hs;
+            }
             const float *P = probs ? probs + base : Pr, *pd = P;
             if (!probs) {   /* recomputed: P = exp(scale Q K^T - m) / sum, (m, 1 / sum) per row */
                 ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)n, (blasint)hs, scale, q,
-                              (blasint)ld, k, (blasint)ld, 0.0f, Pr, (blasint)n);
+                              (blasint)lq, k, (blasint)lq, 0.0f, Pr, (blasint)n);
                 for (int64_t i = 0; i < n; i++) {
                     const float *st = stats + ((tasks[j].first + i) * NH + h) * 2;
                     const float m = st[0], inv = st[1];
@@ -308,11 +339,15 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
                 }
                 pd = Pd;
             }
+            if (rounded) {   /* the dropped probabilities as the product reads them */
+                ft_cpu_round_rows(Pd, pd, n, n, n, prec);
+                pd = Pd;
+            }
             /* dV (n, hs) = Pd^T dctx;  dPd (n, n) = dctx V^T */
             ft_blas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, 1.0f, pd,
-                          (blasint)n, dout, (blasint)C, 0.0f, dv, (blasint)ld);
+                          (blasint)n, dout, (blasint)lo, 0.0f, dv, (blasint)ld);
             ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)n, (blasint)hs, 1.0f, dout,
-                          (blasint)C, v, (blasint)ld, 0.0f, dS, (blasint)n);
+                          (blasint)lo, v, (blasint)lq, 0.0f, dS, (blasint)n);
             /* dP = dropout backward of dPd; dS = P (dP - sum_j dP P) per row */
             for (int64_t i = 0; i < n; i++) {
                 float *d = dS + i * n;
@@ -333,15 +368,18 @@ ft_status cpu_attention_backward(ft_backend *be, float *dqkv, const float *dctx,
 #pragma omp simd
                 for (int64_t c = 0; c < n; c++) d[c] = pr[c] * (d[c] - dot);
             }
+            if (rounded) ft_cpu_round_rows(dS, dS, n, n, n, prec);
             /* dQ (n, hs) = dS K scale;  dK (n, hs) = dS^T Q scale */
             ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, scale, dS,
-                          (blasint)n, k, (blasint)ld, 0.0f, dq, (blasint)ld);
+                          (blasint)n, k, (blasint)lq, 0.0f, dq, (blasint)ld);
             ft_blas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, scale, dS,
-                          (blasint)n, q, (blasint)ld, 0.0f, dk, (blasint)ld);
+                          (blasint)n, q, (blasint)lq, 0.0f, dk, (blasint)ld);
         }
+        free(rq);
     }
     ft_blas_set_threads(blas_threads);
     free(pl.tasks);
+    if (failed) return ft_error(FT_ERR_NOMEM, "attention_backward: out of memory for the rounded operands");
     return FT_OK;
 }
 

@@ -192,13 +192,6 @@ __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, 
     }
 }
 
-// bf16 WMMA exists from sm_80 (Ampere): an older target compiles a trap for it (the op refuses
-// bf16 on such a device before launching)
-template <typename T> struct wmma_type_ok { static constexpr bool value = true; };
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-template <> struct wmma_type_ok<__nv_bfloat16> { static constexpr bool value = false; };
-#endif
-
 template <typename T, int D>
 __global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs, int64_t C, int hs, int tiles,
                                        float scale_log2) {

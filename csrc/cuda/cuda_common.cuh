@@ -131,6 +131,13 @@ __device__ inline float block_sum(float v, float *shared32) {
 template <typename T> __device__ inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ inline T from_f(float x) { return static_cast<T>(x); }
 
+// bf16 WMMA exists from sm_80 (Ampere): an older target compiles a trap for it (the ops refuse
+// bf16 on such a device before launching)
+template <typename T> struct wmma_type_ok { static constexpr bool value = true; };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+template <> struct wmma_type_ok<__nv_bfloat16> { static constexpr bool value = false; };
+#endif
+
 inline ft_status dtype_error(ft_dtype dt, const char *op) {
     return g_host->error(FT_ERR_DTYPE, "%s: storage type %d is not float32, float16 or bfloat16", op, (int)dt);
 }

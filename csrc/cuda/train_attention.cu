@@ -23,24 +23,38 @@
 //     the kept D, then dV += Pd^T dO and dK += dS^T Q * scale into the block's own key rows.
 //   Nothing is added by two blocks: the results do not depend on scheduling. Scratch: the
 //   sequence table (first row, length, first probability) and D (N x NH floats).
+//   Products' precision (prec, mixed-precision training): float32 on the SIMT cores, every thread
+//   its register tile; bf16 / fp16 on the tensor cores (WMMA 16 x 16 x 16, float32 sums; so the
+//   emulator runs it): the operands rounded as they enter shared memory -- Q, K, V, dO, and the
+//   dropped probabilities and dS, which the threads write there rounded -- each warp a 16 x 16
+//   quadrant of the 32 x 32 tile, handed to the threads' register tiles through a float tile in
+//   shared memory, so softmax, dropout, D and dS are the same float32 code for every precision.
+//   The CPU backend rounds at the same points (its reference).
 // per_sequence (FASTTRAN_CUDA_TRAIN_ATTENTION=per_sequence, kept to measure against): a sequence
-//   at a time, strided-batched cuBLAS SGEMMs over its heads with softmax and dropout kernels in
-//   between: 4 launches per sequence forward, 6 backward; scratch two (NH, T, T) score blocks.
+//   at a time, strided-batched cuBLAS GEMMs over its heads (FAST_16BF / FAST_16F in mixed
+//   precision: the same rounding points) with softmax and dropout kernels in between: 4 launches
+//   per sequence forward, 6 backward; scratch two (NH, T, T) score blocks.
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include <mma.h>
 
 #include "core/rng.h"
 #include "cuda_common.cuh"
 
 using namespace ftcuda;
+using namespace nvcuda;
 
 namespace {
 
 constexpr int AT_TILE = 32;                  // rows of a block's tile, keys of a key tile, columns of a chunk
-constexpr int AT_PAD = AT_TILE + 1;          // floats per row of a shared tile (no bank conflicts)
-constexpr int AT_THREADS = 128;              // 16 x 8 threads, a 2 x 4 register tile each
+constexpr int AT_PAD = AT_TILE + 1;          // floats per row of a float32 shared tile (no bank conflicts)
+constexpr int AT_HPAD = AT_TILE + 8;         // halves per row of a bf16 / fp16 tile (WMMA: ldm a multiple of 8)
+constexpr int AT_RPAD = AT_TILE + 4;         // floats per row of a WMMA result tile (ldm a multiple of 4)
+constexpr int AT_THREADS = 128;              // 16 x 8 threads, a 2 x 4 register tile each; 4 warps
 // blocks per SM the kernels are compiled for: at most 80 registers a thread, no spill (ptxas -v,
 // sm_80 and sm_90; left to itself ptxas took 64 and spilled in the dQ kernel, or 96-128 with 4)
 constexpr int AT_MIN_BLOCKS = 6;
@@ -52,14 +66,27 @@ struct seq_entry {
     int64_t base;    // index of its first probability: sum over earlier sequences of NH n^2
 };
 
-typedef float tile_t[AT_TILE][AT_PAD];
+// H, the products' operand type: float (exact float32 products on the SIMT cores, every thread its
+// 2 x 4 register tile), or __nv_bfloat16 / __half (mixed precision: the operands rounded to H as
+// they enter shared memory, products on the tensor cores through WMMA with float32 sums, each warp
+// a 16 x 16 quadrant of the 32 x 32 tile, passed to the threads' register tiles through a float
+// result tile). Everything else -- softmax, its statistics, dropout, D, dS -- is the same float32
+// code for every H.
+template <typename H> struct op_tile_of { typedef H type[AT_TILE][AT_HPAD]; };
+template <> struct op_tile_of<float> { typedef float type[AT_TILE][AT_PAD]; };
+template <typename H> using op_tile = typename op_tile_of<H>::type;
+template <typename H> struct res_tile_of { typedef float type[AT_TILE][AT_RPAD]; };
+template <> struct res_tile_of<float> { typedef float type[1][1]; };   // float32 needs none
+template <typename H> using res_tile = typename res_tile_of<H>::type;
+template <typename H> constexpr bool is_f32 = std::is_same<H, float>::value;
 
 // dst = rows [0, 32) x columns [d0, d0 + 32) of a row-major source (stride ld), zero past `rows`
-// real rows and past column `cols`
-__device__ inline void load_chunk(tile_t &dst, const float *src, int64_t ld, int64_t rows, int d0, int cols) {
+// real rows and past column `cols`, rounded to H
+template <typename H>
+__device__ inline void load_chunk(op_tile<H> &dst, const float *src, int64_t ld, int64_t rows, int d0, int cols) {
     for (int i = threadIdx.x; i < AT_TILE * AT_TILE; i += AT_THREADS) {
         const int r = i / AT_TILE, d = i % AT_TILE;
-        dst[r][d] = r < rows && d0 + d < cols ? src[r * ld + d0 + d] : 0.0f;
+        dst[r][d] = from_f<H>(r < rows && d0 + d < cols ? src[r * ld + d0 + d] : 0.0f);
     }
 }
 
@@ -67,42 +94,68 @@ __device__ inline void load_chunk(tile_t &dst, const float *src, int64_t ld, int
 __device__ inline int tile_row(int i) { return (int)(threadIdx.x >> 3) * 2 + i; }
 __device__ inline int tile_col(int j) { return (int)(threadIdx.x & 7) + 8 * j; }
 
-// acc += A B^T (A rows x k, B columns x k)
-__device__ inline void mma_abt(float acc[2][4], const tile_t &A, const tile_t &B) {
+// the three products of 32 x 32 tiles over k = 32: A B^T, A B, A^T B
+enum product_kind { AB_T, A_B, AT_B };
+
+// float32: acc += the product, the thread's register tile
+template <int K> __device__ inline void simt_product(float acc[2][4], const op_tile<float> &A, const op_tile<float> &B) {
     const int r = tile_row(0), c = tile_col(0);
     for (int k = 0; k < AT_TILE; k++) {
-        const float a0 = A[r][k], a1 = A[r + 1][k];
+        const float a0 = K == AT_B ? A[k][r] : A[r][k], a1 = K == AT_B ? A[k][r + 1] : A[r + 1][k];
         FT_UNROLL for (int j = 0; j < 4; j++) {
-            const float b = B[c + 8 * j][k];
+            const float b = K == AB_T ? B[c + 8 * j][k] : B[k][c + 8 * j];
             acc[0][j] += a0 * b;
             acc[1][j] += a1 * b;
         }
     }
 }
 
-// acc += A B (A rows x k, B k x columns)
-__device__ inline void mma_ab(float acc[2][4], const tile_t &A, const tile_t &B) {
-    const int r = tile_row(0), c = tile_col(0);
-    for (int k = 0; k < AT_TILE; k++) {
-        const float a0 = A[r][k], a1 = A[r + 1][k];
-        FT_UNROLL for (int j = 0; j < 4; j++) {
-            const float b = B[k][c + 8 * j];
-            acc[0][j] += a0 * b;
-            acc[1][j] += a1 * b;
+// bf16 / fp16: f += the warp's 16 x 16 quadrant of the product (rows r0.., columns c0..)
+template <int K, typename H>
+__device__ inline void wmma_product(wmma::fragment<wmma::accumulator, 16, 16, 16, float> &f, const op_tile<H> &A,
+                                    const op_tile<H> &B, int r0, int c0) {
+    if constexpr (!wmma_type_ok<H>::value) {
+        __trap();   // bf16 WMMA below sm_80: the op refuses before launching
+    } else {
+        typedef typename std::conditional<K == AT_B, wmma::col_major, wmma::row_major>::type la;
+        typedef typename std::conditional<K == AB_T, wmma::col_major, wmma::row_major>::type lb;
+        FT_UNROLL for (int k = 0; k < AT_TILE; k += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, H, la> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, H, lb> fb;
+            wmma::load_matrix_sync(fa, K == AT_B ? &A[k][r0] : &A[r0][k], AT_HPAD);
+            wmma::load_matrix_sync(fb, K == AB_T ? &B[c0][k] : &B[k][c0], AT_HPAD);
+            wmma::mma_sync(f, fa, fb, f);
         }
     }
 }
 
-// acc += A^T B (A k x rows, B k x columns)
-__device__ inline void mma_atb(float acc[2][4], const tile_t &A, const tile_t &B) {
-    const int r = tile_row(0), c = tile_col(0);
-    for (int k = 0; k < AT_TILE; k++) {
-        const float a0 = A[k][r], a1 = A[k][r + 1];
-        FT_UNROLL for (int j = 0; j < 4; j++) {
-            const float b = B[k][c + 8 * j];
-            acc[0][j] += a0 * b;
-            acc[1][j] += a1 * b;
-        }
+// the warp's quadrant of a 32 x 32 tile
+__device__ inline int warp_row0() { return (int)(threadIdx.x >> 6) * 16; }
+__device__ inline int warp_col0() { return (int)((threadIdx.x >> 5) & 1) * 16; }
+
+// the warps' quadrants into R, then every thread its register tile from R (a barrier between:
+// every thread of the block calls it; R is written again only after the caller's next barrier)
+__device__ inline void wmma_result(float part[2][4], wmma::fragment<wmma::accumulator, 16, 16, 16, float> &f,
+                                   res_tile<__half> &R) {
+    wmma::store_matrix_sync(&R[warp_row0()][warp_col0()], f, AT_RPAD, wmma::mem_row_major);
+    __syncthreads();
+    FT_UNROLL for (int i = 0; i < 2; i++)
+        FT_UNROLL for (int j = 0; j < 4; j++) part[i][j] = R[tile_row(i)][tile_col(j)];
+}
+
+// part = the product of two shared tiles (K: A B^T, A B or A^T B), the thread's register tile
+// (every thread of the block calls it: the WMMA path passes a barrier)
+template <int K, typename H>
+__device__ inline void tile_product(float part[2][4], const op_tile<H> &A, const op_tile<H> &B, res_tile<H> &R) {
+    if constexpr (is_f32<H>) {
+        FT_UNROLL for (int i = 0; i < 2; i++)
+            FT_UNROLL for (int j = 0; j < 4; j++) part[i][j] = 0.0f;
+        simt_product<K>(part, A, B);
+    } else {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> f;
+        wmma::fill_fragment(f, 0.0f);
+        wmma_product<K, H>(f, A, B, warp_row0(), warp_col0());
+        wmma_result(part, f, R);
     }
 }
 
@@ -130,16 +183,31 @@ __device__ inline int kept(const uint8_t *dmask, int64_t i, uint32_t thr, uint64
 
 // acc = A B^T for a 32 x 32 tile: rows of a (stride lda, na real) times rows of b (stride ldb, nb
 // real) over `cols` columns, chunk by chunk through As and Bs (every thread of the block calls it)
-__device__ inline void product_tile_abt(float acc[2][4], tile_t &As, tile_t &Bs, const float *a, int64_t lda,
-                                        int64_t na, const float *b, int64_t ldb, int64_t nb, int cols) {
-    FT_UNROLL for (int i = 0; i < 2; i++)
-        FT_UNROLL for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
-    for (int d0 = 0; d0 < cols; d0 += AT_TILE) {
-        load_chunk(As, a, lda, na, d0, cols);
-        load_chunk(Bs, b, ldb, nb, d0, cols);
-        __syncthreads();
-        mma_abt(acc, As, Bs);
-        __syncthreads();
+template <typename H>
+__device__ inline void product_tile_abt(float acc[2][4], op_tile<H> &As, op_tile<H> &Bs, res_tile<H> &R,
+                                        const float *a, int64_t lda, int64_t na, const float *b, int64_t ldb,
+                                        int64_t nb, int cols) {
+    if constexpr (is_f32<H>) {
+        FT_UNROLL for (int i = 0; i < 2; i++)
+            FT_UNROLL for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+        for (int d0 = 0; d0 < cols; d0 += AT_TILE) {
+            load_chunk<H>(As, a, lda, na, d0, cols);
+            load_chunk<H>(Bs, b, ldb, nb, d0, cols);
+            __syncthreads();
+            simt_product<AB_T>(acc, As, Bs);
+            __syncthreads();
+        }
+    } else {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> f;
+        wmma::fill_fragment(f, 0.0f);
+        for (int d0 = 0; d0 < cols; d0 += AT_TILE) {
+            load_chunk<H>(As, a, lda, na, d0, cols);
+            load_chunk<H>(Bs, b, ldb, nb, d0, cols);
+            __syncthreads();
+            wmma_product<AB_T, H>(f, As, Bs, warp_row0(), warp_col0());
+            __syncthreads();
+        }
+        wmma_result(acc, f, R);
     }
 }
 
@@ -151,10 +219,11 @@ __device__ inline float prob_of(float score_acc, float scale, float m, float inv
 
 // p = the probabilities of a tile (query rows q0.., keys k0..; zero outside the real ones): read
 // from probs (P: the tile's P[0][0], row stride n), or recomputed from Q K^T and the rows' (m, 1/sum)
-__device__ inline void probs_tile(float p[2][4], tile_t &As, tile_t &Bs, const float *P, int64_t n, const float *qg,
-                                  const float *kg, int64_t ld, int64_t nq, int64_t nk, int hs, float scale,
-                                  const float m[2], const float inv[2]) {
-    if (!P) product_tile_abt(p, As, Bs, qg, ld, nq, kg, ld, nk, hs);
+template <typename H>
+__device__ inline void probs_tile(float p[2][4], op_tile<H> &As, op_tile<H> &Bs, res_tile<H> &R, const float *P,
+                                  int64_t n, const float *qg, const float *kg, int64_t ld, int64_t nq, int64_t nk,
+                                  int hs, float scale, const float m[2], const float inv[2]) {
+    if (!P) product_tile_abt<H>(p, As, Bs, R, qg, ld, nq, kg, ld, nk, hs);
     FT_UNROLL for (int i = 0; i < 2; i++)
         FT_UNROLL for (int j = 0; j < 4; j++) {
             const int r = tile_row(i), c = tile_col(j);
@@ -165,13 +234,14 @@ __device__ inline void probs_tile(float p[2][4], tile_t &As, tile_t &Bs, const f
 // what the backward needs of a tile (query rows of qg / og, keys of kg / vg): p its probabilities
 // (probs_tile), keep their dropout bits, dp the gradient reaching P = dropout's backward of dO V^T
 // (zero outside the real rows and keys); element (r, c) has probability index pidx + r n + c
-__device__ inline void grad_tiles(float p[2][4], int keep[2][4], float dp[2][4], tile_t &As, tile_t &Bs,
-                                  const float *P, int64_t n, const float *qg, const float *kg, const float *og,
-                                  int64_t C, const float *vg, int64_t ld, int64_t nq, int64_t nk, int hs, float scale,
-                                  const float m[2], const float inv[2], const uint8_t *dmask, int64_t pidx,
-                                  uint32_t thr, float keep_scale, uint64_t key) {
-    probs_tile(p, As, Bs, P, n, qg, kg, ld, nq, nk, hs, scale, m, inv);
-    product_tile_abt(dp, As, Bs, og, C, nq, vg, ld, nk, hs);
+template <typename H>
+__device__ inline void grad_tiles(float p[2][4], int keep[2][4], float dp[2][4], op_tile<H> &As, op_tile<H> &Bs,
+                                  res_tile<H> &R, const float *P, int64_t n, const float *qg, const float *kg,
+                                  const float *og, int64_t C, const float *vg, int64_t ld, int64_t nq, int64_t nk,
+                                  int hs, float scale, const float m[2], const float inv[2], const uint8_t *dmask,
+                                  int64_t pidx, uint32_t thr, float keep_scale, uint64_t key) {
+    probs_tile<H>(p, As, Bs, R, P, n, qg, kg, ld, nq, nk, hs, scale, m, inv);
+    product_tile_abt<H>(dp, As, Bs, R, og, C, nq, vg, ld, nk, hs);
     FT_UNROLL for (int i = 0; i < 2; i++)
         FT_UNROLL for (int j = 0; j < 4; j++) {
             const int r = tile_row(i), c = tile_col(j);
@@ -200,11 +270,13 @@ __device__ inline void row_stats(float m[2], float inv[2], const float *stats, i
 // the row's 8 threads (a fixed shuffle tree, then its first lane's bits for all 8). Pass 2: the scores again
 // (the same bits), P = exp(s - m) / sum, dropout, ctx += Pd V, the block's own rows of ctx updated
 // in place key tile by key tile.
+template <typename H>
 __global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, float *stats, uint8_t *dmask,
                                const float *qkv, int64_t C, int NH, int hs, int tiles, float scale, uint32_t thr,
                                float keep_scale, uint64_t key) {
-    __shared__ tile_t As, Bs, Ps;
+    __align__(32) __shared__ op_tile<H> As, Bs, Ps;
+    __align__(32) __shared__ res_tile<H> R;
     const seq_entry sq = seqs[blockIdx.y];
     const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
     const int64_t n = sq.n, q0 = (int64_t)tile * AT_TILE;
@@ -217,7 +289,7 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
         float acc[2][4];
-        product_tile_abt(acc, As, Bs, qg, ld, nq, kg + k0 * ld, ld, n - k0, hs);
+        product_tile_abt<H>(acc, As, Bs, R, qg, ld, nq, kg + k0 * ld, ld, n - k0, hs);
         FT_UNROLL for (int i = 0; i < 2; i++) {
             float mt = -INFINITY;
             FT_UNROLL for (int j = 0; j < 4; j++)
@@ -254,7 +326,7 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
     }
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
         float acc[2][4];
-        product_tile_abt(acc, As, Bs, qg, ld, nq, kg + k0 * ld, ld, n - k0, hs);
+        product_tile_abt<H>(acc, As, Bs, R, qg, ld, nq, kg + k0 * ld, ld, n - k0, hs);
         FT_UNROLL for (int i = 0; i < 2; i++)
             FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int r = tile_row(i), c = tile_col(j);
@@ -270,13 +342,13 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
                         pd = keep ? p * keep_scale : 0.0f;
                     }
                 }
-                Ps[r][c] = pd;
+                Ps[r][c] = from_f<H>(pd);
             }
         for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
-            load_chunk(Bs, vg + k0 * ld, ld, n - k0, d0, hs);
+            load_chunk<H>(Bs, vg + k0 * ld, ld, n - k0, d0, hs);
             __syncthreads();   // and Ps written
-            float part[2][4] = {};
-            mma_ab(part, Ps, Bs);
+            float part[2][4];
+            tile_product<A_B, H>(part, Ps, Bs, R);
             tile_update(og, C, part, 1.0f, k0 == 0, nq, d0, hs);
             __syncthreads();
         }
@@ -284,11 +356,13 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
 }
 
 // grid (query tiles x heads, sequences): the tile's rows of dQ, and D for them
+template <typename H>
 __global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, const float *dctx, const float *qkv,
                              const float *probs, const float *stats, const uint8_t *dmask, int64_t C, int NH, int hs,
                              int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
-    __shared__ tile_t As, Bs, Ss;
+    __align__(32) __shared__ op_tile<H> As, Bs, Ss;
+    __align__(32) __shared__ res_tile<H> R;
     const seq_entry sq = seqs[blockIdx.y];
     const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
     const int64_t n = sq.n, q0 = (int64_t)tile * AT_TILE;
@@ -307,8 +381,8 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
         float p[2][4], dp[2][4];
         int keep[2][4];
-        grad_tiles(p, keep, dp, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq, n - k0,
-                   hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
+        grad_tiles<H>(p, keep, dp, As, Bs, R, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq,
+                      n - k0, hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
         FT_UNROLL for (int i = 0; i < 2; i++)
             FT_UNROLL for (int j = 0; j < 4; j++) dsum[i] += dp[i][j] * p[i][j];   // zero outside the tile
     }
@@ -321,18 +395,18 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
     for (int64_t k0 = 0; k0 < n; k0 += AT_TILE) {
         float p[2][4], dp[2][4];
         int keep[2][4];
-        grad_tiles(p, keep, dp, As, Bs, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq, n - k0,
-                   hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
+        grad_tiles<H>(p, keep, dp, As, Bs, R, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq,
+                      n - k0, hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
         FT_UNROLL for (int i = 0; i < 2; i++)
             FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int r = tile_row(i), c = tile_col(j);
-                Ss[r][c] = r < nq && k0 + c < n ? p[i][j] * (dp[i][j] - dsum[i]) : 0.0f;
+                Ss[r][c] = from_f<H>(r < nq && k0 + c < n ? p[i][j] * (dp[i][j] - dsum[i]) : 0.0f);
             }
         for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
-            load_chunk(Bs, kg + k0 * ld, ld, n - k0, d0, hs);
+            load_chunk<H>(Bs, kg + k0 * ld, ld, n - k0, d0, hs);
             __syncthreads();   // and Ss written
-            float part[2][4] = {};
-            mma_ab(part, Ss, Bs);
+            float part[2][4];
+            tile_product<A_B, H>(part, Ss, Bs, R);
             tile_update(dq, ld, part, scale, k0 == 0, nq, d0, hs);
             __syncthreads();
         }
@@ -340,11 +414,13 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
 }
 
 // grid (key tiles x heads, sequences): the tile's key rows of dK and dV
+template <typename H>
 __global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *Dsum, const float *dctx,
                               const float *qkv, const float *probs, const float *stats, const uint8_t *dmask, int64_t C,
                               int NH, int hs, int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
-    __shared__ tile_t As, Bs, Ss, Ps;
+    __align__(32) __shared__ op_tile<H> As, Bs, Ss, Ps;
+    __align__(32) __shared__ res_tile<H> R, R2;
     const seq_entry sq = seqs[blockIdx.y];
     const int tile = (int)(blockIdx.x % tiles), head = (int)(blockIdx.x / tiles);
     const int64_t n = sq.n, k0 = (int64_t)tile * AT_TILE;
@@ -360,24 +436,25 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
         float m[2], inv[2], p[2][4], dp[2][4];
         int keep[2][4];
         row_stats(m, inv, probs ? nullptr : stats, sq.first + q0, nq, NH, head);
-        grad_tiles(p, keep, dp, As, Bs, probs ? probs + hbase + q0 * n + k0 : nullptr, n, qg + q0 * ld, kt,
-                   og + q0 * C, C, vt, ld, nq, nk, hs, scale, m, inv, dmask, hbase + q0 * n + k0, thr, keep_scale, key);
+        grad_tiles<H>(p, keep, dp, As, Bs, R, probs ? probs + hbase + q0 * n + k0 : nullptr, n, qg + q0 * ld, kt,
+                      og + q0 * C, C, vt, ld, nq, nk, hs, scale, m, inv, dmask, hbase + q0 * n + k0, thr, keep_scale,
+                      key);
         FT_UNROLL for (int i = 0; i < 2; i++) {
             const int r = tile_row(i);
             const float D = r < nq ? Dsum[(sq.first + q0 + r) * NH + head] : 0.0f;
             FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int c = tile_col(j);
-                Ss[r][c] = r < nq && c < nk ? p[i][j] * (dp[i][j] - D) : 0.0f;
-                Ps[r][c] = keep[i][j] ? p[i][j] * keep_scale : 0.0f;
+                Ss[r][c] = from_f<H>(r < nq && c < nk ? p[i][j] * (dp[i][j] - D) : 0.0f);
+                Ps[r][c] = from_f<H>(keep[i][j] ? p[i][j] * keep_scale : 0.0f);
             }
         }
         for (int d0 = 0; d0 < hs; d0 += AT_TILE) {
-            load_chunk(As, og + q0 * C, C, nq, d0, hs);
-            load_chunk(Bs, qg + q0 * ld, ld, nq, d0, hs);
+            load_chunk<H>(As, og + q0 * C, C, nq, d0, hs);
+            load_chunk<H>(Bs, qg + q0 * ld, ld, nq, d0, hs);
             __syncthreads();   // and Ss, Ps written
-            float gv[2][4] = {}, gk[2][4] = {};
-            mma_atb(gv, Ps, As);
-            mma_atb(gk, Ss, Bs);
+            float gv[2][4], gk[2][4];
+            tile_product<AT_B, H>(gv, Ps, As, R);
+            tile_product<AT_B, H>(gk, Ss, Bs, R2);
             tile_update(dv, ld, gv, 1.0f, q0 == 0, nk, d0, hs);
             tile_update(dk, ld, gk, scale, q0 == 0, nk, d0, hs);
             __syncthreads();
@@ -437,7 +514,20 @@ __global__ void softmax_dropout_backward_kernel(float *dpd, const float *P, cons
 // sequences run one after another: two (NH, T, T) score blocks
 size_t per_sequence_scratch_bytes(int64_t T, int64_t NH) { return 2 * (size_t)NH * (size_t)T * (size_t)T * sizeof(float); }
 
-ft_status forward_per_sequence(ft_backend *be, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
+// strided-batched C = alpha op(A) op(B) + beta C over float32 matrices, the products' inputs rounded
+// to prec by cuBLAS (FAST_16BF / FAST_16F) unless it is float32
+cublasStatus_t gemm_batched(cublasHandle_t h, ft_dtype prec, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                            int k, const float *alpha, const float *A, int lda, long long sa, const float *B, int ldb,
+                            long long sb, const float *beta, float *C, int ldc, long long sc, int batch) {
+    if (prec == FT_F32)
+        return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch);
+    return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, A, CUDA_R_32F, lda, sa, B, CUDA_R_32F, ldb, sb, beta, C,
+                                      CUDA_R_32F, ldc, sc, batch,
+                                      prec == FT_BF16 ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_16F,
+                                      CUBLAS_GEMM_DEFAULT);
+}
+
+ft_status forward_per_sequence(ft_backend *be, ft_dtype prec, float *ctx, float *probs, uint8_t *dmask, const float *qkv,
                                const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p, uint64_t key,
                                float *scratch) {
     cuda_ctx *c = ctx_of(be);
@@ -454,7 +544,7 @@ ft_status forward_per_sequence(ft_backend *be, float *ctx, float *probs, uint8_t
         const float *q = qkv + first * ld, *k = q + C, *v = q + 2 * C;
         float *P = probs + base;
         // row-major P_h (n, n) = Q_h K_h^T scale: column-major P_h^T = K_h Q_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &scale, k, (int)ld,
+        FT_CUBLAS(gemm_batched(blas.h, prec, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &scale, k, (int)ld,
                                             hs, q, (int)ld, hs, &zero, P, (int)n, n * n, (int)NH),
                   "attention scores");
         const int64_t rows = NH * n;
@@ -467,7 +557,7 @@ ft_status forward_per_sequence(ft_backend *be, float *ctx, float *probs, uint8_t
         }
         FT_TRY(launched("attention_train_forward"));
         // row-major ctx_h (n, hs) = Pd_h (n, n) V_h (n, hs): column-major ctx_h^T = V_h^T Pd_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &one, v, (int)ld,
+        FT_CUBLAS(gemm_batched(blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &one, v, (int)ld,
                                             hs, Pd, (int)n, n * n, &zero, ctx + first * C, (int)C, hs, (int)NH),
                   "attention output");
         base += NH * n * n;
@@ -475,7 +565,7 @@ ft_status forward_per_sequence(ft_backend *be, float *ctx, float *probs, uint8_t
     return FT_OK;
 }
 
-ft_status backward_per_sequence(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
+ft_status backward_per_sequence(ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx, const float *qkv, const float *probs,
                                 const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
                                 uint64_t key, float *scratch) {
     cuda_ctx *c = ctx_of(be);
@@ -504,22 +594,22 @@ ft_status backward_per_sequence(ft_backend *be, float *dqkv, const float *dctx, 
             FT_TRY(launched("attention_backward"));
         }
         // dV_h (n, hs) = Pd_h^T dctx_h: column-major dV_h^T = dctx_h^T Pd_h
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &one, dout, (int)C,
+        FT_CUBLAS(gemm_batched(blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &one, dout, (int)C,
                                             hs, pd, (int)n, n * n, &zero, dv, (int)ld, hs, (int)NH),
                   "attention dV");
         // dPd_h (n, n) = dctx_h V_h^T: column-major dPd_h^T = V_h dctx_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &one, v, (int)ld,
+        FT_CUBLAS(gemm_batched(blas.h, prec, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &one, v, (int)ld,
                                             hs, dout, (int)C, hs, &zero, dS, (int)n, n * n, (int)NH),
                   "attention dP");
         FT_LAUNCH(softmax_dropout_backward_kernel, (unsigned)((rows + 7) / 8), 256, 0, c->stream)(
             dS, P, dmask ? dmask + base : nullptr, rows, n, base, thr, keep_scale, key);
         FT_TRY(launched("attention_backward"));
         // dQ_h (n, hs) = dS_h K_h scale: column-major dQ_h^T = K_h^T dS_h^T
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &scale, k, (int)ld,
+        FT_CUBLAS(gemm_batched(blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &scale, k, (int)ld,
                                             hs, dS, (int)n, n * n, &zero, dq, (int)ld, hs, (int)NH),
                   "attention dQ");
         // dK_h (n, hs) = dS_h^T Q_h scale: column-major dK_h^T = Q_h^T dS_h
-        FT_CUBLAS(cublasSgemmStridedBatched(blas.h, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &scale, q, (int)ld,
+        FT_CUBLAS(gemm_batched(blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &scale, q, (int)ld,
                                             hs, dS, (int)n, n * n, &zero, dk, (int)ld, hs, (int)NH),
                   "attention dK");
         base += NH * n * n;
@@ -607,12 +697,38 @@ size_t cuda_attention_train_scratch_bytes(ft_backend *, int64_t B, int64_t T, in
     return variant() == PER_SEQUENCE ? per_sequence_scratch_bytes(T, NH) : fused_scratch_bytes(B, T, NH);
 }
 
-ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs, float *stats, uint8_t *dmask,
-                                       const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
-                                       uint64_t key, float *scratch, size_t scratch_bytes) {
+namespace {
+
+// the products' precision of the attention ops: float32, or bfloat16 / float16 on a device that has
+// them on its tensor cores
+ft_status check_prec(cuda_ctx *c, ft_dtype prec, const char *op) {
+    if (prec != FT_F32 && prec != FT_BF16 && prec != FT_F16)
+        return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: the products' precision must be float32, bfloat16 or "
+                             "float16, got dtype %d", op, (int)prec);
+    if (prec == FT_BF16 && c->cc_major < 8)
+        return g_host->error(FT_ERR_UNSUPPORTED, "%s: bfloat16 products need an Ampere or newer GPU (compute "
+                             "capability 8.0+); %s is %d.x: use float16", op, c->name, c->cc_major);
+    if (prec == FT_F16 && c->cc_major < 7)
+        return g_host->error(FT_ERR_UNSUPPORTED, "%s: float16 products need tensor cores (compute capability 7.0+); "
+                             "%s is %d.x: use float32", op, c->name, c->cc_major);
+    return FT_OK;
+}
+
+// f(H()) with H the products' operand type of prec (float for FT_F32)
+template <typename F> ft_status with_prec(ft_dtype prec, F &&f) {
+    return prec == FT_BF16 ? f(__nv_bfloat16()) : prec == FT_F16 ? f(__half()) : f(float());
+}
+
+}  // namespace
+
+ft_status cuda_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx, float *probs, float *stats,
+                                       uint8_t *dmask, const float *qkv, const int32_t *seqs, int64_t B, int64_t C,
+                                       int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
     const char *op = "attention_train_forward";
     const variant_id v = variant();
     if (v == UNKNOWN) return unknown_variant(op);
+    cuda_ctx *c = ctx_of(be);
+    FT_TRY(check_prec(c, prec, op));
     if (!probs && !stats)
         return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: probs and stats are both NULL (the backward needs one of "
                              "them)", op);
@@ -621,35 +737,39 @@ ft_status cuda_attention_train_forward(ft_backend *be, float *ctx, float *probs,
         if (!probs || stats)
             return g_host->error(FT_ERR_UNSUPPORTED, "%s: the per_sequence variant (FASTTRAN_CUDA_TRAIN_ATTENTION) "
                                  "keeps the probabilities and no statistics: recomputing them needs the fused one", op);
-        return forward_per_sequence(be, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
+        return forward_per_sequence(be, prec, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
     }
-    cuda_ctx *c = ctx_of(be);
     int64_t tiles = 0;
     FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, false, op, &tiles));
     if (tiles == 0) return FT_OK;
     const int hs = (int)(C / NH);
     const uint32_t thr = p > 0.0f ? ft_dropout_threshold(p) : 0;
-    return launch_over_sequences(c, attention_train_forward_kernel, op, B, tiles, NH,
-                                 reinterpret_cast<const seq_entry *>(scratch), ctx, probs, stats, dmask, qkv, C,
-                                 (int)NH, hs, (int)tiles, 1.0f / sqrtf((float)hs), thr,
-                                 p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, key);
+    return with_prec(prec, [&](auto tag) {
+        typedef decltype(tag) H;
+        return launch_over_sequences(c, attention_train_forward_kernel<H>, op, B, tiles, NH,
+                                     reinterpret_cast<const seq_entry *>(scratch), ctx, probs, stats, dmask, qkv, C,
+                                     (int)NH, hs, (int)tiles, 1.0f / sqrtf((float)hs), thr,
+                                     p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, key);
+    });
 }
 
-ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx, const float *qkv, const float *probs,
-                                  const float *stats, const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C,
-                                  int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
+ft_status cuda_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx, const float *qkv,
+                                  const float *probs, const float *stats, const uint8_t *dmask, const int32_t *seqs,
+                                  int64_t B, int64_t C, int64_t NH, float p, uint64_t key, float *scratch,
+                                  size_t scratch_bytes) {
     const char *op = "attention_backward";
     const variant_id v = variant();
     if (v == UNKNOWN) return unknown_variant(op);
+    cuda_ctx *c = ctx_of(be);
+    FT_TRY(check_prec(c, prec, op));
     if (!probs && !stats) return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: probs and stats are both NULL", op);
     if (B == 0) return FT_OK;
     if (v == PER_SEQUENCE) {
         if (!probs)
             return g_host->error(FT_ERR_UNSUPPORTED, "%s: the per_sequence variant (FASTTRAN_CUDA_TRAIN_ATTENTION) "
                                  "reads kept probabilities: recomputing them needs the fused one", op);
-        return backward_per_sequence(be, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch);
+        return backward_per_sequence(be, prec, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch);
     }
-    cuda_ctx *c = ctx_of(be);
     int64_t tiles = 0;
     FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, true, op, &tiles));
     if (tiles == 0) return FT_OK;
@@ -658,9 +778,12 @@ ft_status cuda_attention_backward(ft_backend *be, float *dqkv, const float *dctx
     const float scale = 1.0f / sqrtf((float)hs), keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
     const seq_entry *table = reinterpret_cast<const seq_entry *>(scratch);
     float *D = reinterpret_cast<float *>(reinterpret_cast<char *>(scratch) + table_bytes(B));
-    FT_TRY(launch_over_sequences(c, attention_backward_dq_kernel, op, B, tiles, NH, table, dqkv, D, dctx, qkv, probs,
-                                 stats, dmask, C, (int)NH, hs, (int)tiles, scale, thr, keep_scale, key));
-    return launch_over_sequences(c, attention_backward_dkv_kernel, op, B, tiles, NH, table, dqkv,
-                                 static_cast<const float *>(D), dctx, qkv, probs, stats, dmask, C, (int)NH, hs,
-                                 (int)tiles, scale, thr, keep_scale, key);
+    return with_prec(prec, [&](auto tag) {
+        typedef decltype(tag) H;
+        FT_TRY(launch_over_sequences(c, attention_backward_dq_kernel<H>, op, B, tiles, NH, table, dqkv, D, dctx, qkv,
+                                     probs, stats, dmask, C, (int)NH, hs, (int)tiles, scale, thr, keep_scale, key));
+        return launch_over_sequences(c, attention_backward_dkv_kernel<H>, op, B, tiles, NH, table, dqkv,
+                                     static_cast<const float *>(D), dctx, qkv, probs, stats, dmask, C, (int)NH, hs,
+                                     (int)tiles, scale, thr, keep_scale, key);
+    });
 }

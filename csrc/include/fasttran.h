@@ -464,9 +464,10 @@ ft_status ft_device_write(ft_device dev, void *dst, const void *host_src, size_t
 typedef struct {
     float hidden_dropout, attention_dropout;
     int inplace_gelu, inplace_layernorm, recompute_attention_dropout, recompute_attention_probs;
-    /* the projections' products (forward and backward): FT_F32, or FT_BF16 / FT_F16 (mixed
-     * precision: float32 storage, master weights and sums; half-precision products on tensor
-     * cores, backend op gemm_prec). Attention's products stay float32. */
+    /* the products (forward and backward) of the projections (backend op gemm_prec) and of
+     * attention (attention_train_forward / attention_backward's prec): FT_F32, or FT_BF16 / FT_F16
+     * (mixed precision: float32 storage, master weights and sums; half-precision products on
+     * tensor cores; softmax, its statistics and dropout in float32). */
     ft_dtype matmul_precision;
 } ft_layer_options;
 

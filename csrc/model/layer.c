@@ -67,9 +67,9 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
     /* qkv (N, 3C) = x Wqkv^T + bqkv */
     FT_TRY(be->broadcast_rows(be, a->qkv, w->bqkv, N, 3 * C));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, 3 * C, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * C));
-    FT_TRY(be->attention_train_forward(be, a->ctx, a->probs, a->attn_stats, a->attn_mask, a->qkv, bt->seqs, bt->B, C, NH,
-                                       o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch,
-                                       wk->attn_scratch_bytes));
+    FT_TRY(be->attention_train_forward(be, o->matmul_precision, a->ctx, a->probs, a->attn_stats, a->attn_mask, a->qkv,
+                                       bt->seqs, bt->B, C, NH, o->attention_dropout,
+                                       site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
     /* h1 = LN(x + dropout(ctx Wo^T + bo)) */
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, C, C, 1.0f, a->ctx, C, w->wo, C, 0.0f, wk->tmp, C));
     FT_TRY(be->residual_ln_train_forward(be, a->h1, a->ln1_in, a->ln1_stats, a->x, wk->tmp, w->bo, w->ln1_g, w->ln1_b,
@@ -127,10 +127,9 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->sum_axis(be, gw->bo, da, N, C, 0));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, C, N, 1.0f, da, C, a->ctx, C, 0.0f, gw->wo, C));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, C, 1.0f, da, C, w->wo, C, 0.0f, wk->dctx, C));
-    FT_TRY(be->attention_backward(be, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_stats, a->attn_mask, bt->seqs, bt->B,
-                                  C, NH,
-                                  o->attention_dropout, site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch,
-                                  wk->attn_scratch_bytes));
+    FT_TRY(be->attention_backward(be, o->matmul_precision, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_stats,
+                                  a->attn_mask, bt->seqs, bt->B, C, NH, o->attention_dropout,
+                                  site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
     FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * C, 0));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, 3 * C, C, N, 1.0f, wk->dbig, 3 * C, a->x, C, 0.0f, gw->wqkv, C));
     if (!want_dx) return FT_OK;   /* the bottom trained layer: nothing below needs d x */
