@@ -325,6 +325,27 @@ def test_gemm_prec_rounds_the_products_inputs_on_the_cpu():
     assert np.isinf(got).all()
 
 
+def test_cpu_bf16_rounding_of_edge_values():
+    """The CPU's rounding of operands to bf16 (gemm_prec's and mixed-precision attention's copies,
+    an inline vectorised loop) at the edges, through a K = 1 product by 1.0: ties to even both
+    ways, the largest floats rounding to infinity, infinities, subnormals, zero (not -0: the GEMM's
+    sum adds +0), and a NaN (signalling or quiet) staying NaN."""
+    be = Backend(-1)
+    bits = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0xFF7FFFFF,
+                     0x7F800000, 0xFF800000, 0x00000001, 0x00008000, 0x00018000, 0x00000000, 0x7F800001,
+                     0x7FC00000, 0xFFFFFFFF], np.uint32)
+    a = bits.view(np.float32).reshape(-1, 1)
+    got = run_case(be, "gemm_prec", dict(prec=DTYPE_CODES["bfloat16"], trans_a=0, trans_b=0, M=len(a), N=1, K=1,
+                                         alpha=1.0, A=In(a), lda=1, B=In(np.ones((1, 1), np.float32)), ldb=1, beta=0.0,
+                                         C=Out((len(a), 1), init=np.zeros((len(a), 1))), ldc=1))["C"].ravel()
+    import torch
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = torch.from_numpy(a.ravel().copy()).to(torch.bfloat16).float().numpy()
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan) and nan.sum() == 3
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)), (got, want)
+
+
 for n, sc in ((1, 2.0), (1000, 0.125), (70001, 65536.0)):
     case("scale", f"{n}-x{sc:g}")(lambda rng, n=n, sc=sc: dict(x=Out((n,), tol=0, init=f32(rng, n)), n=n, s=sc))
 

@@ -55,7 +55,7 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
     /* K^T in panels: panel p, element (d, j) = K[p nr + j][d] (register transposes) */
     ft_cpu_pack_keys_t(kp, k, ld, nk, hs);
     const ft_dtype prec = tr ? tr->prec : FT_F32;
-    if (prec != FT_F32) ft_cpu_round_rows(kp, kp, 1, kpanels * nr * hs, 0, prec);
+    if (prec != FT_F32) ft_cpu_round_row(kp, kp, kpanels * nr * hs, prec);
     /* V in panels of nr head columns, rows contiguous (read in place, each of its rows would sit
      * in another page: one TLB entry per key) */
     const int64_t vpanels = (hs + nr - 1) / nr;
@@ -65,7 +65,7 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
             float *row = vp + (p * nk + key) * nr;
             const float *src = v + key * ld + p * nr;
             for (int64_t c = 0; c < nr; c++) row[c] = c < n ? src[c] : 0.0f;
-            if (prec != FT_F32) ft_cpu_round_rows(row, row, 1, n, 0, prec);
+            if (prec != FT_F32) ft_cpu_round_row(row, row, n, prec);
         }
     }
     for (int64_t i0 = 0; i0 < nq; i0 += mr) {
@@ -74,7 +74,7 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
         int64_t lda = ld;
         if (m < mr || prec != FT_F32) {   /* a short block: zero-padded copy of its rows, and no stale scores */
             ft_copy_rows(qpad, qa, ld, m, hs, mr);
-            if (prec != FT_F32) ft_cpu_round_rows(qpad, qpad, 1, (int64_t)m * hs, 0, prec);
+            if (prec != FT_F32) ft_cpu_round_row(qpad, qpad, (int64_t)m * hs, prec);
             qa = qpad;
             lda = hs;
             for (int i = m; i < mr; i++) memset(S + i * lds, 0, (size_t)nk * sizeof(float));
@@ -92,7 +92,7 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
             if (tr->probs) memcpy(tr->probs + e, row, (size_t)nk * sizeof(float));
             if (tr->thr) ft_cpu_dropout_row(row, tr->dmask ? tr->dmask + e : NULL, nk, tr->key, tr->base + e, tr->thr,
                                             tr->keep_scale);
-            if (prec != FT_F32) ft_cpu_round_rows(row, row, 1, nk, 0, prec);
+            if (prec != FT_F32) ft_cpu_round_row(row, row, nk, prec);
         }
         /* out (m x hs) = P V, P read in place from S */
         for (int64_t p = 0; p < vpanels; p++) {

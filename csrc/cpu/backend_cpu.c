@@ -64,15 +64,10 @@ ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t 
     return FT_OK;
 }
 
-/* dst (rows x cols, packed) = the rows of X (stride ld) rounded to prec (FT_BF16 / FT_F16, nearest
- * even: what tensor cores read); dst may be X when ld == cols */
+/* dst (rows x cols, packed) = the rows of X (stride ld) rounded to prec, rows in parallel */
 void ft_cpu_round_rows(float *dst, const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec) {
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (rows * cols > 65536)
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++) {
-            const float v = X[i * ld + j];
-            dst[i * cols + j] = prec == FT_BF16 ? ft_bf16_to_f32(ft_f32_to_bf16(v)) : ft_f16_to_f32(ft_f32_to_f16(v));
-        }
+    for (int64_t i = 0; i < rows; i++) ft_cpu_round_row(dst + i * cols, X + i * ld, cols, prec);
 }
 
 /* The region of a row-major operand a GEMM reads, rounded to prec into a packed copy (ld = cols). */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "core/dtype.h"
 #include "core/status.h"
 
 #define FT_CPU_SERVICE(ret, name, params) ret cpu_##name params;
@@ -29,9 +30,30 @@ int ft_cpu_gemm_on_amx(int64_t M, int64_t N, int64_t K);
 ft_status ft_cpu_amx_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                           int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc, int bf16_only);
 
-/* dst (rows x cols, packed) = the rows of X (stride ld) rounded to prec (FT_BF16 / FT_F16: what
- * tensor cores read); dst may be X when ld == cols. Parallel over rows when large: call it
- * outside parallel regions or on small blocks (backend_cpu.c) */
+/* v rounded to bf16 (nearest even; a NaN stays a quiet NaN), as float: the same bits as
+ * ft_bf16_to_f32(ft_f32_to_bf16(v)), inline and branch-free so row loops vectorise */
+static inline float ft_cpu_round_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t o = (u & 0x7fffffffu) > 0x7f800000u ? (u & 0xffff0000u) | 0x00400000u : r;
+    memcpy(&v, &o, sizeof v);
+    return v;
+}
+
+/* dst[0..n) = x[0..n) rounded to prec (FT_BF16 / FT_F16, nearest even: what tensor cores read);
+ * dst may be x. Serial: for a worker inside a parallel region */
+static inline void ft_cpu_round_row(float *dst, const float *x, int64_t n, ft_dtype prec) {
+    if (prec == FT_BF16) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) dst[j] = ft_cpu_round_bf16(x[j]);
+    } else {
+        for (int64_t j = 0; j < n; j++) dst[j] = ft_f16_to_f32(ft_f32_to_f16(x[j]));
+    }
+}
+
+/* dst (rows x cols, packed) = the rows of X (stride ld) rounded to prec; dst may be X when ld ==
+ * cols. Rows in parallel when large (backend_cpu.c): inside a parallel region use ft_cpu_round_row */
 void ft_cpu_round_rows(float *dst, const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec);
 
 /* row[0..n) = row * keep_scale where ft_dropout_keep(key, e0 + j, thr), else 0; mask[j] = kept

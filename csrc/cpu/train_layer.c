@@ -306,10 +306,12 @@ ft_status cpu_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, con
             int64_t lq = ld, lo = C;   /* row strides of q, k, v and of dout */
             if (rounded) {
                 float *r = rq;
-                ft_cpu_round_rows(r, q, n, hs, ld, prec);
-                ft_cpu_round_rows(r + n * hs, k, n, hs, ld, prec);
-                ft_cpu_round_rows(r + 2 * n * hs, v, n, hs, ld, prec);
-                ft_cpu_round_rows(r + 3 * n * hs, dout, n, hs, C, prec);
+                for (int64_t i = 0; i < n; i++) {
+                    ft_cpu_round_row(r + i * hs, q + i * ld, hs, prec);
+                    ft_cpu_round_row(r + (n + i) * hs, k + i * ld, hs, prec);
+                    ft_cpu_round_row(r + (2 * n + i) * hs, v + i * ld, hs, prec);
+                    ft_cpu_round_row(r + (3 * n + i) * hs, dout + i * C, hs, prec);
+                }
                 q = r;
                 k = r + n * hs;
                 v = r + 2 * n * hs;
@@ -340,7 +342,7 @@ ft_status cpu_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, con
                 pd = Pd;
             }
             if (rounded) {   /* the dropped probabilities as the product reads them */
-                ft_cpu_round_rows(Pd, pd, n, n, n, prec);
+                ft_cpu_round_row(Pd, pd, n * n, prec);
                 pd = Pd;
             }
             /* dV (n, hs) = Pd^T dctx;  dPd (n, n) = dctx V^T */
@@ -368,7 +370,7 @@ ft_status cpu_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, con
 #pragma omp simd
                 for (int64_t c = 0; c < n; c++) d[c] = pr[c] * (d[c] - dot);
             }
-            if (rounded) ft_cpu_round_rows(dS, dS, n, n, n, prec);
+            if (rounded) ft_cpu_round_row(dS, dS, n * n, prec);
             /* dQ (n, hs) = dS K scale;  dK (n, hs) = dS^T Q scale */
             ft_blas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)n, (blasint)hs, (blasint)n, scale, dS,
                           (blasint)n, k, (blasint)lq, 0.0f, dq, (blasint)ld);
