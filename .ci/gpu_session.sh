@@ -12,7 +12,8 @@
 #   bash .ci/gpu_session.sh cache      # benchmarks/test_gpu_cache.py (tier read rates, prefetch overlap)
 #   bash .ci/gpu_session.sh topk       # benchmarks/test_gpu_topk.py (issue 17: the top-k step against
 #                                      # torch fp32 and AMP bf16; the largest batch at seq 512, Tempo on/off),
-#                                      # then the BERT-base steps again on the per-sequence training attention
+#                                      # then the BERT-base steps again on the per-sequence training attention,
+#                                      # and benchmarks/train_attention.py (the attention ops alone, per precision)
 #   bash .ci/gpu_session.sh table1     # benchmarks/gpu_table1.py: FastTran's Table 1 (SQuAD, 3,433
 #                                      # features, 5 epochs), then --accuracy (MiniLM, CUDA vs CPU EM/F1)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
@@ -61,7 +62,7 @@ phase_sanitize() {
     # synccheck over its op cases (small shapes, every path: kept / recomputed probabilities, dropout)
     for t in racecheck synccheck; do
         timeout 120 $cs --tool $t --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
-            tests/test_backend_ops.py -k "cuda and (attention_train or attention_backward or bit_for_bit)" \
+            tests/test_backend_ops.py -k "cuda and (attention_train or attention_backward or bit_for_bit or mixed_precision_training_attention)" \
             >"$OUT/sanitize-$t-train-attention.log" 2>&1
         echo "$t (training attention): exit $? ($(grep -c '=========' "$OUT/sanitize-$t-train-attention.log") sanitizer lines)"
         grep -m5 "ERROR SUMMARY" "$OUT/sanitize-$t-train-attention.log"
@@ -105,7 +106,13 @@ case "${1:-all}" in
           # measure the fused kernels against
           FASTTRAN_CUDA_TRAIN_ATTENTION=per_sequence python3 -m pytest -q -s -p no:cacheprovider \
               benchmarks/test_gpu_topk.py -k "step and bert" 2>&1 | tee "$OUT/gpu-topk-per-sequence.log" | tail -15
-          cp benchmarks/last_gpu_topk_per_sequence.json "$OUT/" 2>/dev/null || true ;;
+          cp benchmarks/last_gpu_topk_per_sequence.json "$OUT/" 2>/dev/null || true
+          # the training attention ops alone, fp32 / bf16 / fp16 products, fused and per-sequence
+          for v in fused per_sequence; do
+              FASTTRAN_CUDA_TRAIN_ATTENTION=$v FASTTRAN_BENCH_DEVICE=cuda python3 benchmarks/train_attention.py 2>&1 \
+                  | tee "$OUT/gpu-train-attention-$v.log" | tail -12
+          done
+          cp benchmarks/last_train_attention.json "$OUT/" 2>/dev/null || true ;;
     table1) phase_table1 ;;
     all) phase_build && phase_test && phase_sanitize ;;
     *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|all" >&2; exit 2 ;;
