@@ -924,17 +924,19 @@ def test_cuda_op_matches_cpu(op, ident, build):
 
 
 @cuda
+@pytest.mark.parametrize("prec", ["float32", "bfloat16"])
 @pytest.mark.parametrize("p", [0.0, 0.2])
-def test_cuda_recomputed_probabilities_are_the_kept_ones_bit_for_bit(p):
+def test_cuda_recomputed_probabilities_are_the_kept_ones_bit_for_bit(p, prec):
     """The fused kernels recompute P from the same bits of Q K^T with the forward's own expression
     and the statistics the forward used: the backward from kept probabilities and the backward from
-    the statistics give the same dqkv, bit for bit (several key tiles, a partial one, hs 40)."""
+    the statistics give the same dqkv, bit for bit (several key tiles, a partial one, hs 40), with
+    float32 products and with bf16 ones on the tensor cores."""
     lens, NH, hs = [70, 0, 45, 3], 2, 40
     gpu = Backend(0)
-    fwd = dict(_attn_train(lens, NH, hs, p, False, "both")(np.random.default_rng(11)))
+    fwd = dict(_attn_train(lens, NH, hs, p, False, "both", prec)(np.random.default_rng(11)))
     got = run_case(gpu, "attention_train_forward", fwd)
     rng = np.random.default_rng(12)
-    common = dict(prec=0, dqkv=Out((sum(lens), 3 * NH * hs)), dctx=In(f32(rng, sum(lens), NH * hs)), qkv=fwd["qkv"],
+    common = dict(prec=DTYPE_CODES[prec], dqkv=Out((sum(lens), 3 * NH * hs)), dctx=In(f32(rng, sum(lens), NH * hs)), qkv=fwd["qkv"],
                   dmask=None, seqs=fwd["seqs"], B=len(lens), C=NH * hs, NH=NH, p=p, key=fwd["key"],
                   scratch=fwd["scratch"], scratch_bytes=fwd["scratch_bytes"])
     kept = run_case(gpu, "attention_backward", dict(common, probs=In(got["probs"]), stats=None))
