@@ -64,16 +64,19 @@ ft_status cpu_gemm(ft_backend *be, int trans_a, int trans_b, int64_t M, int64_t 
     return FT_OK;
 }
 
-/* dst (rows x cols, packed) = the rows of X (stride ld) rounded to prec, rows in parallel */
-void ft_cpu_round_rows(float *dst, const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec) {
-#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (rows * cols > 65536)
-    for (int64_t i = 0; i < rows; i++) ft_cpu_round_row(dst + i * cols, X + i * ld, cols, prec);
+ft_status ft_cpu_check_prec(ft_dtype prec, const char *op) {
+    if (prec == FT_F32 || prec == FT_BF16 || prec == FT_F16) return FT_OK;
+    return ft_error(FT_ERR_INVALID_ARGUMENT, "%s: the products' precision must be float32, bfloat16 or float16, got %s",
+                    op, ft_dtype_name(prec));
 }
 
-/* The region of a row-major operand a GEMM reads, rounded to prec into a packed copy (ld = cols). */
+/* The region of a row-major operand a GEMM reads, rounded to prec into a packed copy (ld = cols),
+ * rows in parallel. */
 static float *rounded_copy(const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec) {
     float *r = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *r);
-    if (r) ft_cpu_round_rows(r, X, rows, cols, ld, prec);
+    if (!r) return NULL;
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (rows * cols > 65536)
+    for (int64_t i = 0; i < rows; i++) ft_cpu_round_row(r + i * cols, X + i * ld, cols, prec);
     return r;
 }
 
@@ -85,10 +88,8 @@ static float *rounded_copy(const float *X, int64_t rows, int64_t cols, int64_t l
 ft_status cpu_gemm_prec(ft_backend *be, ft_dtype prec, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
                         float alpha, const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                         int64_t ldc) {
+    FT_TRY(ft_cpu_check_prec(prec, "gemm_prec"));
     if (prec == FT_F32) return cpu_gemm(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    if (prec != FT_BF16 && prec != FT_F16)
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "gemm_prec: the products' precision must be float32, bfloat16 or "
-                        "float16, got %s", ft_dtype_name(prec));
     if (M <= 0 || N <= 0) return FT_OK;
     if (prec == FT_BF16 && ft_cpu_gemm_on_amx(M, N, K))
         return ft_cpu_amx_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, 1);

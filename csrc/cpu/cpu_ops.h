@@ -42,7 +42,7 @@ static inline float ft_cpu_round_bf16(float v) {
 }
 
 /* dst[0..n) = x[0..n) rounded to prec (FT_BF16 / FT_F16, nearest even: what tensor cores read);
- * dst may be x. Serial: for a worker inside a parallel region */
+ * dst may be x. Serial (a worker inside a parallel region calls it) */
 static inline void ft_cpu_round_row(float *dst, const float *x, int64_t n, ft_dtype prec) {
     if (prec == FT_BF16) {
 #pragma omp simd
@@ -52,9 +52,9 @@ static inline void ft_cpu_round_row(float *dst, const float *x, int64_t n, ft_dt
     }
 }
 
-/* dst (rows x cols, packed) = the rows of X (stride ld) rounded to prec; dst may be X when ld ==
- * cols. Rows in parallel when large (backend_cpu.c): inside a parallel region use ft_cpu_round_row */
-void ft_cpu_round_rows(float *dst, const float *X, int64_t rows, int64_t cols, int64_t ld, ft_dtype prec);
+/* the products' precision an op was given (gemm_prec, the attention ops): float32, bfloat16 or
+ * float16, else the error naming op (backend_cpu.c) */
+ft_status ft_cpu_check_prec(ft_dtype prec, const char *op);
 
 /* row[0..n) = row * keep_scale where ft_dropout_keep(key, e0 + j, thr), else 0; mask[j] = kept
  * (mask NULL: not stored). Vectorised over j (train_ops.c). */

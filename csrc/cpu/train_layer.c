@@ -238,18 +238,11 @@ static ft_status scratch_workers(const attn_plan *pl, size_t scratch_bytes, cons
     return FT_OK;
 }
 
-/* the products' precision of the attention ops: float32, bfloat16 or float16 */
-static ft_status check_prec(ft_dtype prec, const char *op) {
-    if (prec == FT_F32 || prec == FT_BF16 || prec == FT_F16) return FT_OK;
-    return ft_error(FT_ERR_INVALID_ARGUMENT, "%s: the products' precision must be float32, bfloat16 or float16, got %s",
-                    op, ft_dtype_name(prec));
-}
-
 ft_status cpu_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx, float *probs, float *stats,
                                       uint8_t *dmask, const float *qkv, const int32_t *seqs, int64_t B, int64_t C,
                                       int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
     (void)be;
-    FT_TRY(check_prec(prec, "attention_train_forward"));
+    FT_TRY(ft_cpu_check_prec(prec, "attention_train_forward"));
     if (!probs && !stats)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_train_forward: probs and stats are both NULL (the "
                         "backward needs one of them)");
@@ -270,7 +263,7 @@ ft_status cpu_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, con
                                  int64_t B, int64_t C, int64_t NH, float p, uint64_t key, float *scratch,
                                  size_t scratch_bytes) {
     (void)be;
-    FT_TRY(check_prec(prec, "attention_backward"));
+    FT_TRY(ft_cpu_check_prec(prec, "attention_backward"));
     if (!probs && !stats)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_backward: probs and stats are both NULL");
     attn_plan pl;

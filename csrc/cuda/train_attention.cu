@@ -75,7 +75,8 @@ struct seq_entry {
 template <typename H> struct op_tile_of { typedef H type[AT_TILE][AT_HPAD]; };
 template <> struct op_tile_of<float> { typedef float type[AT_TILE][AT_PAD]; };
 template <typename H> using op_tile = typename op_tile_of<H>::type;
-template <typename H> struct res_tile_of { typedef float type[AT_TILE][AT_RPAD]; };
+typedef float wmma_res_t[AT_TILE][AT_RPAD];   // a WMMA product on its way to the register tiles
+template <typename H> struct res_tile_of { typedef wmma_res_t type; };
 template <> struct res_tile_of<float> { typedef float type[1][1]; };   // float32 needs none
 template <typename H> using res_tile = typename res_tile_of<H>::type;
 template <typename H> constexpr bool is_f32 = std::is_same<H, float>::value;
@@ -136,7 +137,7 @@ __device__ inline int warp_col0() { return (int)((threadIdx.x >> 5) & 1) * 16; }
 // the warps' quadrants into R, then every thread its register tile from R (a barrier between:
 // every thread of the block calls it; R is written again only after the caller's next barrier)
 __device__ inline void wmma_result(float part[2][4], wmma::fragment<wmma::accumulator, 16, 16, 16, float> &f,
-                                   res_tile<__half> &R) {
+                                   wmma_res_t &R) {
     wmma::store_matrix_sync(&R[warp_row0()][warp_col0()], f, AT_RPAD, wmma::mem_row_major);
     __syncthreads();
     FT_UNROLL for (int i = 0; i < 2; i++)
