@@ -72,6 +72,8 @@ from .cache import ActivationCache
 from .encoder import Encoder
 from . import optim
 from . import models
+from . import readers, tokens
+from .tokens import words_from_tokens
 from .heads import ClassificationHead, QAHead
 from .trainer import Trainer
 from .profiling import Profile, profile
@@ -108,4 +110,5 @@ __all__ = [
     "FastTranError", "InputError", "InputTypeError", "InputRangeError", "CheckpointError",
     "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError", "CacheCorruptError", "CacheMismatchError",
     "FastTranIOError", "CacheNotFoundError", "NoGPUError", "MissingDependencyError", "models", "profile", "Profile",
+    "readers", "tokens", "words_from_tokens",
 ]

@@ -11,6 +11,7 @@ import re
 import numpy as np
 
 from . import _C
+from . import tokens as _tokens
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -432,36 +433,88 @@ class Encoder:
     __call__ = forward
 
     # ---- text ------------------------------------------------------------------------------------
-    def tokenize(self, texts, max_length=None):
-        """Tokenize with the checkpoint's tokenizer.json and pad to the longest: returns
-        (input_ids, attention_mask, token_type_ids) int64 arrays."""
+    def _need_tokenizer(self):
         if self.tokenizer is None:
             raise UnsupportedError(
                 "no tokenizer: install the 'tokenizers' package (pip install fasttran[text]) and load a "
                 "checkpoint that has tokenizer.json")
-        if isinstance(texts, str):
-            texts = [texts]
-        if max_length is not None and max_length != self.max_seq_length:
-            self.tokenizer.enable_truncation(max_length=int(max_length))
+        return self.tokenizer
+
+    def _encode_batch(self, batch, max_length, pair=False, words=False):
+        """tokenizer.encode_batch truncated to max_length (None: max_seq_length) with transformers'
+        rule (longest_first), the tokenizer's own truncation setting restored afterwards."""
+        tok = self._need_tokenizer()
+        if max_length is None:
+            max_length = self.max_seq_length
+        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
+            raise InputTypeError(f"max_length must be an int, got {type(max_length).__name__}")
+        max_length = int(max_length)
+        special = tok.post_processor.num_special_tokens_to_add(pair) if tok.post_processor else 0
+        limit = self.config["max_position_embeddings"]
+        if not special <= max_length <= limit:
+            raise InputError(
+                f"max_length={max_length} is out of range: at least the {special} special tokens "
+                f"{'a pair' if pair else 'a text'} gets, at most the model's {limit} positions (max_position_embeddings)")
+        before = tok.truncation
+        tok.enable_truncation(max_length=max_length, strategy="longest_first")
         try:
-            encs = self.tokenizer.encode_batch(list(texts))
+            return tok.encode_batch(batch, is_pretokenized=words), max_length
         finally:
-            if max_length is not None:
-                self.tokenizer.enable_truncation(max_length=self.max_seq_length)
+            if before is None:
+                tok.no_truncation()
+            else:
+                tok.enable_truncation(**before)
+
+    def tokenize(self, texts, text_pairs=None, max_length=None):
+        """Tokenize texts, or sentence pairs, with the checkpoint's tokenizer.json and pad to the
+        longest: returns (input_ids, attention_mask, token_type_ids) int64 arrays (batch, seq).
+
+        The same ids, mask and types as transformers' tokenizer for the checkpoint,
+        ``tokenizer(texts, text_pairs, truncation="longest_first", max_length=max_length,
+        padding="longest")``: a pair is ``[CLS] a [SEP] b [SEP]`` with types 0 then 1; texts longer
+        than max_length (default: the model's ``max_seq_length``) are cut, a pair's longer side
+        first. texts and text_pairs: a string or a list of strings, of equal lengths. (An int as
+        the second positional argument is max_length, as before pairs existed.)"""
+        if isinstance(text_pairs, (int, np.integer)) and not isinstance(text_pairs, bool) and max_length is None:
+            text_pairs, max_length = None, text_pairs   # tokenize(texts, 128): the signature before pairs
+        texts = _tokens.text_list(texts, "texts")
+        batch = texts
+        if text_pairs is not None:
+            pairs = _tokens.text_list(text_pairs, "text_pairs")
+            if len(pairs) != len(texts):
+                raise InputError(f"texts has {len(texts)} entries but text_pairs has {len(pairs)}: a pair needs both sides")
+            batch = list(zip(texts, pairs))
+        encs, _ = self._encode_batch(batch, max_length, pair=text_pairs is not None)
         return self._pad(encs)
+
+    def tokenize_words(self, words, labels=None, max_length=None):
+        """Tokenize pre-split sentences for token classification (NER, POS...): each word becomes
+        one or more sub-tokens, as transformers' tokenizer does with ``is_split_into_words=True``
+        (truncation to max_length, default ``max_seq_length``; padding to the longest).
+
+        words: a list of sentences, each a list of words (str). labels: optional, one sequence of
+        integer class ids per sentence, one per word (-100 marks a word to ignore).
+        Returns a :class:`fasttran.tokens.WordTokens`, which unpacks as ``(input_ids,
+        attention_mask, token_type_ids, labels, word_ids)``: (B, T) int64 arrays; ``labels`` holds
+        each word's label on its first sub-token and -100 on every other position (special
+        tokens, the word's other sub-tokens, padding), None without labels; ``word_ids`` the word
+        index of each position, -1 where none (transformers' ``word_ids()``).
+
+        Truncation: words whose first sub-token falls past max_length get no label and no
+        prediction; ``.missing_words`` counts them per sentence (with words the tokenizer turns into
+        nothing, such as ''), ``.num_words`` has the sentences' lengths, and
+        :meth:`words_from_tokens` returns its ``fill`` value for them."""
+        sents = _tokens.word_lists(words)
+        labs = _tokens.word_labels(labels, sents) if labels is not None else False
+        encs, max_length = self._encode_batch(sents, max_length, words=True)
+        out = _tokens.pad_encodings(encs, self.config["pad_token_id"], labs)
+        return _tokens.WordTokens(*out, num_words=np.array([len(s) for s in sents], np.int64), max_length=max_length)
+
+    words_from_tokens = staticmethod(_tokens.words_from_tokens)
 
     def _pad(self, encs):
         """(input_ids, attention_mask, token_type_ids) int64 arrays padded to the longest."""
-        T = max((len(e.ids) for e in encs), default=0)
-        ids = np.full((len(encs), T), self.config["pad_token_id"], np.int64)
-        mask = np.zeros((len(encs), T), np.int64)
-        types = np.zeros((len(encs), T), np.int64)
-        for i, e in enumerate(encs):
-            n = len(e.ids)
-            ids[i, :n] = e.ids
-            mask[i, :n] = e.attention_mask
-            types[i, :n] = e.type_ids
-        return ids, mask, types
+        return _tokens.pad_encodings(encs, self.config["pad_token_id"])
 
     def encode(self, texts, batch_size=32, pooling="mean", normalize=False, layer=-1, show_progress=None):
         """Embed texts like sentence-transformers' ``encode``: tokenize, batch by length (so
@@ -480,8 +533,7 @@ class Encoder:
         out = np.zeros((len(texts), self.hidden_size), np.float32)
         if not texts:
             return out
-        if self.tokenizer is None:
-            self.tokenize([])   # raises the explanation
+        self._need_tokenizer()
         encs = self.tokenizer.encode_batch(texts)   # once: lengths for batching, then padding
         order = np.argsort(-np.asarray([len(e.ids) for e in encs]), kind="stable")
         batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]

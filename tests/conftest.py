@@ -41,6 +41,22 @@ def squad_file(name):
     return path
 
 
+def glue_file(task, split):
+    """Real GLUE `task` (MRPC, STS-B, CoLA) `split` (train/dev) TSV from $FASTTRAN_DATA/glue."""
+    path = os.path.join(DATA, "glue", task, f"{split}.tsv")
+    if not os.path.exists(path):
+        data_skip(f"real GLUE {task} data", path, f"set FASTTRAN_DATA to a directory holding glue/{task}/{split}.tsv")
+    return path
+
+
+def conll_file(split):
+    """Real CoNLL-2003 `split` (train/valid) from $FASTTRAN_DATA/conll2003."""
+    path = os.path.join(DATA, "conll2003", f"{split}.txt")
+    if not os.path.exists(path):
+        data_skip("real CoNLL-2003 data", path, f"set FASTTRAN_DATA to a directory holding conll2003/{split}.txt")
+    return path
+
+
 def pytest_terminal_summary(terminalreporter):
     for reason, n in _SKIPS.items():
         terminalreporter.write_line(f"fasttran: skipped {n} test(s): {reason}", yellow=True)
