@@ -72,7 +72,7 @@ from .cache import ActivationCache
 from .encoder import Encoder
 from . import optim
 from . import models
-from . import readers, tokens
+from . import metrics, readers, tokens
 from .tokens import words_from_tokens
 from .heads import ClassificationHead, QAHead
 from .trainer import Trainer
@@ -110,5 +110,5 @@ __all__ = [
     "FastTranError", "InputError", "InputTypeError", "InputRangeError", "CheckpointError",
     "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError", "CacheCorruptError", "CacheMismatchError",
     "FastTranIOError", "CacheNotFoundError", "NoGPUError", "MissingDependencyError", "models", "profile", "Profile",
-    "readers", "tokens", "words_from_tokens",
+    "metrics", "readers", "tokens", "words_from_tokens",
 ]
