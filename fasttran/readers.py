@@ -256,6 +256,18 @@ class _Labels:
                              f"{self.names} (a label the training data never had)")
         return out
 
+    def flat_ids(self, values, where_of, what="label"):
+        """int64 ids of a flat list of label values (names or ids; none missing), errors naming
+        where_of(j), the line or record value j came from."""
+        where, self.where = self.where, where_of
+        try:
+            kinds = self._kinds(values)
+            if any(k == "none" for k, _ in kinds):
+                raise self._missing(kinds)
+            return self._ids(kinds, what)
+        finally:
+            self.where = where
+
     def multilabel(self, values, sep):
         """(N, K) float32 multi-hot from label sets (lists, or sep-joined strings) of names or ids."""
         sets = []
@@ -269,17 +281,9 @@ class _Labels:
                 raise InputTypeError(f"{self.where(i)}: a multi-label label must be a list of labels or a "
                                      f"{sep!r}-separated string, got {type(v).__name__}")
             sets.append(parts)
-        flat = [p for s in sets for p in s]
         owners = [i for i, s in enumerate(sets) for _ in s]
         where = self.where
-        self.where = lambda j: where(owners[j])
-        try:
-            kinds = self._kinds(flat)
-            if any(k == "none" for k, _ in kinds):
-                raise self._missing(kinds)
-            ids = self._ids(kinds)
-        finally:
-            self.where = where
+        ids = self.flat_ids([p for s in sets for p in s], lambda j: where(owners[j]))
         y = np.zeros((len(sets), len(self.names or [])), np.float32)
         y[owners, ids] = 1.0
         return "multilabel", y, self.names
@@ -297,14 +301,7 @@ class _Labels:
             flat.extend(v)
             owners.extend([i] * n)
         where = self.where
-        self.where = lambda j: where(owners[j])
-        try:
-            kinds = self._kinds(flat)
-            if any(k == "none" for k, _ in kinds):
-                raise self._missing(kinds)
-            ids = self._ids(kinds)
-        finally:
-            self.where = where
+        ids = self.flat_ids(flat, lambda j: where(owners[j]))
         return "tokens", np.split(ids, np.cumsum(lengths)[:-1]) if len(lengths) else [], self.names
 
 
@@ -524,11 +521,9 @@ def read_conll(path, column=-1, word_column=0, label_names=None, scheme="IOB2", 
             _check_iob2(t, path, s)
     if label_names is None:
         label_names = _tag_names({t for ts in tags for t in ts})
-    lab = _Labels("tokens", label_names, lambda i: f"{path}:{starts[i]}")
-    owners_line = [s + k for ts, s in zip(tags, starts) for k in range(len(ts))]
-    lab.where = lambda j: f"{path}:{owners_line[j]}"
-    flat = [t for ts in tags for t in ts]
-    ids = lab._ids([("name", t) for t in flat], what="tag")
+    lines_of = [s + k for ts, s in zip(tags, starts) for k in range(len(ts))]
+    ids = _Labels("tokens", label_names, None).flat_ids([t for ts in tags for t in ts],
+                                                        lambda j: f"{path}:{lines_of[j]}", what="tag")
     labels = np.split(ids, np.cumsum([len(t) for t in tags])[:-1])
     return Examples(words=sents, labels=labels, label_names=label_names, task="tokens",
                     source=os.path.basename(path))

@@ -1,4 +1,4 @@
-"""Text to the encoder's inputs, and token predictions back to words (Encoder.tokenize's helpers).
+"""Text to the encoder's inputs, and token predictions back to words (what Encoder.tokenize and tokenize_words run).
 
 Sentence pairs and pre-split words go through the checkpoint's tokenizer.json (the `tokenizers`
 library) exactly as transformers' tokenizer does for the same checkpoint: ``[CLS] a [SEP] b [SEP]``

@@ -100,36 +100,36 @@ def test_glue_layouts_bom_crlf_and_columns(tmp_path):
     assert len(sub) == 2 and sub.texts == ["third", "first"] and sub.labels.tolist() == [[1, 0], [1, 1]]
 
 
-def test_glue_errors(tmp_path):
-    def write(name, text):
-        p = tmp_path / name
-        p.write_bytes(text.encode() if isinstance(text, str) else text)
-        return p
+GLUE_ERRORS = [   # (file name, content, keyword arguments, error, message)
+    ("empty.tsv", "\ufeff\n", {}, fasttran.InputError, r"empty.tsv: the file is empty"),
+    ("head.tsv", "sentence\tlabel\n", {}, fasttran.InputError, r"head.tsv: no examples \(only a header\)"),
+    ("cols.tsv", "sentence\tlabel\na\t1\nb\t1\textra\n", {}, fasttran.InputError,
+     r"cols.tsv:3: 3 tab-separated columns, expected 2 \(as the header has\)"),
+    ("float.tsv", "sentence\tlabel\na\t1\nb\t0.5\n", {"task": "classification"}, fasttran.InputTypeError,
+     r"float.tsv:3: label 0.5 is a float; classification takes integer"),
+    ("str.tsv", "sentence\tscore\na\thigh\nb\t0.5\n", {}, fasttran.InputTypeError,
+     r"str.tsv:2: label 'high' is a string; regression takes numbers"),
+    ("mix.tsv", "sentence\tlabel\na\t1\nb\tpositive\n", {}, fasttran.InputTypeError,
+     r"mixed label types: .*mix.tsv:2 has the class id 1 and .*mix.tsv:3 the name 'positive'"),
+    ("gap.tsv", "sentence\tlabel\na\t1\nb\t\n", {}, fasttran.InputError, r"gap.tsv:3: no label \(an empty field\)"),
+    ("neg.tsv", "sentence\tlabel\na\t-1\n", {}, fasttran.InputError, r"neg.tsv:2: label -1 is negative"),
+    ("utf.tsv", b"sentence\tlabel\n\xff\t1\n", {}, fasttran.InputError, r"utf.tsv:2: not UTF-8"),
+    ("what.tsv", "a\tb\tc\n", {}, fasttran.InputError, r"cannot tell which column holds the text .*no header, 3 columns"),
+    ("ok.tsv", "sentence\tlabel\na\t1\n", {"text": "txt", "label": "label"}, fasttran.InputError,
+     r"no column 'txt' for text; the header has \['sentence', 'label'\]"),
+    ("nh.tsv", "a\t1\n", {"text": "sentence"}, fasttran.InputError, r"text='sentence' names a column, but the file has no header"),
+]
 
-    with pytest.raises(fasttran.InputError, match=r"empty.tsv: the file is empty"):
-        read_glue_tsv(write("empty.tsv", "\ufeff\n"))
-    with pytest.raises(fasttran.InputError, match=r"head.tsv: no examples \(only a header\)"):
-        read_glue_tsv(write("head.tsv", "sentence\tlabel\n"))
-    with pytest.raises(fasttran.InputError, match=r"cols.tsv:3: 3 tab-separated columns, expected 2 \(as the header has\)"):
-        read_glue_tsv(write("cols.tsv", "sentence\tlabel\na\t1\nb\t1\textra\n"))
-    with pytest.raises(fasttran.InputTypeError, match=r"float.tsv:3: label 0.5 is a float; classification takes integer"):
-        read_glue_tsv(write("float.tsv", "sentence\tlabel\na\t1\nb\t0.5\n"), task="classification")
-    with pytest.raises(fasttran.InputTypeError, match=r"str.tsv:2: label 'high' is a string; regression takes numbers"):
-        read_glue_tsv(write("str.tsv", "sentence\tscore\na\thigh\nb\t0.5\n"))
-    with pytest.raises(fasttran.InputTypeError, match=r"mixed label types: .*mix.tsv:2 has the class id 1 and .*mix.tsv:3 the name 'positive'"):
-        read_glue_tsv(write("mix.tsv", "sentence\tlabel\na\t1\nb\tpositive\n"))
-    with pytest.raises(fasttran.InputError, match=r"gap.tsv:3: no label \(an empty field\)"):
-        read_glue_tsv(write("gap.tsv", "sentence\tlabel\na\t1\nb\t\n"))
-    with pytest.raises(fasttran.InputError, match=r"neg.tsv:2: label -1 is negative"):
-        read_glue_tsv(write("neg.tsv", "sentence\tlabel\na\t-1\n"))
-    with pytest.raises(fasttran.InputError, match=r"utf.tsv:2: not UTF-8"):
-        read_glue_tsv(write("utf.tsv", b"sentence\tlabel\n\xff\t1\n"))
-    with pytest.raises(fasttran.InputError, match=r"cannot tell which column holds the text .*no header, 3 columns"):
-        read_glue_tsv(write("what.tsv", "a\tb\tc\n"))
-    with pytest.raises(fasttran.InputError, match=r"no column 'txt' for text; the header has \['sentence', 'label'\]"):
-        read_glue_tsv(write("ok.tsv", "sentence\tlabel\na\t1\n"), text="txt", label="label")
-    with pytest.raises(fasttran.InputError, match=r"text='sentence' names a column, but the file has no header"):
-        read_glue_tsv(write("nh.tsv", "a\t1\n"), text="sentence")
+
+@pytest.mark.parametrize("name, content, kwargs, error, message", GLUE_ERRORS, ids=[c[0] for c in GLUE_ERRORS])
+def test_glue_errors(tmp_path, name, content, kwargs, error, message):
+    p = tmp_path / name
+    p.write_bytes(content.encode() if isinstance(content, str) else content)
+    with pytest.raises(error, match=message):
+        read_glue_tsv(p, **kwargs)
+
+
+def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_glue_tsv(tmp_path / "missing.tsv")
 
