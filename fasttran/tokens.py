@@ -112,6 +112,9 @@ class WordTokens(_Fields):
         self.missing_words = num_words - first_positions(word_ids).sum(axis=1)
         return self
 
+    def __getnewargs__(self):   # pickle and copy keep the word counts
+        return (*self, self.num_words, self.max_length)
+
     def __repr__(self):
         B, T = self.input_ids.shape
         cut = int(self.missing_words.sum())

@@ -1,6 +1,8 @@
 """Encoder.tokenize with sentence pairs and Encoder.tokenize_words equal transformers' tokenizer for
 the same checkpoint (all-MiniLM-L6-v2) on every example of real MRPC, STS-B and CoNLL-2003 valid,
 with and without truncation; words_from_tokens inverts the labelling; bad input is refused."""
+import pickle
+
 import numpy as np
 import pytest
 
@@ -145,6 +147,8 @@ def test_words_from_tokens_shapes_and_fill(enc):
     wt = enc.tokenize_words([["Peter", "", "Blackburn"], ["EU"]])
     assert wt.labels is None and wt.missing_words.tolist() == [1, 0]   # '' has no sub-token
     ids, mask, types, labels, wids = wt                                  # unpacks as five arrays
+    again = pickle.loads(pickle.dumps(wt))
+    assert np.array_equal(again.missing_words, wt.missing_words) and again.max_length == wt.max_length
     logits = np.random.default_rng(0).normal(size=ids.shape + (3,))
     per_word = enc.words_from_tokens(logits, wids)                       # no word counts: up to the last word seen
     assert len(per_word[0]) == 3 and per_word[0][1] is None and per_word[0][0].shape == (3,)
