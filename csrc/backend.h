@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 10
+#define FT_BACKEND_ABI 11
 
 typedef struct ft_backend ft_backend;
 
@@ -159,12 +159,30 @@ typedef struct {
     X(tanh_backward, (ft_backend *be, float *dx, const float *dy, const float *y, int64_t n), (be, dx, dy, y, n))      \
     /* Row-wise softmax cross-entropy over (N, K) logits. valid (valid_rows, K) or NULL: row r    \
      * uses valid row r % valid_rows, and positions with 0 take no part. labels (N) in [0, K) at \
-     * a valid position (checked by the caller). loss (N) per-row loss; dlogits (N, K) or NULL = \
-     * scale * (softmax - onehot), 0 at invalid positions. A row with no valid position: loss 0, \
-     * dlogits 0. */                                                                               \
+     * a valid position (checked by the caller), or < 0: the row is ignored (token labels of      \
+     * positions that carry none). loss (N) per-row loss; dlogits (N, K) or NULL = scale *        \
+     * (softmax - onehot), 0 at invalid positions. An ignored row, or one with no valid position: \
+     * loss 0, dlogits 0. */                                                                       \
     X(softmax_xent, (ft_backend *be, float *loss, float *dlogits, const float *logits,            \
                      const float *valid, int64_t valid_rows, const int32_t *labels, int64_t N,     \
                      int64_t K, float scale), (be, loss, dlogits, logits, valid, valid_rows, labels, N, K, scale))                                                      \
+    /* Per-element squared error (regression): loss (n) = (pred - target)^2; dpred (n) or NULL = \
+     * scale * 2 (pred - target). */                                                              \
+    X(mse_loss, (ft_backend *be, float *loss, float *dpred, const float *pred, const float *target, \
+                 int64_t n, float scale), (be, loss, dpred, pred, target, n, scale))                \
+    /* Per-element binary cross-entropy on logits (multi-label): loss (n) = max(z, 0) - z y +     \
+     * log(1 + exp(-|z|)) for target y in [0, 1]; dlogits (n) or NULL = scale (sigmoid(z) - y). */ \
+    X(bce_logits_loss, (ft_backend *be, float *loss, float *dlogits, const float *logits,         \
+                        const float *target, int64_t n, float scale), (be, loss, dlogits, logits, target, n, scale)) \
+    /* Span cross-entropy over packed rows (extractive QA). logits (2, N): each row's start and   \
+     * end score; sequence b owns rows [first[b], first[b] + count[b]) (backend memory, int32). For \
+     * k = start, end and each b: softmax over its rows with valid (N) != 0 (the context), label  \
+     * labels[k B + b] = the answer's row within the sequence (checked by the caller). loss (2, B);\
+     * dlogits (2, N) or NULL = scale (softmax - onehot), 0 at invalid rows; rows of no sequence  \
+     * are not written. A sequence with no valid row: loss 0, gradient 0. */                       \
+    X(span_xent, (ft_backend *be, float *loss, float *dlogits, const float *logits, const float *valid, \
+                  const int32_t *first, const int32_t *count, const int32_t *labels, int64_t B,      \
+                  int64_t N, float scale), (be, loss, dlogits, logits, valid, first, count, labels, B, N, scale)) \
     /* axis 0: out (K) = sum over rows of x (N, K);  axis 1: out (N) = sum over columns */        \
     X(sum_axis, (ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis), (be, out, x, N, K, axis))     \
     /* One fused LAMB / AdamW step over `count` tensors (see ft_optimizer_step). */                \

@@ -74,7 +74,7 @@ from . import optim
 from . import models
 from . import metrics, readers, tokens
 from .tokens import words_from_tokens
-from .heads import ClassificationHead, QAHead
+from .heads import ClassificationHead, MultiLabelHead, QAHead, RegressionHead, TokenClassificationHead
 from .trainer import Trainer
 from .profiling import Profile, profile
 
@@ -106,7 +106,8 @@ from .errors import (
 __version__ = _C.version
 
 __all__ = [
-    "Encoder", "ActivationCache", "Trainer", "ClassificationHead", "QAHead", "optim", "Tensor", "from_dlpack", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
+    "Encoder", "ActivationCache", "Trainer", "ClassificationHead", "RegressionHead", "MultiLabelHead",
+    "TokenClassificationHead", "QAHead", "optim", "Tensor", "from_dlpack", "build_info", "cuda_available", "get_num_threads", "set_num_threads",
     "FastTranError", "InputError", "InputTypeError", "InputRangeError", "CheckpointError",
     "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError", "CacheCorruptError", "CacheMismatchError",
     "FastTranIOError", "CacheNotFoundError", "NoGPUError", "MissingDependencyError", "models", "profile", "Profile",

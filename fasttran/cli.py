@@ -1,11 +1,24 @@
-"""fasttran command line: fine-tune a head on a frozen BERT-family encoder, on files.
+"""fasttran command line: fine-tune BERT-family encoders with the activation cache, on files.
 
-workflow (classification; --model defaults to all-MiniLM-L6-v2, see fasttran.models):
+workflow (--model defaults to all-MiniLM-L6-v2, see fasttran.models):
   fasttran cache    --input train.tsv --output ctrain        # encoder runs once, features on disk
   fasttran cache    --input dev.tsv   --output cdev
   fasttran train    --input train.tsv --cache ctrain --output ck --eval-input dev.tsv --eval-cache cdev
   fasttran evaluate --input dev.tsv   --cache cdev --checkpoint ck
+  fasttran export   --checkpoint ck --output model-dir        # loads in transformers' AutoModelFor*
   fasttran encode   --input texts.tsv --output emb.npy       # sentence embeddings only
+
+tasks (--task on cache, train and evaluate; the cache remembers it):
+  classification   one text, a class (TSV / JSONL; GLUE's SST-2 and CoLA files as GLUE ships them)
+  pair             two texts, a class ([CLS] a [SEP] b [SEP]; GLUE's MRPC, RTE, QNLI, MNLI files)
+  regression       one or two texts, a score (GLUE's STS-B): MSE, Pearson, Spearman
+  multi-label      labels separated by commas in the label column: micro / macro F1
+  token            a label per word (CoNLL column files): entity precision / recall / F1
+  qa               extractive QA on SQuAD v1.1 JSON (cache --answers-only for training)
+
+the top layers too: cache every token's state at layer L-K, then train K layers with the head
+  fasttran cache    --input train.tsv --output c4 --layer 4 --positions all     # MiniLM: L = 6
+  fasttran train    --input train.tsv --cache c4 --output ck --train-layers 2 [--precision bfloat16] [--tempo all]
 
 extractive QA (SQuAD v1.1 JSON files):
   fasttran cache    --task qa --answers-only --input train.json --output qtrain
@@ -13,8 +26,9 @@ extractive QA (SQuAD v1.1 JSON files):
   fasttran train    --head qa --input train.json --cache qtrain --output qck
   fasttran evaluate --input dev.json --cache qdev --checkpoint qck    # exact match / F1
 
-Classification inputs are JSON lines ({"text": ..., "label": ...}) or TSV with a header row
-naming the text and label columns (GLUE's `sentence` / `label` work as they are).
+Inputs are JSON lines ({"text": ..., "text_pair": ..., "label": ...}) or TSV (GLUE's files as they
+are: byte-order marks, a header or none, label names such as `entailment`; other TSV files name
+their columns in a header), or CoNLL column files for --task token.
 Ctrl-C stops cleanly (train: after the step in flight, saving the checkpoint)."""
 import argparse
 import json
@@ -40,54 +54,93 @@ def _fail(msg):
 
 
 def read_examples(path, text_field=None, label_field="label", limit=None):
-    """(texts, labels or None) from a .jsonl/.json-lines or .tsv/.csv-with-tabs file."""
+    """(texts, labels or None) of a classification file (JSONL or TSV): what `fasttran encode` reads."""
+    ex = _read_data(argparse.Namespace(text_field=text_field, pair_field=None, label_field=label_field, limit=limit),
+                    path, "classification", labelled=None)
+    return ex.texts, ex.labels
+
+
+#: --task -> (fasttran.readers task, Trainer task)
+_TASKS = {"classification": ("classification", "classification"), "pair": ("classification", "classification"),
+          "regression": ("regression", "regression"), "multi-label": ("multilabel", "multi-label"),
+          "token": ("tokens", "token-classification")}
+
+
+def _read_data(args, path, task, label_names=None, labelled=True):
+    """fasttran.readers.Examples of a data file for a --task (labelled: True = labels required, None =
+    if present, False = none read), errors as one line"""
+    from . import readers
+    from .errors import FastTranError
     if not os.path.exists(path):
         _fail(f"input file {path} not found")
-    texts, labels = [], []
-    with open(path, encoding="utf-8") as f:
-        if path.endswith((".jsonl", ".json")):
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    _fail(f"{path}:{n}: not JSON lines ({e}); SQuAD JSON files need --task qa / --head qa")
-                if not isinstance(row, dict):
-                    _fail(f"{path}:{n}: expected a JSON object per line")
-                tf = text_field or next((k for k in ("text", "sentence") if k in row), None)
-                if tf not in row:
-                    _fail(f"{path}:{n}: no text field (use --text-field)")
-                texts.append(row[tf])
-                labels.append(row.get(label_field))
-                if limit and len(texts) >= limit:
-                    break
-        else:
-            header = f.readline().rstrip("\n").split("\t")
-            tf = text_field or next((k for k in ("text", "sentence") if k in header), None)
-            if tf not in header:
-                _fail(f"{path}: the header {header} has no text column (use --text-field)")
-            ti, li = header.index(tf), header.index(label_field) if label_field in header else None
-            for n, line in enumerate(f, 2):
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) != len(header):
-                    _fail(f"{path}:{n}: {len(parts)} fields, the header has {len(header)}")
-                texts.append(parts[ti])
-                labels.append(parts[li] if li is not None else None)
-                if limit and len(texts) >= limit:
-                    break
-    if any(lab is None for lab in labels):
-        return texts, None
+    rtask = _TASKS[task][0]
     try:
-        return texts, np.array([int(v) for v in labels], np.int64)
-    except (TypeError, ValueError):
-        _fail(f"{path}: labels must be integer class ids 0..K-1")
+        if task == "token" or path.endswith((".conll", ".txt")):
+            if task != "token":
+                _fail(f"{path}: a CoNLL column file is for --task token")
+            ex = readers.read_conll(path, label_names=label_names, limit=args.limit)
+        elif path.endswith((".jsonl", ".json")):
+            with open(path, encoding="utf-8-sig") as f:
+                rows = []
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        _fail(f"{path}:{n}: not JSON lines ({e}); SQuAD JSON files need --task qa / --head qa")
+                    if not isinstance(row, dict):
+                        _fail(f"{path}:{n}: expected a JSON object per line")
+                    rows.append(row)
+                    if args.limit and len(rows) >= args.limit:
+                        break
+            if not rows:
+                _fail(f"{path}: no examples")
+            tf = args.text_field or next((k for k in ("text", "sentence", "sentence1") if k in rows[0]), "text")
+            pf = args.pair_field or (next((k for k in ("text_pair", "sentence2") if k in rows[0]), None)
+                                     if task == "pair" else None)
+            lf = args.label_field if (labelled is not False and any(args.label_field in r for r in rows)) else None
+            ex = readers.from_records(rows, text=tf, text_pair=pf, label=lf,
+                                      task=None if rtask == "classification" else rtask, label_names=label_names,
+                                      source=path)
+        else:
+            ex = readers.read_glue_tsv(path, text=args.text_field, text_pair=args.pair_field,
+                                       label=args.label_field if args.text_field else None,
+                                       task=None if rtask == "classification" else rtask, label_names=label_names,
+                                       limit=args.limit)
+    except FastTranError as e:
+        _fail(str(e))
+    if labelled is False:
+        ex.labels = None
+    if labelled and ex.labels is None:
+        _fail(f"{path} has no labels (column/field {args.label_field!r})")
+    if ex.labels is not None and ex.task not in (rtask, None) and not (rtask == "classification" and ex.task is None):
+        hint = {"regression": "--task regression", "classification": "--task classification or pair",
+                "multilabel": "--task multi-label"}.get(ex.task, "")
+        _fail(f"{path}: its labels read as {ex.task} but --task is {task}" + (f" (use {hint})" if hint else ""))
+    if task == "pair" and ex.text_pairs is None:
+        _fail(f"{path}: --task pair needs two text columns (e.g. sentence1 / sentence2, or --text-field and "
+              "--pair-field)")
+    return ex
 
 
-def _encoder(args):
+def _inputs(enc, ex, max_length=None):
+    """(input_ids, attention_mask, token_type_ids, token labels or None) of Examples"""
+    if ex.words is not None:
+        tok = enc.tokenize_words(ex.words, ex.labels, max_length=max_length)
+        return tok.input_ids, tok.attention_mask, tok.token_type_ids, tok.labels
+    ids, mask, types = enc.tokenize(ex.texts, ex.text_pairs, max_length=max_length)
+    return ids, mask, types, None
+
+
+def _targets(ex, tok_labels):
+    return tok_labels if ex.words is not None else ex.labels
+
+
+def _encoder(args, device=None):
     import fasttran
     model = args.model or fasttran.models.minilm_path()
-    device = args.device or ("cuda:0" if fasttran.cuda_available() else "cpu")
+    device = device or args.device or ("cuda:0" if fasttran.cuda_available() else "cpu")
     return fasttran.Encoder.from_pretrained(model, device=device)
 
 
@@ -143,10 +196,13 @@ def cmd_cache(args):
     else:
         if args.answers_only:
             _fail("--answers-only is for --task qa")
-        texts, _ = read_examples(args.input, args.text_field, limit=args.limit)
-        ids, mask, types = enc.tokenize(texts, max_length=args.max_length)
-        settings = {"task": "classification"}
-        positions, dtype = args.positions, args.dtype or "float32"
+        ex = _read_data(args, args.input, args.task, labelled=None)
+        print(f"{ex!r}", file=sys.stderr)
+        ids, mask, types, _ = _inputs(enc, ex, args.max_length)
+        settings = {"task": args.task, "text_field": args.text_field, "pair_field": args.pair_field,
+                    "label_field": args.label_field, "max_length": args.max_length, "limit": args.limit}
+        positions = "all" if args.task == "token" else args.positions
+        dtype = args.dtype or "float32"
     cache = ActivationCache.build(enc, ids, mask, types, layer=args.layer, positions=positions, dtype=dtype,
                                   disk_dir=args.output, batch_size=args.batch_size, rebuild=args.rebuild,
                                   show_progress=True)
@@ -185,6 +241,45 @@ def _qa_source(args, enc, cache_dir, input_path, for_training, what):
     return cache, feats
 
 
+def _task_of(args, cache_dir):
+    """the --task of a command: given, else the one the cache was built for"""
+    st = _task_settings(cache_dir)
+    given = getattr(args, "task", None)
+    if given and st.get("task") not in (None, given) and not (given == "classification" and st["task"] == "pair"):
+        _fail(f"--cache {cache_dir} was built for --task {st['task']}, not {given}")
+    return given or st.get("task", "classification")
+
+
+def _labelled_source(args, enc, cache_dir, input_path, task, label_names, what, labelled=True):
+    """(cache, targets, Examples) of a non-QA cache directory and the file it was built from (read
+    with the columns and --limit the cache was built with)"""
+    st = _task_settings(cache_dir)
+    args = argparse.Namespace(**dict(vars(args), **{k: st[k] for k in ("text_field", "pair_field", "label_field",
+                                                                        "limit") if st.get(k) is not None}))
+    ex = _read_data(args, input_path, task, label_names=label_names, labelled=labelled)
+    cache = _open_cache(cache_dir, enc, what)
+    ids, mask, types, tok_labels = _inputs(enc, ex, _task_settings(cache_dir).get("max_length"))
+    if len(cache) != len(ex):
+        _fail(f"{what} {cache_dir} holds {len(cache)} examples but {input_path} gives {len(ex)}"
+              + (" (the same --limit as for `fasttran cache`?)" if args.limit else ""))
+    if cache.positions == "all" and not np.array_equal(cache.lengths, mask.sum(1)):
+        _fail(f"{what} {cache_dir} was not built from {input_path} (its examples' token counts differ)")
+    return cache, _targets(ex, tok_labels), ex
+
+
+_TEMPO_ALL = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "recompute_attention_probs")
+
+
+def _tempo(arg):
+    if not arg:
+        return None
+    names = _TEMPO_ALL if arg == "all" else [t.strip() for t in arg.split(",") if t.strip()]
+    bad = [n for n in names if n not in _TEMPO_ALL]
+    if bad:
+        _fail(f"--tempo: unknown option(s) {bad}; choose from {', '.join(_TEMPO_ALL)} or 'all'")
+    return {n: True for n in names}
+
+
 def cmd_train(args):
     from . import Trainer
     if bool(args.eval_input) != bool(args.eval_cache):
@@ -194,22 +289,30 @@ def cmd_train(args):
         cache, feats = _qa_source(args, enc, args.cache, args.input, True, "--cache")
         targets = (feats.start_positions, feats.end_positions)
         ev = _qa_source(args, enc, args.eval_cache, args.eval_input, False, "--eval-cache") if args.eval_cache else None
+        task, head, names = "qa", "qa", None
     else:
         if _task_settings(args.cache).get("task") == "qa":
             _fail(f"--cache {args.cache} is a QA cache: use --head qa")
-        _, targets = read_examples(args.input, args.text_field, args.label_field, limit=args.limit)
-        if targets is None:
-            _fail(f"{args.input} has no labels (column/field {args.label_field!r})")
-        cache = _open_cache(args.cache, enc)
-        if len(cache) != len(targets):
-            _fail(f"--cache {args.cache} holds {len(cache)} examples but {args.input} gives {len(targets)} labels"
-                  + (" (the same --limit as for `fasttran cache`?)" if args.limit else ""))
+        task = _task_of(args, args.cache)
+        cache, targets, ex = _labelled_source(args, enc, args.cache, args.input, task, None, "--cache")
+        names = ex.label_names
         ev = None
         if args.eval_cache:
-            ev = (_open_cache(args.eval_cache, enc, "--eval-cache"),
-                  read_examples(args.eval_input, args.text_field, args.label_field)[1])
-    tr = Trainer(args.head, optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
-                 seed=args.seed, weight_decay=args.weight_decay, schedule=args.schedule, warmup=args.warmup)
+            ecache, etargets, _ = _labelled_source(args, enc, args.eval_cache, args.eval_input, task, names,
+                                                   "--eval-cache")
+            ev = (ecache, etargets)
+        head = _TASKS[task][1]
+        if head == "classification" and args.head == "classification-pooler":
+            head = "classification-pooler"
+    kw = dict(optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
+              weight_decay=args.weight_decay, schedule=args.schedule, warmup=args.warmup,
+              train_layers=args.train_layers, precision=args.precision, tempo=_tempo(args.tempo),
+              pooling=args.pooling, device=enc.device)
+    if head not in ("qa", "token-classification"):
+        kw["pooler"] = args.pooler or None
+    if names is not None and head != "qa":
+        kw["label_names"] = names
+    tr = Trainer(head, **kw)
     print(f"{tr!r}", file=sys.stderr)
     for r in tr.fit(cache, targets, eval=ev, checkpoint_dir=args.output, resume=args.resume):
         print(json.dumps(r))
@@ -233,14 +336,31 @@ def cmd_evaluate(args):
         from .squad import squad_metrics
         print(json.dumps(squad_metrics(preds, feats.examples)))
         return
-    _, labels = read_examples(args.input, args.text_field, args.label_field, limit=args.limit)
-    cache = _open_cache(args.cache, enc)
+    task = _task_of(args, args.cache)
+    cache, targets, ex = _labelled_source(args, enc, args.cache, args.input, task, tr.head.label_names, "--cache",
+                                          labelled=None)
     if args.predictions:
-        np.save(args.predictions, tr.predict(cache))
-    if labels is None:
+        pred = tr.predict(cache)
+        if task == "token":   # per word, by the first sub-token of each
+            from .tokens import words_from_tokens
+            tok = enc.tokenize_words(ex.words, max_length=_task_settings(args.cache).get("max_length"))
+            pred = words_from_tokens([np.pad(p, (0, tok.input_ids.shape[1] - len(p))) for p in pred], tok)
+            pred = np.asarray([np.asarray(p) for p in pred], dtype=object)
+        np.save(args.predictions, pred, allow_pickle=task == "token")
+    if ex.labels is None:
         print("no labels in the input: wrote predictions only" if args.predictions else "no labels in the input")
         return
-    print(json.dumps(tr.evaluate(cache, labels)))
+    res = tr.evaluate(cache, targets)
+    print(json.dumps({k: v for k, v in res.items() if not isinstance(v, (dict, np.ndarray))}))
+
+
+def cmd_export(args):
+    from . import Trainer
+    enc = _encoder(args, device="cpu")
+    tr = Trainer.load(args.checkpoint, device="cpu")
+    tr.export(args.output, encoder=enc)
+    from .export import layout_of
+    print(f"wrote {layout_of(tr.head)} model to {args.output}")
 
 
 def _version():
@@ -254,19 +374,25 @@ def build_parser():
     from .trainer import DEFAULT_LR
     p = argparse.ArgumentParser(prog="fasttran", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_VersionAction, help="show the version and build, then exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate,export}")
 
-    def common(sp, batch=64):
+    def common(sp, batch=64, data=True):
         sp.add_argument("--model", default=None,
                         help="checkpoint directory (config.json + model.safetensors), or a Hub id; default: "
                              "all-MiniLM-L6-v2 (installed package or fasttran's model cache)")
         sp.add_argument("--device", default=None, help="cpu or cuda:N (default: a GPU if usable, else cpu)")
-        sp.add_argument("--input", required=True, help="JSONL or TSV file of examples (QA: SQuAD JSON)")
-        sp.add_argument("--text-field", default=None, help="text field/column (default: text or sentence)")
-        sp.add_argument("--label-field", default="label", help="label field/column")
+        if not data:
+            return
+        sp.add_argument("--input", required=True,
+                        help="JSONL, TSV (GLUE's files as they are) or CoNLL file of examples (QA: SQuAD JSON)")
+        sp.add_argument("--text-field", default=None, help="text field/column (default: found by name: text, "
+                        "sentence, sentence1, #1 String, question, ...)")
+        sp.add_argument("--pair-field", default=None, help="second text field/column of pairs (default: found by name)")
+        sp.add_argument("--label-field", default="label", help="label field/column (TSV: found by name when 'label')")
         sp.add_argument("--limit", type=int, default=None, metavar="N", help="use the first N examples (QA: questions)")
         sp.add_argument("--batch-size", type=int, default=batch, help="examples per batch")
 
+    tasks = ["classification", "pair", "regression", "multi-label", "token"]
     e = sub.add_parser("encode", help="embed texts with a frozen encoder into .npy or .safetensors", formatter_class=_Fmt)
     common(e)
     e.add_argument("--output", required=True, help="OUT.npy or OUT.safetensors")
@@ -279,11 +405,14 @@ def build_parser():
                        formatter_class=_Fmt)
     common(c)
     c.add_argument("--output", required=True, help="cache directory")
-    c.add_argument("--task", default="classification", choices=["classification", "qa"],
-                   help="qa: --input is SQuAD JSON, cut into question + context windows")
+    c.add_argument("--task", default="classification", choices=tasks + ["qa"],
+                   help="what the file holds (see fasttran --help); qa: --input is SQuAD JSON, cut into question + "
+                        "context windows; token: every token's state is kept")
     c.add_argument("--positions", default="mean", choices=["cls", "mean", "all"],
-                   help="what is kept per example (QA: always every token)")
-    c.add_argument("--layer", type=int, default=-1, help="layer whose output is cached (-1: the last)")
+                   help="what is kept per example (QA, token: always every token; for `train --train-layers K`: "
+                        "all, with --layer L-K)")
+    c.add_argument("--layer", type=int, default=-1, help="layer whose output is cached (-1: the last; L-K for "
+                   "`train --train-layers K`)")
     c.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "int8"],
                    help="storage type (default: float32; QA float16)")
     c.add_argument("--max-length", type=int, default=None, help="truncate to N tokens (QA: window length, 384)")
@@ -297,8 +426,23 @@ def build_parser():
     common(t, batch=32)
     t.add_argument("--cache", required=True, help="cache directory of --input (fasttran cache)")
     t.add_argument("--output", required=True, help="checkpoint directory (written every epoch and on Ctrl-C)")
+    t.add_argument("--task", default=None, choices=tasks,
+                   help="the task (default: the one the cache was built for)")
     t.add_argument("--head", default="classification", choices=["classification", "classification-pooler", "qa"],
                    help="linear classifier, BERT pooler + classifier, or extractive QA spans")
+    t.add_argument("--pooler", action="store_true",
+                   help="BERT's pooler before the classifier (with --pooling cls: exports as transformers' "
+                        "BertForSequenceClassification)")
+    t.add_argument("--pooling", default="mean", choices=["mean", "cls"],
+                   help="how sentence heads pool every token's state (with --train-layers; a pooled cache "
+                        "decides itself)")
+    t.add_argument("--train-layers", type=int, default=0, metavar="K",
+                   help="also train the encoder's top K layers, from a cache of layer L-K with --positions all")
+    t.add_argument("--precision", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the trained layers' products (mixed precision; bfloat16 on CPUs with AMX, or CUDA)")
+    t.add_argument("--tempo", default=None, metavar="OPTS",
+                   help="memory options of the trained layers, comma-separated, or 'all': "
+                        + ", ".join(_TEMPO_ALL))
     t.add_argument("--optimizer", default="lamb", choices=["lamb", "adamw"], help="fused optimizer (C)")
     t.add_argument("--lr", type=float, default=None,
                    help=f"learning rate; default: measured per optimizer/head ({lrs}; benchmarks/defaults_sweep.md)")
@@ -318,8 +462,16 @@ def build_parser():
     common(v)
     v.add_argument("--cache", required=True, help="cache directory of --input")
     v.add_argument("--checkpoint", required=True, help="checkpoint directory (fasttran train --output)")
+    v.add_argument("--task", default=None, choices=tasks, help="the task (default: the one the cache was built for)")
     v.add_argument("--predictions", help="also write predictions (.npy labels; QA: JSON {id: answer})")
     v.set_defaults(func=cmd_evaluate)
+
+    x = sub.add_parser("export", help="write a trained checkpoint as a model directory transformers (or "
+                       "sentence-transformers) loads", formatter_class=_Fmt)
+    common(x, data=False)
+    x.add_argument("--checkpoint", required=True, help="checkpoint directory (fasttran train --output)")
+    x.add_argument("--output", required=True, help="model directory to write")
+    x.set_defaults(func=cmd_export)
     return p
 
 

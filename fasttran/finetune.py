@@ -39,7 +39,7 @@ class TopLayers:
 
     def __init__(self, encoder, k, device=None, hidden_dropout=None, attention_dropout=None, inplace_gelu=None,
                  inplace_layernorm=True, recompute_attention_dropout=True, matmul_precision="float32",
-                 recompute_attention_probs=False):
+                 recompute_attention_probs=False, extra=0):
         """k: how many of the top layers to train (1..L). device: where to train ('cpu', 'cuda:N';
         default the encoder's). Dropout defaults to the checkpoint's (hidden_dropout_prob,
         attention_probs_dropout_prob). Tempo's options (each leaves the gradients unchanged up to fp32
@@ -59,7 +59,9 @@ class TopLayers:
         cores -- cuBLAS's FAST_16BF / FAST_16F for the projections, the fused attention kernels'
         WMMA -- each product's inputs rounded to 8 / 11 significant bits; softmax, its statistics,
         dropout and the kept probabilities stay float32, as in FlashAttention). On the CPU the
-        half-precision modes are a slow reference of the GPU's arithmetic, for tests."""
+        half-precision modes are a slow reference of the GPU's arithmetic, for tests.
+        extra: floats of room after the layers in the parameter and gradient buffers, for a task head
+        (fasttran.model.Model keeps layers and head in one flat table)."""
         L = encoder.num_layers
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= L:
             raise InputError(f"k (the number of top layers to train) must be an integer in [1, {L}], got {k!r}")
@@ -85,7 +87,7 @@ class TopLayers:
                             recompute_attention_probs=bool(recompute_attention_probs))
         self.hidden_size = encoder.config["hidden_size"]
         self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, index, **self.options,
-                                    matmul_precision=dict(_C.DTYPES)[matmul_precision])
+                                    matmul_precision=dict(_C.DTYPES)[matmul_precision], extra=int(extra))
         self._table, self.num_params = self._stack.tensors()
         self.params = self._stack.params   # flat Tensors over the stack's memory
         self.grads = self._stack.grads
@@ -103,6 +105,18 @@ class TopLayers:
     def named_gradients(self):
         return self._views(self.grads)
 
+    def load_state(self, tensors, what="the trained layers"):
+        """Copy {name: array} (a checkpoint's layers.safetensors) into the layers' weights."""
+        from .errors import CheckpointError
+        for name, view in self.named_parameters():
+            if name not in tensors or tuple(np.shape(tensors[name])) != tuple(view.shape):
+                raise CheckpointError(f"{what} do not match this encoder ({name})")
+            src = np.ascontiguousarray(tensors[name], np.float32)
+            if self.device == "cpu":
+                view[...] = src
+            else:
+                _C.device_write(view, src)
+
     def _buffer(self, a, what):
         if self.device == "cpu":
             return np.ascontiguousarray(a, dtype=np.float32)
@@ -115,18 +129,21 @@ class TopLayers:
             return np.empty(shape, np.float32)
         return _C.device_zeros(int(np.prod(shape)), int(self.device[5:])).view(0, tuple(shape))
 
-    def forward(self, x, lengths, training=False, seed=0, step=0, out=None):
+    def forward(self, x, lengths, training=False, seed=0, step=0, out=None, row_base=0, sq_base=0):
         """out (N, C) = the layers on x (N, C): the rows of len(lengths) sequences packed one after
         another (lengths[b] rows each). training=True keeps what backward() needs (x must not change
         until then) and applies dropout with masks from (seed, step, layer, site). `out`: a buffer
-        on the layers' device to write into (default: a new one)."""
+        on the layers' device to write into (default: a new one). row_base, sq_base: where the batch
+        starts in its global batch (rows, and the sum of n^2 of the sequences before it), so that a
+        slice of a global batch draws its dropout masks (data-parallel training)."""
         lengths = np.ascontiguousarray(lengths, dtype=np.int32)
         if lengths.ndim != 1 or len(lengths) == 0:
             raise InputError("lengths must be a non-empty 1-d array of sequence lengths")
         x = self._buffer(x, "x")
         N = int(lengths.sum())
         out = self._empty((N, self.hidden_size)) if out is None else out
-        self._stack.forward(x, lengths, out, training=bool(training), seed=int(seed), step=int(step))
+        self._stack.forward(x, lengths, out, training=bool(training), seed=int(seed), step=int(step),
+                            row_base=int(row_base), sq_base=int(sq_base))
         # the backward reads x: keep it alive (a NumPy x for CUDA layers is a temporary device copy)
         self._saved_x = x if training else None
         return out

@@ -1,16 +1,16 @@
-"""fasttran.Trainer: trains a task head on frozen features with a fused LAMB/AdamW.
+"""fasttran.Trainer: fine-tunes a task head -- and optionally the encoder's top layers -- on
+features from the activation cache, with a fused LAMB/AdamW.
 
 Features come from an :class:`ActivationCache` (computed once, read every epoch), or from the
 same object built with ``max_fraction=0`` (``ActivationCache.uncached``): then every batch runs
-through the encoder -- the paper's baseline. Both give identical losses and weights for a seed:
-the CPU encoder's output for an example does not depend on its batch or padding, batches come
-in the same seeded order, and dropout masks are a pure function of (seed, step, element).
+through the encoder -- the paper's baseline. Both give identical losses and weights for a seed.
 
-The loop is Python; each step is two C calls with the GIL released (head forward+backward,
-then one fused optimizer step), while the next batch is gathered (or encoded) on a background
-thread. With device="cuda" the head, its gradients, the optimizer state and every per-step
-buffer live in CUDA memory, allocated once (_CudaHead); batches come from the cache straight
-into device memory (its device tier gathered on the device, other tiers copied up).
+The Trainer knows no task and no device. A step is: the reader's next batch (packed rows on the
+model's device), the head's targets for it (fasttran.heads), one C call for the model's forward,
+loss and backward (fasttran.model.Model over csrc/train/model.c: [cache] -> [top layers] -> head,
+one flat parameter and gradient table), the gradients through the reduction hook (the identity
+in one process; fasttran.distributed plugs torch.distributed in), one fused optimizer step, and
+the bookkeeping (schedule, float16 loss scale, checkpoints, progress).
 """
 import contextlib
 import html
@@ -27,14 +27,12 @@ import numpy as np
 from . import _C
 from ._progress import progress
 from .cache import ActivationCache
-from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, MissingDependencyError,
-                     NoGPUError, UnsupportedError)
+from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, NoGPUError, UnsupportedError)
 from .finetune import MEMORY_OPTIONS
-from .heads import ClassificationHead, QAHead, _Head
+from .heads import TASKS, Head, make_head
+from .model import Model, rows_of
 from .optim import SCHEDULES, flat_state, load_flat_state, make_optimizer, schedule_factor
 from .safetensors_io import read_safetensors, write_safetensors
-
-_HEADS = {"classification": dict(pooler=False), "classification-pooler": dict(pooler=True), "qa": {}}
 
 #: The learning rate a Trainer uses when none is given, per (optimizer, head kind). Chosen by the
 #: sweep in benchmarks/sweep_defaults.py (frozen all-MiniLM-L6-v2; classification heads on all
@@ -42,20 +40,25 @@ _HEADS = {"classification": dict(pooler=False), "classification-pooler": dict(po
 #: v1.1 subset; tables in benchmarks/defaults_sweep.md): the grid value with the best mean dev
 #: score over seeds and training-set sizes (a diverged run scores 0), every other
 #: hyper-parameter at its default. LAMB scales each step by the weight norm, so its rates are
-#: far above AdamW's.
+#: far above AdamW's. Regression, multi-label and token heads are a linear (or pooler) layer like
+#: the classifier and take its rates.
 DEFAULT_LR = {
     ("lamb", "linear"): 0.02, ("lamb", "pooler"): 0.01, ("lamb", "qa"): 0.1,
     ("adamw", "linear"): 0.01, ("adamw", "pooler"): 1e-3, ("adamw", "qa"): 0.01,
 }
+_LR_KIND = {"linear": "linear", "pooler": "pooler", "qa": "qa", "token": "linear"}
 
 
 def default_lr(optimizer, head="classification"):
-    """The default learning rate for an optimizer ('lamb'/'adamw') and a head (a name or a head
+    """The default learning rate for an optimizer ('lamb'/'adamw') and a head (a task name or a head
     object): see DEFAULT_LR."""
-    if isinstance(head, _Head):
-        kind = head.kind
+    if isinstance(head, Head):
+        kind = _LR_KIND[head.kind]
+    elif head in TASKS:
+        cls, kw = TASKS[head]
+        kind = "pooler" if kw.get("pooler") else _LR_KIND[cls.kind or "linear"]
     else:
-        kind = {"classification": "linear", "classification-pooler": "pooler", "qa": "qa"}.get(head)
+        kind = None
     key = (str(optimizer).lower(), kind)
     if key not in DEFAULT_LR:
         raise InputError(f"no default learning rate for optimizer {optimizer!r} and head {head!r}")
@@ -88,85 +91,24 @@ def _cuda_device(device):
     raise InputError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
-class _CudaHead:
-    """A head's training state in CUDA memory, made once and kept across steps and epochs: the
-    parameters and gradients (one flat buffer each, with per-tensor views the fused optimizer
-    updates in place), the logits, labels and QA context mask of a batch and the head's
-    workspace (sized for the largest batch, grown only if a larger one comes). The host head
-    (`head.params`) is brought up to date by pull() (after steps: `dirty`) and copied up by push()."""
+class Reduction:
+    """The Trainer's gradient reduction hook, here the identity: one process. A data-parallel one
+    (fasttran.distributed) sums each gradient bucket over the processes as the backward hands it
+    over, and the loss after the step, so that every process takes the same optimizer step.
 
-    def __init__(self, head, device, want_dx=False):
-        self.head, self.device, self.index, self.want_dx = head, device, int(device[5:]), bool(want_dx)
-        P = head.params.size
-        self.params = _C.device_zeros(P, self.index)
-        self.grads = _C.device_zeros(P, self.index)
-        self.named = [(name, self.params.view(off, shape)) for name, shape, off in head._table]
-        self.gviews = [self.grads.view(off, shape) for _, shape, off in head._table]
-        self.cap = (0, 0)
-        self.dirty = False
-        self.push()
+    rank, world_size   this process's place
+    ready              None, or a callable(bucket) the model calls as each gradient bucket is final
+    start(model)       once per fit, with the model (its buckets: model.buckets())
+    finish(loss)       after the step's backward: wait for the reductions; returns the global loss
+    """
+    rank, world_size = 0, 1
+    ready = None
 
-    def ensure(self, B, T):
-        """the per-batch buffers for batches of up to B examples of up to T tokens"""
-        qa = self.head.kind == "qa"
-        T = T if qa else 1
-        if B <= self.cap[0] and T <= self.cap[1]:
-            return
-        B, T = max(B, self.cap[0]), max(T, self.cap[1])
-        K = self.head.num_labels
-        self.logits = _C.device_zeros(2 * B * T if qa else B * K, self.index)
-        self.labels = _C.device_zeros(2 * B if qa else B, self.index, True)   # int32
-        self.valid = _C.device_zeros(B * T, self.index) if qa else None
-        self.ws = _C.device_zeros(_C.head_workspace(self.head._cfg, B, T, True, True, self.want_dx, True), self.index)
-        self.cap = (B, T)
+    def start(self, model):
+        pass
 
-    def push(self):
-        _C.device_write(self.params, self.head.params)
-        self.dirty = False
-
-    def pull(self):
-        if self.dirty:
-            self.head.params[...] = self.params.numpy()
-            self.dirty = False
-
-    def step(self, x, B, T, labels, valid, seed, step, dx=None):
-        """head forward + loss + backward on a device batch x ((B, C), or (B, T, C) for QA);
-        labels int32 (B,) or (2, B) and valid (B, T) come from the host; dx: a device buffer for
-        the gradient of x (top-layer training). Returns (logits view, loss)."""
-        qa = self.head.kind == "qa"
-        self.ensure(B, T)
-        lab = self.labels.view(0, (labels.size,))
-        _C.device_write(lab, np.ascontiguousarray(labels, np.int32).reshape(-1))
-        v = None
-        if qa:
-            v = self.valid.view(0, (B * T,))
-            _C.device_write(v, np.ascontiguousarray(valid, np.float32).reshape(-1))
-        lg = self.logits.view(0, (2 * B * T,) if qa else (B * self.head.num_labels,))
-        # labels_checked: fit() checked every label and QA span against the context (_check_targets)
-        loss = _C.head_step(self.head._cfg, self.params, x, B, T if qa else 1, v, lab, lg, self.grads,
-                            dx, True, int(seed), int(step), self.ws, True)
-        self.dirty = True
-        return lg, loss
-
-
-class _CudaTopBuffers:
-    """The per-batch device buffers of top-layer training on CUDA, made for the largest batch and
-    kept: the layers' output and its gradient (N, C), and what the head reads and gives back
-    (pooled rows (B, C), or QA's zero-padded token states (B, T, C), and their gradient)."""
-
-    def __init__(self, hidden, device):
-        self.C, self.index = hidden, int(device[5:])
-        self.rows = self.head_rows = 0
-
-    def get(self, N, H):
-        """views (out, dout) of (N, C) and (hx, dhx) of (H, C)"""
-        C = self.C
-        if N > self.rows:
-            self.out, self.dout, self.rows = _C.device_zeros(N * C, self.index), _C.device_zeros(N * C, self.index), N
-        if H > self.head_rows:
-            self.hx, self.dhx, self.head_rows = _C.device_zeros(H * C, self.index), _C.device_zeros(H * C, self.index), H
-        return (self.out.view(0, (N, C)), self.dout.view(0, (N, C)), self.hx.view(0, (H, C)),
-                self.dhx.view(0, (H, C)))
+    def finish(self, loss):
+        return loss
 
 
 def _epoch_seed(seed, epoch):
@@ -185,25 +127,31 @@ def _not_a_cache(obj, what):
 
 
 class Trainer:
-    """Fine-tunes a task head on frozen features.
+    """Fine-tunes a task head on frozen features, or with the encoder's top layers.
 
         >>> tr = fasttran.Trainer("classification")            # LAMB, its default lr, 3 epochs
         >>> tr.fit(cache, labels, eval=(dev_cache, dev_labels))
         >>> tr.evaluate(dev_cache, dev_labels)      # {'accuracy': ..., 'f1': ..., 'loss': ...}
         >>> tr.history                              # one dict per epoch; tr.plot() draws it
 
-    `head` is a head object, or "classification" / "classification-pooler" / "qa" (sized from
-    the cache at fit time). `lr=None` takes the measured default for the optimizer and head
-    (`DEFAULT_LR`, from benchmarks/sweep_defaults.py). `warmup` is a fraction of all steps (< 1)
-    or a step count. The head remembers the features it was trained on (model, layer,
-    positions): evaluating it on another encoder's cache raises CacheMismatchError.
+    `head` is a head object (fasttran.heads), or a task: "classification" (sentences or sentence
+    pairs), "classification-pooler" (BERT's pooler before the classifier), "regression" (scores:
+    MSE; Pearson / Spearman), "multi-label" (0/1 per label: binary cross-entropy; micro / macro F1),
+    "token-classification" (a label per token: cross-entropy; entity F1 with `label_names`), "qa"
+    (extractive spans; SQuAD EM / F1). The head is sized from the cache and the targets at fit time;
+    `pooler=True` puts BERT's pooler in front of a classification, regression or multi-label head
+    (the layout transformers' AutoModelForSequenceClassification has: export() writes it).
+    `lr=None` takes the measured default for the optimizer and head (`DEFAULT_LR`, from
+    benchmarks/sweep_defaults.py). `warmup` is a fraction of all steps (< 1) or a step count. The
+    head remembers the features it was trained on (model, layer, positions): evaluating it on
+    another encoder's cache raises CacheMismatchError.
 
     `train_layers=k` also trains the encoder's top k layers, from a cache of layer L - k
-    (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls" (a QA head takes every
-    token's state of the top layer, padded per batch, and returns its gradient); `layer_dropout` is their
-    hidden and attention dropout (None: the checkpoint's), `dropout` the head's; `tempo` switches
-    Tempo's memory options and FlashAttention's recomputed probabilities (see
-    fasttran.finetune.TopLayers; e.g. tempo={"recompute_attention_probs": True} for long sequences). `precision="bfloat16"` (with
+    (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls" for the sequence heads (token
+    and QA heads take every token's state); `layer_dropout` is their hidden and attention dropout
+    (None: the checkpoint's), `dropout` the head's; `tempo` switches Tempo's memory options and
+    FlashAttention's recomputed probabilities (see fasttran.finetune.TopLayers; e.g.
+    tempo={"recompute_attention_probs": True} for long sequences). `precision="bfloat16"` (with
     train_layers; on CUDA, or on a CPU with AMX) trains the layers in mixed precision: float32
     storage, master weights and sums, the projections' products in bf16 on tensor cores / AMX tiles
     (about 0.5% relative error per product, like PyTorch's AMP; attention's products too, as its
@@ -212,17 +160,19 @@ class Trainer:
     significant bits, range 65504) and dynamic loss scaling: the layers' backward runs on the loss
     gradient times `loss_scale[0]` (from 2**16), an overflowing step is skipped and halves it, 2000
     clean steps double it (PyTorch's GradScaler rule; `skipped_steps` counts the skips).
+    `reduction`: the gradient reduction hook (see Reduction; fasttran.distributed's for several
+    processes).
     """
 
     def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
                  warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
-                 tempo=None, layer_dropout=None, precision="float32"):
+                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction=None):
         if isinstance(head, str):
-            if head not in _HEADS:
-                raise InputError(f"unknown head {head!r}; choose one of {sorted(_HEADS)} or pass a head object")
-        elif not isinstance(head, _Head):
-            raise InputTypeError(f"head must be a head object or a name, got {type(head).__name__}")
+            if head not in TASKS:
+                raise InputError(f"unknown head {head!r}; choose one of {sorted(TASKS)} or pass a head object")
+        elif not isinstance(head, Head):
+            raise InputTypeError(f"head must be a head object or a task name, got {type(head).__name__}")
         if not isinstance(optimizer, str) or optimizer.lower() not in ("lamb", "adamw"):
             raise InputError(f"unknown optimizer {optimizer!r}; choose 'lamb' or 'adamw'")
         if isinstance(train_layers, bool) or not isinstance(train_layers, (int, np.integer)) or train_layers < 0:
@@ -239,7 +189,8 @@ class Trainer:
         if unknown:
             raise InputError(f"unknown tempo option(s) {sorted(unknown)}; known: {list(_TEMPO)}")
         if lr is None:
-            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else default_lr(optimizer, head)
+            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else default_lr(
+                optimizer, "classification-pooler" if pooler and isinstance(head, str) else head)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
             raise InputError(f"lr must be a finite number > 0 (or None for the default), got {lr!r}")
         if schedule not in SCHEDULES:
@@ -268,23 +219,26 @@ class Trainer:
                                  "(the default; a checkpoint trained on CUDA loads with Trainer.load(path, "
                                  "device='cpu'))")
             device = cuda
-        self.head = head if isinstance(head, _Head) else None
+        if reduction is not None and not all(hasattr(reduction, a) for a in ("ready", "start", "finish")):
+            raise InputTypeError("reduction must be a fasttran.trainer.Reduction (ready, start(model), finish(loss))")
+        self.head = head if isinstance(head, Head) else None
         self._head_name = head if isinstance(head, str) else None
         self.optimizer_name = optimizer.lower()
         self.lr, self.weight_decay, self.schedule, self.warmup = float(lr), float(weight_decay), schedule, warmup
         self.epochs, self.batch_size, self.seed, self.device = int(epochs), int(batch_size), int(seed), device
         self.max_grad_norm, self.betas, self.eps = max_grad_norm, tuple(betas), float(eps)
         self.dropout, self.num_labels = dropout, num_labels
+        self.pooler, self.label_names = pooler, label_names
         self.show_progress = True if show_progress is None else bool(show_progress)
         self.train_layers, self.pooling, self.tempo = int(train_layers), pooling, tempo
         self.layer_dropout = None if layer_dropout is None else float(layer_dropout)
         self.precision = precision
+        self.reduction = reduction or Reduction()
         # float16 products: dynamic loss scaling (PyTorch GradScaler's rule): [scale, steps since the
         # last overflow]; an overflowing step is skipped and halves the scale, 2000 clean steps double it
         self.loss_scale = [2.0 ** 16, 0] if precision == "float16" else None
-        self._cuda = None            # _CudaHead: the head's state in CUDA memory (device="cuda")
-        self._cuda_top = None        # _CudaTopBuffers: top-layer training's batch buffers on CUDA
         self.top = None              # TopLayers: the trained encoder layers (train_layers > 0)
+        self.model = None            # Model: [cache] -> [top] -> head, on `device`
         self._pending = None         # layer weights and optimizer state loaded before the layers exist
         self._encoder = None         # the encoder they come from (the cache's)
         self.optimizer = None
@@ -295,87 +249,77 @@ class Trainer:
         self.skipped_steps = 0       # float16: steps skipped for an overflow (this process)
         self._pos = (0, 0)           # (epoch, batch within it) of the next step
         self._interrupt = False
+        self._dirty = False          # the model's head parameters are ahead of head.params
 
     # ---- set-up ---------------------------------------------------------------------------------
     @property
     def task(self):
-        h = self.head
-        if h is not None:
-            return "qa" if isinstance(h, QAHead) else "classification"
-        return "qa" if self._head_name == "qa" else "classification"
+        return self.head.task if self.head is not None else TASKS[self._head_name][0].task
 
-    def _make_head(self, cache, labels):
+    def _head_class(self):
+        return type(self.head) if self.head is not None else TASKS[self._head_name][0]
+
+    def _make_head(self, cache, targets):
         if self.head is not None:
             return
-        if self._head_name == "qa":
-            self.head = QAHead(cache.hidden, dropout=0.0 if self.dropout is None else self.dropout, seed=self.seed)
-        else:
-            k = self.num_labels or int(np.max(labels)) + 1
-            self.head = ClassificationHead(cache.hidden, max(2, k), dropout=0.1 if self.dropout is None else self.dropout,
-                                           seed=self.seed, **_HEADS[self._head_name])
+        pooling = cache.positions if cache.positions in ("mean", "cls") else self.pooling
+        self.head = make_head(self._head_name, cache.hidden, targets, num_labels=self.num_labels,
+                              dropout=self.dropout, seed=self.seed, pooling=pooling, pooler=self.pooler,
+                              label_names=self.label_names)
 
-    def _make_top(self, cache):
-        """The trained top layers, from the cache's encoder (train_layers > 0)."""
+    def _make_top(self, encoder):
+        """The trained top layers, from the encoder (train_layers > 0), with room for the head."""
         if not self.train_layers or self.top is not None:
             return
         from .finetune import TopLayers
-        self._encoder = cache.encoder
+        self._encoder = encoder
         drop = {} if self.layer_dropout is None else dict(hidden_dropout=self.layer_dropout,
                                                           attention_dropout=self.layer_dropout)
-        self.top = TopLayers(cache.encoder, self.train_layers, device=self.device, **drop, **self.tempo,
-                             matmul_precision=self.precision)
+        self.top = TopLayers(encoder, self.train_layers, device=self.device, **drop, **self.tempo,
+                             matmul_precision=self.precision, extra=self.head.num_parameters)
         self._restore_pending()
 
-    def _restore_pending(self):
-        """A checkpoint's layer weights and optimizer state, into layers that exist now."""
-        if self._pending is not None and self.top is not None:
-            layers, opt = self._pending
-            self._pending = None
-            for name, view in self.top.named_parameters():
-                if name not in layers or layers[name].shape != tuple(view.shape):
-                    raise CheckpointError(f"the checkpoint's trained layers do not match this encoder ({name})")
-                if self.device == "cpu":
-                    view[...] = layers[name]
-                else:
-                    _C.device_write(view, np.ascontiguousarray(layers[name], np.float32))
-            if opt is not None:
-                self.optimizer = None
+    def _make_model(self):
+        if self.model is None or self.model.head is not self.head:
+            self.model = Model(self.head, self.top, self.device)
+            self.optimizer = None
+            self._dirty = False
+            if self._pending_opt is not None:
                 self._make_optimizer()
-                load_flat_state(self.optimizer, *opt)
 
-    def _named_parameters(self):
-        top = self.top.named_parameters() if self.top is not None else []
-        if self.device != "cpu":   # the optimizer updates the device copies of layers and head in place
-            return top + self._cuda_head().named
-        return top + list(self.head.named_parameters())
+    _pending_opt = None   # optimizer state read from a checkpoint before the model existed
 
-    def _cuda_head(self):
-        if self._cuda is None or self._cuda.head is not self.head:
-            self._cuda = _CudaHead(self.head, self.device, want_dx=self.train_layers > 0)
-        return self._cuda
+    def _restore_pending(self):
+        """A checkpoint's layer weights, into layers that exist now."""
+        if self._pending is not None and self.top is not None:
+            layers, self._pending = self._pending, None
+            self.top.load_state(layers, "the checkpoint's trained layers")
 
     def _pull(self):
-        """the host head up to date with the device copy (CUDA training)"""
-        if self._cuda is not None:
-            self._cuda.pull()
+        """head.params up to date with the model's copy (after steps)"""
+        if self._dirty and self.model is not None:
+            self.model.pull()
+            self._dirty = False
 
     def _make_optimizer(self):
         if self.optimizer is None:
-            self.optimizer = make_optimizer(self.optimizer_name, self._named_parameters(), lr=self.lr,
+            self.optimizer = make_optimizer(self.optimizer_name, self.model.named_parameters(), lr=self.lr,
                                             betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                             max_grad_norm=self.max_grad_norm)
+            if self._pending_opt is not None:
+                opt, self._pending_opt = self._pending_opt, None
+                load_flat_state(self.optimizer, *opt)
 
     def _check_source(self, cache, what="features"):
         if not isinstance(cache, ActivationCache):
             raise _not_a_cache(cache, what)
         if self.train_layers:
             return self._check_topk_source(cache, what)
-        want = "all" if self.task == "qa" else ("cls", "mean")
-        if (cache.positions == "all") != (self.task == "qa"):
-            raise InputError(f"a {self.task} head needs a cache with positions={want!r}, this one has "
-                             f"positions={cache.positions!r}")
-        if self.head is not None and cache.hidden != self.head.hidden_size:
-            raise InputError(f"the cache holds width {cache.hidden}, the head expects {self.head.hidden_size}")
+        if self._head_class().takes_tokens and cache.positions != "all":
+            raise InputError(f"a {self.task} head needs every token's state: a cache with positions='all', this one "
+                             f"has positions={cache.positions!r}")
+        if self.head is not None:
+            self.head.check_features(cache)
 
     def _check_topk_source(self, cache, what):
         """Top-layer training reads every token's state at layer L - k, computed by the encoder
@@ -431,197 +375,65 @@ class Trainer:
                 f"cache holds {self._describe(got)} (another encoder, checkpoint, layer or pooling). Build the cache "
                 "with the encoder and settings the head was trained with, or train a new head on these features")
 
-    @staticmethod
-    def _labels_array(targets):
-        """Labels as an array, with the errors a user can act on (strings, floats, ragged)."""
-        try:
-            y = np.asarray(targets)
-        except ValueError as e:
-            raise InputError(f"labels could not be read as a 1-D array: {e}") from None
-        if y.dtype.kind in "USO":
-            vals = list(dict.fromkeys(str(v) for v in y.reshape(-1)[:1000]))[:3]
-            what = "objects" if y.dtype.kind == "O" else "strings"
-            raise InputTypeError(
-                f"labels must be integer class ids 0..K-1, got {what} such as {vals}; map them to ids first, "
-                "e.g. classes, y = numpy.unique(labels, return_inverse=True)")
-        if y.dtype.kind == "f" and y.size and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
-            raise InputTypeError(f"labels must be integers, got {y.dtype} (whole numbers: pass labels.astype(int))")
-        if y.dtype.kind not in "iu":
-            raise InputTypeError(f"labels must be integers, got {y.dtype}")
-        return y
-
-    def _check_targets(self, cache, targets):
-        N = len(cache)
-        if self.task == "qa":
-            if not (isinstance(targets, (tuple, list)) and len(targets) == 2):
-                raise InputError("QA targets must be (start_positions, end_positions)")
-            s, e = (np.asarray(t) for t in targets)
-            for name, a in (("start_positions", s), ("end_positions", e)):
-                if a.dtype.kind not in "iu":
-                    raise InputTypeError(f"{name} must be integers, got {a.dtype}")
-                if a.shape != (N,):
-                    raise InputError(f"{name} has {a.shape[0] if a.ndim else 0} entries but the cache has {N} examples")
-            lengths = cache.lengths
-            bad = np.flatnonzero((s < 0) | (e < s) | (e >= lengths))
-            if len(bad):
-                i = int(bad[0])
-                raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) is not "
-                                 f"inside its {int(lengths[i])} tokens with start <= end")
-            ctx = self._context(cache, cache.example_ids, int(lengths.max()))
-            rows = np.arange(N)
-            bad = np.flatnonzero((ctx[rows, s] == 0) | (ctx[rows, e] == 0))
-            if len(bad):
-                i = int(bad[0])
-                raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) "
-                                 "is not in the context (token type 1)")
-            return np.stack([s, e]).astype(np.int32)
-        y = self._labels_array(targets)
-        if y.shape != (N,):
-            raise InputError(f"labels has {y.shape[0] if y.ndim else 0} entries but the cache has {N} examples")
-        k = self.head.num_labels if self.head is not None else (self.num_labels or int(y.max()) + 1)
-        bad = np.flatnonzero((y < 0) | (y >= k))
-        if len(bad):
-            raise InputError(f"label {int(y[bad[0]])} of example {int(cache.example_ids[bad[0]])} is outside [0, {k})")
-        return y.astype(np.int32)
-
-    @staticmethod
-    def _context(cache, example_ids, T):
-        """(B, T) float mask of context positions: token type 1, but not the final [SEP]."""
-        _, mask, types = cache.inputs(example_ids)
-        m = ((types == 1) & (mask == 1)).astype(np.float32)
-        L = mask.sum(1)
-        some = np.flatnonzero(L > 0)
-        m[some, L[some] - 1] = 0.0
-        out = np.zeros((len(m), T), np.float32)
-        w = min(T, m.shape[1])
-        out[:, :w] = m[:, :w]
-        return out
-
-    def _top_batch(self, cache, idx, batch):
-        """A ragged batch (rows (N, C), offsets (B + 1)) with the NaN check."""
-        x, offsets = batch
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if not np.isfinite(x).all():
-            bad = np.searchsorted(offsets, np.flatnonzero(~np.isfinite(x).all(1))[0], side="right") - 1
-            raise InputError(f"features of example {int(cache.example_ids[idx[bad]])} contain NaN or Inf")
-        return x, np.asarray(offsets, np.int64)
-
-    def _pool(self, out, offsets):
-        """(B, C) from the top layer's rows: mean over each example's tokens, or its first ([CLS])."""
-        if self.pooling == "cls":
-            return np.ascontiguousarray(out[offsets[:-1]])
-        from .finetune import mean_rows
-        return mean_rows(out, offsets)
-
-    def _qa_padded(self, cache, ids, out, offsets):
-        """The top layer's rows as the QA head takes them: (B, T, C) zero-padded token states, T
-        the longest example, and the (B, T) context mask; `where` (B, T) marks the real rows."""
-        n = np.diff(offsets)
-        T = int(n.max()) if len(n) else 0
-        where = np.arange(T)[None, :] < n[:, None]
-        x = np.zeros((len(n), T, out.shape[1]), np.float32)
-        x[where] = out
-        return x, self._context(cache, ids, T), where
-
-    def _pool_backward(self, dpooled, offsets):
-        n = np.diff(offsets)
-        if self.pooling == "cls":
-            d = np.zeros((int(offsets[-1]), dpooled.shape[1]), np.float32)
-            d[offsets[:-1]] = dpooled
-            return d
-        return np.repeat(dpooled / n[:, None].astype(np.float32), n, axis=0)
-
-    def _batch(self, cache, ids, idx, batch):
-        """Features of a batch as the head wants them, with the NaN check."""
-        if self.task == "qa":
-            x, _mask = batch
-            x = np.ascontiguousarray(x)
-            valid = self._context(cache, ids, x.shape[1])
-        else:
-            x, valid = np.ascontiguousarray(batch), None
-        if not np.isfinite(x).all():
-            bad = np.flatnonzero(~np.isfinite(x.reshape(len(idx), -1)).all(1))
-            raise InputError(f"features of example {int(cache.example_ids[idx[bad[0]]])} contain NaN or Inf")
-        return x, valid
-
     def _prepare(self, cache, targets):
-        """Checks in the order a user's mistake shows up, then the head: (labels array)."""
+        """Checks in the order a user's mistake shows up, then head, layers and model: the head's
+        prepared targets."""
         self._check_source(cache)
-        if self.task != "qa":
-            self._labels_array(targets)
-        self._make_top(cache)
-        self._make_head(cache, targets if self.task != "qa" else None)
+        self._make_head(cache, targets)
         self._check_source(cache)
-        return self._check_targets(cache, targets)
+        prep = self.head.prepare(cache, targets)
+        self._make_top(cache.encoder)
+        self._make_model()
+        self._encoder = self._encoder or cache.encoder
+        return prep
 
-    def _loop_setup(self, N):
-        """The optimizer, and (steps per epoch, total steps, warmup steps, gradient buffer, its
-        per-tensor views) for N examples."""
-        self._make_optimizer()
-        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
-        total = steps_per_epoch * self.epochs
-        warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
-        if self.device != "cpu":
-            dev = self._cuda_head()
-            top = [g for _, g in self.top.named_gradients()] if self.top is not None else []
-            return steps_per_epoch, total, warm, dev.grads, top + dev.gviews
-        grads = np.zeros_like(self.head.params)
-        gviews = list(self.head.views(grads).values())
-        if self.top is not None:
-            gviews = [g for _, g in self.top.named_gradients()] + gviews
-        return steps_per_epoch, total, warm, grads, gviews
+    # ---- one step ---------------------------------------------------------------------------------
+    def _batches(self, cache, **kw):
+        """the cache's batches as the model reads them: on its device, ragged when per token"""
+        return cache.batches(ragged=cache.positions == "all", output="device", device=self.device, **kw)
 
-    def _step(self, cache, y, ids, batch, grads, gviews, total, warm):
-        """One training step on a gathered batch: head forward + backward in C, NaN check, one
-        fused optimizer step. Returns (batch size, loss, correct predictions or 0)."""
+    def _step(self, cache, prep, ids, batch, total, warm):
+        """One training step on a batch from the reader: (examples, loss, (right, counted) or None)."""
         idx = cache.index_of(ids)
-        yb = y[:, idx] if self.task == "qa" else y[idx]
-        correct = 0
-        if self.device != "cpu" and self.top is not None:   # layers, pooling, head, loss, gradients on the device
-            logits, loss, correct = self._cuda_top_step(cache, ids, idx, batch, yb)
-        elif self.device != "cpu":   # batch, head, loss and gradients in device memory
-            if self.task == "qa":
-                x, _mask = batch
-                B, T = x.shape[:2]
-                logits, loss = self._cuda.step(x, B, T, yb, self._context(cache, ids, T), self.seed, self.global_step)
-            else:
-                x = batch
-                logits, loss = self._cuda.step(x, x.shape[0], 1, yb, None, self.seed, self.global_step)
-                correct = int((logits.numpy().reshape(len(idx), -1).argmax(1) == yb).sum())
-        elif self.top is not None and self.task == "qa":   # token states -> span head, and back
-            x, offsets = self._top_batch(cache, idx, batch)
-            out = self.top.forward(x, np.diff(offsets), training=True, seed=self.seed, step=self.global_step)
-            xp, valid, where = self._qa_padded(cache, ids, out, offsets)
-            dxp = np.empty_like(xp)
-            logits, loss = self.head.step(xp, valid, yb, grads=grads, dx=dxp, training=True, seed=self.seed,
-                                          step=self.global_step)
-            if math.isfinite(loss):
-                self.top.backward(np.ascontiguousarray(dxp[where]))
-        elif self.top is not None:
-            x, offsets = self._top_batch(cache, idx, batch)
-            out = self.top.forward(x, np.diff(offsets), training=True, seed=self.seed, step=self.global_step)
-            dpooled = np.empty((len(idx), self.head.hidden_size), np.float32)
-            logits, loss = self.head.step(self._pool(out, offsets), yb, grads=grads, dx=dpooled, training=True,
-                                          seed=self.seed, step=self.global_step)
-            correct = int((logits.argmax(1) == yb).sum())
-            if math.isfinite(loss):
-                self.top.backward(self._pool_backward(dpooled, offsets))
-        elif self.task == "qa":
-            x, valid = self._batch(cache, ids, idx, batch)
-            logits, loss = self.head.step(x, valid, yb, grads=grads, training=True, seed=self.seed, step=self.global_step)
-        else:
-            x, _ = self._batch(cache, ids, idx, batch)
-            logits, loss = self.head.step(x, yb, grads=grads, training=True, seed=self.seed, step=self.global_step)
-            correct = int((logits.argmax(1) == yb).sum())
+        x, lengths = rows_of(batch)
+        targets, valid = self.head.batch(prep, idx, lengths)
+        loss, logits = self.model.step(x, lengths, targets, valid, denominator=self.head.denominator(targets),
+                                       seed=self.seed, step=self.global_step, loss_scale=self._scale(),
+                                       ready=self.reduction.ready)
+        loss = self.reduction.finish(loss)
+        self._dirty = True
         if not math.isfinite(loss):
-            epoch, b = self._pos
-            hint = (": float16 products overflowed in the forward pass (beyond 65504); precision='bfloat16' has "
-                    "float32's range" if self.precision == "float16" else "")
-            raise FloatingPointError(f"the loss is {loss} at step {self.global_step + 1} (epoch {epoch + 1}, "
-                                     f"batch {b + 1}); training stopped before applying it{hint}")
+            self._diverged(cache, ids, loss)
+        refused = self._optimizer_step(total, warm)
+        if refused is not None:
+            self._diverged(cache, ids, loss, refused)
+        return len(idx), loss, self.head.correct(logits, targets)
+
+    def _diverged(self, cache, ids, loss, refused=None):
+        """A non-finite loss or gradient (the optimizer's refusal): features with NaN or Inf are named
+        by example, else the step is."""
+        x, _ = rows_of(cache.get(ids, ragged=cache.positions == "all"))
+        x = np.asarray(x)
+        if not np.isfinite(x).all():
+            lengths = rows_of(cache.get(ids, ragged=cache.positions == "all"))[1]
+            row = int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(1))[0])
+            bad = int(np.searchsorted(np.cumsum(lengths), row, side="right"))
+            raise InputError(f"features of example {int(ids[bad])} contain NaN or Inf")
+        epoch, b = self._pos
+        if refused is not None:
+            raise FloatingPointError(f"training diverged at step {self.global_step + 1} (epoch {epoch + 1}, batch "
+                                     f"{b + 1}): {refused}; try a lower learning rate than lr={self.lr:g}")
+        hint = (": float16 products overflowed in the forward pass (beyond 65504); precision='bfloat16' has "
+                "float32's range" if self.precision == "float16" else "")
+        raise FloatingPointError(f"the loss is {loss} at step {self.global_step + 1} (epoch {epoch + 1}, "
+                                 f"batch {b + 1}); training stopped before applying it{hint}")
+
+    def _optimizer_step(self, total, warm):
+        """The optimizer's step with the schedule's lr and float16's loss scaling; returns None, or the
+        optimizer's refusal of non-finite gradients (nothing updated) outside loss scaling."""
         lr = self.lr * schedule_factor(self.schedule, self.global_step, total, warm)
         try:
-            self.optimizer.step(gviews, lr=max(lr, 1e-30))
+            self.optimizer.step(self._gviews, lr=max(lr, 1e-30))
             if self.loss_scale is not None:
                 self.loss_scale[1] += 1
                 if self.loss_scale[1] >= _SCALE_GROWTH_STEPS:
@@ -633,60 +445,40 @@ class Trainer:
                 self.loss_scale = [self.loss_scale[0] / 2.0, 0]
                 self.skipped_steps += 1
                 self.global_step += 1
-                return len(idx), loss, correct
-            epoch, b = self._pos
-            raise FloatingPointError(f"training diverged at step {self.global_step + 1} (epoch {epoch + 1}, batch "
-                                     f"{b + 1}): {e}; try a lower learning rate than lr={self.lr:g}") from None
+                return None
+            return str(e)
         self.global_step += 1
-        return len(idx), loss, correct
-
-    def _cuda_top_step(self, cache, ids, idx, batch, yb):
-        """The top layers, pooling (or QA's padding), head, loss and the backward on the device, from a
-        ragged device batch. Returns (logits, loss, correct predictions or 0). QA pads the token
-        states into (B, T, C) through host memory: its head and loss run on the device."""
-        x, offsets = batch
-        lengths = np.diff(offsets).astype(np.int32)
-        B, N, C = len(lengths), int(offsets[-1]), self.top.hidden_size
-        qa = self.task == "qa"
-        T = int(lengths.max()) if qa else 1
-        if self._cuda_top is None:
-            self._cuda_top = _CudaTopBuffers(C, self.device)
-        out, dout, hx, dhx = self._cuda_top.get(N, B * T)
-        self.top.forward(x, lengths, training=True, seed=self.seed, step=self.global_step, out=out)
-        if qa:
-            xp, valid, where = self._qa_padded(cache, ids, out.numpy(), offsets)
-            _C.device_write(hx, xp.reshape(B * T, C))
-            logits, loss = self._cuda.step(hx, B, T, yb, valid, self.seed, self.global_step, dx=dhx)
-            if math.isfinite(loss):
-                d = dhx.numpy().reshape(B, T, C)[where]
-                _C.device_write(dout, np.ascontiguousarray(d))
-                self.top.backward(dout, loss_scale=self._scale())
-            return logits, loss, 0
-        cls = self.pooling == "cls"
-        self.top.pool(out, cls=cls, pooled=hx)
-        logits, loss = self._cuda.step(hx, B, 1, yb, None, self.seed, self.global_step, dx=dhx)
-        correct = int((logits.numpy().reshape(B, -1).argmax(1) == yb).sum())
-        if math.isfinite(loss):
-            self.top.pool_backward(dhx, cls=cls, dout=dout)
-            self.top.backward(dout, loss_scale=self._scale())
-        return logits, loss, correct
+        return None
 
     def _scale(self):
         return 1.0 if self.loss_scale is None else self.loss_scale[0]
 
+    def _loop_setup(self, cache):
+        """The optimizer and the model's buffers for the largest batch; (steps per epoch, total
+        steps, warmup steps)."""
+        self._make_optimizer()
+        self._gviews = [g for _, g in self.model.named_gradients()]
+        N = len(cache)
+        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
+        total = steps_per_epoch * self.epochs
+        warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
+        rows = np.sort(rows_of_lengths(cache))[::-1][:self.batch_size]
+        self.model.reserve(min(self.batch_size, N), int(rows.sum()))
+        return steps_per_epoch, total, warm
+
     # ---- training -------------------------------------------------------------------------------
     def fit(self, cache, targets, eval=None, checkpoint_dir=None, resume=False, stop_at_step=None):
-        """Train for `epochs` over `cache` (targets: class labels, or (starts, ends) for QA, in
-        the cache's example order). `eval`: (cache, labels) for classification, or (cache,
-        squad_features) for QA, evaluated after every epoch. With `checkpoint_dir` the state is
-        saved after every epoch and on Ctrl-C, and `resume=True` continues from it exactly.
-        `stop_at_step` stops like Ctrl-C once that many steps are done (the schedule stays the
-        full run's). Progress: one bar per epoch, left on screen with its loss and accuracy
-        (and the eval metric). Returns the history (one dict per epoch, also `self.history`)."""
-        y = self._prepare(cache, targets)
+        """Train for `epochs` over `cache` (targets in the cache's example order: class labels,
+        scores, 0/1 label columns, token labels, or (starts, ends) for QA -- what the head takes).
+        `eval`: (cache, targets) evaluated after every epoch ((cache, squad_features) for QA). With
+        `checkpoint_dir` the state is saved after every epoch and on Ctrl-C, and `resume=True`
+        continues from it exactly. `stop_at_step` stops like Ctrl-C once that many steps are done
+        (the schedule stays the full run's). Progress: one bar per epoch, left on screen with its
+        loss, accuracy and eval metric. Returns the history (one dict per epoch, also `self.history`)."""
+        prep = self._prepare(cache, targets)
         if eval is not None:
             if not (isinstance(eval, (tuple, list)) and len(eval) == 2):
-                raise InputError("eval must be a pair (cache, labels), or (cache, squad_features) for QA")
+                raise InputError("eval must be a pair (cache, targets), or (cache, squad_features) for QA")
             self._check_source(eval[0], "eval features")
         if resume:
             if checkpoint_dir is None:
@@ -698,18 +490,11 @@ class Trainer:
         self.features = feats
         if eval is not None:
             self._check_features(eval[0], "evaluate on the eval cache")
-        steps_per_epoch, total, warm, grads, gviews = self._loop_setup(len(cache))
-        on_device = {}
-        if self.device != "cpu":   # the host head (maybe loaded or edited since) up, buffers for the longest batch
-            self._cuda.push()
-            T = int(cache.lengths.max(initial=1))
-            self._cuda.ensure(self.batch_size, T)
-            if self.top is not None:   # the largest batch's buffers, made once
-                if self._cuda_top is None:
-                    self._cuda_top = _CudaTopBuffers(self.top.hidden_size, self.device)
-                self._cuda_top.get(int(np.sort(cache.lengths)[::-1][:self.batch_size].sum()),
-                                   self.batch_size * (T if self.task == "qa" else 1))
-            on_device = dict(output="device", device=self.device)
+            eval_prep = self.head.prepare_eval(eval[0], eval[1])
+        self._pull()
+        self.model.push()   # the host head (maybe loaded or edited since) into the model
+        steps_per_epoch, total, warm = self._loop_setup(cache)
+        self.reduction.start(self.model)
         old_handler = None
         if threading.current_thread() is threading.main_thread():
             def on_sigint(signum, frame):   # finish the step in flight, then stop cleanly
@@ -724,26 +509,27 @@ class Trainer:
             for epoch in range(first_epoch, self.epochs):
                 t0 = time.perf_counter()
                 start = first_batch if epoch == first_epoch else 0
-                it = cache.batches(self.batch_size, shuffle=True, seed=_epoch_seed(self.seed, epoch), start=start,
-                                   ragged=self.top is not None, **on_device)
+                it = self._batches(cache, batch_size=self.batch_size, shuffle=True,
+                                   seed=_epoch_seed(self.seed, epoch), start=start)
                 stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 bar = stack.enter_context(progress(total=steps_per_epoch, initial=start, unit="step",
                                                    desc=f"epoch {epoch + 1}/{self.epochs}",
                                                    disable=not self.show_progress, leave=True))
-                loss_sum, correct, seen, b = 0.0, 0, 0, start
+                loss_sum, right, counted, seen, b = 0.0, 0, 0, 0, start
                 for ids, batch in it:
                     self._pos = (epoch, b)
-                    n, loss, c = self._step(cache, y, ids, batch, grads, gviews, total, warm)
+                    n, loss, c = self._step(cache, prep, ids, batch, total, warm)
                     del batch   # its buffer goes back to the reader before the next is asked for
                     b += 1
                     self._pos = (epoch, b)
                     self.loss_curve.append((self.global_step, float(loss)))
                     loss_sum += loss * n
-                    correct += c
                     seen += n
+                    if c is not None:
+                        right, counted = right + c[0], counted + c[1]
                     bar.update(1)
                     if b % 20 == 0:
-                        bar.set_postfix(self._postfix(loss_sum, correct, seen), refresh=False)
+                        bar.set_postfix(self._postfix(loss_sum, right, counted, seen), refresh=False)
                     if stop_at_step is not None and self.global_step >= stop_at_step:
                         self._interrupt = True
                     if self._interrupt:
@@ -760,14 +546,14 @@ class Trainer:
                 self._pos = (epoch + 1, 0)
                 rec = {"epoch": epoch + 1, "steps": self.global_step, "train_loss": loss_sum / max(seen, 1),
                        "seconds": time.perf_counter() - t0, "lr": self.optimizer.lr}
-                if self.task != "qa":
-                    rec["train_accuracy"] = correct / max(seen, 1)
+                if counted:
+                    rec["train_accuracy"] = right / counted
                 self._pull()
                 if eval is not None:
                     t1 = time.perf_counter()
-                    rec.update({f"eval_{k}": v for k, v in self.evaluate(*eval).items()})
+                    rec.update({f"eval_{k}": v for k, v in self._evaluate(eval[0], eval[1], eval_prep).items()})
                     rec["eval_seconds"] = time.perf_counter() - t1
-                bar.set_postfix(self._postfix(loss_sum, correct, seen, rec), refresh=False)
+                bar.set_postfix(self._postfix(loss_sum, right, counted, seen, rec), refresh=False)
                 bar.close()   # leaves the epoch's line: steps, time, loss, accuracy, eval metric
                 self.history.append(rec)
                 if checkpoint_dir:
@@ -780,90 +566,72 @@ class Trainer:
                 signal.signal(signal.SIGINT, old_handler)
         return self.history
 
-    def _postfix(self, loss_sum, correct, seen, rec=None):
+    _SHORT = {"accuracy": "dev_acc", "exact_match": "dev_em", "pearson": "dev_pearson", "micro_f1": "dev_micro_f1",
+              "f1": "dev_f1", "token_accuracy": "dev_token_acc"}
+
+    def _postfix(self, loss_sum, right, counted, seen, rec=None):
         out = {"loss": f"{loss_sum / max(seen, 1):.4f}"}
-        if self.task != "qa":
-            out["acc"] = f"{correct / max(seen, 1):.4f}"
+        if counted:
+            out["acc"] = f"{right / counted:.4f}"
         if rec:
-            for k, short in (("eval_accuracy", "dev_acc"), ("eval_f1", "dev_f1"), ("eval_exact_match", "dev_em")):
-                if k in rec and not (k == "eval_f1" and self.task != "qa"):
-                    out[short] = f"{rec[k]:.4f}" if self.task != "qa" else f"{rec[k]:.2f}"
+            main = self.head.main_metric
+            key = f"eval_{main}" if f"eval_{main}" in rec else ("eval_token_accuracy" if "eval_token_accuracy" in rec
+                                                                else None)
+            if key is not None:
+                v = rec[key]
+                out[self._SHORT.get(key[5:], "dev_" + key[5:])] = f"{v:.2f}" if v > 1.0 else f"{v:.4f}"
         return out
 
     # ---- inference --------------------------------------------------------------------------------
-    def _logits(self, cache, batch_size=256):
-        """(runs the head on the CPU, with the host copy of its weights, also for a CUDA trainer)"""
+    def _ready_for(self, cache, what):
         if self.head is None:
             raise InputError("the trainer has no head yet: fit() or load() first")
-        self._pull()
         self._check_source(cache)
-        self._check_features(cache, "evaluate or predict on this cache")
-        outs = []
+        self._check_features(cache, what)
+        self._make_top(cache.encoder)
+        self._make_model()
+        if self._dirty:
+            self._pull()
+        else:
+            self.model.push()   # (the host head may have been loaded or edited)
+
+    def _outputs(self, cache, prep=None, batch_size=256):
+        """The head's outputs for every example of `cache` (its example order), computed on the
+        model's device."""
+        self._ready_for(cache, "evaluate or predict on this cache")
+        prep = prep if prep is not None else self.head.prepare_eval(cache, None)
+        chunks = []
         steps = (len(cache) + batch_size - 1) // batch_size
-        lengths = cache.lengths
         # a bar appears when the pass is slow (an uncached source runs the encoder)
         with progress(total=steps, desc="evaluate", unit="batch", leave=False, delay=1.0,
                       disable=not self.show_progress) as bar:
-            for ids, batch in cache.batches(batch_size, shuffle=False, ragged=self.top is not None):
-                idx = cache.index_of(ids)
-                if self.top is not None:
-                    x, offsets = self._top_batch(cache, idx, batch)
-                    out = self.top.forward(x, np.diff(offsets), training=False)
-                    if not isinstance(out, np.ndarray):   # layers on CUDA; the head runs on the host copy
-                        out = out.numpy()
-                    if self.task != "qa":
-                        outs.append(self.head.step(self._pool(out, offsets))[0])
-                        bar.update(1)
-                        continue
-                    x, valid, _ = self._qa_padded(cache, ids, out, offsets)
-                else:
-                    x, valid = self._batch(cache, ids, idx, batch)
-                if self.task == "qa":
-                    lg, _ = self.head.step(x, valid)
-                    for j in range(len(idx)):   # per example: (2, its own length)
-                        n = int(lengths[idx[j]])
-                        outs.append(np.where(valid[j, :n] > 0, lg[:, j, :n], -np.inf))
-                else:
-                    outs.append(self.head.step(x)[0])
+            for ids, batch in self._batches(cache, batch_size=batch_size, shuffle=False):
+                x, lengths = rows_of(batch)
+                _, valid = self.head.batch(prep, cache.index_of(ids), lengths)
+                chunks.append(self.head.outputs(self.model.forward(x, lengths, valid), lengths, valid))
+                del batch
                 bar.update(1)
-        return outs if self.task == "qa" else np.concatenate(outs)
+        return self.head.collect(chunks)
 
     def predict(self, cache, squad=None):
-        """Classification: predicted labels in the cache's example order. QA: with `squad` (the
-        SquadFeatures the cache was built from) the answer text per question id; without it the
-        per-example (start, end) logits."""
-        if self.task == "qa":
-            logits = self._logits(cache)
-            if squad is None:
-                return logits
-            return squad.postprocess(logits)
-        return self._logits(cache).argmax(1)
+        """The head's predictions in the cache's example order: class ids (classification), scores
+        (regression), 0/1 columns (multi-label), per-example token label ids (token
+        classification); QA: with `squad` (the SquadFeatures the cache was built from) the answer
+        text per question id, without it the per-example (start, end) logits."""
+        return self.head.predict(self._outputs(cache), squad)
 
     def evaluate(self, cache, targets):
-        """Classification: accuracy, F1 (binary: of class 1; else macro) and loss against labels.
-        QA: SQuAD exact match and F1 (official normalisation, best over all reference answers)
-        with `targets` the SquadFeatures the cache was built from."""
+        """The head's metrics against targets (see the head's evaluate: classification accuracy /
+        F1 / Matthews / loss; regression MSE / Pearson / Spearman; multi-label micro / macro F1;
+        token classification entity precision / recall / F1; QA SQuAD exact match / F1 with
+        `targets` the SquadFeatures the cache was built from)."""
         if self.head is None:
             raise InputError("the trainer has no head yet: fit() or load() first")
         self._check_source(cache)
-        if self.task == "qa":
-            from .squad import squad_metrics
-            preds = self.predict(cache, squad=targets)
-            return squad_metrics(preds, targets.examples)
-        y = self._check_targets(cache, targets)
-        logits = self._logits(cache)
-        pred = logits.argmax(1)
-        z = logits - logits.max(1, keepdims=True)
-        logp = z - np.log(np.exp(z).sum(1, keepdims=True))
-        loss = float(-logp[np.arange(len(y)), y].mean())
-        K = logits.shape[1]
-        f1s = []
-        for c in ([1] if K == 2 else range(K)):
-            tp = int(((pred == c) & (y == c)).sum())
-            fp = int(((pred == c) & (y != c)).sum())
-            fn = int(((pred != c) & (y == c)).sum())
-            f1s.append(2 * tp / max(2 * tp + fp + fn, 1))
-        return {"accuracy": float((pred == y).mean()), "f1": float(np.mean(f1s)), "loss": loss}
+        return self._evaluate(cache, targets, self.head.prepare_eval(cache, targets))
+
+    def _evaluate(self, cache, targets, prep):
+        return self.head.evaluate(self._outputs(cache, prep), targets, prep)
 
     # ---- profiling ------------------------------------------------------------------------------
     def profile(self, cache, targets, steps=20, epoch=None, forward=True):
@@ -881,34 +649,32 @@ class Trainer:
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise InputError(f"steps must be a positive int, got {steps!r}")
         self._check_source(cache)
-        if self.task != "qa":
-            self._labels_array(targets)
         cfg = dict(self._config(), show_progress=False, dropout=self.dropout, num_labels=self.num_labels)
         cfg.pop("device")
         cfg.pop("precision")   # the CPU copy trains in float32
-        head = self.head
         self._pull()
+        head = self.head
         if head is not None:
-            head = _Head.from_config(head.config())
+            head = Head.from_config(head.config())
             head.params[...] = self.head.params
         else:
             head = self._head_name
         scratch = Trainer(head, **cfg)
-        y = scratch._prepare(cache, targets)
+        prep = scratch._prepare(cache, targets)
         if self.top is not None:   # the trained layers too (host copies of a CUDA trainer's)
             for (_, mine), (_, theirs) in zip(self.top.named_parameters(), scratch.top.named_parameters()):
                 theirs[...] = np.asarray(mine)
-        ragged = scratch.top is not None
         N = len(cache)
-        spe, total, warm, grads, gviews = scratch._loop_setup(N)
+        spe, total, warm = scratch._loop_setup(cache)
         order = cache.epoch_order(_epoch_seed(scratch.seed, 0))
         batches = [order[a:a + scratch.batch_size] for a in range(0, N, scratch.batch_size)]
         rows = lambda k: cache.example_ids[batches[k % len(batches)]]
+        ragged = cache.positions == "all"
 
         def run(k0, n):
             for k in range(k0, k0 + n):
                 ex = rows(k)
-                scratch._step(cache, y, ex, cache.get(ex, ragged=ragged), grads, gviews, total, warm)
+                scratch._step(cache, prep, ex, cache.get(ex, ragged=ragged), total, warm)
 
         top = f"top {self.train_layers} layer{'s' if self.train_layers > 1 else ''} + " if self.train_layers else ""
         title = (f"{top}{type(scratch.head).__name__} + {scratch.optimizer_name.upper()}, batch {scratch.batch_size}, "
@@ -937,8 +703,9 @@ class Trainer:
 
     # ---- plots ------------------------------------------------------------------------------------
     def plot(self, axes=None):
-        """Loss and accuracy (QA: exact match / F1) per epoch from `history`, with the loss of
-        every step behind them. Needs matplotlib. Returns the matplotlib Figure."""
+        """Loss and the head's metrics per epoch from `history` (training accuracy where the head has
+        one, and the eval metric), with the loss of every step behind them. Needs matplotlib.
+        Returns the matplotlib Figure."""
         if not self.history and not self.loss_curve:
             raise InputError("nothing to plot yet: fit() first")
         from .profiling import _pyplot
@@ -961,16 +728,18 @@ class Trainer:
         ax_l.set_xlabel("epoch")
         ax_l.set_ylabel("loss")
         ax_l.legend(fontsize=8)
-        if self.task == "qa":
-            for k, lab in (("eval_exact_match", "eval exact match"), ("eval_f1", "eval F1")):
-                if any(k in r for r in self.history):
-                    ax_m.plot(ep, [r.get(k, np.nan) for r in self.history], "o-", label=lab)
-            ax_m.set_ylabel("score (0-100)")
-        else:
+        main = self.head.main_metric if self.head is not None else "accuracy"
+        if main == "accuracy":
             ax_m.plot(ep, [r.get("train_accuracy", np.nan) for r in self.history], "o-", label="train")
             if any("eval_accuracy" in r for r in self.history):
                 ax_m.plot(ep, [r.get("eval_accuracy", np.nan) for r in self.history], "s-", label="eval")
             ax_m.set_ylabel("accuracy")
+        else:
+            keys = [k for k in (f"eval_{main}", "eval_f1", "eval_spearman", "eval_token_accuracy")
+                    if any(k in r for r in self.history)]
+            for k in dict.fromkeys(keys):
+                ax_m.plot(ep, [r.get(k, np.nan) for r in self.history], "o-", label=k[5:].replace("_", " "))
+            ax_m.set_ylabel("score (0-100)" if main == "exact_match" else "score")
         ax_m.set_xlabel("epoch")
         ax_m.legend(fontsize=8)
         fig.suptitle(f"{type(self.head).__name__ if self.head is not None else self._head_name} + "
@@ -989,20 +758,24 @@ class Trainer:
 
     def save(self, path):
         """Write head weights and optimizer state (safetensors) and the trainer state (JSON),
-        each atomically; trainer.json, written last, holds the CRC-32C of the others."""
+        each atomically; trainer.json, written last, holds the CRC-32C of the others. In
+        data-parallel training every process calls it and the first one (rank 0) writes."""
         if self.head is None:
             raise InputError("nothing to save: the trainer has no head yet")
         self._pull()
+        opt = m = v = None
+        if self.optimizer is not None:
+            opt, m, v = flat_state(self.optimizer)
+        if self.reduction.rank != 0:   # every rank has the same state (the reduction makes it so)
+            return path
         os.makedirs(path, exist_ok=True)
         files = {"head.safetensors": write_safetensors(os.path.join(path, "head.safetensors"),
                                                        self.head.state_dict(), {"format": "fasttran-head"})}
         if self.top is not None:
             files["layers.safetensors"] = write_safetensors(
-                os.path.join(path, "layers.safetensors"), {n: np.array(v) for n, v in self.top.named_parameters()},
+                os.path.join(path, "layers.safetensors"), {n: np.array(t) for n, t in self.top.named_parameters()},
                 {"format": "fasttran-layers"})
-        opt = None
-        if self.optimizer is not None:
-            opt, m, v = flat_state(self.optimizer)
+        if opt is not None:
             files["optimizer.safetensors"] = write_safetensors(
                 os.path.join(path, "optimizer.safetensors"), {"exp_avg": m, "exp_avg_sq": v},
                 {"format": "fasttran-optimizer"})
@@ -1035,24 +808,24 @@ class Trainer:
         state = state or self._read_state(path)
         files = state["files"]
         head_t = read_safetensors(os.path.join(path, "head.safetensors"), files["head.safetensors"])
-        head = _Head.from_config(state["head"])
+        head = Head.from_config(state["head"])
         if self.head is not None and self.head.config() != head.config():
             raise CheckpointError(f"the checkpoint's head {state['head']} differs from this trainer's {self.head.config()}")
         self.head = self.head or head
         self.head.load_state_dict(head_t)
-        opt = None
+        self._dirty = False
+        if self.model is not None:
+            self.model.push()
         if state.get("optimizer_state"):
             opt_t = read_safetensors(os.path.join(path, "optimizer.safetensors"), files["optimizer.safetensors"])
-            opt = (state["optimizer_state"], opt_t["exp_avg"], opt_t["exp_avg_sq"])
+            self._pending_opt = (state["optimizer_state"], opt_t["exp_avg"], opt_t["exp_avg_sq"])
         self.optimizer = None
         if "layers.safetensors" in files:   # the trained layers: restored when they exist (_make_top)
-            layers = read_safetensors(os.path.join(path, "layers.safetensors"), files["layers.safetensors"])
-            self._pending = (layers, opt)
+            self._pending = read_safetensors(os.path.join(path, "layers.safetensors"), files["layers.safetensors"])
             self._restore_pending()
-        else:
+        if self.model is not None or not self.train_layers:   # a head alone needs no cache to exist
+            self._make_model()
             self._make_optimizer()
-            if opt is not None:
-                load_flat_state(self.optimizer, *opt)
         self.global_step = int(state["global_step"])
         self._pos = tuple(state["position"])
         if self.precision == "float16" and state.get("loss_scale"):
@@ -1068,34 +841,26 @@ class Trainer:
         if (not _cuda_device(cfg.get("device", "cpu")) and "precision" not in overrides
                 and not (cfg.get("precision") == "bfloat16" and _cpu_isa() == "amx")):
             cfg["precision"] = "float32"   # what this CPU cannot run in half precision continues in float32
-        self = cls(_Head.from_config(state["head"]), **cfg)
+        self = cls(Head.from_config(state["head"]), **cfg)
         self._load_into(path, state)
         return self
 
-    def export(self, path):
-        """Write the fine-tuned encoder -- its frozen layers and the trained top layers -- in the
-        Hugging Face layout (config.json, model.safetensors, and the tokenizer files of the encoder's
-        checkpoint), loadable by Encoder.from_pretrained and transformers' BertModel; the head goes
-        beside it (head.safetensors + head.json). Returns `path`."""
-        if self.top is None or self._encoder is None:
-            raise InputError("export() writes an encoder with trained layers: train with train_layers > 0 first")
-        from .encoder import Encoder
-        src = self._encoder
-        clone = Encoder(src._raw_config, device="cpu")
-        clone._core.copy_weights_from(src._core)
-        self.top.export_to(clone)
-        os.makedirs(path, exist_ok=True)
-        clone.save_pretrained(path)
-        if src.path:
-            base = src.path if os.path.isdir(src.path) else os.path.dirname(src.path)
-            for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-                f = os.path.join(base, name)
-                if os.path.isfile(f):
-                    with open(f, "rb") as fh:
-                        _C.atomic_write(os.path.join(path, name), [fh.read()])
-        write_safetensors(os.path.join(path, "head.safetensors"), self.head.state_dict(), {"format": "fasttran-head"})
-        _C.atomic_write(os.path.join(path, "head.json"),
-                        [json.dumps({"head": self.head.config(), "pooling": self.pooling}, indent=1).encode()])
+    def export(self, path, encoder=None):
+        """Write the fine-tuned model -- the encoder with its trained top layers, and the head -- in a
+        layout the Hugging Face tools load (fasttran.export): AutoModelForSequenceClassification for a
+        classification, regression or multi-label head with BERT's pooler on CLS, AutoModelForToken-
+        Classification, AutoModelForQuestionAnswering, and for any other sequence head (mean pooling,
+        no pooler) a sentence-transformers model whose encode() gives the logits. The tokenizer files
+        and fasttran's head.json / head.safetensors go beside them. `encoder`: the encoder the
+        features came from, when the cache did not carry it. Returns `path`."""
+        from .export import check_exportable, export, fine_tuned_encoder
+        if self.head is None:
+            raise InputError("nothing to export: fit() or load() first")
+        src = encoder or self._encoder
+        check_exportable(src)
+        self._make_top(src)   # (a loaded checkpoint's layers go into the encoder given)
+        self._pull()
+        export(path, fine_tuned_encoder(src, self.top), self.head, self.pooling)
         return path
 
     def memory_report(self, batch_size=None, seq_len=128, budget_bytes=None):
@@ -1133,10 +898,17 @@ class Trainer:
         head = repr(self.head) if self.head is not None else repr(self._head_name)
         return (f"Trainer(head={head}, optimizer={self.optimizer_name!r}, lr={self.lr:g}, schedule={self.schedule!r}, "
                 f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step}"
-                + (f", precision={self.precision!r}" if self.precision != "float32" else "") + ")")
+                + (f", train_layers={self.train_layers}" if self.train_layers else "")
+                + (f", precision={self.precision!r}" if self.precision != "float32" else "")
+                + (f", device={self.device!r}" if self.device != "cpu" else "") + ")")
 
     def _repr_html_(self):
         rows = "".join("<tr>" + "".join(f"<td>{html.escape(f'{v:.4g}' if isinstance(v, float) else str(v))}</td>"
                                         for v in r.values()) + "</tr>" for r in self.history)
         head = "".join(f"<th>{html.escape(k)}</th>" for k in (self.history[0] if self.history else {}))
         return f"<b>{html.escape(repr(self))}</b><table><tr>{head}</tr>{rows}</table>"
+
+
+def rows_of_lengths(cache):
+    """rows per example as the model reads the cache: its tokens when per token, else one"""
+    return np.asarray(cache.lengths, np.int64) if cache.positions == "all" else np.ones(len(cache), np.int64)

@@ -544,6 +544,64 @@ for N, K, vr, g, empty in [(1, 1, 0, True, False), (9, 3, 0, True, False), (6, 3
          ("-emptyrow" if empty else ""))(_xent(N, K, vr, g, empty))
 
 
+def _xent_ignored(N, K):
+    def build(rng):
+        labels = rng.integers(0, K, N).astype(np.int32)
+        labels[::3] = -1   # token labels of positions that carry none
+        return dict(loss=Out((N,)), dlogits=Out((N, K)), logits=In(f32(rng, N, K, scale=3.0)), valid=None,
+                    valid_rows=1, labels=In(labels), N=N, K=K, scale=0.5)
+    return build
+
+
+for N, K in [(1, 2), (10, 9), (300, 17)]:
+    case("softmax_xent", f"{N}x{K}-ignored-rows")(_xent_ignored(N, K))
+
+
+def _elementwise_loss(n, op):
+    def build(rng):
+        target = rng.random(n).astype(np.float32) if op == "bce_logits_loss" else f32(rng, n, scale=2.0)
+        pred = f32(rng, n, scale=6.0)
+        if n > 3:
+            pred[:3] = [80.0, -80.0, 0.0]   # saturated logits: no overflow in exp
+        names = ("dpred", "pred") if op == "mse_loss" else ("dlogits", "logits")
+        return {"loss": Out((n,), tol=1e-5), names[0]: Out((n,), tol=1e-5), names[1]: In(pred), "target": In(target),
+                "n": n, "scale": 0.25}
+    return build
+
+
+for n in (1, 7, 70001):
+    for op in ("mse_loss", "bce_logits_loss"):
+        case(op, f"{n}")(_elementwise_loss(n, op))
+case("mse_loss", "0")(_elementwise_loss(0, "mse_loss"))
+case("bce_logits_loss", "0")(_elementwise_loss(0, "bce_logits_loss"))
+
+
+def _span(lengths, grads):
+    def build(rng):
+        B, N = len(lengths), int(sum(lengths))
+        first = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
+        valid = (rng.random(N) > 0.3).astype(np.float32)
+        labels = np.zeros((2, B), np.int32)
+        for b, (f, n) in enumerate(zip(first, lengths)):
+            valid[f + n - 1] = 0.0
+            if b == B - 1 and B > 1:
+                valid[f:f + n] = 0.0   # a sequence without context: no loss, no gradient
+                continue
+            ok = np.flatnonzero(valid[f:f + n])
+            if not len(ok):
+                valid[f] = 1.0
+                ok = np.array([0])
+            labels[:, b] = rng.choice(ok, 2)
+        return dict(loss=Out((2, B)), dlogits=Out((2, N)) if grads else None, logits=In(f32(rng, 2, N, scale=3.0)),
+                    valid=In(valid), first=In(first), count=In(np.asarray(lengths, np.int32)), labels=In(labels), B=B,
+                    N=N, scale=1.0 / (2 * B))
+    return build
+
+
+for lens, g in [((1,), True), ((5, 1, 9), True), ((384, 200, 17, 384), True), ((7, 300), False)]:
+    case("span_xent", f"{len(lens)}seq-{sum(lens)}rows" + ("" if g else "-nograd"))(_span(lens, g))
+
+
 def _sum(N, K, axis):
     return lambda rng: dict(out=Out((K,) if axis == 0 else (N,), tol=1e-5), x=In(f32(rng, N, K)), N=N, K=K, axis=axis)
 

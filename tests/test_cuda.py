@@ -243,10 +243,15 @@ def test_cuda_head_matches_cpu(pooler, qa):
     g_cpu = np.zeros_like(head.params)
     dx_cpu = np.zeros_like(x)
     lg_cpu = np.zeros(logits_shape, np.float32)
-    loss_cpu = fasttran._C.head_step(head._cfg, head.params, x, B, T, valid, y, lg_cpu, g_cpu, dx_cpu, True, 3, 2)
-    lg, g, dx = dev(np.zeros(logits_shape, np.float32)), dev(np.zeros_like(g_cpu)), dev(np.zeros_like(x))
-    loss = fasttran._C.head_step(head._cfg, dev(head.params), dev(x), B, T, None if valid is None else dev(valid),
-                                 dev(y), lg, g, dx, True, 3, 2)
+    lengths = np.full(B, T, np.int32)   # QA: each padded row a row of its sequence, `valid` the context
+    vflat = None if valid is None else valid.reshape(-1)
+    lg_cpu = lg_cpu.reshape(-1)
+    loss_cpu = fasttran._C.head_step(head._cfg, head.params, x.reshape(B * T, C), lengths, y.reshape(-1), vflat, lg_cpu,
+                                     g_cpu, dx_cpu.reshape(B * T, C), True, 3, 2)
+    lg, g, dx = dev(np.zeros(lg_cpu.shape, np.float32)), dev(np.zeros_like(g_cpu)), dev(np.zeros((B * T, C), np.float32))
+    loss = fasttran._C.head_step(head._cfg, dev(head.params), dev(x.reshape(B * T, C)), lengths, dev(y.reshape(-1)),
+                                 None if valid is None else dev(vflat), lg, g, dx, True, 3, 2)
+    dx_cpu = dx_cpu.reshape(B * T, C)
     assert abs(loss - loss_cpu) <= 1e-5 * abs(loss_cpu)
     assert np.allclose(lg.numpy(), lg_cpu, rtol=1e-5, atol=1e-6)
     assert np.allclose(g.numpy(), g_cpu, rtol=1e-4, atol=1e-6)

@@ -191,7 +191,8 @@ def features(model, inputs):
 
 def qa_targets(cache, rng):
     """answer spans inside each example's context (token type 1, not its last token)"""
-    ctx = fasttran.Trainer._context(cache, cache.example_ids, int(cache.lengths.max()))
+    from fasttran.heads.span import context_rows
+    ctx = np.split(context_rows(cache), np.cumsum(cache.lengths)[:-1])
     s = np.array([rng.choice(np.flatnonzero(r)) for r in ctx])
     e = np.array([rng.choice(np.flatnonzero(r[a:])) + a for r, a in zip(ctx, s)])
     return s, e
@@ -289,16 +290,15 @@ def test_a_cuda_training_step_allocates_nothing(features):
     cache = features["mean"]
     y = np.random.default_rng(5).integers(0, 2, len(cache))
     tr = fasttran.Trainer("classification-pooler", device="cuda", epochs=1, batch_size=4, show_progress=False)
-    y32 = tr._prepare(cache, y)
-    spe, total, warm, grads, gviews = tr._loop_setup(len(cache))
-    tr._cuda.ensure(4, 1)
+    prep = tr._prepare(cache, y)
+    spe, total, warm = tr._loop_setup(cache)
     order = np.arange(len(cache))
     batches = [(cache.example_ids[order[a:a + 4]], cache.get(cache.example_ids[order[a:a + 4]], output="device",
                                                               device="cuda")) for a in range(0, len(cache), 4)]
-    tr._step(cache, y32, *batches[0], grads, gviews, total, warm)   # the first step sizes the optimizer's tables
+    tr._step(cache, prep, *batches[0], total, warm)   # the first step sizes the optimizer's tables
     before = emu_counters()
     for ids, x in batches[1:]:
-        tr._step(cache, y32, ids, x, grads, gviews, total, warm)
+        tr._step(cache, prep, ids, x, total, warm)
     after = emu_counters()
     steps = len(batches) - 1
     d = [b - a for a, b in zip(before, after)]
@@ -324,8 +324,9 @@ def test_cuda_trainer_refusals(features):
         cache.example_ids[:4]), positions="mean", show_progress=False)
     bad._tiers.shards[0].values[...] = x   # a NaN feature in the host tier
     tr = fasttran.Trainer("classification", device="cuda", num_labels=2, show_progress=False, batch_size=4)
-    with pytest.raises(FloatingPointError, match="step 1"):
-        tr.fit(bad, np.zeros(4, np.int64))
+    nan_example = int(bad.example_ids[np.flatnonzero(np.isnan(bad.get(bad.example_ids)).any(1))[0]])
+    with pytest.raises(fasttran.InputError, match=f"features of example {nan_example} contain NaN"):
+        tr.fit(bad, np.zeros(4, np.int64))   # the NaN loss of step 1, traced back to the features
 
 
 # ---- top-layer training on CUDA (issue 17) ----------------------------------------------------------

@@ -142,7 +142,7 @@ def test_bad_input(cache, sst):
     with pytest.raises(fasttran.InputError, match="unknown optimizer"):
         Trainer("classification", optimizer="sgd")
     with pytest.raises(fasttran.InputError, match="unknown head"):
-        Trainer("regression")
+        Trainer("segmentation")
     with pytest.raises(fasttran.InputError, match="entries but the cache has 480"):
         trainer().fit(cache, y[:-1])
     with pytest.raises(fasttran.InputError, match=r"label 2 of example 3 is outside \[0, 2\)"):

@@ -393,56 +393,81 @@ void ft_optim_table_free(ft_optim_table *table);
 ft_status ft_optim_table_step(ft_optim_table *table, const ft_optim_config *cfg, ft_optim_info *info);
 
 /* ---- task heads ---------------------------------------------------------------------------- */
-/* Heads train on frozen features (from the activation cache or the encoder). Parameters of a head
- * live in one flat float buffer; ft_head_tensor_info gives each tensor's name, shape and offset.
- *   FT_HEAD_LINEAR:  logits (B, K) = dropout(x) W^T + b                     W (K, C), b (K)
- *   FT_HEAD_POOLER:  h = tanh(dropout(x) W1^T + b1); logits = dropout(h) W^T + b   W1 (C, C)
- *   FT_HEAD_QA:      x (B, T, C) token states; logits (2, B, T) = W x + b    W (2, C), b (2)
- *                    start = logits[0], end = logits[1]; softmax over the positions with
- *                    valid != 0 (the context), the others take no part.
- * Loss: mean cross-entropy (QA: mean of the start and end losses). Dropout masks come from a
- * counter-based hash of (seed, step, element), recomputed in the backward pass, never stored. */
-typedef enum { FT_HEAD_LINEAR = 0, FT_HEAD_POOLER = 1, FT_HEAD_QA = 2 } ft_head_kind;
+/* A task head turns the token states of a batch into its predictions, its loss and the gradient
+ * back to the token states; what differs between tasks lives in the head (csrc/train/head_*.c),
+ * so the training step itself (ft_model) knows no task. Parameters of a head live in one flat
+ * float buffer; ft_head_tensor_info gives each tensor's name (Hugging Face's), shape and offset.
+ *
+ * Input rows are packed (as everywhere in fasttran): sequence b owns rows [first[b], first[b] +
+ * count[b]) of x (N, C). Features pooled by the cache are one row per sequence (N == B).
+ *   FT_HEAD_LINEAR:  pooled (B, C) = mean (or CLS: first) row of each sequence, x itself when
+ *                    every sequence has one row; logits (B, K) = dropout(pooled) W^T + b
+ *   FT_HEAD_POOLER:  h = tanh(dropout(pooled) W1^T + b1); logits = dropout(h) W^T + b (BERT's
+ *                    pooler + classifier, W1 (C, C))
+ *       loss FT_LOSS_XENT: softmax cross-entropy, int32 labels (B) in [0, K)
+ *            FT_LOSS_MSE:  squared error, float targets (B, K) (regression)
+ *            FT_LOSS_BCE:  binary cross-entropy per label on logits, float targets (B, K) in
+ *                          [0, 1] (multi-label)
+ *   FT_HEAD_TOKEN:   logits (N, K) = dropout(x) W^T + b for every row; softmax cross-entropy
+ *                    against int32 labels (N), a negative label = the row takes no part
+ *   FT_HEAD_QA:      logits (2, N) = W dropout(x)^T + b, each row's start and end score
+ *                    (W (2, C)); per sequence a softmax over its rows with valid (N) != 0 (the
+ *                    context); int32 labels (2, B): the answer's start and end row within the
+ *                    sequence
+ * The loss of a batch is the sum of its terms (ft_head_loss_count of them) times `scale`: the
+ * caller passes 1 / the number of terms of the global batch (data-parallel training divides by
+ * the global count). Dropout masks come from a counter-based hash of (seed, step, element),
+ * recomputed in the backward pass, never stored; row_base / seq_base place the batch in its
+ * global batch so a slice of it draws the global batch's masks. */
+typedef enum { FT_HEAD_LINEAR = 0, FT_HEAD_POOLER = 1, FT_HEAD_QA = 2, FT_HEAD_TOKEN = 3 } ft_head_kind;
+typedef enum { FT_LOSS_XENT = 0, FT_LOSS_MSE = 1, FT_LOSS_BCE = 2 } ft_head_loss;
 
 typedef struct {
     ft_head_kind kind;
     int64_t hidden;        /* C */
-    int64_t num_labels;    /* K (QA: 2) */
+    int64_t num_labels;    /* K (QA: 2; regression: the number of scores, usually 1) */
     float dropout;         /* probability, [0, 1) */
+    ft_head_loss loss;     /* LINEAR / POOLER: XENT, MSE or BCE; TOKEN and QA: XENT */
+    ft_pooling pooling;    /* LINEAR / POOLER over several rows per sequence: FT_POOL_MEAN or _CLS */
 } ft_head_config;
+
+/* A batch as a head sees it. */
+typedef struct {
+    int64_t B, N;               /* sequences; rows of x */
+    const int32_t *seqs;        /* HOST (2, B): the first row of each sequence, then its row count */
+    const int32_t *seqs_dev;    /* the same table in the backend's memory (pooling, spans) */
+    uint64_t row_base, seq_base;/* the batch's first row and sequence within its global batch */
+} ft_head_batch;
 
 ft_status ft_head_check(const ft_head_config *cfg);
 size_t ft_head_num_tensors(const ft_head_config *cfg);
 ft_status ft_head_tensor_info(const ft_head_config *cfg, size_t i, const char **name, int *ndim,
                               int64_t shape[2], size_t *offset);
 size_t ft_head_param_count(const ft_head_config *cfg);
+/* element counts of a batch's buffers: logits; loss terms; targets (int32, or float32 when
+ * ft_head_float_targets) */
+int64_t ft_head_logits_count(const ft_head_config *cfg, int64_t B, int64_t N);
+int64_t ft_head_loss_count(const ft_head_config *cfg, int64_t B, int64_t N);
+int64_t ft_head_target_count(const ft_head_config *cfg, int64_t B, int64_t N);
+int ft_head_float_targets(const ft_head_config *cfg);
+/* floats of the workspace a step takes */
+size_t ft_head_workspace_floats(const ft_head_config *cfg, int64_t B, int64_t N, int has_grads, int has_dx,
+                                int training);
 
-/* Forward (and backward when `labels` and `grads` are given) over a batch, all buffers in the
- * memory of `dev`:
- *   x (B, C), or (B, T, C) for QA;  valid (B, T) QA only (1 = context position);
- *   labels: int32 (B) class ids, or (2, B) start then end positions for QA; NULL = no loss;
- *   logits out: (B, K), or (2, B, T) for QA;  loss out (host): mean loss, or NULL;
- *   grads out: like params (overwritten), or NULL;  dx out: like x, or NULL.
- * training != 0 applies dropout with masks from (seed, step). Labels out of range, and QA labels
- * at a position that is not valid, fail with FT_ERR_OUT_OF_RANGE. */
-ft_status ft_head_forward_backward(ft_device dev, const ft_head_config *cfg, const float *params,
-                                   const float *x, int64_t B, int64_t T, const float *valid,
-                                   const int32_t *labels, float *logits, double *loss, float *grads,
-                                   float *dx, int training, uint64_t seed, uint64_t step);
-
-/* The same with the caller's workspace (memory of `dev`, at least ft_head_workspace_floats for the
- * call's shape and buffers: labels, grads, dx given or not), kept across steps so a training
- * loop allocates nothing; workspace NULL: one allocation per call. check = 0 skips the label
- * check (a copy of the labels to the host and a wait, per call on CUDA): for callers that checked
- * every label against the same rules already (the Trainer does, once per fit); out-of-range
- * labels are then undefined behaviour. */
-size_t ft_head_workspace_floats(const ft_head_config *cfg, int64_t B, int64_t T, int has_labels, int has_grads,
-                                int has_dx, int training);
-ft_status ft_head_forward_backward_ws(ft_device dev, const ft_head_config *cfg, const float *params,
-                                      const float *x, int64_t B, int64_t T, const float *valid,
-                                      const int32_t *labels, float *logits, double *loss, float *grads,
-                                      float *dx, int training, uint64_t seed, uint64_t step,
-                                      float *workspace, size_t workspace_floats, int check);
+/* Forward (and, with targets, the loss terms; with grads also the backward) over a batch, every
+ * buffer in the memory of `dev`:
+ *   x (N, C); valid (N) for QA; targets (ft_head_target_count, int32 or float32) or NULL;
+ *   logits out (ft_head_logits_count); loss out (ft_head_loss_count) per-term losses, or NULL;
+ *   grads out: like params (overwritten), or NULL; dx out: like x (overwritten), or NULL.
+ * training != 0 applies dropout. check != 0 first checks the targets on a host copy (labels in
+ * range, QA spans inside their sequence's context, float targets finite, multi-label targets in
+ * [0, 1]: FT_ERR_OUT_OF_RANGE / FT_ERR_INVALID_ARGUMENT); check = 0 is for callers that checked
+ * every target already (the Trainer does, once per fit): out-of-range labels are then undefined
+ * behaviour. workspace: memory of `dev` with ft_head_workspace_floats, or NULL (one allocation). */
+ft_status ft_head_step(ft_device dev, const ft_head_config *cfg, const float *params, const float *x,
+                       const ft_head_batch *bt, const void *targets, const float *valid, float *logits,
+                       float *loss, float *grads, float *dx, float scale, int training, uint64_t seed,
+                       uint64_t step, float *workspace, size_t workspace_floats, int check);
 
 /* Memory on a device without an encoder (host memory for the CPU): optimizer state, head
  * buffers. Free with ft_device_free on the same device. */
@@ -484,11 +509,17 @@ typedef struct {
 typedef struct ft_layer_stack ft_layer_stack;
 
 /* A trainable copy of encoder layers [first, first + count) (fp32 master weights) on `dev`, with
- * their gradients and the activation arena, each one allocation. */
+ * their gradients and the activation arena, each one allocation. extra_floats: room after the
+ * layers in the parameter and gradient allocations for the caller's own tensors (ft_model puts
+ * its task head there, so that layers and head are one flat table); 0 for none. */
 ft_status ft_layer_stack_create(const ft_encoder *enc, int64_t first, int64_t count, ft_device dev,
-                                const ft_layer_options *opt, ft_layer_stack **out);
+                                const ft_layer_options *opt, size_t extra_floats, ft_layer_stack **out);
 void ft_layer_stack_free(ft_layer_stack *s);
 size_t ft_layer_stack_param_count(const ft_layer_stack *s);            /* floats */
+int64_t ft_layer_stack_count(const ft_layer_stack *s);                 /* layers */
+size_t ft_layer_stack_extra_floats(const ft_layer_stack *s);           /* room after the layers */
+/* where layer l (0 = the bottom one of the stack) lies in the parameter / gradient buffers */
+void ft_layer_stack_layer_range(const ft_layer_stack *s, int64_t l, size_t *offset, size_t *floats);
 size_t ft_layer_stack_num_tensors(const ft_layer_stack *s);
 ft_status ft_layer_stack_tensor_info(const ft_layer_stack *s, size_t i, const char **name, int *ndim,
                                      int64_t shape[2], size_t *offset); /* offset in floats */
@@ -497,14 +528,23 @@ float *ft_layer_stack_grads(ft_layer_stack *s);                        /* device
 /* out (N, C) = the layers applied to x (N, C): B sequences of lengths[b] rows packed one after
  * another (lengths: host memory), x and out in the stack's device memory. training != 0 keeps what
  * the backward needs (x must stay valid until then) and applies dropout with masks from (seed,
- * step, layer, site). */
+ * step, layer, site), element indices counted from where the batch starts in its global batch:
+ * row_base rows and sq_base = the sum of n^2 over the sequences before it (hidden states from
+ * row_base C, attention probabilities from NH sq_base), so that a
+ * slice of a global batch draws the masks the whole batch would (data-parallel training); 0, 0
+ * for a whole batch. */
 ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_t *lengths, int64_t B, float *out,
-                                 int training, uint64_t seed, uint64_t step);
-/* After a training forward: the gradients (overwritten) from dout (N, C); dx (N, C) or NULL */
-/* loss_scale != 1 (float16 mixed precision's loss scaling, a power of two): the backward runs on
- * dout * loss_scale, so that small gradients survive fp16 products, and the gradients (and dx) are
- * scaled back by 1 / loss_scale at the end; an overflow shows as non-finite gradients. */
-ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx, float loss_scale);
+                                 int training, uint64_t seed, uint64_t step, uint64_t row_base, uint64_t sq_base);
+/* After a training forward: the gradients (overwritten) from dout (N, C); dx (N, C) or NULL.
+ * loss_scale != 1 (float16 mixed precision's loss scaling, a power of two): the backward runs on
+ * dout * loss_scale, so that small gradients survive fp16 products, and each layer's gradients
+ * (and dx) are scaled back by 1 / loss_scale; an overflow shows as non-finite gradients.
+ * done (or NULL): called with the layer's index in the stack (count - 1 first) as soon as that
+ * layer's gradients are final and complete in memory (the backend synchronised), while the
+ * layers below still run: data-parallel training starts reducing them there. */
+typedef void (*ft_layer_done_fn)(void *arg, int64_t layer);
+ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx, float loss_scale,
+                                  ft_layer_done_fn done, void *arg);
 int64_t ft_layer_stack_hidden_size(const ft_layer_stack *s);
 /* the sequences (B) and rows (N) of the last forward */
 void ft_layer_stack_last_batch(const ft_layer_stack *s, int64_t *B, int64_t *N);
@@ -522,6 +562,62 @@ void ft_layer_stack_options(const ft_layer_stack *s, ft_layer_options *out);
 void ft_layer_stack_allocated(const ft_layer_stack *s, size_t *now, size_t *peak);
 /* the stack's weights written back into the encoder's layers [first, first + count) (same config) */
 ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *enc);
+
+/* ---- the training model ------------------------------------------------------------------ */
+/* [frozen features] -> [top layers, optional] -> task head: one forward / backward over a batch,
+ * one flat parameter and gradient table (the layers' tensors, bottom layer first, then the
+ * head's), on any backend. It knows no task (the head does) and no device (the backend does).
+ * The gradient table is handed out in buckets as the backward completes them, head first, then
+ * the top layer, down to the bottom one: data-parallel training reduces a bucket while the
+ * layers below it still run. */
+typedef struct ft_model ft_model;
+
+/* layers: NULL (a head on frozen features), or a stack made with extra_floats =
+ * ft_head_param_count(head) whose allocations then hold the head too; borrowed: it must outlive
+ * the model. The head's parameters start at zero (write them with ft_model_write_params). */
+ft_status ft_model_create(ft_device dev, const ft_head_config *head, ft_layer_stack *layers, ft_model **out);
+void ft_model_free(ft_model *m);
+size_t ft_model_param_count(const ft_model *m);
+float *ft_model_params(ft_model *m);   /* backend memory, ft_model_param_count floats */
+float *ft_model_grads(ft_model *m);
+/* the head's parameters start here in the flat table */
+size_t ft_model_head_offset(const ft_model *m);
+/* buckets: 0 = the head, 1 = the top layer, ..., count = the bottom layer */
+size_t ft_model_num_buckets(const ft_model *m);
+void ft_model_bucket(const ft_model *m, size_t i, size_t *offset, size_t *floats);
+/* host <-> the flat parameter table, floats [offset, offset + n) */
+ft_status ft_model_write_params(ft_model *m, size_t offset, const float *host, size_t n);
+ft_status ft_model_read_params(ft_model *m, size_t offset, float *host, size_t n);
+
+typedef struct {
+    const float *x;              /* (N, C) backend memory: packed sequences, or pooled features (N = B) */
+    const int32_t *lengths;      /* HOST (B): rows per sequence (1 for pooled features) */
+    int64_t B;
+    const void *targets;         /* HOST, ft_head_target_count elements (int32 / float32), or NULL */
+    const float *valid;          /* HOST (N): QA's context rows, else NULL */
+    double denominator;          /* the loss is the sum of its terms / denominator (the global batch's
+                                    count of terms: its mean over every rank's slice) */
+    uint64_t seed, step;         /* dropout keys */
+    uint64_t row_base, seq_base, sq_base;   /* the batch's place in its global batch: rows, sequences
+                                    and sum of n^2 before it (0 for a whole batch) */
+    float loss_scale;            /* float16 products' loss scaling (1: none) */
+} ft_model_batch;
+
+/* called with a bucket's index once its gradients are final and complete in memory */
+typedef void (*ft_bucket_fn)(void *arg, size_t bucket);
+
+/* per-batch buffers for batches of up to B sequences and N rows, made now (grown, never shrunk;
+ * a step makes what it lacks) */
+ft_status ft_model_reserve(ft_model *m, int64_t B, int64_t N);
+/* One training step: forward with dropout, the loss (host: the batch's terms / denominator),
+ * the gradients of every parameter (overwritten), `ready` per bucket; logits_host (or NULL):
+ * ft_head_logits_count floats. Targets are not checked here (the caller checked them all). */
+ft_status ft_model_step(ft_model *m, const ft_model_batch *b, double *loss, float *logits_host, ft_bucket_fn ready,
+                        void *arg);
+/* Inference: logits_host = the model's logits (no dropout, nothing kept for a backward) */
+ft_status ft_model_forward(ft_model *m, const ft_model_batch *b, float *logits_host);
+/* bytes the model holds: parameters + gradients (the layers' too) and its per-batch buffers */
+size_t ft_model_allocated(const ft_model *m);
 
 /* ---- build and runtime information ------------------------------------------------------ */
 const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */

@@ -36,9 +36,14 @@ static int inplace_act_ok(ft_activation act) {
     return act == FT_ACT_GELU_ERF || act == FT_ACT_GELU_TANH || act == FT_ACT_RELU;
 }
 
-/* sites 0..15 belong to the heads (train/heads.c); layer l's sites follow */
+/* sites 0..15 belong to the heads (train/head.c); layer l's sites follow. A mask element is
+ * keep(key, index), so counting the indices from the batch's place in its global batch is adding
+ * that place to the key: probabilities from NH sq_base (sq_base = the sum of n^2 over the global
+ * batch's sequences before this one), hidden states from row_base C. */
 static uint64_t site_key(const ft_layer_batch *bt, int64_t layer, int site) {
-    return ft_dropout_key(bt->seed, bt->step, 16 + (uint64_t)layer * SITES + (uint64_t)site);
+    const uint64_t base = site == SITE_ATTN_PROBS ? bt->sq_base * (uint64_t)bt->cfg->num_heads
+                                                  : bt->row_base * (uint64_t)bt->cfg->hidden_size;
+    return ft_dropout_key(bt->seed, bt->step, 16 + (uint64_t)layer * SITES + (uint64_t)site) + base;
 }
 
 void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, int64_t N, int64_t P,
@@ -151,6 +156,7 @@ struct ft_layer_stack {
     ft_layer_options opt;
     int64_t first, count;
     size_t layer_floats, n_params;
+    size_t extra;                       /* floats after the layers in params and grads: the caller's */
     float *params, *grads;              /* count * layer_floats each, backend memory */
     stack_view *views;
     size_t n_views;
@@ -182,7 +188,7 @@ static void bind_weights(ft_layer_weights *w, float *base, const size_t off[12])
 }
 
 static size_t stack_bytes_now(const ft_layer_stack *s) {
-    return 2 * s->n_params * sizeof(float) + s->arena_bytes + s->ws_bytes;
+    return 2 * (s->n_params + s->extra) * sizeof(float) + s->arena_bytes + s->ws_bytes;
 }
 
 void ft_layer_stack_free(ft_layer_stack *s) {
@@ -203,7 +209,7 @@ void ft_layer_stack_free(ft_layer_stack *s) {
 }
 
 ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t count, ft_device dev,
-                                const ft_layer_options *opt, ft_layer_stack **out) {
+                                const ft_layer_options *opt, size_t extra_floats, ft_layer_stack **out) {
     *out = NULL;
     const int64_t L = e->cfg.num_layers;
     if (count < 1 || first < 0 || first + count > L)
@@ -261,8 +267,9 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
         v->shape[1] = e->views[k].shape[1];
         v->offset = (size_t)(l - first) * s->layer_floats + (e->views[k].offset - e->layers[l].wqkv);
     }
-    if (st == FT_OK) st = s->be->alloc(s->be, s->n_params * sizeof(float), (void **)&s->params);
-    if (st == FT_OK) st = s->be->alloc(s->be, s->n_params * sizeof(float), (void **)&s->grads);
+    s->extra = extra_floats;
+    if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->params);
+    if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->grads);
     for (int64_t l = 0; st == FT_OK && l < count; l++) {
         /* the encoder's layer block is contiguous in the same order (model/encoder.c's layout) */
         st = s->be->upload(s->be, s->params + (size_t)l * s->layer_floats, e->host_params + e->layers[first + l].wqkv,
@@ -278,6 +285,12 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
 }
 
 size_t ft_layer_stack_param_count(const ft_layer_stack *s) { return s->n_params; }
+int64_t ft_layer_stack_count(const ft_layer_stack *s) { return s->count; }
+size_t ft_layer_stack_extra_floats(const ft_layer_stack *s) { return s->extra; }
+void ft_layer_stack_layer_range(const ft_layer_stack *s, int64_t l, size_t *offset, size_t *floats) {
+    *offset = (size_t)l * s->layer_floats;
+    *floats = s->layer_floats;
+}
 size_t ft_layer_stack_num_tensors(const ft_layer_stack *s) { return s->n_views; }
 float *ft_layer_stack_params(ft_layer_stack *s) { return s->params; }
 float *ft_layer_stack_grads(ft_layer_stack *s) { return s->grads; }
@@ -362,7 +375,7 @@ static ft_status grow(ft_layer_stack *s, void **buf, size_t *have, size_t need) 
 }
 
 ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_t *lengths, int64_t B, float *out,
-                                 int training, uint64_t seed, uint64_t step) {
+                                 int training, uint64_t seed, uint64_t step, uint64_t row_base, uint64_t sq_base) {
     if (B < 1 || !x || !out || !lengths) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack forward: empty batch");
     const int64_t NH = s->cfg.num_heads, C = s->cfg.hidden_size;
     if (B > s->seqs_cap) {
@@ -393,7 +406,7 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     work_layout(s, B, N, T, &s->work, s->ws);
     ft_layer_options inference = s->opt;
     if (!training) inference.hidden_dropout = inference.attention_dropout = 0.0f;
-    s->batch = (ft_layer_batch){&s->cfg, training ? &s->opt : NULL, N, B, P, s->seqs, seed, step};
+    s->batch = (ft_layer_batch){&s->cfg, training ? &s->opt : NULL, N, B, P, s->seqs, seed, step, row_base, sq_base};
     ft_layer_batch bt = s->batch;
     bt.opt = training ? &s->opt : &inference;
     for (int64_t l = 0; l < s->count; l++) {
@@ -406,7 +419,8 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     return FT_OK;
 }
 
-ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx, float loss_scale) {
+ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *dx, float loss_scale,
+                                  ft_layer_done_fn done, void *arg) {
     if (!s->ready) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack backward: no training forward to go back through");
     if (!(loss_scale > 0.0f) || !isfinite(loss_scale))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack backward: the loss scale must be finite and > 0, got %g",
@@ -414,13 +428,18 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
     const int64_t N = s->batch.N, C = s->cfg.hidden_size;
     FT_TRY(s->be->copy(s->be, s->work.g, dout, (size_t)N * (size_t)C * sizeof(float)));
     if (loss_scale != 1.0f) FT_TRY(s->be->scale(s->be, s->work.g, N * C, loss_scale));
-    for (int64_t l = s->count - 1; l >= 0; l--)
+    for (int64_t l = s->count - 1; l >= 0; l--) {
         FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->w[l], &s->acts[l], &s->work, &s->gw[l],
                                  l > 0 || dx != NULL));
-    if (loss_scale != 1.0f) {
-        FT_TRY(s->be->scale(s->be, s->grads, (int64_t)s->n_params, 1.0f / loss_scale));
-        if (dx) FT_TRY(s->be->scale(s->be, s->work.g, N * C, 1.0f / loss_scale));
+        if (loss_scale != 1.0f)
+            FT_TRY(s->be->scale(s->be, s->grads + (size_t)l * s->layer_floats, (int64_t)s->layer_floats,
+                                1.0f / loss_scale));
+        if (done) {   /* its gradients are final: complete them in memory and hand them over */
+            FT_TRY(s->be->synchronize(s->be));
+            done(arg, l);
+        }
     }
+    if (loss_scale != 1.0f && dx) FT_TRY(s->be->scale(s->be, s->work.g, N * C, 1.0f / loss_scale));
     if (dx) FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
     s->ready = 0;
     return s->be->synchronize(s->be);

@@ -50,6 +50,7 @@ typedef struct {
     int64_t N, B, P;     /* rows, sequences, attention probabilities */
     const int32_t *seqs; /* HOST (B, 3): first row, n, n */
     uint64_t seed, step; /* dropout keys: (seed, step, layer, site) */
+    uint64_t row_base, sq_base;   /* rows, and sum of n^2, of the global batch's sequences before it */
 } ft_layer_batch;
 
 /* bytes of each saved activation kind for one layer (index: ft_layer_memory's order) */

@@ -48,7 +48,7 @@ int ft_py_npy_dtype(int npy, ft_dtype *out);
  * with an InputTypeError naming `fn`. */
 int ft_py_keywords_only(PyObject *args, const char *fn);
 
-/* A C-contiguous, aligned (writeable if asked) ndarray of type `npy` and `nd` dimensions, or
+/* A C-contiguous, aligned (writeable if asked) ndarray of type `npy` and `nd` dimensions (nd < 0: any), or
  * NULL with an InputTypeError naming `what`. Borrowed: no new reference. */
 PyArrayObject *ft_py_want_array(PyObject *o, const char *what, int npy, int nd, int writeable);
 
@@ -58,6 +58,23 @@ int ft_py_add_cache_functions(PyObject *module);
 int ft_py_add_io_functions(PyObject *module);
 int ft_py_add_train_functions(PyObject *module);
 int ft_py_add_layer_type(PyObject *module);
+int ft_py_add_model_type(PyObject *module);
+/* the ft_layer_stack of an initialised fasttran._C.LayerStack and its device (NULL with an
+ * exception otherwise) */
+ft_layer_stack *ft_py_layer_stack_of(PyObject *obj, ft_device *dev);
+/* a head configuration tuple (kind, hidden, num_labels, dropout[, loss, pooling]), checked */
+int ft_py_parse_head(PyObject *config, ft_head_config *cfg);
+
+/* A contiguous buffer of `dtype` from an ndarray (host) or a fasttran.Tensor (any device), named
+ * `what` (what[index] when index >= 0) in errors; None allowed when `optional`. Returns 1
+ * (data NULL for None) or 0 with an exception set. */
+typedef struct {
+    void *data;
+    int64_t numel;
+    ft_device device;
+} ft_py_buf;
+int ft_py_get_buf(PyObject *o, const char *what, Py_ssize_t index, ft_dtype dtype, int writeable, int optional,
+                  ft_py_buf *buf);
 /* the ft_encoder of a fasttran._C.EncoderCore (NULL with an exception set otherwise) */
 ft_encoder *ft_py_encoder_of(PyObject *obj);
 int ft_py_add_profile_functions(PyObject *module);

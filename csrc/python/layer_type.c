@@ -72,14 +72,15 @@ static void *buffer(LayerStack *self, PyObject *o, const char *what, ft_dtype dt
 static int LayerStack_init(LayerStack *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"encoder", "first", "count", "device_index", "hidden_dropout", "attention_dropout",
                              "inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "matmul_precision",
-                             "recompute_attention_probs", NULL};
+                             "recompute_attention_probs", "extra", NULL};
     PyObject *enc_o;
-    long long first, count;
+    long long first, count, extra = 0;
     int device_index = -1, ig = 0, il = 0, rd = 1, prec = FT_F32, rp = 0;
     float hp = 0.0f, ap = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffpppip", kwlist, &enc_o, &first, &count, &device_index, &hp, &ap,
-                                     &ig, &il, &rd, &prec, &rp))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffpppipL", kwlist, &enc_o, &first, &count, &device_index, &hp, &ap,
+                                     &ig, &il, &rd, &prec, &rp, &extra))
         return -1;
+    if (extra < 0) { ft_py_fail(ft_errors.input, "extra must be >= 0, got %lld", extra); return -1; }
     ft_encoder *enc = ft_py_encoder_of(enc_o);
     if (!enc) return -1;
     if (self->stack) { ft_py_fail(ft_errors.base, "LayerStack is already initialised"); return -1; }
@@ -88,12 +89,22 @@ static int LayerStack_init(LayerStack *self, PyObject *args, PyObject *kw) {
     ft_status st;
     ft_layer_stack *s = NULL;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_layer_stack_create(enc, first, count, dev, &opt, &s);
+    st = ft_layer_stack_create(enc, first, count, dev, &opt, (size_t)extra, &s);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) { ft_py_raise(st); return -1; }
     self->stack = s;
     self->device = dev;
     return 0;
+}
+
+/* the stack behind a LayerStack object (NULL with an exception) and its device */
+ft_layer_stack *ft_py_layer_stack_of(PyObject *o, ft_device *dev) {
+    if (!layer_stack_type || !PyObject_TypeCheck(o, layer_stack_type) || !((LayerStack *)o)->stack) {
+        ft_py_fail(ft_errors.input_type, "expected an initialised fasttran._C.LayerStack, got %s", Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    *dev = ((LayerStack *)o)->device;
+    return ((LayerStack *)o)->stack;
 }
 
 static int ready(LayerStack *self) {
@@ -138,11 +149,12 @@ static PyObject *LayerStack_grads(LayerStack *self, void *c) {
 
 /* forward(x, lengths, out, training=False, seed=0, step=0): x, out (N, C) packed rows */
 static PyObject *LayerStack_forward(LayerStack *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"x", "lengths", "out", "training", "seed", "step", NULL};
+    static char *kwlist[] = {"x", "lengths", "out", "training", "seed", "step", "row_base", "sq_base", NULL};
     PyObject *xo, *lo, *oo;
     int training = 0;
-    unsigned long long seed = 0, step = 0;
-    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OOO|pKK", kwlist, &xo, &lo, &oo, &training, &seed, &step))
+    unsigned long long seed = 0, step = 0, row_base = 0, sq_base = 0;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OOO|pKKKK", kwlist, &xo, &lo, &oo, &training, &seed,
+                                                     &step, &row_base, &sq_base))
         return NULL;
     if (!PyArray_Check(lo) || PyArray_TYPE((PyArrayObject *)lo) != NPY_INT32 || PyArray_NDIM((PyArrayObject *)lo) != 1 ||
         !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)lo))
@@ -158,7 +170,7 @@ static PyObject *LayerStack_forward(LayerStack *self, PyObject *args, PyObject *
     if (!out) return NULL;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_layer_stack_forward(self->stack, x, lengths, B, out, training, seed, step);
+    st = ft_layer_stack_forward(self->stack, x, lengths, B, out, training, seed, step, row_base, sq_base);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     Py_RETURN_NONE;
@@ -176,7 +188,7 @@ static PyObject *LayerStack_backward(LayerStack *self, PyObject *args, PyObject 
     if (!dx && PyErr_Occurred()) return NULL;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_layer_stack_backward(self->stack, dout, dx, loss_scale);
+    st = ft_layer_stack_backward(self->stack, dout, dx, loss_scale, NULL, NULL);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     Py_RETURN_NONE;
@@ -281,7 +293,7 @@ static PyMethodDef LayerStack_methods[] = {
      "pool_backward(dpooled, dh, cls=False): the pooling's backward into dh (N, C)."},
     {"tensors", (PyCFunction)LayerStack_tensors, METH_NOARGS, "[(name, shape, offset)], total floats."},
     {"forward", (PyCFunction)(void (*)(void))LayerStack_forward, METH_VARARGS | METH_KEYWORDS,
-     "forward(x, lengths, out, training=False, seed=0, step=0) over packed rows."},
+     "forward(x, lengths, out, training=False, seed=0, step=0, row_base=0, sq_base=0) over packed rows."},
     {"backward", (PyCFunction)(void (*)(void))LayerStack_backward, METH_VARARGS | METH_KEYWORDS,
      "backward(dout, dx=None, loss_scale=1.0): gradients of the last training forward into grads (loss_scale: "
      "the backward runs on dout * loss_scale and the gradients are scaled back)."},
@@ -302,7 +314,7 @@ static PyType_Slot LayerStack_slots[] = {
     {Py_tp_methods, LayerStack_methods}, {Py_tp_getset, LayerStack_getset},
     {Py_tp_doc, "LayerStack(encoder, first, count, device_index=-1, hidden_dropout=0, attention_dropout=0, "
                 "inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=True, matmul_precision=0 (ft_dtype), "
-                "recompute_attention_probs=False)"},
+                "recompute_attention_probs=False, extra=0 (floats after the layers in params/grads: a task head's room))"},
     {0, NULL}};
 
 static PyType_Spec LayerStack_spec = {"fasttran._C.LayerStack", sizeof(LayerStack), 0, Py_TPFLAGS_DEFAULT,

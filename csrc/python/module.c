@@ -89,13 +89,17 @@ PyArrayObject *ft_py_want_array(PyObject *o, const char *what, int npy, int nd, 
         return NULL;
     }
     PyArrayObject *a = (PyArrayObject *)o;
-    if (PyArray_TYPE(a) != npy || PyArray_NDIM(a) != nd || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) ||
+    if (PyArray_TYPE(a) != npy || (nd >= 0 && PyArray_NDIM(a) != nd) || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) ||
         !PyArray_ISNOTSWAPPED(a) || (writeable && !PyArray_ISWRITEABLE(a))) {
         PyArray_Descr *d = PyArray_DescrFromType(npy);
         PyObject *want = d ? PyObject_Str((PyObject *)d) : NULL;
         PyObject *got = PyObject_Str((PyObject *)PyArray_DESCR(a));
-        ft_py_fail(ft_errors.input_type, "%s must be a C-contiguous%s %d-D %S array, got a %d-D %S array", what,
-                   writeable ? " writeable" : "", nd, want ? want : Py_None, PyArray_NDIM(a), got ? got : Py_None);
+        if (nd >= 0)
+            ft_py_fail(ft_errors.input_type, "%s must be a C-contiguous%s %d-D %S array, got a %d-D %S array", what,
+                       writeable ? " writeable" : "", nd, want ? want : Py_None, PyArray_NDIM(a), got ? got : Py_None);
+        else
+            ft_py_fail(ft_errors.input_type, "%s must be a C-contiguous%s %S array, got %S", what,
+                       writeable ? " writeable" : "", want ? want : Py_None, got ? got : Py_None);
         Py_XDECREF(d);
         Py_XDECREF(want);
         Py_XDECREF(got);
@@ -310,7 +314,7 @@ PyMODINIT_FUNC PyInit__C(void) {
         PyModule_AddIntConstant(m, "cuda_emulated", ft_cuda_emulated()) < 0 ||
         ft_py_add_encoder_type(m) < 0 || ft_py_add_tensor_type(m) < 0 ||
         add_enums(m) < 0 || ft_py_add_cache_functions(m) < 0 || ft_py_add_io_functions(m) < 0 ||
-        ft_py_add_train_functions(m) < 0 || ft_py_add_layer_type(m) < 0 || ft_py_add_profile_functions(m) < 0 ||
+        ft_py_add_train_functions(m) < 0 || ft_py_add_layer_type(m) < 0 || ft_py_add_model_type(m) < 0 || ft_py_add_profile_functions(m) < 0 ||
         ft_py_add_optimizer_type(m) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -5,18 +5,10 @@
  * GIL released. */
 #include "binding.h"
 
-typedef struct {
-    void *data;
-    int64_t numel;
-    ft_device device;
-} ft_py_buf;
-
 static const ft_device cpu_device = {FT_DEVICE_CPU, 0};
 
-/* A contiguous buffer of `dtype` from an ndarray or a fasttran.Tensor; None allowed when
- * `optional`. Returns 1 (buf->data NULL for None) or 0 with an exception set. */
-static int get_buf(PyObject *o, const char *what, Py_ssize_t index, ft_dtype dtype, int writeable, int optional,
-                   ft_py_buf *buf) {
+int ft_py_get_buf(PyObject *o, const char *what, Py_ssize_t index, ft_dtype dtype, int writeable, int optional,
+                  ft_py_buf *buf) {
     char name[96];
     if (index >= 0) PyOS_snprintf(name, sizeof name, "%s[%zd]", what, index);
     else PyOS_snprintf(name, sizeof name, "%s", what);
@@ -82,17 +74,24 @@ static int same_device(ft_device *have, int *set, ft_device d, const char *what)
 }
 
 static int parse_head(PyObject *args_tuple, ft_head_config *cfg) {
-    int kind;
+    int kind, loss = FT_LOSS_XENT, pooling = FT_POOL_MEAN;
     long long hidden, labels;
     float dropout;
-    if (!PyArg_ParseTuple(args_tuple, "iLLf", &kind, &hidden, &labels, &dropout)) return 0;
-    *cfg = (ft_head_config){(ft_head_kind)kind, hidden, labels, dropout};
+    if (!PyTuple_Check(args_tuple)) {
+        ft_py_fail(ft_errors.input_type, "a head configuration is a tuple (kind, hidden, num_labels, dropout[, loss, "
+                   "pooling])");
+        return 0;
+    }
+    if (!PyArg_ParseTuple(args_tuple, "iLLf|ii", &kind, &hidden, &labels, &dropout, &loss, &pooling)) return 0;
+    *cfg = (ft_head_config){(ft_head_kind)kind, hidden, labels, dropout, (ft_head_loss)loss, (ft_pooling)pooling};
     ft_status st = ft_head_check(cfg);
     if (st != FT_OK) { ft_py_raise(st); return 0; }
     return 1;
 }
 
-/* head_tensors((kind, hidden, num_labels, dropout)) -> ([(name, shape, offset)], total) */
+int ft_py_parse_head(PyObject *config, ft_head_config *cfg) { return parse_head(config, cfg); }
+
+/* head_tensors((kind, hidden, num_labels, dropout[, loss, pooling])) -> ([(name, shape, offset)], total) */
 static PyObject *py_head_tensors(PyObject *self, PyObject *arg) {
     (void)self;
     ft_head_config cfg;
@@ -116,34 +115,66 @@ static PyObject *py_head_tensors(PyObject *self, PyObject *arg) {
     return Py_BuildValue("(Nn)", list, (Py_ssize_t)ft_head_param_count(&cfg));
 }
 
-/* head_step(config, params, x, B, T, valid|None, labels|None, logits, grads|None, dx|None,
- *           training, seed, step, workspace=None, labels_checked=False) -> mean loss or None.
- *           workspace: float32 memory of the buffers' device with room for head_workspace(...)
- *           floats, kept across steps (None: the call allocates its own). labels_checked: the
- *           caller checked every label already (ft_head_forward_backward_ws's check = 0). */
-static PyObject *py_head_step(PyObject *self, PyObject *args) {
+/* head_counts(config, B, N) -> (logits, loss terms, targets, float_targets): element counts of a
+ * batch of B sequences and N rows */
+static PyObject *py_head_counts(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *cfg_o, *po, *xo, *vo, *lo, *zo, *go, *dxo, *wso = Py_None;
-    long long B, T;
-    int training, checked = 0;
+    PyObject *cfg_o;
+    long long B, N;
+    if (!PyArg_ParseTuple(args, "OLL", &cfg_o, &B, &N)) return NULL;
+    ft_head_config cfg;
+    if (!parse_head(cfg_o, &cfg)) return NULL;
+    return Py_BuildValue("(LLLO)", (long long)ft_head_logits_count(&cfg, B, N), (long long)ft_head_loss_count(&cfg, B, N),
+                         (long long)ft_head_target_count(&cfg, B, N),
+                         ft_head_float_targets(&cfg) ? Py_True : Py_False);
+}
+
+/* a temporary buffer on `dev` (host memory for the CPU), freed by release_tmp */
+static ft_status tmp_alloc(ft_device dev, size_t bytes, void **out) { return ft_device_alloc(dev, bytes ? bytes : 4, out); }
+
+/* head_step(config, params, x, lengths, targets|None, valid|None, logits, grads|None, dx|None, training, seed, step,
+ *           scale=0, workspace=None, check=True) -> mean loss (the loss terms' sum times scale; 0: 1 / their
+ *           count) or None without targets.
+ *   x (N, C) packed rows: len(lengths) sequences of lengths[b] rows (host int32); buffers as above, on one device;
+ *   targets int32 or float32 (the head's kind), valid (N) float32 (QA). */
+static PyObject *py_head_step(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"config", "params", "x", "lengths", "targets", "valid", "logits", "grads", "dx", "training",
+                             "seed", "step", "scale", "workspace", "check", NULL};
+    PyObject *cfg_o, *po, *xo, *lo, *to, *vo, *zo, *go, *dxo, *wso = Py_None;
+    int training, check = 1;
     unsigned long long seed, step;
-    if (!PyArg_ParseTuple(args, "OOOLLOOOOOpKK|Op", &cfg_o, &po, &xo, &B, &T, &vo, &lo, &zo, &go, &dxo, &training, &seed,
-                          &step, &wso, &checked))
+    double scale = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOpKK|dOp", kwlist, &cfg_o, &po, &xo, &lo, &to, &vo, &zo, &go,
+                                     &dxo, &training, &seed, &step, &scale, &wso, &check))
         return NULL;
     ft_head_config cfg;
     if (!parse_head(cfg_o, &cfg)) return NULL;
     const int qa = cfg.kind == FT_HEAD_QA;
-    if (B < 1 || T < 1 || (!qa && T != 1)) return ft_py_fail(ft_errors.input, "head_step: bad batch shape (%lld, %lld)", B, T);
-    ft_py_buf p, x, v, l, z, g, dx, ws;
-    if (!get_buf(po, "params", -1, FT_F32, 0, 0, &p) || !get_buf(xo, "x", -1, FT_F32, 0, 0, &x) ||
-        !get_buf(vo, "valid", -1, FT_F32, 0, !qa, &v) || !get_buf(lo, "labels", -1, FT_I32, 0, 1, &l) ||
-        !get_buf(zo, "logits", -1, FT_F32, 1, 0, &z) || !get_buf(go, "grads", -1, FT_F32, 1, 1, &g) ||
-        !get_buf(dxo, "dx", -1, FT_F32, 1, 1, &dx) || !get_buf(wso, "workspace", -1, FT_F32, 1, 1, &ws))
+    if (!PyArray_Check(lo) || PyArray_TYPE((PyArrayObject *)lo) != NPY_INT32 || PyArray_NDIM((PyArrayObject *)lo) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)lo) || PyArray_SIZE((PyArrayObject *)lo) < 1)
+        return ft_py_fail(ft_errors.input_type, "lengths must be a non-empty 1-d int32 NumPy array (host memory)");
+    const int32_t *lengths = PyArray_DATA((PyArrayObject *)lo);
+    const int64_t B = (int64_t)PyArray_SIZE((PyArrayObject *)lo);
+    int64_t N = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (lengths[b] < 1) return ft_py_fail(ft_errors.input, "sequence %lld has %d rows; each needs at least one",
+                                              (long long)b, lengths[b]);
+        N += lengths[b];
+    }
+    const ft_dtype tdt = ft_head_float_targets(&cfg) ? FT_F32 : FT_I32;
+    ft_py_buf p, x, t, v, z, g, dx, ws;
+    if (!ft_py_get_buf(po, "params", -1, FT_F32, 0, 0, &p) || !ft_py_get_buf(xo, "x", -1, FT_F32, 0, 0, &x) ||
+        !ft_py_get_buf(to, "targets", -1, tdt, 0, 1, &t) || !ft_py_get_buf(vo, "valid", -1, FT_F32, 0, !qa, &v) ||
+        !ft_py_get_buf(zo, "logits", -1, FT_F32, 1, 0, &z) || !ft_py_get_buf(go, "grads", -1, FT_F32, 1, 1, &g) ||
+        !ft_py_get_buf(dxo, "dx", -1, FT_F32, 1, 1, &dx) || !ft_py_get_buf(wso, "workspace", -1, FT_F32, 1, 1, &ws))
         return NULL;
-    const int64_t C = cfg.hidden, K = cfg.num_labels, np_ = (int64_t)ft_head_param_count(&cfg);
+    const int64_t C = cfg.hidden, np_ = (int64_t)ft_head_param_count(&cfg);
+    const int64_t nloss = ft_head_loss_count(&cfg, B, N);
     struct { ft_py_buf *b; const char *what; int64_t need; } want[] = {
-        {&p, "params", np_}, {&x, "x", B * T * C}, {&v, "valid", qa ? B * T : 0}, {&l, "labels", qa ? 2 * B : B},
-        {&z, "logits", qa ? 2 * B * T : B * K}, {&g, "grads", np_}, {&dx, "dx", B * T * C}};
+        {&p, "params", np_}, {&x, "x", N * C}, {&t, "targets", ft_head_target_count(&cfg, B, N)},
+        {&v, "valid", qa ? N : 0}, {&z, "logits", ft_head_logits_count(&cfg, B, N)}, {&g, "grads", np_},
+        {&dx, "dx", N * C}};
     ft_device dev = cpu_device;
     int dev_set = 0;
     for (size_t k = 0; k < sizeof want / sizeof *want; k++) {
@@ -155,33 +186,56 @@ static PyObject *py_head_step(PyObject *self, PyObject *args) {
     }
     if (ws.data) {
         if (!same_device(&dev, &dev_set, ws.device, "workspace")) return NULL;
-        const size_t need = ft_head_workspace_floats(&cfg, B, T, l.data != NULL, g.data != NULL, dx.data != NULL, training);
+        const size_t need = ft_head_workspace_floats(&cfg, B, N, g.data != NULL, dx.data != NULL, training);
         if ((size_t)ws.numel < need)
             return ft_py_fail(ft_errors.input, "workspace has %lld floats, this step needs %zu", (long long)ws.numel, need);
     }
-    double loss = 0.0;
+    if (scale == 0.0) scale = 1.0 / (double)nloss;
+    int32_t *seqs = malloc((size_t)(2 * B) * sizeof *seqs);
+    float *loss_host = malloc((size_t)nloss * sizeof *loss_host);
+    if (!seqs || !loss_host) {
+        free(seqs);
+        free(loss_host);
+        return PyErr_NoMemory();
+    }
+    for (int64_t b = 0, f = 0; b < B; f += lengths[b], b++) {
+        seqs[b] = (int32_t)f;
+        seqs[B + b] = lengths[b];
+    }
+    void *seqs_dev = NULL, *loss_dev = NULL;
+    double sum = 0.0;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_head_forward_backward_ws(dev, &cfg, p.data, x.data, B, T, v.data, l.data, z.data, l.data ? &loss : NULL,
-                                     g.data, dx.data, training, seed, step, ws.data, (size_t)ws.numel, !checked);
+    st = tmp_alloc(dev, (size_t)(2 * B) * sizeof(int32_t), &seqs_dev);
+    if (st == FT_OK) st = ft_device_write(dev, seqs_dev, seqs, (size_t)(2 * B) * sizeof(int32_t));
+    if (st == FT_OK && t.data) st = tmp_alloc(dev, (size_t)nloss * sizeof(float), &loss_dev);
+    const ft_head_batch hb = {B, N, seqs, seqs_dev, 0, 0};
+    if (st == FT_OK)
+        st = ft_head_step(dev, &cfg, p.data, x.data, &hb, t.data, v.data, z.data, loss_dev, g.data, dx.data,
+                          (float)scale, training, seed, step, ws.data, (size_t)ws.numel, check);
+    if (st == FT_OK && loss_dev) st = ft_device_read(dev, loss_host, loss_dev, (size_t)nloss * sizeof(float));
+    for (int64_t i = 0; st == FT_OK && loss_dev && i < nloss; i++) sum += loss_host[i];
+    ft_device_free(dev, seqs_dev);
+    ft_device_free(dev, loss_dev);
     Py_END_ALLOW_THREADS
+    free(seqs);
+    free(loss_host);
     if (st != FT_OK) return ft_py_raise(st);
-    if (!l.data) Py_RETURN_NONE;
-    return PyFloat_FromDouble(loss);
+    if (!t.data) Py_RETURN_NONE;
+    return PyFloat_FromDouble(sum * scale);
 }
 
-/* head_workspace(config, B, T, has_labels, has_grads, has_dx, training) -> floats head_step's
- * workspace needs */
+/* head_workspace(config, B, N, has_grads, has_dx, training) -> floats head_step's workspace needs */
 static PyObject *py_head_workspace(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *cfg_o;
-    long long B, T;
-    int lab, gr, dx, training;
-    if (!PyArg_ParseTuple(args, "OLLpppp", &cfg_o, &B, &T, &lab, &gr, &dx, &training)) return NULL;
+    long long B, N;
+    int gr, dx, training;
+    if (!PyArg_ParseTuple(args, "OLLppp", &cfg_o, &B, &N, &gr, &dx, &training)) return NULL;
     ft_head_config cfg;
     if (!parse_head(cfg_o, &cfg)) return NULL;
-    if (B < 1 || T < 1) return ft_py_fail(ft_errors.input, "head_workspace: bad batch shape (%lld, %lld)", B, T);
-    return PyLong_FromSize_t(ft_head_workspace_floats(&cfg, B, T, lab, gr, dx, training));
+    if (B < 1 || N < B) return ft_py_fail(ft_errors.input, "head_workspace: bad batch shape (%lld, %lld)", B, N);
+    return PyLong_FromSize_t(ft_head_workspace_floats(&cfg, B, N, gr, dx, training));
 }
 
 static void release_device(PyObject *owner, void *ctx, void *data) {
@@ -226,7 +280,7 @@ static PyObject *py_device_write(PyObject *self, PyObject *args) {
     if (!PyArray_Check(ao)) return ft_py_fail(ft_errors.input_type, "device_write: the source must be a NumPy array");
     const ft_dtype dt = PyArray_TYPE((PyArrayObject *)ao) == NPY_INT32 ? FT_I32 : FT_F32;
     ft_py_buf dst, src;
-    if (!get_buf(to, "destination", -1, dt, 1, 0, &dst) || !get_buf(ao, "source", -1, dt, 0, 0, &src)) return NULL;
+    if (!ft_py_get_buf(to, "destination", -1, dt, 1, 0, &dst) || !ft_py_get_buf(ao, "source", -1, dt, 0, 0, &src)) return NULL;
     if (dst.numel != src.numel)
         return ft_py_fail(ft_errors.input, "device_write: %lld elements into %lld", (long long)src.numel, (long long)dst.numel);
     ft_status st;
@@ -241,7 +295,9 @@ static PyMethodDef train_methods[] = {
     {"device_write", py_device_write, METH_VARARGS, "Copy a float32 host array into a device Tensor."},
     {"device_zeros", py_device_zeros, METH_VARARGS, "n float32 zeros in CUDA device memory, as a Tensor."},
     {"head_tensors", py_head_tensors, METH_O, "Parameter table of a head: [(name, shape, offset)], total."},
-    {"head_step", py_head_step, METH_VARARGS, "Head forward (+ loss and backward with labels)."},
+    {"head_step", (PyCFunction)(void (*)(void))py_head_step, METH_VARARGS | METH_KEYWORDS,
+     "Head forward (+ loss and backward with targets) over packed rows."},
+    {"head_counts", py_head_counts, METH_VARARGS, "(logits, loss terms, targets, float targets) of a batch."},
     {"head_workspace", py_head_workspace, METH_VARARGS, "Floats of head_step's workspace for a shape and buffers."},
     {NULL, NULL, 0, NULL}};
 

@@ -1,0 +1,323 @@
+/* fasttran._C.Model: the training model (ft_model: [frozen features] -> [top layers] -> task head)
+ * behind fasttran/model.py. Buffers are NumPy arrays (host) or fasttran.Tensor on the model's
+ * device, checked here once; a step runs in C with the GIL released, which it takes back only to
+ * hand each finished gradient bucket to the Python callable `ready` (data-parallel reduction). */
+#include "binding.h"
+
+typedef struct {
+    PyObject_HEAD
+    ft_model *model;
+    PyObject *layers;        /* the LayerStack whose allocations hold the parameters, or NULL */
+    ft_device device;
+    ft_head_config head;
+    int64_t hidden;
+} Model;
+
+static void Model_dealloc(Model *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    ft_model_free(self->model);
+    Py_XDECREF(self->layers);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int Model_init(Model *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"head", "layers", "device_index", NULL};
+    PyObject *head_o, *layers_o = Py_None;
+    int device_index = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Oi", kwlist, &head_o, &layers_o, &device_index)) return -1;
+    if (self->model) { ft_py_fail(ft_errors.base, "Model is already initialised"); return -1; }
+    if (!ft_py_parse_head(head_o, &self->head)) return -1;
+    ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
+    ft_layer_stack *stack = NULL;
+    if (layers_o != Py_None) {
+        ft_device ldev;
+        stack = ft_py_layer_stack_of(layers_o, &ldev);
+        if (!stack) return -1;
+        if (ldev.kind != dev.kind || ldev.index != dev.index) {
+            ft_py_fail(ft_errors.input, "the layers are on another device than the model");
+            return -1;
+        }
+    }
+    ft_status st;
+    ft_model *m = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_create(dev, &self->head, stack, &m);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { ft_py_raise(st); return -1; }
+    self->model = m;
+    self->device = dev;
+    self->hidden = self->head.hidden;
+    if (layers_o != Py_None) { Py_INCREF(layers_o); self->layers = layers_o; }
+    return 0;
+}
+
+static int ready_model(Model *self) {
+    if (!self->model) { ft_py_fail(ft_errors.base, "Model is not initialised"); return 0; }
+    return 1;
+}
+
+static PyObject *flat(Model *self, float *data) {
+    int64_t shape[1] = {(int64_t)ft_model_param_count(self->model)};
+    return ft_py_tensor_new(data, 1, shape, NULL, FT_F32, self->device, 0, (PyObject *)self, NULL, NULL);
+}
+static PyObject *Model_params(Model *self, void *c) {
+    (void)c;
+    return ready_model(self) ? flat(self, ft_model_params(self->model)) : NULL;
+}
+static PyObject *Model_grads(Model *self, void *c) {
+    (void)c;
+    return ready_model(self) ? flat(self, ft_model_grads(self->model)) : NULL;
+}
+static PyObject *Model_head_offset(Model *self, void *c) {
+    (void)c;
+    return ready_model(self) ? PyLong_FromSize_t(ft_model_head_offset(self->model)) : NULL;
+}
+
+/* buckets() -> [(offset, floats)]: the head, then the top layer down to the bottom one */
+static PyObject *Model_buckets(Model *self, PyObject *unused) {
+    (void)unused;
+    if (!ready_model(self)) return NULL;
+    const size_t n = ft_model_num_buckets(self->model);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        size_t off, count;
+        ft_model_bucket(self->model, i, &off, &count);
+        PyObject *t = Py_BuildValue("(nn)", (Py_ssize_t)off, (Py_ssize_t)count);
+        if (!t) { Py_CLEAR(list); break; }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    return list;
+}
+
+/* write_params(offset, array) / read_params(offset, n) -> array: host <-> the flat parameter table */
+static PyObject *Model_write_params(Model *self, PyObject *args) {
+    Py_ssize_t offset;
+    PyObject *ao;
+    if (!ready_model(self) || !PyArg_ParseTuple(args, "nO", &offset, &ao)) return NULL;
+    PyArrayObject *a = ft_py_want_array(ao, "parameters", NPY_FLOAT32, -1, 0);
+    if (!a) return NULL;
+    if (offset < 0) return ft_py_fail(ft_errors.input, "offset must be >= 0");
+    ft_status st;
+    const float *src = PyArray_DATA(a);
+    const size_t n = (size_t)PyArray_SIZE(a);
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_write_params(self->model, (size_t)offset, src, n);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Model_read_params(Model *self, PyObject *args) {
+    Py_ssize_t offset, n;
+    if (!ready_model(self) || !PyArg_ParseTuple(args, "nn", &offset, &n)) return NULL;
+    if (offset < 0 || n < 0) return ft_py_fail(ft_errors.input, "offset and count must be >= 0");
+    npy_intp dims[1] = {n};
+    PyObject *out = PyArray_SimpleNew(1, dims, NPY_FLOAT32);
+    if (!out) return NULL;
+    float *dst = PyArray_DATA((PyArrayObject *)out);
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_read_params(self->model, (size_t)offset, dst, (size_t)n);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { Py_DECREF(out); return ft_py_raise(st); }
+    return out;
+}
+
+static PyObject *Model_reserve(Model *self, PyObject *args) {
+    long long B, N;
+    if (!ready_model(self) || !PyArg_ParseTuple(args, "LL", &B, &N)) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_reserve(self->model, B, N);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Model_allocated(Model *self, PyObject *unused) {
+    (void)unused;
+    return ready_model(self) ? PyLong_FromSize_t(ft_model_allocated(self->model)) : NULL;
+}
+
+/* the callback a step hands each finished bucket to: back on the GIL, call ready(bucket); the
+ * first exception is kept and raised when the step returns */
+typedef struct { PyObject *ready, *error_type, *error_value, *error_tb; } bucket_hook;
+static void on_bucket(void *arg, size_t bucket) {
+    bucket_hook *h = arg;
+    PyGILState_STATE g = PyGILState_Ensure();
+    if (!h->error_type) {
+        PyObject *r = PyObject_CallFunction(h->ready, "n", (Py_ssize_t)bucket);
+        if (r) Py_DECREF(r);
+        else PyErr_Fetch(&h->error_type, &h->error_value, &h->error_tb);
+    }
+    PyGILState_Release(g);
+}
+
+/* the batch arguments of step() and forward(), checked: fills b; 0 with an exception */
+static int parse_batch(Model *self, PyObject *xo, PyObject *lo, PyObject *to, PyObject *vo, PyObject *zo,
+                       ft_model_batch *b, float **logits) {
+    if (!PyArray_Check(lo) || PyArray_TYPE((PyArrayObject *)lo) != NPY_INT32 || PyArray_NDIM((PyArrayObject *)lo) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)lo) || PyArray_SIZE((PyArrayObject *)lo) < 1) {
+        ft_py_fail(ft_errors.input_type, "lengths must be a non-empty 1-d int32 NumPy array (host memory)");
+        return 0;
+    }
+    const int32_t *lengths = PyArray_DATA((PyArrayObject *)lo);
+    const int64_t B = (int64_t)PyArray_SIZE((PyArrayObject *)lo);
+    int64_t N = 0;
+    for (int64_t i = 0; i < B; i++) {
+        if (lengths[i] < 1) {
+            ft_py_fail(ft_errors.input, "sequence %lld of the batch has %d rows; each needs at least one", (long long)i,
+                       lengths[i]);
+            return 0;
+        }
+        N += lengths[i];
+    }
+    ft_py_buf x;
+    if (!ft_py_get_buf(xo, "x", -1, FT_F32, 0, 0, &x)) return 0;
+    if (x.device.kind != self->device.kind || (x.device.kind == FT_DEVICE_CUDA && x.device.index != self->device.index)) {
+        ft_py_fail(ft_errors.input, "the batch is on another device than the model (%s)",
+                   self->device.kind == FT_DEVICE_CPU ? "the CPU" : "a CUDA device");
+        return 0;
+    }
+    if (x.numel != N * self->hidden) {
+        ft_py_fail(ft_errors.input, "x has %lld elements; %lld rows of width %lld expected", (long long)x.numel,
+                   (long long)N, (long long)self->hidden);
+        return 0;
+    }
+    b->x = x.data;
+    b->lengths = lengths;
+    b->B = B;
+    b->targets = NULL;
+    b->valid = NULL;
+    if (to != Py_None) {
+        const int fl = ft_head_float_targets(&self->head);
+        PyArrayObject *t = ft_py_want_array(to, "targets", fl ? NPY_FLOAT32 : NPY_INT32, -1, 0);
+        if (!t) return 0;
+        const int64_t need = ft_head_target_count(&self->head, B, N);
+        if ((int64_t)PyArray_SIZE(t) != need) {
+            ft_py_fail(ft_errors.input, "targets has %lld elements, this batch needs %lld", (long long)PyArray_SIZE(t),
+                       (long long)need);
+            return 0;
+        }
+        b->targets = PyArray_DATA(t);
+    }
+    if (vo != Py_None) {
+        PyArrayObject *v = ft_py_want_array(vo, "valid", NPY_FLOAT32, -1, 0);
+        if (!v) return 0;
+        if ((int64_t)PyArray_SIZE(v) != N) {
+            ft_py_fail(ft_errors.input, "valid has %lld elements, the batch has %lld rows", (long long)PyArray_SIZE(v),
+                       (long long)N);
+            return 0;
+        }
+        b->valid = PyArray_DATA(v);
+    }
+    *logits = NULL;
+    if (zo != Py_None) {
+        PyArrayObject *z = ft_py_want_array(zo, "logits", NPY_FLOAT32, -1, 1);
+        if (!z) return 0;
+        const int64_t need = ft_head_logits_count(&self->head, B, N);
+        if ((int64_t)PyArray_SIZE(z) != need) {
+            ft_py_fail(ft_errors.input, "logits has room for %lld values, this batch gives %lld",
+                       (long long)PyArray_SIZE(z), (long long)need);
+            return 0;
+        }
+        *logits = PyArray_DATA(z);
+    }
+    return 1;
+}
+
+/* step(x, lengths, targets, valid=None, denominator=0 (the batch's loss terms), seed=0, step=0, row_base=0,
+ *      seq_base=0, sq_base=0, loss_scale=1.0, logits=None, ready=None) -> loss */
+static PyObject *Model_step(Model *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"x", "lengths", "targets", "valid", "denominator", "seed", "step", "row_base", "seq_base",
+                             "sq_base", "loss_scale", "logits", "ready", NULL};
+    PyObject *xo, *lo, *to, *vo = Py_None, *zo = Py_None, *ro = Py_None;
+    double denom = 0.0;
+    unsigned long long seed = 0, step = 0, row_base = 0, seq_base = 0, sq_base = 0;
+    float loss_scale = 1.0f;
+    if (!ready_model(self) ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOO|OdKKKKKfOO", kwlist, &xo, &lo, &to, &vo, &denom, &seed, &step,
+                                     &row_base, &seq_base, &sq_base, &loss_scale, &zo, &ro))
+        return NULL;
+    if (to == Py_None) return ft_py_fail(ft_errors.input, "a training step needs targets");
+    if (ro != Py_None && !PyCallable_Check(ro)) return ft_py_fail(ft_errors.input_type, "ready must be callable or None");
+    ft_model_batch b;
+    float *logits;
+    if (!parse_batch(self, xo, lo, to, vo, zo, &b, &logits)) return NULL;
+    int64_t N = 0;
+    for (int64_t i = 0; i < b.B; i++) N += b.lengths[i];
+    b.denominator = denom > 0.0 ? denom : (double)ft_head_loss_count(&self->head, b.B, N);
+    b.seed = seed;
+    b.step = step;
+    b.row_base = row_base;
+    b.seq_base = seq_base;
+    b.sq_base = sq_base;
+    b.loss_scale = loss_scale;
+    bucket_hook hook = {ro, NULL, NULL, NULL};
+    double loss = 0.0;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_step(self->model, &b, &loss, logits, ro != Py_None ? on_bucket : NULL, &hook);
+    Py_END_ALLOW_THREADS
+    if (hook.error_type) {
+        PyErr_Restore(hook.error_type, hook.error_value, hook.error_tb);
+        return NULL;
+    }
+    if (st != FT_OK) return ft_py_raise(st);
+    return PyFloat_FromDouble(loss);
+}
+
+/* forward(x, lengths, logits, valid=None): inference */
+static PyObject *Model_forward(Model *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"x", "lengths", "logits", "valid", NULL};
+    PyObject *xo, *lo, *zo, *vo = Py_None;
+    if (!ready_model(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OOO|O", kwlist, &xo, &lo, &zo, &vo)) return NULL;
+    if (zo == Py_None) return ft_py_fail(ft_errors.input, "forward needs a logits array to write into");
+    ft_model_batch b = {0};
+    float *logits;
+    if (!parse_batch(self, xo, lo, Py_None, vo, zo, &b, &logits)) return NULL;
+    b.denominator = 1.0;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_forward(self->model, &b, logits);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Model_methods[] = {
+    {"buckets", (PyCFunction)Model_buckets, METH_NOARGS,
+     "[(offset, floats)] of the gradient buckets: the head, then the top layer down to the bottom one."},
+    {"write_params", (PyCFunction)Model_write_params, METH_VARARGS, "write_params(offset, float32 array)."},
+    {"read_params", (PyCFunction)Model_read_params, METH_VARARGS, "read_params(offset, n) -> float32 array (host)."},
+    {"reserve", (PyCFunction)Model_reserve, METH_VARARGS, "reserve(B, N): per-batch buffers for this size now."},
+    {"allocated", (PyCFunction)Model_allocated, METH_NOARGS, "bytes held: parameters, gradients, buffers."},
+    {"step", (PyCFunction)(void (*)(void))Model_step, METH_VARARGS | METH_KEYWORDS,
+     "step(x, lengths, targets, valid=None, denominator=0, seed=0, step=0, row_base=0, seq_base=0, sq_base=0, "
+     "loss_scale=1.0, logits=None, ready=None) -> loss: forward, loss and every gradient."},
+    {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS,
+     "forward(x, lengths, logits, valid=None): the logits, no dropout."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Model_getset[] = {
+    {"params", (getter)Model_params, NULL, "the flat parameter table (layers, then head), a float32 Tensor", NULL},
+    {"grads", (getter)Model_grads, NULL, "the flat gradient table, a float32 Tensor", NULL},
+    {"head_offset", (getter)Model_head_offset, NULL, "where the head's parameters start in the table", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot Model_slots[] = {
+    {Py_tp_dealloc, Model_dealloc}, {Py_tp_init, Model_init}, {Py_tp_new, PyType_GenericNew},
+    {Py_tp_methods, Model_methods}, {Py_tp_getset, Model_getset},
+    {Py_tp_doc, "Model(head_config, layers=None, device_index=-1): [frozen features] -> [LayerStack] -> task head"},
+    {0, NULL}};
+
+static PyType_Spec Model_spec = {"fasttran._C.Model", sizeof(Model), 0, Py_TPFLAGS_DEFAULT, Model_slots};
+
+int ft_py_add_model_type(PyObject *m) {
+    PyObject *tp = PyType_FromModuleAndSpec(m, &Model_spec, NULL);
+    if (!tp) return -1;
+    int r = PyModule_AddObjectRef(m, "Model", tp);
+    Py_DECREF(tp);
+    return r;
+}

@@ -1,0 +1,155 @@
+/* Sequence-level heads: one prediction per sequence from its pooled state (B examples, N rows,
+ * C hidden, K outputs).
+ *   pooled (B, C) = mean (or CLS: first) row of each sequence of x (N, C), or x itself when every
+ *                   sequence has one row (features pooled by the cache)
+ *   FT_HEAD_LINEAR: logits (B, K) = dropout(pooled) W^T + b                    W (K, C), b (K)
+ *   FT_HEAD_POOLER: h = tanh(dropout(pooled) W1^T + b1); logits = dropout(h) W^T + b   W1 (C, C)
+ *   loss: softmax cross-entropy (labels (B)), squared error (regression: targets (B, K)) or binary
+ *   cross-entropy per label (multi-label: targets (B, K) in [0, 1]), each term times `scale`.
+ * Backward in reverse, the dropout masks recomputed; d x = the pooling's backward. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "core/status.h"
+#include "head.h"
+
+static size_t tensors(const ft_head_config *cfg, head_tensor out[4]) {
+    const int64_t C = cfg->hidden, K = cfg->num_labels;
+    size_t n = 0;
+    if (cfg->kind == FT_HEAD_POOLER) {
+        out[n++] = (head_tensor){"pooler.dense.weight", 2, {C, C}};
+        out[n++] = (head_tensor){"pooler.dense.bias", 1, {C, 0}};
+    }
+    out[n++] = (head_tensor){"classifier.weight", 2, {K, C}};
+    out[n++] = (head_tensor){"classifier.bias", 1, {K, 0}};
+    return n;
+}
+
+static int64_t logits_count(const ft_head_config *cfg, int64_t B, int64_t N) { (void)N; return B * cfg->num_labels; }
+static int64_t loss_count(const ft_head_config *cfg, int64_t B, int64_t N) {
+    (void)N;
+    return cfg->loss == FT_LOSS_XENT ? B : B * cfg->num_labels;
+}
+static int64_t target_count(const ft_head_config *cfg, int64_t B, int64_t N) { return loss_count(cfg, B, N); }
+
+/* workspace parts in floats, in order: pooled, dropped input, pooler hidden, its dropout, d pooler
+ * input, d pooled, d logits, CLS row counts (int32) */
+enum { P_POOLED, P_DROP, P_H, P_H2, P_DFEAT, P_DPOOLED, P_DLOGITS, P_ONES, P_COUNT };
+static size_t parts(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop, size_t part[P_COUNT]) {
+    const size_t BC = (size_t)(B * cfg->hidden);
+    const int pool = N != B, pooler = cfg->kind == FT_HEAD_POOLER;
+    part[P_POOLED] = pool ? BC : 0;
+    part[P_DROP] = drop ? BC : 0;
+    part[P_H] = pooler ? BC : 0;
+    part[P_H2] = pooler && drop ? BC : 0;
+    part[P_DFEAT] = grads && pooler ? BC : 0;
+    part[P_DPOOLED] = dx && pool ? BC : 0;
+    part[P_DLOGITS] = grads ? (size_t)(B * cfg->num_labels) : 0;
+    part[P_ONES] = pool && cfg->pooling == FT_POOL_CLS ? (size_t)B : 0;
+    size_t total = 0;
+    for (int k = 0; k < P_COUNT; k++) total += part[k];
+    return total;
+}
+static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
+    size_t part[P_COUNT];
+    return parts(cfg, B, N, grads, dx, drop, part);
+}
+
+static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *bt, const void *targets,
+                               const float *valid) {
+    (void)valid;
+    const int64_t n = target_count(cfg, bt->B, bt->N), K = cfg->num_labels;
+    for (int64_t i = 0; i < n; i++) {
+        if (cfg->loss == FT_LOSS_XENT) {
+            const int32_t y = ((const int32_t *)targets)[i];
+            if (y < 0 || y >= K)
+                return ft_error(FT_ERR_OUT_OF_RANGE, "label %lld of the batch is %d, outside [0, %lld)", (long long)i, y,
+                                (long long)K);
+            continue;
+        }
+        const float y = ((const float *)targets)[i];
+        if (!isfinite(y))
+            return ft_error(FT_ERR_INVALID_ARGUMENT, "target %lld of the batch is %g, not a finite number", (long long)i,
+                            (double)y);
+        if (cfg->loss == FT_LOSS_BCE && !(y >= 0.0f && y <= 1.0f))
+            return ft_error(FT_ERR_OUT_OF_RANGE, "multi-label target %lld of the batch is %g, outside [0, 1]",
+                            (long long)i, (double)y);
+    }
+    return FT_OK;
+}
+
+static ft_status step(ft_backend *be, const head_call *c) {
+    const ft_head_config *cfg = c->cfg;
+    const ft_head_batch *bt = c->bt;
+    const int64_t B = bt->B, N = bt->N, C = cfg->hidden, K = cfg->num_labels;
+    const int pool = N != B, pooler = cfg->kind == FT_HEAD_POOLER, cls = cfg->pooling == FT_POOL_CLS;
+    const float p = cfg->dropout;
+    size_t part[P_COUNT];
+    parts(cfg, B, N, c->grads != NULL, c->dx != NULL, c->drop, part);
+    float *w[P_COUNT], *at = c->ws;
+    for (int k = 0; k < P_COUNT; k++) { w[k] = part[k] ? at : NULL; at += part[k]; }
+    /* the masks of a slice of a global batch are the global batch's: element index + base */
+    const uint64_t key_in = c->key_in + bt->seq_base * (uint64_t)C, key_hid = c->key_hidden + bt->seq_base * (uint64_t)C;
+    const int32_t *first = bt->seqs_dev, *count = bt->seqs_dev ? bt->seqs_dev + B : NULL;
+    if (pool && cls) {   /* CLS: a range of one row per sequence */
+        int32_t *ones = malloc((size_t)B * sizeof *ones);
+        if (!ones) return ft_error(FT_ERR_NOMEM, "head: out of memory");
+        for (int64_t b = 0; b < B; b++) ones[b] = 1;
+        ft_status st = be->upload(be, w[P_ONES], ones, (size_t)B * sizeof *ones);
+        if (st == FT_OK) st = be->synchronize(be);   /* (the upload reads `ones`) */
+        free(ones);
+        FT_TRY(st);
+        count = (const int32_t *)w[P_ONES];
+    }
+    /* forward */
+    const float *in = c->x;
+    if (pool) {
+        FT_TRY(be->pool_forward(be, FT_F32, w[P_POOLED], c->x, first, count, B, C));
+        in = w[P_POOLED];
+    }
+    if (c->drop) {
+        FT_TRY(be->dropout(be, w[P_DROP], in, B * C, p, key_in));
+        in = w[P_DROP];
+    }
+    const float *W1 = c->params, *b1 = W1 + C * C;
+    const float *W = pooler ? c->params + C * C + C : c->params, *b = W + K * C;
+    const float *feat = in;
+    if (pooler) {
+        FT_TRY(be->gemm(be, 0, 1, B, C, C, 1.0f, in, C, W1, C, 0.0f, w[P_H], C));
+        FT_TRY(be->bias_act_forward(be, w[P_H], b1, B, C, FT_ACT_TANH));
+        feat = w[P_H];
+        if (c->drop) {
+            FT_TRY(be->dropout(be, w[P_H2], w[P_H], B * C, p, key_hid));
+            feat = w[P_H2];
+        }
+    }
+    FT_TRY(ft_head_linear_forward(be, c->logits, feat, W, b, B, C, K));
+    if (!c->targets) return FT_OK;
+    float *dlogits = c->grads ? w[P_DLOGITS] : NULL;
+    if (cfg->loss == FT_LOSS_XENT)
+        FT_TRY(be->softmax_xent(be, c->loss, dlogits, c->logits, NULL, 1, c->targets, B, K, c->scale));
+    else if (cfg->loss == FT_LOSS_MSE)
+        FT_TRY(be->mse_loss(be, c->loss, dlogits, c->logits, c->targets, B * K, c->scale));
+    else
+        FT_TRY(be->bce_logits_loss(be, c->loss, dlogits, c->logits, c->targets, B * K, c->scale));
+    if (!c->grads) return FT_OK;
+    /* backward */
+    float *gW1 = c->grads, *gb1 = c->grads + C * C;
+    float *gW = c->grads + (pooler ? C * C + C : 0), *gb = gW + K * C;
+    float *dpooled = pool ? w[P_DPOOLED] : c->dx;    /* d of the pooled input (NULL: not wanted) */
+    float *df = pooler ? w[P_DFEAT] : dpooled;       /* d of what the classifier read */
+    FT_TRY(ft_head_linear_backward(be, gW, gb, df, dlogits, feat, W, B, C, K));
+    if (pooler) {
+        if (c->drop) FT_TRY(be->dropout(be, df, df, B * C, p, key_hid));
+        FT_TRY(be->tanh_backward(be, df, df, w[P_H], B * C));                            /* d pre-tanh */
+        FT_TRY(be->gemm(be, 1, 0, C, C, B, 1.0f, df, C, in, C, 0.0f, gW1, C));          /* dW1 (C, C) */
+        FT_TRY(be->sum_axis(be, gb1, df, B, C, 0));
+        if (dpooled) FT_TRY(be->gemm(be, 0, 0, B, C, C, 1.0f, df, C, W1, C, 0.0f, dpooled, C));
+    }
+    if (!dpooled) return FT_OK;
+    if (c->drop) FT_TRY(be->dropout(be, dpooled, dpooled, B * C, p, key_in));
+    if (pool) FT_TRY(be->pool_backward(be, c->dx, dpooled, first, count, B, N, C));
+    return FT_OK;
+}
+
+const head_kind ft_head_sequence = {tensors, logits_count, loss_count, target_count, workspace, check_targets, step};

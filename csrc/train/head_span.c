@@ -1,0 +1,70 @@
+/* Extractive question answering: the answer is a span of the context (B sequences, N rows, C
+ * hidden), as transformers' BertForQuestionAnswering, with the softmax over the context only.
+ *   logits (2, N) = W dropout(x)^T + b: each row's start and end score       W (2, C), b (2)
+ *   loss: per sequence and end, softmax cross-entropy over its rows with valid != 0 (the
+ *   context: token type 1 but the final [SEP]) against labels (2, B) = the answer's start and
+ *   end row within the sequence; each term times `scale` (1 / 2 B of the global batch). */
+#include "core/status.h"
+#include "head.h"
+
+static size_t tensors(const ft_head_config *cfg, head_tensor out[4]) {
+    out[0] = (head_tensor){"qa_outputs.weight", 2, {2, cfg->hidden}};
+    out[1] = (head_tensor){"qa_outputs.bias", 1, {2, 0}};
+    return 2;
+}
+
+static int64_t logits_count(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)B; return 2 * N; }
+static int64_t two_per_sequence(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)N; return 2 * B; }
+
+/* workspace: dropped input (N, C), d logits (2, N) */
+static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
+    (void)B;
+    (void)dx;
+    return (drop ? (size_t)(N * cfg->hidden) : 0) + (grads ? (size_t)(2 * N) : 0);
+}
+
+static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *bt, const void *targets,
+                               const float *valid) {
+    (void)cfg;
+    const int32_t *y = targets;
+    const int64_t B = bt->B;
+    for (int64_t s = 0; s < 2 * B; s++) {
+        const int64_t b = s % B, n = bt->seqs[B + b];
+        const char *what = s < B ? "start position" : "end position";
+        if (y[s] < 0 || y[s] >= n)
+            return ft_error(FT_ERR_OUT_OF_RANGE, "%s %lld of the batch is %d, outside its %lld rows", what, (long long)b,
+                            y[s], (long long)n);
+        if (valid[bt->seqs[b] + y[s]] == 0.0f)
+            return ft_error(FT_ERR_OUT_OF_RANGE, "%s %lld of the batch is %d, which is not a context position", what,
+                            (long long)b, y[s]);
+    }
+    return FT_OK;
+}
+
+static ft_status step(ft_backend *be, const head_call *c) {
+    const ft_head_batch *bt = c->bt;
+    const int64_t B = bt->B, N = bt->N, C = c->cfg->hidden;
+    const float p = c->cfg->dropout, *W = c->params, *b = W + 2 * C;
+    const uint64_t key_in = c->key_in + bt->row_base * (uint64_t)C;
+    float *dropped = c->drop ? c->ws : NULL, *dlogits = c->grads ? c->ws + (c->drop ? N * C : 0) : NULL;
+    const float *in = c->x;
+    if (c->drop) {
+        FT_TRY(be->dropout(be, dropped, in, N * C, p, key_in));
+        in = dropped;
+    }
+    /* (2, N): the start scores of every row, then the end scores */
+    for (int k = 0; k < 2; k++) FT_TRY(be->broadcast_rows(be, c->logits + k * N, b + k, N, 1));
+    FT_TRY(be->gemm(be, 0, 1, 2, N, C, 1.0f, W, C, in, C, 1.0f, c->logits, N));
+    if (!c->targets) return FT_OK;
+    FT_TRY(be->span_xent(be, c->loss, dlogits, c->logits, c->valid, bt->seqs_dev, bt->seqs_dev + B, c->targets, B, N,
+                         c->scale));
+    if (!c->grads) return FT_OK;
+    FT_TRY(be->gemm(be, 0, 0, 2, C, N, 1.0f, dlogits, N, in, C, 0.0f, c->grads, C));   /* dW (2, C) */
+    FT_TRY(be->sum_axis(be, c->grads + 2 * C, dlogits, 2, N, 1));                       /* db (2) */
+    if (!c->dx) return FT_OK;
+    FT_TRY(be->gemm(be, 1, 0, N, C, 2, 1.0f, dlogits, N, W, C, 0.0f, c->dx, C));        /* dx (N, C) */
+    if (c->drop) FT_TRY(be->dropout(be, c->dx, c->dx, N * C, p, key_in));
+    return FT_OK;
+}
+
+const head_kind ft_head_span = {tensors, logits_count, two_per_sequence, two_per_sequence, workspace, check_targets, step};

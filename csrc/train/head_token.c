@@ -1,0 +1,57 @@
+/* Token classification (named entities, part of speech): a label per row (N rows, C hidden, K
+ * labels), as transformers' BertForTokenClassification.
+ *   logits (N, K) = dropout(x) W^T + b                                       W (K, C), b (K)
+ *   loss: softmax cross-entropy per row against labels (N); a negative label (special tokens,
+ *   sub-tokens after a word's first, padding) takes no part; each term times `scale`
+ *   (1 / the labelled rows of the global batch). */
+#include "core/status.h"
+#include "head.h"
+
+static size_t tensors(const ft_head_config *cfg, head_tensor out[4]) {
+    out[0] = (head_tensor){"classifier.weight", 2, {cfg->num_labels, cfg->hidden}};
+    out[1] = (head_tensor){"classifier.bias", 1, {cfg->num_labels, 0}};
+    return 2;
+}
+
+static int64_t logits_count(const ft_head_config *cfg, int64_t B, int64_t N) { (void)B; return N * cfg->num_labels; }
+static int64_t rows(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)B; return N; }
+
+/* workspace: dropped input (N, C), d logits (N, K) */
+static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
+    (void)B;
+    (void)dx;
+    return (drop ? (size_t)(N * cfg->hidden) : 0) + (grads ? (size_t)(N * cfg->num_labels) : 0);
+}
+
+static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *bt, const void *targets,
+                               const float *valid) {
+    (void)valid;
+    const int32_t *y = targets;
+    for (int64_t r = 0; r < bt->N; r++)
+        if (y[r] >= cfg->num_labels)
+            return ft_error(FT_ERR_OUT_OF_RANGE, "token label %lld of the batch is %d, outside [0, %lld) (negative: "
+                            "no label)", (long long)r, y[r], (long long)cfg->num_labels);
+    return FT_OK;
+}
+
+static ft_status step(ft_backend *be, const head_call *c) {
+    const ft_head_config *cfg = c->cfg;
+    const int64_t N = c->bt->N, C = cfg->hidden, K = cfg->num_labels;
+    const float p = cfg->dropout, *W = c->params, *b = W + K * C;
+    const uint64_t key_in = c->key_in + c->bt->row_base * (uint64_t)C;
+    float *dropped = c->drop ? c->ws : NULL, *dlogits = c->grads ? c->ws + (c->drop ? N * C : 0) : NULL;
+    const float *in = c->x;
+    if (c->drop) {
+        FT_TRY(be->dropout(be, dropped, in, N * C, p, key_in));
+        in = dropped;
+    }
+    FT_TRY(ft_head_linear_forward(be, c->logits, in, W, b, N, C, K));
+    if (!c->targets) return FT_OK;
+    FT_TRY(be->softmax_xent(be, c->loss, dlogits, c->logits, NULL, 1, c->targets, N, K, c->scale));
+    if (!c->grads) return FT_OK;
+    FT_TRY(ft_head_linear_backward(be, c->grads, c->grads + K * C, c->dx, dlogits, in, W, N, C, K));
+    if (c->dx && c->drop) FT_TRY(be->dropout(be, c->dx, c->dx, N * C, p, key_in));
+    return FT_OK;
+}
+
+const head_kind ft_head_token = {tensors, logits_count, rows, rows, workspace, check_targets, step};

@@ -1,0 +1,147 @@
+"""A fine-tuned model (the encoder with its trained top layers, and the task head) written in the
+layouts the Hugging Face tools load, so that it goes straight into a transformers pipeline:
+
+    head                                   directory loads in                      as
+    classification / regression /          AutoModelForSequenceClassification     BertForSequenceClassification
+      multi-label, BERT's pooler, CLS        (problem_type, id2label)
+    token classification                   AutoModelForTokenClassification        BertForTokenClassification
+    QA spans                               AutoModelForQuestionAnswering          BertForQuestionAnswering
+    any other sequence head (mean          sentence_transformers.SentenceTransformer: Transformer -> Pooling ->
+      pooling, or no pooler)                 [Dense tanh (the pooler)] -> Dense (the classifier); encode() gives
+                                             the logits
+
+BERT's classes put a classifier on the pooler of the [CLS] token only: a head on mean-pooled
+states, or one without the pooler, has no transformers class, so it goes out in the layout
+sentence-transformers loads (its Pooling and Dense modules, the classic module names every
+version reads). Every directory also holds the tokenizer files and fasttran's own head.json +
+head.safetensors, so Encoder.from_pretrained and the Trainer read it back.
+"""
+import json
+import os
+
+from . import _C
+from .errors import InputError
+from .safetensors_io import write_safetensors
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def layout_of(head):
+    """'sequence-classification', 'token-classification', 'question-answering' or
+    'sentence-transformers': where export() puts this head"""
+    if head.kind == "token":
+        return "token-classification"
+    if head.kind == "qa":
+        return "question-answering"
+    if head.kind == "pooler" and head.pooling == "cls":
+        return "sequence-classification"
+    return "sentence-transformers"
+
+
+def _write_json(path, obj):
+    _C.atomic_write(path, [json.dumps(obj, indent=2).encode()])
+
+
+def _bert_config(encoder, architecture, extra):
+    cfg = {k: v for k, v in encoder._raw_config.items() if not k.startswith("_")}
+    c = encoder.config
+    cfg.update({k: c[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                  "intermediate_size", "hidden_act", "max_position_embeddings", "type_vocab_size",
+                                  "layer_norm_eps", "pad_token_id")})
+    cfg.update({"architectures": [architecture], "model_type": "bert", "position_embedding_type": "absolute",
+                "torch_dtype": "float32"})
+    cfg.update(extra)
+    return cfg
+
+
+def _labels(head):
+    names = head.label_names or [f"LABEL_{i}" for i in range(head.num_labels)]
+    return {"id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
+
+
+def export(path, encoder, head, pooling="mean"):
+    """Write `encoder` (the fine-tuned one: frozen layers + trained top layers) with `head` into
+    directory `path` (see the module's table). Returns the layout written."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    layout = layout_of(head)
+    state = {k: v for k, v in encoder.state_dict().items() if not k.startswith("pooler.")}
+    heads = head.state_dict()
+    if layout == "sentence-transformers":
+        encoder.save_pretrained(path)   # the Transformer module: a BertModel
+        mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        C = head.hidden_size
+        os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+        _write_json(os.path.join(path, "1_Pooling", "config.json"), {
+            "word_embedding_dimension": C, "pooling_mode_cls_token": head.pooling == "cls",
+            "pooling_mode_mean_tokens": head.pooling == "mean", "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False})
+        dense = []
+        if head.kind == "pooler":
+            dense.append((heads["pooler.dense.weight"], heads["pooler.dense.bias"], "torch.nn.modules.activation.Tanh"))
+        dense.append((heads["classifier.weight"], heads["classifier.bias"], "torch.nn.modules.linear.Identity"))
+        for k, (w, b, act) in enumerate(dense, start=2):
+            sub = f"{k}_Dense"
+            os.makedirs(os.path.join(path, sub), exist_ok=True)
+            _write_json(os.path.join(path, sub, "config.json"), {
+                "in_features": int(w.shape[1]), "out_features": int(w.shape[0]), "bias": True,
+                "activation_function": act})
+            write_safetensors(os.path.join(path, sub, "model.safetensors"), {"linear.weight": w, "linear.bias": b},
+                              {"format": "pt"})
+            mods.append({"idx": k, "name": str(k), "path": sub, "type": "sentence_transformers.models.Dense"})
+        _write_json(os.path.join(path, "modules.json"), mods)
+        _write_json(os.path.join(path, "sentence_bert_config.json"),
+                    {"max_seq_length": int(getattr(encoder, "max_seq_length", 512) or 512), "do_lower_case": False})
+        _write_json(os.path.join(path, "config_sentence_transformers.json"),
+                    {"__version__": {"fasttran": _C.version}, "prompts": {}, "default_prompt_name": None,
+                     "similarity_fn_name": None})
+    else:
+        tensors = {f"bert.{k}": v for k, v in state.items()}
+        if layout == "sequence-classification":
+            tensors["bert.pooler.dense.weight"] = heads["pooler.dense.weight"]
+            tensors["bert.pooler.dense.bias"] = heads["pooler.dense.bias"]
+            tensors["classifier.weight"], tensors["classifier.bias"] = heads["classifier.weight"], heads["classifier.bias"]
+            problem = {"classification": "single_label_classification", "regression": "regression",
+                       "multi-label": "multi_label_classification"}[head.task]
+            extra = dict(_labels(head), num_labels=head.num_labels, problem_type=problem)
+            arch = "BertForSequenceClassification"
+        elif layout == "token-classification":
+            tensors["classifier.weight"], tensors["classifier.bias"] = heads["classifier.weight"], heads["classifier.bias"]
+            extra, arch = dict(_labels(head), num_labels=head.num_labels), "BertForTokenClassification"
+        else:
+            tensors["qa_outputs.weight"], tensors["qa_outputs.bias"] = heads["qa_outputs.weight"], heads["qa_outputs.bias"]
+            extra, arch = {"num_labels": 2}, "BertForQuestionAnswering"
+        write_safetensors(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
+        _write_json(os.path.join(path, "config.json"), _bert_config(encoder, arch, extra))
+    if encoder.path:
+        base = encoder.path if os.path.isdir(encoder.path) else os.path.dirname(encoder.path)
+        for name in _TOKENIZER_FILES:
+            f = os.path.join(base, name)
+            if os.path.isfile(f):
+                with open(f, "rb") as fh:
+                    _C.atomic_write(os.path.join(path, name), [fh.read()])
+    write_safetensors(os.path.join(path, "head.safetensors"), heads, {"format": "fasttran-head"})
+    _write_json(os.path.join(path, "head.json"), {"head": head.config(), "pooling": pooling, "layout": layout})
+    return layout
+
+
+def fine_tuned_encoder(encoder, top):
+    """A CPU copy of `encoder` with the trained layers of `top` (a TopLayers) in place, or the encoder
+    itself when nothing was trained"""
+    if top is None:
+        return encoder
+    from .encoder import Encoder
+    clone = Encoder(encoder._raw_config, device="cpu")
+    clone._core.copy_weights_from(encoder._core)
+    top.export_to(clone)
+    clone.path = encoder.path
+    if encoder.tokenizer is not None:
+        clone.tokenizer = encoder.tokenizer
+    return clone
+
+
+def check_exportable(encoder, what="export()"):
+    if encoder is None:
+        raise InputError(f"{what} needs the encoder the features came from: the cache has none (open it with "
+                         "ActivationCache.open(path, encoder=...)), or pass export(path, encoder=...)")

@@ -1,0 +1,122 @@
+"""Extractive question answering: the answer is a span of the context (csrc/train/head_span.c), as
+transformers' BertForQuestionAnswering, with the start and end softmax over the context only.
+
+Inputs are question + context windows (fasttran.squad.SquadFeatures); the context rows of an
+example are its tokens of type 1 but the final [SEP]. Targets are (start_positions, end_positions),
+token positions within each example; evaluation maps the best span of all windows of a question
+back to text and scores it with SQuAD's official exact match and F1.
+"""
+import numpy as np
+
+from ..errors import InputError, InputTypeError
+from .base import Head, Prepared, gather_rows, token_offsets
+
+
+def context_rows(cache, idx=None):
+    """float32 flat over the tokens of examples idx (None: all), one example after another: 1 where
+    a token is context (type 1, not the final [SEP])"""
+    ids = None if idx is None else cache.example_ids[idx]
+    _, types, offsets = cache.inputs(ids, ragged=True)
+    ctx = (np.asarray(types) == 1).astype(np.float32)
+    last = np.asarray(offsets[1:], np.int64) - 1
+    ctx[last[last >= np.asarray(offsets[:-1], np.int64)]] = 0.0
+    return ctx
+
+
+class QAHead(Head):
+    """linear -> start/end logits over every token's state; the softmax of each runs over the
+    context tokens only (`valid`); cross-entropy averaged over start and end."""
+    kind = "qa"
+    task = "qa"
+    takes_tokens = True
+    main_metric = "exact_match"
+
+    def __init__(self, hidden_size, dropout=0.0, seed=0, init_std=0.02):
+        super().__init__(hidden_size, 2, dropout, seed, init_std)
+
+    @classmethod
+    def _from_config(cls, cfg):
+        return cls(cfg["hidden_size"], dropout=cfg.get("dropout", 0.0))
+
+    def check_features(self, cache):
+        super().check_features(cache)
+
+    def prepare(self, cache, targets):
+        ctx = context_rows(cache)
+        offsets = token_offsets(cache.lengths)
+        if targets is None:
+            return Prepared(None, ctx, offsets)
+        N = len(cache)
+        if not (isinstance(targets, (tuple, list)) and len(targets) == 2):
+            raise InputError("QA targets must be (start_positions, end_positions)")
+        s, e = (np.asarray(t) for t in targets)
+        for name, a in (("start_positions", s), ("end_positions", e)):
+            if a.dtype.kind not in "iu":
+                raise InputTypeError(f"{name} must be integers, got {a.dtype}")
+            if a.shape != (N,):
+                raise InputError(f"{name} has {a.shape[0] if a.ndim else 0} entries but the cache has {N} examples")
+        lengths = np.asarray(cache.lengths)
+        bad = np.flatnonzero((s < 0) | (e < s) | (e >= lengths))
+        if len(bad):
+            i = int(bad[0])
+            raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) is not "
+                             f"inside its {int(lengths[i])} tokens with start <= end")
+        bad = np.flatnonzero((ctx[offsets[:-1] + s] == 0) | (ctx[offsets[:-1] + e] == 0))
+        if len(bad):
+            i = int(bad[0])
+            raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) "
+                             "is not in the context (token type 1)")
+        return Prepared(np.stack([s, e]).astype(np.int32), ctx, offsets)
+
+    def batch(self, prep, idx, lengths):
+        t = None if prep.targets is None else np.ascontiguousarray(prep.targets[:, idx])
+        return t, np.ascontiguousarray(gather_rows(prep.extra, prep.offsets, idx))
+
+    def denominator(self, targets):
+        return float(targets.size)   # start and end of each example
+
+    def outputs(self, logits, lengths, valid):
+        """per example (2, its tokens): start and end logits, -inf outside the context"""
+        lg = logits.reshape(2, -1)
+        ends = np.cumsum(lengths)
+        return [np.where(valid[e - n:e] > 0, lg[:, e - n:e], -np.inf) for n, e in zip(lengths, ends)]
+
+    def collect(self, chunks):
+        return [a for c in chunks for a in c]
+
+    def prepare_eval(self, cache, targets):
+        return self.prepare(cache, None)   # (QA evaluates against the SquadFeatures)
+
+    def predict(self, outputs, targets=None):
+        """per example (start, end) logits, or with the SquadFeatures the answer text per question id"""
+        return outputs if targets is None else targets.postprocess(outputs)
+
+    def evaluate(self, outputs, targets, prep=None):
+        """SQuAD exact match and F1 (official normalisation, best over every reference answer);
+        `targets`: the SquadFeatures the cache was built from"""
+        from ..squad import squad_metrics
+        if not hasattr(targets, "postprocess"):
+            raise InputError("evaluating a QA head needs the SquadFeatures the cache was built from")
+        return squad_metrics(targets.postprocess(outputs), targets.examples)
+
+    def step(self, x, valid, labels=None, grads=None, dx=None, training=False, seed=0, step=0):
+        """x (B, T, C) token states (each row of T a token: padded positions take part where valid),
+        valid (B, T), labels (2, B) start/end positions or None. Returns (logits (2, B, T), loss or None)."""
+        x = self._features(x, "token states")
+        if x.ndim != 3 or x.shape[2] != self.hidden_size:
+            raise InputError(f"token states must be (batch, tokens, {self.hidden_size}), got shape {x.shape}")
+        B, T = x.shape[:2]
+        valid = np.ascontiguousarray(valid, np.float32)
+        if valid.shape != (B, T):
+            raise InputError(f"the context mask must have shape {(B, T)}, got {valid.shape}")
+        y = None
+        if labels is not None:
+            y = np.ascontiguousarray(labels)
+            if y.dtype.kind not in "iu":
+                raise InputTypeError(f"positions must be integers, got {y.dtype}")
+            if y.shape != (2, B):
+                raise InputError(f"positions must have shape (2, {B}) (starts, ends), got {y.shape}")
+            y = y.astype(np.int32)
+        logits, loss = self._run(x.reshape(B * T, -1), np.full(B, T, np.int32), y, valid.reshape(-1), grads,
+                                 None if dx is None else dx.reshape(B * T, -1), training, seed, step)
+        return logits.reshape(2, B, T), loss

@@ -1,0 +1,108 @@
+"""The training model: [frozen features] -> [top layers, optional] -> task head.
+
+    >>> model = Model(head, layers=top, device="cpu")      # top: a fasttran.finetune.TopLayers or None
+    >>> loss, logits = model.step(x, lengths, targets, valid, denominator=..., seed=0, step=7)
+    >>> model.named_parameters()                           # one flat table: the layers', then the head's
+
+One forward / backward over a batch and one flat parameter and gradient table whatever the task
+(the head knows it) and whatever the device (the backend knows it): the work is one C call
+(csrc/train/model.c), which hands each gradient bucket -- the head, then the top layer down to the
+bottom one -- to `ready` as soon as it is final, for a data-parallel reduction to overlap with the
+rest of the backward. Batches are packed rows (x (N, C) with `lengths` rows per example; features
+pooled by the cache are one row each), in the model's device memory or host memory on the CPU.
+"""
+import numpy as np
+
+from . import _C
+from .errors import InputError
+
+
+def device_index(device):
+    """'cpu' -> -1, 'cuda:N' -> N"""
+    return -1 if device == "cpu" else int(str(device).partition(":")[2] or 0)
+
+
+def rows_of(batch):
+    """(x, lengths int32) of a batch as the cache's reader gives it: pooled features (B, C) are one
+    row per example; ragged ones come with their offsets (B + 1)."""
+    if isinstance(batch, tuple):
+        x, offsets = batch
+        return x, np.diff(np.asarray(offsets, np.int64)).astype(np.int32)
+    return batch, np.ones(batch.shape[0], np.int32)
+
+
+class Model:
+    """A task head on frozen features, or on top layers trained with it (`layers`: a TopLayers made
+    with `extra=head.num_parameters`, on the same device)."""
+
+    def __init__(self, head, layers=None, device="cpu"):
+        self.head, self.layers, self.device = head, layers, device
+        if layers is not None and layers.device != device:
+            raise InputError(f"the layers are on {layers.device}, the model on {device}")
+        self._core = _C.Model(head._cfg, None if layers is None else layers._stack, device_index(device))
+        self.head_offset = self._core.head_offset
+        self.params, self.grads = self._core.params, self._core.grads
+        table = [] if layers is None else list(layers._table)
+        table += [(name, shape, self.head_offset + off) for name, shape, off in head._table]
+        self._table = table
+        self.push()
+
+    # ---- the flat table -----------------------------------------------------------------------
+    def _views(self, flat):
+        return [(name, flat.view(off, tuple(shape))) for name, shape, off in self._table]
+
+    def named_parameters(self):
+        """[(Hugging Face name, view)] of the flat table (fasttran Tensors on the model's device)"""
+        return self._views(self.params)
+
+    def named_gradients(self):
+        return self._views(self.grads)
+
+    def buckets(self):
+        """[(name, gradient view)]: the head's gradients, then each layer's from the top one down, in
+        the order the backward finishes them (the reduction's buckets)"""
+        names = ["head"] + ([f"layer {self.layers.first_layer + k}" for k in range(self.layers.k - 1, -1, -1)]
+                            if self.layers is not None else [])
+        return [(n, self.grads.view(off, (count,))) for n, (off, count) in zip(names, self._core.buckets())]
+
+    def push(self):
+        """the host head's parameters (head.params) into the model"""
+        self._core.write_params(self.head_offset, self.head.params)
+
+    def pull(self):
+        """the model's head parameters into the host head (head.params)"""
+        self.head.params[...] = self._core.read_params(self.head_offset, self.head.params.size)
+
+    def reserve(self, batch_size, rows):
+        """the per-batch buffers for batches of up to batch_size examples and `rows` rows, now"""
+        self._core.reserve(int(batch_size), int(rows))
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def _logits(self, lengths):
+        n, _, _, _ = _C.head_counts(self.head._cfg, len(lengths), int(lengths.sum()))
+        return np.empty(n, np.float32)
+
+    def step(self, x, lengths, targets, valid=None, denominator=0.0, seed=0, step=0, place=(0, 0, 0), loss_scale=1.0,
+             ready=None):
+        """Forward with dropout, loss and every gradient (into `grads`) for one batch. `denominator`:
+        the loss terms of the global batch (0: this batch's); `place`: (rows, examples, sum of n^2) of
+        the global batch before this slice (dropout masks); `ready(bucket)` is called as each gradient
+        bucket is final. Returns (loss, logits (host, the head's layout))."""
+        logits = self._logits(lengths)
+        loss = self._core.step(x, lengths, targets, valid, denominator=float(denominator), seed=int(seed),
+                               step=int(step), row_base=int(place[0]), seq_base=int(place[1]), sq_base=int(place[2]),
+                               loss_scale=float(loss_scale), logits=logits, ready=ready)
+        return loss, logits
+
+    def forward(self, x, lengths, valid=None):
+        """the logits (host) of one batch, no dropout"""
+        logits = self._logits(lengths)
+        self._core.forward(x, lengths, logits, valid)
+        return logits
+
+    def allocated(self):
+        return self._core.allocated()
+
+    def __repr__(self):
+        top = f"{self.layers!r} -> " if self.layers is not None else "frozen features -> "
+        return f"Model({top}{self.head!r}, {len(self._table)} tensors, {int(self.params.shape[0]):,} parameters, {self.device})"
