@@ -55,80 +55,19 @@ def run_fasttran(enc, k, tr_inputs, y, dev_inputs, ydev, args):
 
 
 def torch_reference(enc_path, k, cache, y, dev, ydev, init_head, args):
-    """The same configuration in PyTorch: returns (per-epoch seconds, dev accuracy per epoch)."""
-    import torch
-    from transformers import BertModel
+    """The same configuration in PyTorch (benchmarks/torch_topk.py): (per-epoch seconds, dev accuracy per epoch)."""
+    import fasttran
     from fasttran.trainer import _epoch_seed
-    torch.manual_seed(args.seed)
-    ref = BertModel.from_pretrained(enc_path, attn_implementation="eager")
-    L, C = ref.config.num_hidden_layers, ref.config.hidden_size
-    for m in ref.modules():   # the same dropout as fasttran's layers
-        if isinstance(m, torch.nn.Dropout):
-            m.p = args.dropout
-    layers = torch.nn.ModuleList(ref.encoder.layer[L - k:]) if k else torch.nn.ModuleList()
-    lin = torch.nn.Linear(C, 2)
-    with torch.no_grad():
-        lin.weight.copy_(torch.from_numpy(init_head["classifier.weight"]))
-        lin.bias.copy_(torch.from_numpy(init_head["classifier.bias"]))
-    drop = torch.nn.Dropout(args.dropout)
-    named = [(n, p) for n, p in layers.named_parameters()] + [("classifier." + n, p) for n, p in lin.named_parameters()]
-    no_decay = ("bias", "LayerNorm.weight", "LayerNorm.bias")
-    groups = [{"params": [p for n, p in named if not any(s in n for s in no_decay)], "weight_decay": 0.01},
-              {"params": [p for n, p in named if any(s in n for s in no_decay)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr, eps=1e-6, betas=(0.9, 0.999))
-    N = len(cache)
-    spe = (N + 31) // 32
-    total, warm = spe * args.epochs, int(0.1 * spe * args.epochs)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / max(warm, 1) if s < warm else max(0.0, (total - s) / max(total - warm, 1)))
-    params = [p for _, p in named]
-
-    def features(batch_ids, source, training):
-        if not k:
-            return torch.from_numpy(np.ascontiguousarray(source.get(batch_ids)))
-        x, offsets = source.get(batch_ids, ragged=True)
-        lengths = np.diff(offsets)
-        T = int(lengths.max())
-        pad = np.zeros((len(lengths), T, C), np.float32)
-        mask = np.arange(T)[None, :] < lengths[:, None]
-        pad[mask] = x
-        h = torch.from_numpy(pad)
-        m = torch.from_numpy(mask)
-        ext = (1.0 - m[:, None, None, :].float()) * torch.finfo(torch.float32).min
-        for layer in layers:
-            o = layer(h, attention_mask=ext)
-            h = o[0] if isinstance(o, tuple) else o
-        mf = m[..., None].float()
-        return (h * mf).sum(1) / mf.sum(1)
-
+    from torch_topk import TorchTopK
+    head = fasttran.ClassificationHead(init_head["classifier.weight"].shape[1], 2, dropout=args.dropout)
+    head.load_state_dict(init_head)
+    ref = TorchTopK(enc_path, k, head, args.lr, args.epochs, (len(cache) + 31) // 32, dropout=args.dropout,
+                    seed=args.seed)
+    prep = head.prepare(cache, y)
     seconds, accs = [], []
-    step = 0
     for epoch in range(args.epochs):
-        layers.train()
-        lin.train()
-        t0 = time.perf_counter()
-        order = cache.epoch_order(_epoch_seed(args.seed, epoch))   # the Trainer's order
-        for a in range(0, N, 32):
-            idx = order[a:a + 32]
-            ids = cache.example_ids[idx]
-            pooled = features(ids, cache, True)
-            loss = torch.nn.functional.cross_entropy(lin(drop(pooled)), torch.from_numpy(y[idx]).long())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-        seconds.append(time.perf_counter() - t0)
-        layers.eval()
-        lin.eval()
-        correct = 0
-        with torch.no_grad():
-            for a in range(0, len(dev), 256):
-                ids = dev.example_ids[a:a + 256]
-                pred = lin(features(ids, dev, False)).argmax(1).numpy()
-                correct += int((pred == ydev[a:a + 256]).sum())
-        accs.append(correct / len(dev))
+        seconds.append(ref.train_epoch(cache, prep, cache.epoch_order(_epoch_seed(args.seed, epoch))))
+        accs.append(float((ref.outputs(dev).argmax(1) == ydev).mean()))
         print(f"  torch k={k} epoch {epoch + 1}: {seconds[-1]:.1f} s, dev accuracy {accs[-1]:.4f}", flush=True)
     return seconds, accs
 

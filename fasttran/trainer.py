@@ -379,9 +379,12 @@ class Trainer:
         """Checks in the order a user's mistake shows up, then head, layers and model: the head's
         prepared targets."""
         self._check_source(cache)
+        new_head = self.head is None
         self._make_head(cache, targets)
         self._check_source(cache)
         prep = self.head.prepare(cache, targets)
+        if new_head:
+            self.head.start_from(prep)
         self._make_top(cache.encoder)
         self._make_model()
         self._encoder = self._encoder or cache.encoder

@@ -120,6 +120,10 @@ class Head:
         """prepare() for evaluation targets (QA evaluates against SquadFeatures, not spans)"""
         return self.prepare(cache, targets)
 
+    def start_from(self, prep):
+        """A new head's starting point from its training targets (the Trainer calls it once, on the
+        head it made): nothing here; regression and multi-label heads start at the targets' mean."""
+
     def batch(self, prep, idx, lengths):
         raise NotImplementedError
 

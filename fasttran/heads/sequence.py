@@ -180,6 +180,12 @@ class RegressionHead(_SequenceHead):
             raise InputError(f"the target {_where(example_ids, bad[0])} is {y[bad[0]].tolist()}: not a finite number")
         return y
 
+    def start_from(self, prep):
+        """the classifier's bias at the targets' mean: the first steps learn the features, not the offset
+        (a zero bias against scores of 0-5 costs LAMB, whose steps scale with the weights' norm, most
+        of an epoch)"""
+        self.tensors["classifier.bias"][...] = prep.targets.mean(0)
+
     def outputs(self, logits, lengths, valid):
         return logits.reshape(len(lengths), self.num_labels)
 
@@ -258,6 +264,12 @@ class MultiLabelHead(_SequenceHead):
             raise InputError(f"the targets {_where(example_ids, bad[0])} are {y[bad[0]].tolist()}: each must lie "
                              "in [0, 1]")
         return y
+
+    def start_from(self, prep):
+        """the classifier's bias at each label's log-odds in the targets: the first loss is the labels'
+        entropy, not log 2 per label"""
+        p = np.clip(prep.targets.mean(0), 1e-4, 1 - 1e-4)
+        self.tensors["classifier.bias"][...] = np.log(p / (1 - p))
 
     def correct(self, logits, targets):   # exact-match (subset) accuracy
         pred = 1.0 / (1.0 + np.exp(-logits.reshape(targets.shape))) > self.threshold
