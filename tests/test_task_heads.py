@@ -198,3 +198,37 @@ def test_bad_targets_are_refused():
         tok.check_targets([np.array([0, 1])], np.array([4]))
     with pytest.raises(fasttran.InputError, match=r"outside \[0, 3\) and not -100"):
         tok.check_targets(np.array([[0, 5]]), np.array([2]))
+
+
+def test_what_a_user_gets_wrong_is_refused_before_anything_is_written(enc, tmp_path):
+    """Through the Trainer as a user meets them: each refused with a message naming it, before a
+    step runs or a checkpoint is written."""
+    from fasttran import ActivationCache, Trainer
+    texts = ["a fine film", "dull", "the plot holds", "what a mess", "gripping", "slow and long"]
+    cache = ActivationCache.build(enc, *enc.tokenize(texts), positions="mean", show_progress=False)
+    ck = tmp_path / "ck"
+
+    def refused(exc, match, task, targets, eval=None, **kw):
+        tr = Trainer(task, epochs=1, show_progress=False, **kw)
+        with pytest.raises(exc, match=match):
+            tr.fit(cache, targets, eval=eval, checkpoint_dir=str(ck))
+        assert tr.global_step == 0 and not ck.exists()
+
+    refused(fasttran.InputTypeError, "for scores use Trainer", "classification", [0.5, 1.5, 2.0, 0.1, 3.2, 1.0])
+    refused(fasttran.InputTypeError, "regression targets must be numbers", "regression", ["a", "b", "c", "d", "e", "f"])
+    refused(fasttran.InputError, "a label the training data never had", "classification", [0, 1, 0, 1, 0, 1],
+            eval=(cache, [0, 1, 2, 1, 0, 1]))
+    words = [t.split() for t in texts]
+    tok = enc.tokenize_words(words)
+    tcache = ActivationCache.build(enc, *tuple(tok)[:3], positions="all", show_progress=False)
+    bad = np.full(tok.input_ids.shape, -100)
+    bad[:, 1] = 1
+    bad[1, -1] = 2   # a label on a padding position of "dull": not aligned to its tokens
+    tr = Trainer("token-classification", epochs=1, show_progress=False)
+    with pytest.raises(fasttran.InputError, match="not aligned to its tokens"):
+        tr.fit(tcache, bad, checkpoint_dir=str(ck))
+    assert not ck.exists()
+    with pytest.raises(fasttran.InputError, match="positions='all'"):
+        Trainer("token-classification", show_progress=False).fit(cache, bad)
+    with pytest.raises(fasttran.InputError, match="texts has 6 entries but text_pairs has 2"):
+        enc.tokenize(texts, texts[:2])
