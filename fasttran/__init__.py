@@ -75,6 +75,7 @@ from . import models
 from .heads import ClassificationHead, QAHead
 from .trainer import Trainer
 from .profiling import Profile, profile
+from . import distributed   # torch is imported only when a process group is asked for
 
 Tensor = _C.Tensor   # device/host tensor with DLPack export and import (csrc/python/tensor_type.c)
 
@@ -89,6 +90,8 @@ from .errors import (
     CacheMismatchError,
     CacheNotFoundError,
     CheckpointError,
+    CollectiveError,
+    CollectiveTimeoutError,
     CheckpointNotFoundError,
     FastTranError,
     FastTranIOError,
@@ -108,4 +111,5 @@ __all__ = [
     "FastTranError", "InputError", "InputTypeError", "InputRangeError", "CheckpointError",
     "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError", "CacheCorruptError", "CacheMismatchError",
     "FastTranIOError", "CacheNotFoundError", "NoGPUError", "MissingDependencyError", "models", "profile", "Profile",
+    "CollectiveError", "CollectiveTimeoutError", "distributed",
 ]

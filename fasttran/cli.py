@@ -130,14 +130,16 @@ def cmd_encode(args):
 
 
 def cmd_cache(args):
-    from . import ActivationCache
+    from . import ActivationCache, distributed
     from ._C import atomic_write as _atomic_write
+    group = _join_group(args)
     enc = _encoder(args)
     if args.task == "qa":
         settings = {"task": "qa", "max_length": args.max_length or 384, "doc_stride": args.doc_stride,
                     "answers_only": bool(args.answers_only), "limit": args.limit}
         feats = _squad_features(args, enc, settings)
-        print(f"{feats!r}", file=sys.stderr)
+        if distributed.is_main():
+            print(f"{feats!r}", file=sys.stderr)
         ids, mask, types = feats.input_ids, feats.attention_mask, feats.token_type_ids
         positions, dtype = "all", args.dtype or "float16"
     else:
@@ -149,9 +151,33 @@ def cmd_cache(args):
         positions, dtype = args.positions, args.dtype or "float32"
     cache = ActivationCache.build(enc, ids, mask, types, layer=args.layer, positions=positions, dtype=dtype,
                                   disk_dir=args.output, batch_size=args.batch_size, rebuild=args.rebuild,
-                                  show_progress=True)
-    _atomic_write(os.path.join(args.output, _TASK_FILE), [json.dumps(settings).encode()])
+                                  show_progress=True, group=group)
+    if group is None or group.is_main:
+        _atomic_write(os.path.join(args.output, _TASK_FILE), [json.dumps(settings).encode()])
     print(cache)
+
+
+# ---- several ranks (torchrun --nproc-per-node=N -m fasttran ...) --------------------------------------
+def _join_group(args):
+    """The process group when this process is one of several ranks (else None); a rank on a
+    GPU machine computes on its own GPU unless --device says otherwise."""
+    from . import distributed
+    if not distributed.launched():
+        return None
+    group = distributed.init()
+    if args.device is None and group.device != "cpu":
+        args.device = group.device
+    return group
+
+
+def _quiet_unless_main():
+    """Standard output of ranks other than 0 goes nowhere (errors still reach stderr), so a
+    command run by N ranks prints its results once."""
+    import contextlib
+    from . import distributed
+    if distributed.is_main():
+        return contextlib.nullcontext()
+    return contextlib.redirect_stdout(open(os.devnull, "w"))
 
 
 def _open_cache(path, enc, what="--cache"):
@@ -339,7 +365,8 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         from .errors import FastTranError
         try:
-            return args.func(args) or 0
+            with _quiet_unless_main():
+                return args.func(args) or 0
         except FastTranError as e:
             sys.exit(f"fasttran {args.command}: {type(e).__name__}: {e}")
     except KeyboardInterrupt:
