@@ -13,6 +13,10 @@ extractive QA (SQuAD v1.1 JSON files):
   fasttran train    --head qa --input train.json --cache qtrain --output qck
   fasttran evaluate --input dev.json --cache qdev --checkpoint qck    # exact match / F1
 
+several processes (torchrun; `python -m fasttran` is this command): the build is split over the
+ranks and writes the files one process writes; only rank 0 prints
+  torchrun --nproc-per-node=4 -m fasttran cache --input train.tsv --output ctrain
+
 Classification inputs are JSON lines ({"text": ..., "label": ...}) or TSV with a header row
 naming the text and label columns (GLUE's `sentence` / `label` work as they are).
 Ctrl-C stops cleanly (train: after the step in flight, saving the checkpoint)."""

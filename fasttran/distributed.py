@@ -129,8 +129,9 @@ def init(backend=None, timeout=None):
     """This process's group (a :class:`Group`); collective the first time, so every rank calls
     it (fasttran's distributed parts call it for you). Joins torch's default process group when
     one exists, else starts one from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT; `backend` "gloo" or "nccl", default NCCL when fasttran and torch see a GPU),
-    else returns the one-process group. `timeout`: seconds before a collective some rank
+    MASTER_PORT; `backend` "gloo" or "nccl", or FASTTRAN_DIST_BACKEND; default NCCL when fasttran
+    and torch see a GPU), else returns the one-process group (a backend asked for starts a real
+    group even for one rank). `timeout`: seconds before a collective some rank
     never reaches fails (default 60, or FASTTRAN_DIST_TIMEOUT). Later calls return the same
     group."""
     global _group
@@ -138,6 +139,7 @@ def init(backend=None, timeout=None):
         if _group is not None:
             return _group
         timeout = _default_timeout(timeout)
+        backend = backend or os.environ.get("FASTTRAN_DIST_BACKEND") or None
         if backend is not None and backend not in ("gloo", "nccl"):
             raise InputError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
         world = _env_int("WORLD_SIZE")
@@ -183,8 +185,7 @@ def shutdown():
 def _choose_backend(backend, torch, dist):
     from ._info import cuda_available
     if backend is None:
-        backend = os.environ.get("FASTTRAN_DIST_BACKEND") or (
-            "nccl" if cuda_available() and torch.cuda.is_available() and dist.is_nccl_available() else "gloo")
+        backend = "nccl" if cuda_available() and torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise MissingDependencyError("backend='nccl' needs a torch built with NCCL (the CUDA builds of "
@@ -596,18 +597,31 @@ class _TorchGroup(Group):
             self._set(f"fail/{self.rank}", f"{seq}\twait_all\t{what}")
             return None
         keys = [self._ns + f"meet/{seq}/{r}" for r in range(self.world_size)]
-        nap, next_look = 0.001, time.monotonic() + 1.0
+        t0 = time.monotonic()
+        nap, next_look, next_note = 0.001, t0 + 1.0, t0 + 10 * self.timeout
         beats = {}
-        while not self._store.check(keys):
-            if poll is not None:
-                poll()
-            now = time.monotonic()
-            if now >= next_look:   # once a second: is every missing rank still on its way here?
-                next_look = now + 1.0
-                self._look_for_trouble(seq, what, keys, beats, now)
-            time.sleep(nap)
-            nap = min(0.05, nap * 2)
-        values = [pickle.loads(self._store.get(k)) for k in keys]
+        try:
+            while not self._store.check(keys):
+                if poll is not None:
+                    poll()
+                now = time.monotonic()
+                if now >= next_look:   # once a second: is every missing rank still on its way here?
+                    next_look = now + 1.0
+                    self._look_for_trouble(seq, what, keys, beats, now)
+                if now >= next_note:   # alive but not coming: say so, and keep waiting
+                    next_note = now + 10 * self.timeout
+                    print(f"fasttran.distributed: rank {self.rank} has waited {now - t0:.0f} s at #{seq} wait_all "
+                          f"{what!r}; the ranks not there yet are alive:\n" +
+                          "\n".join(self._whereabouts(wait_for_beats=False)), file=sys.stderr, flush=True)
+                time.sleep(nap)
+                nap = min(0.05, nap * 2)
+            values = [pickle.loads(self._store.get(k)) for k in keys]
+        except CollectiveError:
+            raise
+        except Exception as e:   # the store's server (rank 0's process or launcher) is gone
+            raise CollectiveError(f"rank {self.rank} lost the job's key-value store while it waited at #{seq} wait_all "
+                                  f"{what!r} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): "
+                                  "the process that serves it (rank 0, or torchrun's agent) has exited or died") from None
         if poll is not None:
             poll()
         odd = [(r, w) for r, (w, _, _) in enumerate(values) if w != what]

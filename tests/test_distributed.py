@@ -301,3 +301,31 @@ def test_slices_with_a_group(tiny_cache):
     a = [(ids.tolist(), w) for ids, _, w in tiny_cache.batches(7, seed=1, rank=g)]
     b = [(ids.tolist(), w) for ids, _, w in tiny_cache.batches(7, seed=1, rank=0, world_size=1)]
     assert a == b and len(a) == 4 and a[-1][1].size == 23 - 21
+
+
+# ---- NCCL: one process per GPU (skipped where this machine has too few) ----------------------------
+
+def _nccl(rank, world):
+    import fasttran.distributed as fd
+    g = fd.init(backend="nccl")
+    assert (g.backend, g.device) == ("nccl", f"cuda:{rank}"), g
+    host = np.full(1000, rank + 1.0, np.float32)
+    x = fasttran.from_dlpack(host.copy()).to(g.device)          # fasttran's device memory, through DLPack
+    assert g.all_reduce_(x) is x
+    h = g.all_reduce_(fasttran.from_dlpack(host.copy()).to(g.device), async_op=True, check=False)
+    y = h.wait()
+    g.all_reduce_(host)                                          # host arrays: over the gloo side group
+    total = world * (world + 1) / 2
+    return [float(np.asarray(t.to("cpu").numpy())[0]) for t in (x, y)] + [float(host[0]), total]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_reduces_fasttran_device_tensors(world):
+    if not fasttran.cuda_available():
+        pytest.skip("needs fasttran's CUDA backend and a GPU: " + (fasttran._info.no_gpu_reason() or ""))
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world or not torch.distributed.is_nccl_available():
+        pytest.skip(f"needs {world} CUDA GPU(s) that torch sees with NCCL (torch sees {torch.cuda.device_count()}; "
+                    f"NCCL {'available' if torch.distributed.is_nccl_available() else 'missing in this torch'})")
+    for a, b, c, total in run_ranks(_nccl, world, env={"FASTTRAN_NUM_THREADS": 1}):
+        assert a == b == c == total

@@ -44,8 +44,8 @@ def build_group(group, disk_dir):
     from .. import distributed
     if group is False:
         g = None
-    elif group is None:
-        g = distributed.init() if distributed.launched() else None
+    elif group is None:   # a cache in memory stays this rank's: no collective, not even init()
+        g = distributed.init() if disk_dir is not None and distributed.launched() else None
     elif isinstance(group, distributed.Group):
         g = group
     else:
@@ -53,8 +53,6 @@ def build_group(group, disk_dir):
     if g is not None and g.world_size > 1:
         if disk_dir is not None:
             return g
-        if group is None:   # a cache in memory: every rank builds its own
-            return None
         raise InputError("a build split over the ranks writes shards that every rank reads: pass disk_dir, a "
                          "directory all ranks see (or group=False: each rank builds every shard itself)")
     if disk_dir is not None and persist.journal_names(os.path.abspath(os.fspath(disk_dir))):
