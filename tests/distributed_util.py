@@ -9,7 +9,8 @@ hanging CI.
 
 `fn` is a module-level function of a module in tests/ (the ranks import it by name), called as
 fn(rank, world_size, *args, **kwargs); arguments and results are pickled. Ranks run with
-FASTTRAN_NUM_THREADS=1 unless `env` says otherwise (env values None remove a variable)."""
+FASTTRAN_NUM_THREADS=1 unless `env` (every rank) or `rank_env` (one rank) says otherwise; a value
+None removes a variable."""
 import os
 import pickle
 import socket
@@ -54,9 +55,10 @@ def _tail(path, n=3000):
         return ""
 
 
-def run_ranks(fn, world_size, *args, timeout=120, env=None, check=True, **kwargs):
-    """Run fn on world_size ranks; see the module docstring. Returns the values (check=True:
-    a rank that raised fails the test with its traceback) or the Outcomes (check=False)."""
+def run_ranks(fn, world_size, *args, timeout=120, env=None, rank_env=None, check=True, **kwargs):
+    """Run fn on world_size ranks; see the module docstring. `rank_env` {rank: env} adds to one
+    rank's environment. Returns the values (check=True: a rank that raised fails the test with its
+    traceback) or the Outcomes (check=False)."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="fasttran-ranks-") as tmp:
         job = os.path.join(tmp, "job.pkl")
@@ -67,7 +69,7 @@ def run_ranks(fn, world_size, *args, timeout=120, env=None, check=True, **kwargs
             e = dict(os.environ)
             e.update(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world_size),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTTRAN_NUM_THREADS="1")
-            for k, v in (env or {}).items():
+            for k, v in list((env or {}).items()) + list((rank_env or {}).get(r, {}).items()):
                 if v is None:
                     e.pop(k, None)
                 else:

@@ -151,6 +151,26 @@ def test_ranks_that_disagree_get_an_error(model, tmp_path):
     assert all(isinstance(v, bytes) for v, _ in out)   # group=False: a cache per rank
 
 
+def _build_warned(rank, world, model, out, kw):
+    import warnings
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _build(rank, world, model, out, kw)
+    return [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+
+
+def test_ranks_with_other_kernels_are_told(model, tmp_path):
+    """AVX-512 and AVX2 ranks write correct shards whose last bits differ: rank 0 says so."""
+    if fasttran._C.cpu_isa() not in ("avx512", "amx"):
+        pytest.skip(f"needs a CPU with two kernel sets to mix (this one runs {fasttran._C.cpu_isa()})")
+    out = run_ranks(_build_warned, 2, model, str(tmp_path / "c"), dict(positions="cls", batch_size=32),
+                    rank_env={1: {"FASTTRAN_CPU_ISA": "avx2"}})
+    isa = fasttran._C.cpu_isa()
+    assert out[0] == [f"the ranks compute with different kernels (cpu avx2: ranks [1]; cpu {isa}: ranks [0]): the "
+                      "cache is correct, but its rows differ in the last bits from a build on one kind of machine"], out
+    assert out[1] == []
+
+
 def _build_other_inputs(rank, world, model, out, kw):
     return _build(rank, world, model, out, kw, seed=rank)
 

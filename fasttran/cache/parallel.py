@@ -70,6 +70,15 @@ def _digest(cache):
     return h.hexdigest()
 
 
+def _kernels(cache):
+    """What computes this rank's rows: the CPU kernel set, or the CUDA devices. Ranks that differ
+    write correct shards whose last bits differ from one another's."""
+    from .. import _C
+    if cache.encoder is None or cache.encoder.device == "cpu":
+        return f"cpu {_C.cpu_isa()}"
+    return f"{cache.encoder.device} {_C.cuda_probe()[1]}"
+
+
 def split(cache, todo, parts):
     """The shards of `todo` cut into `parts` contiguous runs of about equal encoder work (a
     token of an example of length L costs about 6 hidden + L: its projections and attention);
@@ -137,11 +146,18 @@ def build(cache, g, disk_dir, rebuild, show_progress):
             opened = _open_as_main(cache, path, rebuild, uuid.uuid4().hex[:12])
         except BaseException as e:
             err = e
-    got = g.wait_all("cache build: open the directory", {"path": path, "digest": _digest(cache), "opened": opened},
-                     failed=err)
+    got = g.wait_all("cache build: open the directory", {"path": path, "digest": _digest(cache), "opened": opened,
+                                                          "kernels": _kernels(cache)}, failed=err)
     if err is not None:
         raise err
     main = got[0]["opened"]
+    kinds = sorted({x["kernels"] for x in got})
+    if len(kinds) > 1 and g.is_main:
+        import warnings
+        warnings.warn("the ranks compute with different kernels (" + "; ".join(
+            f"{k}: ranks {[r for r, x in enumerate(got) if x['kernels'] == k]}" for k in kinds) + "): the cache is "
+            "correct, but its rows differ in the last bits from a build on one kind of machine", RuntimeWarning,
+            stacklevel=3)
     # 2. check
     problem = None
     if any(x["path"] != path for x in got):
