@@ -149,6 +149,9 @@ def init(backend=None, timeout=None):
             return _group
         torch, dist = _torch()
         created = False
+        if dist.is_initialized() and backend is not None and str(dist.get_backend()) != backend:
+            raise InputError(f"backend={backend!r} was asked for, but the process group already running uses "
+                             f"{str(dist.get_backend())!r}; fasttran joins the running group")
         if not dist.is_initialized():
             missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
             if missing:
@@ -438,12 +441,14 @@ class _TorchGroup(Group):
                 pass
             self._created = False
 
-    def _enter(self, op, what):
+    def _enter(self, op, what, publish=True):
+        """Number the collective; publish it in the store (a round trip: not for unchecked ones)."""
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
         self._last = (seq, op, what)
-        self._set(f"state/{self.rank}", f"{seq}\t{op}\t{what}\t{time.time():.3f}")
+        if publish:
+            self._set(f"state/{self.rank}", f"{seq}\t{op}\t{what}\t{time.time():.3f}")
         return seq
 
     def _whereabouts(self, wait_for_beats):
@@ -540,8 +545,8 @@ class _TorchGroup(Group):
         name = f"all_reduce_ {op} {str(t.dtype).removeprefix('torch.')}"
         if check:
             self._agree(name, what, t.numel() * t.element_size())
-        else:
-            self._enter(name, what)
+        else:   # no round trip at all: the buckets of a step after its checked collective
+            self._enter(name, what, publish=False)
         if t.is_cuda:
             if self.backend != "nccl":
                 raise InputError(f"a CUDA tensor is reduced over NCCL, but this group's backend is {self.backend!r}: "
