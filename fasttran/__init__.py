@@ -77,6 +77,7 @@ from .tokens import words_from_tokens
 from .heads import ClassificationHead, MultiLabelHead, QAHead, RegressionHead, TokenClassificationHead
 from .trainer import Trainer
 from .profiling import Profile, profile
+from . import distributed   # torch is imported only when a process group is asked for
 
 Tensor = _C.Tensor   # device/host tensor with DLPack export and import (csrc/python/tensor_type.c)
 
@@ -91,6 +92,8 @@ from .errors import (
     CacheMismatchError,
     CacheNotFoundError,
     CheckpointError,
+    CollectiveError,
+    CollectiveTimeoutError,
     CheckpointNotFoundError,
     FastTranError,
     FastTranIOError,
@@ -112,4 +115,5 @@ __all__ = [
     "CheckpointNotFoundError", "UnsupportedModelError", "UnsupportedError", "BackendError", "CacheCorruptError", "CacheMismatchError",
     "FastTranIOError", "CacheNotFoundError", "NoGPUError", "MissingDependencyError", "models", "profile", "Profile",
     "metrics", "readers", "tokens", "words_from_tokens",
+    "CollectiveError", "CollectiveTimeoutError", "distributed",
 ]

@@ -83,12 +83,17 @@ def build_info():
     }
 
 
+threads_chosen = False   # set_num_threads was called
+
+
 def get_num_threads():
     """Threads used by fasttran's CPU backend (its kernels, row ops and the heads' BLAS).
 
     The default is ``FASTTRAN_NUM_THREADS``, else ``OMP_NUM_THREADS``, else the CPUs this
     process may run on (its affinity mask, capped by a cgroup CPU quota: a container limited to
-    2 CPUs gets 2 threads whatever the host has)."""
+    2 CPUs gets 2 threads whatever the host has). In a process group of several ranks per
+    machine (fasttran.distributed.init) it is this rank's share of those CPUs instead, unless
+    FASTTRAN_NUM_THREADS or set_num_threads chose a count."""
     return _C.num_threads()
 
 
@@ -102,7 +107,9 @@ def set_num_threads(n):
     from .errors import InputError
     if isinstance(n, bool) or not isinstance(n, int):
         raise InputError(f"set_num_threads takes a positive int, got {n!r}")
+    global threads_chosen
     _C.set_num_threads(n)
+    threads_chosen = True   # a process group's share (fasttran.distributed) leaves it alone
     if n > 1 and _C.num_threads() == 1:
         import warnings
         warnings.warn("fasttran runs on one thread in this process: it was forked after fasttran ran parallel "

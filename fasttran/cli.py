@@ -26,6 +26,10 @@ extractive QA (SQuAD v1.1 JSON files):
   fasttran train    --head qa --input train.json --cache qtrain --output qck
   fasttran evaluate --input dev.json --cache qdev --checkpoint qck    # exact match / F1
 
+several processes (torchrun; `python -m fasttran` is this command): the build is split over the
+ranks and writes the files one process writes; only rank 0 prints
+  torchrun --nproc-per-node=4 -m fasttran cache --input train.tsv --output ctrain
+
 Inputs are JSON lines ({"text": ..., "text_pair": ..., "label": ...}) or TSV (GLUE's files as they
 are: byte-order marks, a header or none, label names such as `entailment`; other TSV files name
 their columns in a header), or CoNLL column files for --task token.
@@ -183,21 +187,24 @@ def cmd_encode(args):
 
 
 def cmd_cache(args):
-    from . import ActivationCache
+    from . import ActivationCache, distributed
     from ._C import atomic_write as _atomic_write
+    group = _join_group(args)
     enc = _encoder(args)
     if args.task == "qa":
         settings = {"task": "qa", "max_length": args.max_length or 384, "doc_stride": args.doc_stride,
                     "answers_only": bool(args.answers_only), "limit": args.limit}
         feats = _squad_features(args, enc, settings)
-        print(f"{feats!r}", file=sys.stderr)
+        if distributed.is_main():
+            print(f"{feats!r}", file=sys.stderr)
         ids, mask, types = feats.input_ids, feats.attention_mask, feats.token_type_ids
         positions, dtype = "all", args.dtype or "float16"
     else:
         if args.answers_only:
             _fail("--answers-only is for --task qa")
         ex = _read_data(args, args.input, args.task, labelled=None)
-        print(f"{ex!r}", file=sys.stderr)
+        if distributed.is_main():
+            print(f"{ex!r}", file=sys.stderr)
         ids, mask, types, _ = _inputs(enc, ex, args.max_length)
         settings = {"task": args.task, "text_field": args.text_field, "pair_field": args.pair_field,
                     "label_field": args.label_field, "max_length": args.max_length, "limit": args.limit}
@@ -205,9 +212,33 @@ def cmd_cache(args):
         dtype = args.dtype or "float32"
     cache = ActivationCache.build(enc, ids, mask, types, layer=args.layer, positions=positions, dtype=dtype,
                                   disk_dir=args.output, batch_size=args.batch_size, rebuild=args.rebuild,
-                                  show_progress=True)
-    _atomic_write(os.path.join(args.output, _TASK_FILE), [json.dumps(settings).encode()])
+                                  show_progress=True, group=group)
+    if group is None or group.is_main:
+        _atomic_write(os.path.join(args.output, _TASK_FILE), [json.dumps(settings).encode()])
     print(cache)
+
+
+# ---- several ranks (torchrun --nproc-per-node=N -m fasttran ...) --------------------------------------
+def _join_group(args):
+    """The process group when this process is one of several ranks (else None); a rank on a
+    GPU machine computes on its own GPU unless --device says otherwise."""
+    from . import distributed
+    if not distributed.launched():
+        return None
+    group = distributed.init()
+    if args.device is None and group.device != "cpu":
+        args.device = group.device
+    return group
+
+
+def _quiet_unless_main():
+    """Standard output of ranks other than 0 goes nowhere (errors still reach stderr), so a
+    command run by N ranks prints its results once."""
+    import contextlib
+    from . import distributed
+    if distributed.is_main():
+        return contextlib.nullcontext()
+    return contextlib.redirect_stdout(open(os.devnull, "w"))
 
 
 def _open_cache(path, enc, what="--cache"):
@@ -491,7 +522,8 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         from .errors import FastTranError
         try:
-            return args.func(args) or 0
+            with _quiet_unless_main():
+                return args.func(args) or 0
         except FastTranError as e:
             sys.exit(f"fasttran {args.command}: {type(e).__name__}: {e}")
     except KeyboardInterrupt:

@@ -62,3 +62,13 @@ class NoGPUError(BackendError, UnsupportedError):
 
 class MissingDependencyError(FastTranError, ImportError):
     """An optional package is needed for this feature; the message names the pip command."""
+
+
+class CollectiveError(FastTranError, RuntimeError):
+    """A collective of fasttran.distributed failed: the ranks called different collectives, a
+    rank reported a failure, or a rank died; the message names the ranks and what each did."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective did not complete within the group's timeout: a rank never reached it (it
+    diverged, hangs, or died); the message says where each rank was last seen."""

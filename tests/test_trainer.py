@@ -220,11 +220,13 @@ def test_history_progress_lines_and_plot(enc, sst, cache, capsys):
     for r in hist:
         assert {"train_loss", "train_accuracy", "eval_accuracy", "eval_loss", "seconds", "lr"} <= set(r)
     assert len(tr.loss_curve) == hist[-1]["steps"] == 3 * 15
-    # one line per epoch stays on screen, ending with its loss, accuracy and dev accuracy
+    # one line per epoch stays on screen, ending with its loss, accuracy and dev accuracy (captured
+    # stderr is not a terminal: the bar writes lines, the epoch's last one holds its final state)
     err = capsys.readouterr().err
-    final = [line.rsplit("\r", 1)[-1] for line in err.split("\n") if "epoch" in line]
+    assert "\r" not in err
+    final = [line for line in err.split("\n") if "epoch" in line]
     for e, r in zip((1, 2, 3), hist):
-        line = next(l for l in final if l.startswith(f"epoch {e}/3"))
+        line = [l for l in final if l.startswith(f"epoch {e}/3")][-1]
         assert "15/15" in line and f"loss={r['train_loss']:.4f}" in line
         assert f"acc={r['train_accuracy']:.4f}" in line and f"dev_acc={r['eval_accuracy']:.4f}" in line
     pytest.importorskip("matplotlib")

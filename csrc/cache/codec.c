@@ -11,6 +11,7 @@
  * ft_cache_decode_row. */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__F16C__) && defined(__AVX__)
@@ -27,44 +28,60 @@ ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float 
                           ft_codec_error *err) {
     if (!ft_cache_codec_ok(codec)) return ft_error(FT_ERR_DTYPE, "cache codec must be float32, float16, bfloat16 or int8, not %s", ft_dtype_name(codec));
     if (codec == FT_I8 && !scales) return ft_error(FT_ERR_INVALID_ARGUMENT, "int8 codec needs a scale per row");
+    /* the error sums go into the manifest: summed per block of rows, then the blocks in order, so
+     * they do not depend on the thread count (a reduction clause would) */
+    enum { BLOCK_ROWS = 64 };
+    const int64_t n_blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    double *part = malloc((size_t)(n_blocks ? n_blocks : 1) * 2 * sizeof *part);
+    if (!part) return ft_error(FT_ERR_NOMEM, "out of memory");
     double max_err = 0.0, sq_err = 0.0, sq_ref = 0.0;
-#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) reduction(max : max_err) reduction(+ : sq_err, sq_ref)
-    for (int64_t r = 0; r < n; r++) {
-        const float *x = src + r * C;
-        double me = 0.0, se = 0.0, sr = 0.0;
-        if (codec == FT_F32) {
-            memcpy((float *)dst + r * C, x, (size_t)C * sizeof(float));
-            for (int64_t c = 0; c < C; c++) sr += (double)x[c] * x[c];
-        } else if (codec == FT_I8) {
-            float amax = 0.0f;
-            for (int64_t c = 0; c < C; c++) amax = fmaxf(amax, fabsf(x[c]));
-            const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *q = (int8_t *)dst + r * C;
-            scales[r] = s;
-            for (int64_t c = 0; c < C; c++) {
-                float v = nearbyintf(x[c] * inv);
-                v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-                q[c] = (int8_t)v;
-                double e = fabs((double)v * s - x[c]);
-                me = e > me ? e : me;
-                se += e * e;
-                sr += (double)x[c] * x[c];
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) reduction(max : max_err)
+    for (int64_t blk = 0; blk < n_blocks; blk++) {
+        double block_err = 0.0, block_ref = 0.0;
+        for (int64_t r = blk * BLOCK_ROWS; r < n && r < (blk + 1) * BLOCK_ROWS; r++) {
+            const float *x = src + r * C;
+            double me = 0.0, se = 0.0, sr = 0.0;
+            if (codec == FT_F32) {
+                memcpy((float *)dst + r * C, x, (size_t)C * sizeof(float));
+                for (int64_t c = 0; c < C; c++) sr += (double)x[c] * x[c];
+            } else if (codec == FT_I8) {
+                float amax = 0.0f;
+                for (int64_t c = 0; c < C; c++) amax = fmaxf(amax, fabsf(x[c]));
+                const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                int8_t *q = (int8_t *)dst + r * C;
+                scales[r] = s;
+                for (int64_t c = 0; c < C; c++) {
+                    float v = nearbyintf(x[c] * inv);
+                    v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+                    q[c] = (int8_t)v;
+                    double e = fabs((double)v * s - x[c]);
+                    me = e > me ? e : me;
+                    se += e * e;
+                    sr += (double)x[c] * x[c];
+                }
+            } else {
+                uint16_t *h = (uint16_t *)dst + r * C;
+                for (int64_t c = 0; c < C; c++) {
+                    h[c] = codec == FT_F16 ? ft_f32_to_f16(x[c]) : ft_f32_to_bf16(x[c]);
+                    double back = codec == FT_F16 ? ft_f16_to_f32(h[c]) : ft_bf16_to_f32(h[c]);
+                    double e = fabs(back - x[c]);
+                    me = e > me ? e : me;
+                    se += e * e;
+                    sr += (double)x[c] * x[c];
+                }
             }
-        } else {
-            uint16_t *h = (uint16_t *)dst + r * C;
-            for (int64_t c = 0; c < C; c++) {
-                h[c] = codec == FT_F16 ? ft_f32_to_f16(x[c]) : ft_f32_to_bf16(x[c]);
-                double back = codec == FT_F16 ? ft_f16_to_f32(h[c]) : ft_bf16_to_f32(h[c]);
-                double e = fabs(back - x[c]);
-                me = e > me ? e : me;
-                se += e * e;
-                sr += (double)x[c] * x[c];
-            }
+            max_err = me > max_err ? me : max_err;
+            block_err += se;
+            block_ref += sr;
         }
-        max_err = me > max_err ? me : max_err;
-        sq_err += se;
-        sq_ref += sr;
+        part[2 * blk] = block_err;
+        part[2 * blk + 1] = block_ref;
     }
+    for (int64_t blk = 0; blk < n_blocks; blk++) {
+        sq_err += part[2 * blk];
+        sq_ref += part[2 * blk + 1];
+    }
+    free(part);
     if (err) {
         if (max_err > err->max_abs_err) err->max_abs_err = max_err;
         err->sum_sq_err += sq_err;

@@ -60,6 +60,7 @@ struct ft_cache_reader {
     int64_t perm_n, perm_done;     /* its length; positions < perm_done are final (see shuffle_to) */
     uint64_t perm_key;
     int64_t first_step;            /* the producer's first step (0 is read by ft_cache_reader_start) */
+    int64_t part, parts;           /* each step delivers slice `part` of `parts` of its batch (1: all) */
     ft_cache_layout layout;
     ft_device device;              /* where the batches are delivered */
     uintptr_t stream;              /* device readers: the side stream the copies run on */
@@ -163,10 +164,20 @@ static void shuffle_steps(ft_cache_reader *r, int64_t last_step) {
     shuffle_to(r->perm, r->perm_n, r->perm_key, &r->perm_done, to);
 }
 
-/* One step into b (buffers grown as needed); the status and message stay with the batch. */
+/* One step into b (buffers grown as needed); the status and message stay with the batch.
+ * A step is a batch of the order (the global batch); with parts > 1 only slice `part` of it is
+ * read: its positions [gn part / parts, gn (part + 1) / parts), possibly none. */
 static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
-    const int64_t a = step * r->batch_size, nb = r->n - a < r->batch_size ? r->n - a : r->batch_size;
-    const int64_t *idx = r->order + a;
+    const int64_t a = step * r->batch_size, gn = r->n - a < r->batch_size ? r->n - a : r->batch_size;
+    const int64_t lo = gn * r->part / r->parts, nb = gn * (r->part + 1) / r->parts - lo;
+    const int64_t *idx = r->order + a + lo;
+    int64_t g_rows = 0, g_before = 0, g_longest = 0;   /* the global batch's rows, those before the slice */
+    for (int64_t k = 0; k < gn; k++) {
+        const int64_t rk = ft_cache_example_rows(r->cache, r->order[a + k]);
+        g_rows += rk;
+        if (k < lo) g_before += rk;
+        if (rk > g_longest) g_longest = rk;
+    }
     ft_cache_batch_info info;
     ft_status st = ft_cache_batch_info_get(r->cache, idx, nb, r->layout, r->enc, &info);
     size_t need = st == FT_OK ? (size_t)info.rows * (size_t)r->hidden : 0;
@@ -207,6 +218,11 @@ static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
     b->pub.rows = st == FT_OK ? info.rows : 0;
     b->pub.T = st == FT_OK ? info.T : 0;
     b->pub.step = step;
+    b->pub.global_n = gn;
+    b->pub.offset = lo;
+    b->pub.global_rows = g_rows;
+    b->pub.row_offset = g_before;
+    b->pub.global_T = g_longest;
     b->status = st;
     b->message[0] = '\0';
     if (st != FT_OK) {
@@ -284,8 +300,9 @@ static void *producer(void *arg) {
 }
 
 /* The common part of both starts: r->order, n (and perm) set; takes r (destroyed on failure). */
-static ft_status reader_begin(ft_cache_reader *r, ft_cache *c, int64_t batch_size, ft_cache_layout layout, int depth,
-                              ft_encoder *enc, int threads, ft_device device, ft_cache_reader **out) {
+static ft_status reader_begin(ft_cache_reader *r, ft_cache *c, int64_t batch_size, int64_t part, int64_t parts,
+                              ft_cache_layout layout, int depth, ft_encoder *enc, int threads, ft_device device,
+                              ft_cache_reader **out) {
     r->ring = calloc((size_t)depth + 1, sizeof *r->ring);
     if (!r->ring) {
         free(r->perm ? r->perm : r->order);
@@ -295,6 +312,8 @@ static ft_status reader_begin(ft_cache_reader *r, ft_cache *c, int64_t batch_siz
     r->cache = c;
     r->enc = enc;
     r->batch_size = batch_size;
+    r->part = part;
+    r->parts = parts;
     r->n_steps = (r->n + batch_size - 1) / batch_size;
     r->hidden = ft_cache_width(c);
     r->layout = layout;
@@ -339,20 +358,24 @@ static ft_status reader_begin(ft_cache_reader *r, ft_cache *c, int64_t batch_siz
     return FT_OK;
 }
 
-static ft_status check_reader_args(ft_device device, int64_t n, int64_t batch_size, int depth) {
+static ft_status check_reader_args(ft_device device, int64_t n, int64_t batch_size, int64_t part, int64_t parts,
+                                   int depth) {
     if (device.kind != FT_DEVICE_CPU && device.kind != FT_DEVICE_CUDA)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: unknown device kind %d", (int)device.kind);
+    if (parts < 1 || parts > (1 << 24) || part < 0 || part >= parts)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need 1 <= parts <= 2^24 and 0 <= part < parts (got part %lld "
+                        "of %lld)", (long long)part, (long long)parts);
     if (n < 0 || batch_size < 1 || depth < 1 || depth > 1024)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need n >= 0, batch_size >= 1, 1 <= depth <= 1024 (got %lld, %lld, %d)",
                         (long long)n, (long long)batch_size, depth);
     return FT_OK;
 }
 
-ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
-                                ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
+ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size, int64_t part,
+                                int64_t parts, ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
                                 ft_device device, ft_cache_reader **out) {
     *out = NULL;
-    FT_TRY(check_reader_args(device, n, batch_size, depth));
+    FT_TRY(check_reader_args(device, n, batch_size, part, parts, depth));
     /* every example of the order is checked now, not when its batch comes up */
     ft_cache_batch_info info;
     FT_TRY(ft_cache_batch_info_get(c, order, n, FT_CACHE_RAGGED, enc, &info));
@@ -364,19 +387,19 @@ ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, in
     }
     memcpy(r->order, order, (size_t)n * sizeof *order);
     r->n = n;
-    return reader_begin(r, c, batch_size, layout, depth, enc, threads, device, out);
+    return reader_begin(r, c, batch_size, part, parts, layout, depth, enc, threads, device, out);
 }
 
 ft_status ft_cache_reader_start_shuffled(ft_cache *c, uint64_t seed, int64_t keep, int64_t skip, int64_t batch_size,
-                                         ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
-                                         ft_device device, ft_cache_reader **out) {
+                                         int64_t part, int64_t parts, ft_cache_layout layout, int depth,
+                                         ft_encoder *enc, int threads, ft_device device, ft_cache_reader **out) {
     *out = NULL;
     const int64_t N = ft_cache_examples(c);
     if (keep < 0 || keep > N || skip < 0)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "reader: need 0 <= keep <= %lld and skip >= 0 (got %lld, %lld)",
                         (long long)N, (long long)keep, (long long)skip);
     if (skip > keep) skip = keep;
-    FT_TRY(check_reader_args(device, keep - skip, batch_size, depth));
+    FT_TRY(check_reader_args(device, keep - skip, batch_size, part, parts, depth));
     /* the order holds every example: each is checked now (cheaply: in storage order) */
     FT_TRY(ft_cache_check_readable(c, enc));
     ft_cache_reader *r = calloc(1, sizeof *r);
@@ -389,7 +412,7 @@ ft_status ft_cache_reader_start_shuffled(ft_cache *c, uint64_t seed, int64_t kee
     r->perm_key = shuffle_key(seed);
     r->order = r->perm + skip;
     r->n = keep - skip;
-    return reader_begin(r, c, batch_size, layout, depth, enc, threads, device, out);
+    return reader_begin(r, c, batch_size, part, parts, layout, depth, enc, threads, device, out);
 }
 
 ft_status ft_cache_reader_next(ft_cache_reader *r, int timeout_ms, ft_cache_batch **out, int *timed_out) {

@@ -119,9 +119,12 @@ static int env_threads(const char *name) {
 int ft_default_threads(void) {
     int n = env_threads("FASTTRAN_NUM_THREADS");
     if (!n) n = env_threads("OMP_NUM_THREADS");
-    if (n) return n;
+    return n ? n : ft_cpu_count();
+}
+
+int ft_cpu_count(void) {
     cpu_set_t set;
-    n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+    int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
     if (n < 1) n = omp_get_num_procs();
     int lim = cgroup_limit();
     if (lim > 0 && lim < n) n = lim;

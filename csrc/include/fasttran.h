@@ -272,7 +272,11 @@ void ft_cache_counters(const ft_cache *c, int64_t *hits, int64_t *misses);
 
 /* A reader prepares the batches of one epoch on its own thread, at most `depth` ahead of the
  * consumer: order (n) example indices, cut into batches of batch_size (the last may be short).
- * The cache (and enc) must outlive the reader. */
+ * Data parallelism: with parts > 1 each of those (global) batches delivers only its slice `part`
+ * (0 <= part < parts): its positions [g part / parts, g (part + 1) / parts) for a global batch of
+ * g examples -- contiguous, sizes within one of each other, empty when g < parts; every step is
+ * delivered, empty or not, so readers of every part see the same number of batches. parts = 1:
+ * whole batches. The cache (and enc) must outlive the reader. */
 typedef struct ft_cache_reader ft_cache_reader;
 
 typedef struct {
@@ -281,19 +285,24 @@ typedef struct {
     const int64_t *ids;            /* (n) their example ids (read by the thread with the batch) */
     int64_t n, rows, T;
     int64_t step;                  /* batch number within the reader's order */
+    int64_t global_n;              /* examples in the global batch this slice is part of (parts = 1: n) */
+    int64_t offset;                /* its first example's position in the global batch */
+    int64_t global_rows;           /* the global batch's real rows (tokens with every token kept, else examples) */
+    int64_t row_offset;            /* real rows of the global batch before this slice */
+    int64_t global_T;              /* the global batch's longest example, in rows */
 } ft_cache_batch;
 
 /* device: where the batches are delivered (the CPU, or a CUDA device: then each buffer is device
  * memory, read as ft_cache_read does, with its own pinned staging, reused batch after batch). */
-ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size,
-                                ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
+ft_status ft_cache_reader_start(ft_cache *c, const int64_t *order, int64_t n, int64_t batch_size, int64_t part,
+                                int64_t parts, ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
                                 ft_device device, ft_cache_reader **out);
 /* A shuffled epoch: the order is the first `keep` positions of ft_epoch_order(seed, N) (N the
  * cache's examples), batches starting at position `skip`. The shuffle runs on the reader's thread,
  * a batch ahead of the reads, so the consumer never waits for the whole permutation. */
 ft_status ft_cache_reader_start_shuffled(ft_cache *c, uint64_t seed, int64_t keep, int64_t skip, int64_t batch_size,
-                                         ft_cache_layout layout, int depth, ft_encoder *enc, int threads,
-                                         ft_device device, ft_cache_reader **out);
+                                         int64_t part, int64_t parts, ft_cache_layout layout, int depth,
+                                         ft_encoder *enc, int threads, ft_device device, ft_cache_reader **out);
 /* The epoch order of a shuffled epoch: a uniformly random permutation of 0..n-1 (Fisher-Yates,
  * position i drawn from counter-based random numbers keyed by (seed, i)), a pure function of
  * (seed, n) on every machine. */
@@ -623,7 +632,8 @@ size_t ft_model_allocated(const ft_model *m);
 const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */
 int ft_num_threads(void);               /* threads of the CPU backend (see core/threads.c) */
 void ft_set_num_threads(int n);
-int ft_default_threads(void);           /* FASTTRAN_NUM_THREADS, OMP_NUM_THREADS, else CPUs this process may use */
+int ft_default_threads(void);           /* FASTTRAN_NUM_THREADS, OMP_NUM_THREADS, else ft_cpu_count() */
+int ft_cpu_count(void);                 /* CPUs this process may use: its affinity mask capped by a cgroup CPU quota */
 const char *ft_cpu_isa(void);           /* CPU kernels in use: "amx", "avx512", "avx2" or "generic" */
 int ft_cuda_compiled(void);              /* the CUDA backend library (nvcc) is installed */
 int ft_cuda_emulated(void);              /* FASTTRAN_CUDA_EMU is set and the emulated backend is installed */

@@ -479,7 +479,23 @@ typedef struct {
     int device_index;    /* >= 0: batches in that CUDA device's memory (fasttran.Tensor) */
     int busy;            /* a thread is inside next() with the GIL released (the ring has one consumer) */
     int close_asked;     /* close() came meanwhile: that thread closes when it returns */
+    int sliced;          /* read with parts: next() adds the GlobalBatch of each slice */
+    long long first_step; /* the epoch's step of the reader's first batch (GlobalBatch.step) */
 } CacheReader;
+
+/* GlobalBatch: where a slice of a data-parallel reader sits in its global batch */
+static PyTypeObject *global_batch_type;
+static PyStructSequence_Field global_batch_fields[] = {
+    {"step", "the global batch's number in the epoch (from 0; a resumed epoch's `start` included)"},
+    {"size", "examples in the global batch (what a gradient sum is divided by)"},
+    {"offset", "position of this slice's first example in the global batch"},
+    {"rows", "real rows of the global batch (tokens when every token is kept, else examples)"},
+    {"row_offset", "real rows of the global batch before this slice"},
+    {"longest", "rows of the global batch's longest example"},
+    {NULL, NULL}};
+static PyStructSequence_Desc global_batch_desc = {
+    "fasttran.GlobalBatch", "Where a data-parallel slice sits in its global batch (ActivationCache.batches(rank=...)).",
+    global_batch_fields, 6};
 
 static void reader_close(CacheReader *self) {
     if (!self->r) return;
@@ -555,9 +571,19 @@ static PyObject *CacheReader_next(CacheReader *self) {
     PyObject *ids = PyArray_SimpleNew(1, nd1, NPY_INT64);
     if (!ids) { Py_DECREF(values); return NULL; }
     memcpy(PyArray_DATA((PyArrayObject *)ids), b->ids, (size_t)b->n * sizeof *b->ids);
+    const int64_t where[6] = {self->first_step + b->step, b->global_n, b->offset, b->global_rows, b->row_offset,
+                              b->global_T};
     PyObject *batch = finish_batch(st, values, b->index, b->n, b->T, self->ragged, self->device);
     if (!batch) { Py_DECREF(ids); return NULL; }
-    return Py_BuildValue("(NN)", ids, batch);
+    if (!self->sliced) return Py_BuildValue("(NN)", ids, batch);
+    PyObject *g = PyStructSequence_New(global_batch_type);
+    for (int k = 0; g && k < 6; k++) {
+        PyObject *v = PyLong_FromLongLong(where[k]);
+        if (!v) Py_CLEAR(g);
+        else PyStructSequence_SetItem(g, k, v);
+    }
+    if (!g) { Py_DECREF(ids); Py_DECREF(batch); return NULL; }
+    return Py_BuildValue("(NNN)", ids, batch, g);
 }
 
 static PyObject *CacheReader_close(CacheReader *self, PyObject *unused) {
@@ -580,20 +606,27 @@ static PyObject *CacheReader_exit(CacheReader *self, PyObject *args) {
 }
 
 /* reader(*, order (n,) int64 example positions, batch_size, ragged=False, depth=2, encoder=None,
- *        device=False, threads=1, device_index=-1, seed=None, keep=-1, skip=0) -> CacheReader: one
- *        epoch, read on a C thread; device with device_index >= 0: batches in that CUDA device's
- *        memory. order=None with a seed (an int in [0, 2**64)): the shuffled epoch of that seed,
- *        its first `keep` positions (-1: all), from position `skip` (drawn on the reader's thread) */
+ *        device=False, threads=1, device_index=-1, seed=None, keep=-1, skip=0, part=0, parts=0,
+ *        first_step=0) -> CacheReader: one epoch, read on a C thread; device with device_index >= 0:
+ *        batches in that CUDA device's memory. order=None with a seed (an int in [0, 2**64)): the
+ *        shuffled epoch of that seed, its first `keep` positions (-1: all), from position `skip`
+ *        (drawn on the reader's thread). parts >= 1: each batch of batch_size is a global batch, of
+ *        which slice `part` is read; next() yields (ids, batch, GlobalBatch), step counted from
+ *        first_step */
 static PyObject *CacheStore_reader(CacheStore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"order", "batch_size", "ragged", "depth", "encoder", "device", "threads", "device_index",
-                             "seed", "keep", "skip", NULL};
+                             "seed", "keep", "skip", "part", "parts", "first_step", NULL};
     PyObject *order_o, *enc_o = Py_None, *seed_o = Py_None;
-    long long bs, keep = -1, skip = 0;
+    long long bs, keep = -1, skip = 0, part = 0, parts = 0, first_step = 0;
     int ragged = 0, depth = 2, device = 0, threads = 1, device_index = -1;
     if (!store_ready(self) || !ft_py_keywords_only(args, "reader()") ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OL|piOpiiOLL", kwlist, &order_o, &bs, &ragged, &depth, &enc_o, &device,
-                                     &threads, &device_index, &seed_o, &keep, &skip))
+        !PyArg_ParseTupleAndKeywords(args, kw, "OL|piOpiiOLLLLL", kwlist, &order_o, &bs, &ragged, &depth, &enc_o,
+                                     &device, &threads, &device_index, &seed_o, &keep, &skip, &part, &parts,
+                                     &first_step))
         return NULL;
+    if (parts < 0 || (parts && (part < 0 || part >= parts)) || first_step < 0)
+        return ft_py_fail(ft_errors.input, "need 0 <= part < parts and first_step >= 0, got part %lld, parts %lld, "
+                          "first_step %lld", part, parts, first_step);
     if (!device) device_index = -1;
     const int shuffled = order_o == Py_None;
     if (shuffled == (seed_o == Py_None))
@@ -628,12 +661,17 @@ static PyObject *CacheStore_reader(CacheStore *self, PyObject *args, PyObject *k
     rd->device = device;
     rd->device_index = device_index;
     rd->busy = rd->close_asked = 0;
+    rd->sliced = parts > 0;
+    rd->first_step = first_step;
+    if (!parts) parts = 1;
     const ft_cache_layout layout = ragged ? FT_CACHE_RAGGED : FT_CACHE_PADDED;
     const ft_device dev = device_index >= 0 ? (ft_device){FT_DEVICE_CUDA, device_index} : (ft_device){FT_DEVICE_CPU, 0};
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = shuffled ? ft_cache_reader_start_shuffled(self->c, seed, keep, skip, bs, layout, depth, enc, threads, dev, &rd->r)
-                  : ft_cache_reader_start(self->c, PyArray_DATA(order), n, bs, layout, depth, enc, threads, dev, &rd->r);
+    st = shuffled ? ft_cache_reader_start_shuffled(self->c, seed, keep, skip, bs, part, parts, layout, depth, enc,
+                                                   threads, dev, &rd->r)
+                  : ft_cache_reader_start(self->c, PyArray_DATA(order), n, bs, part, parts, layout, depth, enc, threads,
+                                          dev, &rd->r);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) { Py_DECREF(rd); return ft_py_raise(st); }
     return (PyObject *)rd;
@@ -647,7 +685,7 @@ static PyMethodDef CacheStore_methods[] = {
      "read(*, example_ids, ragged=False, out=None, encoder=None, device=False, threads=0, device_index=-1) -> one batch."},
     {"reader", (PyCFunction)(void (*)(void))CacheStore_reader, METH_VARARGS | METH_KEYWORDS,
      "reader(*, order, batch_size, ragged=False, depth=2, encoder=None, device=False, threads=1, device_index=-1, "
-     "seed=None, keep=-1, skip=0) -> CacheReader."},
+     "seed=None, keep=-1, skip=0, part=0, parts=0, first_step=0) -> CacheReader."},
     {"counters", (PyCFunction)CacheStore_counters, METH_NOARGS, "(hits, misses) so far."},
     {NULL, NULL, 0, NULL}};
 
@@ -702,6 +740,9 @@ static int add_type(PyObject *m, PyType_Spec *spec, const char *name, PyTypeObje
 int ft_py_add_cache_functions(PyObject *m) {
     if (add_type(m, &CacheStore_spec, "CacheStore", &store_type) < 0 ||
         add_type(m, &CacheReader_spec, "CacheReader", &reader_type) < 0)
+        return -1;
+    if (!(global_batch_type = PyStructSequence_NewType(&global_batch_desc)) ||
+        PyModule_AddObjectRef(m, "GlobalBatch", (PyObject *)global_batch_type) < 0)
         return -1;
     return PyModule_AddFunctions(m, cache_methods);
 }

@@ -144,6 +144,11 @@ static PyObject *py_default_threads(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(ft_default_threads());
 }
 
+static PyObject *py_cpu_count(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return PyLong_FromLong(ft_cpu_count());
+}
+
 static PyObject *py_num_threads(PyObject *self, PyObject *unused) {
     (void)self; (void)unused;
     return PyLong_FromLong(ft_num_threads());
@@ -246,6 +251,7 @@ static PyMethodDef module_methods[] = {
     {"blas_name", py_blas_name, METH_NOARGS, "The BLAS library and CPU core it selected."},
     {"cpu_isa", py_cpu_isa, METH_NOARGS, "The CPU kernels in use: avx512, avx2 or generic."},
     {"default_threads", py_default_threads, METH_NOARGS, "The thread count the environment and this process's CPUs give."},
+    {"cpu_count", py_cpu_count, METH_NOARGS, "CPUs this process may use (affinity mask, capped by a cgroup CPU quota)."},
     {"num_threads", py_num_threads, METH_NOARGS, "Threads used by OpenMP and BLAS."},
     {"set_num_threads", py_set_num_threads, METH_O, "Set the threads used by OpenMP and BLAS."},
     {"cuda_probe", py_cuda_probe, METH_NOARGS, "(device_count, description, error) of the CUDA backend."},

@@ -58,6 +58,28 @@ def _device_index(device, what):
     raise InputError(f"{what} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
+def add_error(acc, err):
+    """A build's running measure of the codec's error, after one more shard's: (max abs error,
+    sum of squared errors, sum of squared values); added in plan order on every path, so the
+    sums are the same bits however the build was split or resumed."""
+    return [max(acc[0], err[0]), acc[1] + err[1], acc[2] + err[2]]
+
+
+def _slice_of(rank, world_size):
+    """(rank, world_size) of batches(rank=, world_size=), checked; None for whole batches. A
+    group (fasttran.distributed) passed as rank gives both."""
+    if rank is None and world_size is None:
+        return None
+    if hasattr(rank, "world_size") and hasattr(rank, "rank") and world_size is None:
+        rank, world_size = rank.rank, rank.world_size
+    for name, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise InputError(f"{name} must be an int (rank and world_size go together), got {v!r}")
+    if not 0 <= rank < world_size:
+        raise InputError(f"need 0 <= rank < world_size, got rank {rank} and world_size {world_size}")
+    return int(rank), int(world_size)
+
+
 class ActivationCache:
     """Frozen-layer outputs keyed by example id. Build with :meth:`build`, reopen with
     :meth:`open`; read with :meth:`get` or :meth:`batches`."""
@@ -104,7 +126,7 @@ class ActivationCache:
     @classmethod
     def build(cls, encoder, input_ids, attention_mask=None, token_type_ids=None, example_ids=None, layer=-1,
               positions="cls", dtype="float32", batch_size=64, device_bytes=None, host_bytes=None,
-              disk_dir=None, max_fraction=1.0, show_progress=None, rebuild=False):
+              disk_dir=None, max_fraction=1.0, show_progress=None, rebuild=False, group=None):
         """Run `encoder` over the examples (sorted by length, in batches) and store, per
         example, the pooled vector ("cls"/"mean") or every real token's state ("all") of
         `layer` (0..L, negatives from the end), encoded as float32/float16/bfloat16/int8.
@@ -115,7 +137,17 @@ class ActivationCache:
         recomputed when read. Device-tier rows are decoded on the device: batches read with
         output="device" are gathered there without a host round trip. With `disk_dir` the cache persists there and a killed build
         resumes; a directory holding another model's or other inputs' cache is refused unless
-        `rebuild=True`."""
+        `rebuild=True`.
+
+        In a process group of several ranks (torchrun; fasttran.distributed) every rank calls
+        build with the same inputs and the same `disk_dir`, a directory they all see: each
+        encodes its contiguous part of the plan and writes its shards, rank 0 writes the
+        manifest, and every rank returns the whole cache. The files are a one-process build's,
+        byte for byte (the manifest's build_seconds aside); a build interrupted at one world
+        size resumes at another, and a complete cache is opened, not rebuilt. `group`: None
+        joins the process group when this process was launched as one of several ranks;
+        False builds in this process alone (each rank its own cache); or a
+        fasttran.distributed group. Without `disk_dir` each rank builds every shard itself."""
         self = cls._blank()
         if positions not in POSITIONS:
             raise InputError(f"positions must be one of {POSITIONS}, got {positions!r}")
@@ -143,8 +175,13 @@ class ActivationCache:
             u, c = np.unique(ex, return_counts=True)
             if (c > 1).any():
                 raise InputError(f"duplicate example id {int(u[c > 1][0])} ({int((c > 1).sum())} duplicated ids)")
+        from . import parallel
+        g = parallel.build_group(group, disk_dir)
         self._setup(encoder, int(layer) % (L + 1), positions, dtype, batch_size, encoder.hidden_size, ex, tokens, types,
                     offsets, max_fraction, host_bytes, device_bytes=device_bytes)
+        if g is not None:
+            parallel.build(self, g, disk_dir, rebuild, show_progress)
+            return self
         entries = []
         if disk_dir is not None:
             entries = self._open_dir_for_build(disk_dir, rebuild)
@@ -261,8 +298,7 @@ class ActivationCache:
         read."""
         for e in entries:
             b = persist.shard_batch(e)
-            ex = self._plan.shard_examples(b, self._n_cached_planned)
-            rows = int(rows_of(self._lengths, self.positions, ex).sum())
+            ex, rows = self._shard_plan(b)
             where = f"{os.path.join(self.path, 'manifest.json')}: field shards[{e['file']}]"
             if not len(ex):
                 raise CacheCorruptError(f"{where}: batch {b} has no cached example in the build plan")
@@ -275,6 +311,11 @@ class ActivationCache:
             self._tiers.place(ex, arrs["values"], arrs.get("scales"), nbytes, (e["file"], e["bytes"], e["crc32c"]),
                               mapped=mm, verified=to_memory)
 
+    def _shard_plan(self, b):
+        """(examples, rows) that shard b holds in the build plan."""
+        ex = self._plan.shard_examples(b, self._n_cached_planned)
+        return ex, int(rows_of(self._lengths, self.positions, ex).sum())
+
     def _encode_batch(self, idx):
         """Run the encoder on examples idx, padded to the longest of them; returns float32 rows
         (pooled, or real tokens only)."""
@@ -286,30 +327,43 @@ class ActivationCache:
             return h[mask.astype(bool)]
         return self.encoder.forward(ids, mask, tys, output_layers=self.layer, pooling=self.positions)
 
-    def _run_build(self, show_progress):
-        done = set(e["file"] for e in self._manifest["shards"]) if self.path is not None else set()
+    def _todo(self, done):
+        """(plan batch, its cached examples) of every shard still to build: batches with cached
+        examples whose file is not in `done`, in plan order."""
         todo = []
         for b in range(self._n_plan_batches):
             idx = self._plan.shard_examples(b, self._n_cached_planned)
             if len(idx) and persist.shard_name(b) not in done:
                 todo.append((b, idx))
+        return todo
+
+    def _encode_shard(self, idx):
+        """The stored rows of examples idx: (values, int8 scales or None, (max abs error, sum of
+        squared errors, sum of squared values))."""
+        rows = np.ascontiguousarray(self._encode_batch(idx), np.float32)
+        return _C.cache_encode(src=rows, codec=codec_code(self.dtype))
+
+    def _write_shard(self, b, idx, vals, sc):
+        """Shard file of plan batch b; returns its manifest entry."""
+        size, crc = persist.write_shard(self.path, b, self._manifest, idx.astype(np.int64), self.example_ids[idx],
+                                        vals, sc)
+        return {"file": persist.shard_name(b), "bytes": size, "crc32c": crc, "rows": len(vals)}
+
+    def _run_build(self, show_progress):
+        todo = self._todo(set(e["file"] for e in self._manifest["shards"]) if self.path is not None else set())
         it = todo
         if show_progress is not False:   # None: a bar for any build that lasts over 2 s
             from .._progress import progress
             it = progress(todo, desc="build cache", unit="batch", delay=0 if show_progress else 2.0)
         t0 = time.perf_counter()
         for b, idx in it:
-            rows = np.ascontiguousarray(self._encode_batch(idx), np.float32)
-            vals, sc, err = _C.cache_encode(src=rows, codec=codec_code(self.dtype))
-            self._err = [max(self._err[0], err[0]), self._err[1] + err[1], self._err[2] + err[2]]
+            vals, sc, err = self._encode_shard(idx)
+            self._err = add_error(self._err, err)
             nbytes = len(vals) * self._row_bytes
             if self.path is None:
                 self._tiers.place(idx, vals, sc, nbytes)
                 continue
-            name = persist.shard_name(b)
-            size, crc = persist.write_shard(self.path, b, self._manifest, idx.astype(np.int64), self.example_ids[idx],
-                                            vals, sc)
-            entry = {"file": name, "bytes": size, "crc32c": crc, "rows": len(vals)}
+            entry = self._write_shard(b, idx, vals, sc)
             self._manifest["shards"].append(entry)
             self._manifest["error"] = self._err
             self._manifest["build_seconds"] = self._build_seconds + time.perf_counter() - t0
@@ -319,7 +373,8 @@ class ActivationCache:
                 arrs, mm = persist.open_shard(self.path, entry, self._manifest, idx, self.example_ids[idx], len(vals),
                                               verify=False)
                 vals, sc = arrs["values"], arrs.get("scales")
-            self._tiers.place(idx, vals, sc, nbytes, (name, size, crc), mapped=mm, verified=True)
+            self._tiers.place(idx, vals, sc, nbytes, (entry["file"], entry["bytes"], entry["crc32c"]), mapped=mm,
+                              verified=True)
         self._build_seconds += time.perf_counter() - t0
         if self.path is not None and not self._manifest["complete"]:
             self._manifest["complete"] = True
@@ -409,7 +464,8 @@ class ActivationCache:
         return np.concatenate(groups)
 
     def batches(self, batch_size, shuffle=True, seed=None, drop_last=False, sampling="random", chunk_bytes=None,
-                passes_per_chunk=1, prefetch=None, output="numpy", ragged=False, start=0, device=None):
+                passes_per_chunk=1, prefetch=None, output="numpy", ragged=False, start=0, device=None, rank=None,
+                world_size=None):
         """Iterate one epoch: yields (example_ids, batch) with batch as from :meth:`get`. The
         next `prefetch` batches are read ahead on a C thread while the caller computes (None:
         as many as fit in 64 MiB, 2 to 8, so that a reader thread the OS schedules late
@@ -423,7 +479,20 @@ class ActivationCache:
         `prefetch` batches plus the one being used; a loop that keeps the previous batch alive
         while it asks for the next (`for ids, batch in ...` without `del batch`, or zip() and
         enumerate(), which keep their last item) can make it take one buffer more.
-        The iterator's close() stops the reader (also done when it is exhausted or freed)."""
+        The iterator's close() stops the reader (also done when it is exhausted or freed).
+
+        Data parallelism: with `rank` and `world_size` (or `rank=` a fasttran.distributed group),
+        `batch_size` is the *global* batch: every rank reads the same epoch order (same `seed`)
+        and takes, from each global batch of g examples, its contiguous slice of positions
+        [g rank // world_size, g (rank + 1) // world_size) -- sizes within one of each other,
+        together the global batch in order. It yields (example_ids, batch, where) for *every*
+        global batch, so all ranks take the same number of steps: a slice may be empty (an
+        uneven last batch smaller than world_size; its batch has 0 examples), and `where` (a
+        GlobalBatch) says what a step needs to equal one process: `step` (the global batch's
+        number in the epoch, `start` included), `size` (its examples: divide a gradient sum by
+        it), `offset` (this slice's first position in it), `rows` / `row_offset` (its real
+        rows: tokens with positions="all", else examples; and those before this slice) and
+        `longest` (its longest example, in rows)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
         if sampling not in ("random", "chunked"):
@@ -436,12 +505,15 @@ class ActivationCache:
         index = self._output_index(output, device)
         if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
             raise InputError(f"start must be an int >= 0, got {start!r}")
+        part = _slice_of(rank, world_size)
         bs, seed = int(batch_size), _seed64(seed)
         if prefetch is None:   # float32 bytes of a batch: a pooled row, or the longest example's rows
             per = 4 * self.hidden * (self._longest if self.positions == "all" else 1)
             prefetch = min(8, max(2, (64 << 20) // max(1, bs * per)))
         kw = dict(batch_size=bs, ragged=bool(ragged), depth=int(prefetch), encoder=self._encoder_core(),
                   device=output == "device", threads=_READER_THREADS, device_index=index)
+        if part is not None:
+            kw.update(part=part[0], parts=part[1], first_step=int(start))
         N = len(self.example_ids)
         if shuffle and sampling == "random":   # the permutation is drawn on the reader's thread
             return self._store.reader(order=None, seed=seed, keep=N // bs * bs if drop_last else N,

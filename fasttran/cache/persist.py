@@ -143,11 +143,16 @@ def _manifest_text(body):
     return json.dumps(body, sort_keys=True)
 
 
-def write_manifest(d, man):
-    body = dict(man)
+def _checked_json(body):
+    """File bytes of a JSON object with its checksum: the CRC-32C of its sorted compact text."""
+    body = dict(body)
     body.pop("checksum", None)
     body["checksum"] = _C.crc32c(_manifest_text(body).encode())
-    _atomic_write(os.path.join(d, "manifest.json"), [json.dumps(body, sort_keys=True, indent=1).encode()])
+    return json.dumps(body, sort_keys=True, indent=1).encode()
+
+
+def write_manifest(d, man):
+    _atomic_write(os.path.join(d, "manifest.json"), [_checked_json(man)])
 
 
 def read_manifest(d):
@@ -262,6 +267,69 @@ def check_manifest(man, p):
 
 def shard_batch(entry):
     return int(_SHARD_NAME.fullmatch(entry["file"]).group(1))
+
+
+# ---- journals of a build split over ranks ----------------------------------------------------------
+# A rank of a split build (cache/parallel.py) lists the shards it has written in its own journal,
+# rewritten atomically after each one: the manifest is rank 0's alone, and is written once the
+# build is complete. The manifest's identity (model, index, settings) is repeated, so a journal of
+# another cache that once lived in the directory is ignored. Each entry is a manifest entry plus
+# the codec's error on that shard (to sum the errors in plan order at the end).
+JOURNAL_FORMAT = "fasttran-activation-cache-journal"
+_JOURNAL_NAME = re.compile(r"build-journal-[0-9a-f]{12}-r[0-9]{1,7}\.json")
+
+
+def journal_name(run, rank):
+    return f"build-journal-{run}-r{rank}.json"
+
+
+def journal_names(d):
+    try:
+        return sorted(n for n in os.listdir(d) if _JOURNAL_NAME.fullmatch(n))
+    except OSError:
+        return []
+
+
+def write_journal(d, name, man, entries):
+    body = {"format": JOURNAL_FORMAT, "version": VERSION, "model": man["model"], "index": man["index"],
+            "settings": man["settings"], "shards": entries}
+    _atomic_write(os.path.join(d, name), [_checked_json(body)])
+
+
+def read_journal_entries(d, man):
+    """Shard entries (with "error") of the journals in d that belong to the cache of manifest
+    `man`; a damaged or foreign journal, or a malformed entry, is skipped (its shards are built
+    again). The entries' files are not checked here."""
+    out = []
+    for name in journal_names(d):
+        try:
+            with open(os.path.join(d, name), "rb") as f:
+                body = json.loads(f.read(_MAX_MANIFEST + 1))
+            want = body.pop("checksum", None)
+            if not (_is_int(want) and want == _C.crc32c(_manifest_text(body).encode())):
+                continue
+        except (OSError, ValueError, RecursionError, AttributeError):
+            continue
+        if (body.get("format") != JOURNAL_FORMAT or body.get("version") != VERSION or not isinstance(body.get("shards"), list)
+                or [body.get(k) for k in ("model", "index", "settings")] != [man[k] for k in ("model", "index", "settings")]):
+            continue
+        for e in body["shards"]:
+            ok = (isinstance(e, dict) and set(e) == {"file", "bytes", "crc32c", "rows", "error"}
+                  and isinstance(e["file"], str) and _SHARD_NAME.fullmatch(e["file"])
+                  and all(_is_int(e[k]) and e[k] >= 0 for k in ("bytes", "crc32c", "rows"))
+                  and isinstance(e["error"], list) and len(e["error"]) == 3
+                  and all(isinstance(x, float) and math.isfinite(x) and x >= 0 for x in e["error"]))
+            if ok:
+                out.append(e)
+    return out
+
+
+def remove_journals(d):
+    for name in journal_names(d):
+        try:
+            os.unlink(os.path.join(d, name))
+        except FileNotFoundError:
+            pass
 
 
 # ---- index ---------------------------------------------------------------------------------------
