@@ -26,9 +26,13 @@ extractive QA (SQuAD v1.1 JSON files):
   fasttran train    --head qa --input train.json --cache qtrain --output qck
   fasttran evaluate --input dev.json --cache qdev --checkpoint qck    # exact match / F1
 
-several processes (torchrun; `python -m fasttran` is this command): the build is split over the
-ranks and writes the files one process writes; only rank 0 prints
+several processes (torchrun; `python -m fasttran` is this command): a cache build is split over the
+ranks and writes the files one process writes; training takes a slice of every global batch
+(--batch-size) per rank and sums the gradients (equal to one process at that batch); only rank 0
+prints and writes the checkpoint
   torchrun --nproc-per-node=4 -m fasttran cache --input train.tsv --output ctrain
+  torchrun --nproc-per-node=4 --max-restarts=1 -m fasttran train --input train.tsv --cache ctrain --output ck \
+           --resume --checkpoint-every 200      # a restarted job continues from its last checkpoint
 
 Inputs are JSON lines ({"text": ..., "text_pair": ..., "label": ...}) or TSV (GLUE's files as they
 are: byte-order marks, a header or none, label names such as `entailment`; other TSV files name
@@ -315,6 +319,7 @@ def cmd_train(args):
     from . import Trainer
     if bool(args.eval_input) != bool(args.eval_cache):
         _fail("--eval-input and --eval-cache go together: the cache of the eval file, built with `fasttran cache`")
+    group = _join_group(args)
     enc = _encoder(args)
     if args.head == "qa":
         cache, feats = _qa_source(args, enc, args.cache, args.input, True, "--cache")
@@ -343,9 +348,15 @@ def cmd_train(args):
         kw["pooler"] = args.pooler or None
     if names is not None and head != "qa":
         kw["label_names"] = names
+    if group is not None:   # several ranks: --batch-size is the global batch, each rank takes its slice
+        from .distributed import DataParallel
+        kw["reduction"] = DataParallel(group)
+        kw["show_progress"] = group.is_main
     tr = Trainer(head, **kw)
-    print(f"{tr!r}", file=sys.stderr)
-    for r in tr.fit(cache, targets, eval=ev, checkpoint_dir=args.output, resume=args.resume):
+    if group is None or group.is_main:
+        print(f"{tr!r}", file=sys.stderr)
+    for r in tr.fit(cache, targets, eval=ev, checkpoint_dir=args.output, resume=args.resume,
+                    checkpoint_every=args.checkpoint_every):
         print(json.dumps(r))
     tr.save(args.output)
     print(f"saved to {args.output}")
@@ -485,7 +496,10 @@ def build_parser():
     t.add_argument("--seed", type=int, default=0, help="head init, batch order and dropout")
     t.add_argument("--eval-input", help="evaluate after every epoch on this file (needs --eval-cache)")
     t.add_argument("--eval-cache", help="cache directory of --eval-input (needs --eval-input)")
-    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output (none yet: start; "
+                   "under torchrun --max-restarts, a restarted job picks up its last checkpoint)")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="also save the checkpoint every N steps (default: after every epoch only)")
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("evaluate", help="accuracy/F1 (QA: exact match/F1) of a trained head on a cache",

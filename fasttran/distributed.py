@@ -661,3 +661,68 @@ class _TorchGroup(Group):
                 raise CollectiveTimeoutError(
                     f"rank {r} stopped responding (no heartbeat for {now - last[1]:.0f} s: its process died or is frozen) "
                     f"while rank {self.rank} waited for it at #{seq} wait_all {what!r}")
+
+
+# ---- data-parallel training ------------------------------------------------------------------------
+class DataParallel:
+    """fasttran.Trainer's gradient reduction over a process group: ``Trainer(..., reduction=
+    DataParallel())`` on every rank (torchrun, accelerate, Ray Train, Slurm + torchrun).
+
+    Every rank reads the same epoch order and takes its slice of every global batch (the
+    Trainer's `batch_size` is the global batch); its step computes its slice's share of the
+    global batch's loss (the sum over its examples divided by the global batch's count of loss
+    terms), with the dropout masks the global batch draws at its place. As the C backward finishes
+    each gradient bucket -- the head, then the top layer down to the bottom one -- the model hands
+    it here and its sum over the ranks starts at once (asynchronous, zero-copy views of the flat
+    gradient table) while the layers below run without the GIL; finish() waits for them. So every
+    rank ends the step with the same summed gradients, and clipping, LAMB's trust ratios and
+    float16 loss-scale decisions, which come after, are the same everywhere: the ranks take the
+    same step, and the run equals one process at the same global batch up to the order of the sums.
+    A step starts with a checked collective (the step's number), so ranks that diverged -- other
+    numbers of batches, a rank in another phase -- fail there with CollectiveError naming what each
+    did, instead of pairing the wrong reductions."""
+
+    def __init__(self, group=None):
+        self.group = group if group is not None else init()
+        self.rank, self.world_size = self.group.rank, self.group.world_size
+        self._views, self._works = [], []
+
+    def __repr__(self):
+        return f"DataParallel(rank {self.rank} of {self.world_size}, {self.group.backend or 'one process'})"
+
+    def start(self, model, run):
+        """Once per fit: the gradient buckets of `model`; `run` (what must be the same on every rank:
+        data, batch size, seed, model) is compared across the ranks."""
+        self._views = [view for _, view in model.buckets()]
+        seen = self.group.all_gather_object(run, what="fit: the run's settings")
+        for r, other in enumerate(seen):
+            if other != run:
+                diff = sorted(k for k in set(run) | set(other) if run.get(k) != other.get(k))
+                raise CollectiveError(f"rank {self.rank} and rank {r} start different runs: "
+                                      + "; ".join(f"{k}: {run.get(k)!r} here, {other.get(k)!r} there" for k in diff)
+                                      + ". Every rank must train the same model on the same data with the same "
+                                        "settings")
+
+    def begin(self, step):
+        """Before a step's model step: the ranks check they are at the same step."""
+        self.group.barrier(what=f"training step {int(step)}")
+
+    def ready(self, bucket):
+        """The model hands over gradient bucket `bucket` (final in memory): its sum starts now."""
+        self._works.append(self.group.all_reduce_(self._views[bucket], async_op=True, what="gradient bucket",
+                                                  check=False))
+
+    def finish(self, loss):
+        """After the step's backward: the buckets' sums are complete; returns the global loss."""
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+        buf = np.array([loss], np.float64)
+        self.group.all_reduce_(buf, what="loss", check=False)
+        return float(buf[0])
+
+    def sum(self, values):
+        """Per-epoch counters summed over the ranks (float64)"""
+        buf = np.array(values, np.float64)
+        self.group.all_reduce_(buf, what="epoch counters")
+        return buf

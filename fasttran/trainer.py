@@ -93,22 +93,33 @@ def _cuda_device(device):
 
 class Reduction:
     """The Trainer's gradient reduction hook, here the identity: one process. A data-parallel one
-    (fasttran.distributed) sums each gradient bucket over the processes as the backward hands it
-    over, and the loss after the step, so that every process takes the same optimizer step.
+    (fasttran.distributed.DataParallel) sums each gradient bucket over the processes as the
+    backward hands it over, and the loss after the step, so that every process takes the same
+    optimizer step.
 
-    rank, world_size   this process's place
+    rank, world_size   this process's place: it trains on slice `rank` of `world_size` of every
+                       global batch of `batch_size` examples
+    start(model, run)  once per fit, with the model (its buckets: model.buckets()) and what must be
+                       the same for every process (`run`: data, settings)
+    begin(step)        before each step
     ready              None, or a callable(bucket) the model calls as each gradient bucket is final
-    start(model)       once per fit, with the model (its buckets: model.buckets())
     finish(loss)       after the step's backward: wait for the reductions; returns the global loss
+    sum(values)        per-epoch counters over the processes
     """
     rank, world_size = 0, 1
     ready = None
 
-    def start(self, model):
+    def start(self, model, run):
+        pass
+
+    def begin(self, step):
         pass
 
     def finish(self, loss):
         return loss
+
+    def sum(self, values):
+        return np.asarray(values, np.float64)
 
 
 def _epoch_seed(seed, epoch):
@@ -219,8 +230,10 @@ class Trainer:
                                  "(the default; a checkpoint trained on CUDA loads with Trainer.load(path, "
                                  "device='cpu'))")
             device = cuda
-        if reduction is not None and not all(hasattr(reduction, a) for a in ("ready", "start", "finish")):
-            raise InputTypeError("reduction must be a fasttran.trainer.Reduction (ready, start(model), finish(loss))")
+        if reduction is not None and not all(hasattr(reduction, a) for a in ("ready", "start", "begin", "finish", "sum",
+                                                                             "rank", "world_size")):
+            raise InputTypeError("reduction must be a fasttran.trainer.Reduction (rank, world_size, start, begin, ready, "
+                                 "finish, sum), e.g. fasttran.distributed.DataParallel()")
         self.head = head if isinstance(head, Head) else None
         self._head_name = head if isinstance(head, str) else None
         self.optimizer_name = optimizer.lower()
@@ -391,18 +404,35 @@ class Trainer:
         return prep
 
     # ---- one step ---------------------------------------------------------------------------------
-    def _batches(self, cache, **kw):
-        """the cache's batches as the model reads them: on its device, ragged when per token"""
+    def _batches(self, cache, sliced=True, **kw):
+        """the cache's batches as the model reads them: on its device, ragged when per token; sliced:
+        this process's slice of every global batch (all of it in one process), with its place"""
+        if sliced:
+            kw.update(rank=self.reduction.rank, world_size=self.reduction.world_size)
         return cache.batches(ragged=cache.positions == "all", output="device", device=self.device, **kw)
 
-    def _step(self, cache, prep, ids, batch, total, warm):
-        """One training step on a batch from the reader: (examples, loss, (right, counted) or None)."""
-        idx = cache.index_of(ids)
-        x, lengths = rows_of(batch)
-        targets, valid = self.head.batch(prep, idx, lengths)
-        loss, logits = self.model.step(x, lengths, targets, valid, denominator=self.head.denominator(targets),
-                                       seed=self.seed, step=self.global_step, loss_scale=self._scale(),
-                                       ready=self.reduction.ready)
+    def _step(self, cache, prep, order, ids, batch, where, total, warm):
+        """One training step on this process's slice of a global batch (`where`: its place; `order`:
+        the epoch's order, whose global batch gives the loss's denominator and the dropout masks'
+        place): (examples, global loss, (right, counted) or None)."""
+        g0 = where.step * self.batch_size
+        glob = order[g0:g0 + where.size]   # the global batch's examples
+        gt, _ = self.head.batch(prep, glob, None)
+        lengths_all = np.asarray(cache.lengths, np.int64) if cache.positions == "all" else None
+        before = glob[:where.offset]
+        place = (where.row_offset, where.offset, int((lengths_all[before] ** 2).sum()) if lengths_all is not None
+                 else where.offset)
+        self.reduction.begin(self.global_step)
+        if len(ids):
+            idx = cache.index_of(ids)
+            x, lengths = rows_of(batch)
+            targets, valid = self.head.batch(prep, idx, lengths)
+            loss, logits = self.model.step(x, lengths, targets, valid, denominator=self.head.denominator(gt),
+                                           seed=self.seed, step=self.global_step, place=place,
+                                           loss_scale=self._scale(), ready=self.reduction.ready)
+            correct = self.head.correct(logits, targets)
+        else:   # an empty slice of an uneven last batch: no gradient, but every reduction still happens
+            loss, correct = self.model.idle(self.reduction.ready), None
         loss = self.reduction.finish(loss)
         self._dirty = True
         if not math.isfinite(loss):
@@ -410,13 +440,13 @@ class Trainer:
         refused = self._optimizer_step(total, warm)
         if refused is not None:
             self._diverged(cache, ids, loss, refused)
-        return len(idx), loss, self.head.correct(logits, targets)
+        return len(ids), loss, correct
 
     def _diverged(self, cache, ids, loss, refused=None):
         """A non-finite loss or gradient (the optimizer's refusal): features with NaN or Inf are named
         by example, else the step is."""
-        x, _ = rows_of(cache.get(ids, ragged=cache.positions == "all"))
-        x = np.asarray(x)
+        x = np.zeros((0, 1), np.float32) if not len(ids) else np.asarray(
+            rows_of(cache.get(ids, ragged=cache.positions == "all"))[0])
         if not np.isfinite(x).all():
             lengths = rows_of(cache.get(ids, ragged=cache.positions == "all"))[1]
             row = int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(1))[0])
@@ -465,19 +495,26 @@ class Trainer:
         steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
         total = steps_per_epoch * self.epochs
         warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
-        rows = np.sort(rows_of_lengths(cache))[::-1][:self.batch_size]
-        self.model.reserve(min(self.batch_size, N), int(rows.sum()))
+        local = -(-self.batch_size // self.reduction.world_size)   # this process's slice, at most
+        rows = np.sort(rows_of_lengths(cache))[::-1][:local]
+        self.model.reserve(min(local, N), int(rows.sum()))
         return steps_per_epoch, total, warm
 
     # ---- training -------------------------------------------------------------------------------
-    def fit(self, cache, targets, eval=None, checkpoint_dir=None, resume=False, stop_at_step=None):
+    def fit(self, cache, targets, eval=None, checkpoint_dir=None, resume=False, stop_at_step=None,
+            checkpoint_every=None):
         """Train for `epochs` over `cache` (targets in the cache's example order: class labels,
         scores, 0/1 label columns, token labels, or (starts, ends) for QA -- what the head takes).
         `eval`: (cache, targets) evaluated after every epoch ((cache, squad_features) for QA). With
         `checkpoint_dir` the state is saved after every epoch and on Ctrl-C, and `resume=True`
-        continues from it exactly. `stop_at_step` stops like Ctrl-C once that many steps are done
-        (the schedule stays the full run's). Progress: one bar per epoch, left on screen with its
+        continues from it exactly (at any number of processes); `checkpoint_every=n` also saves
+        every n steps (a killed job loses at most n steps). `stop_at_step` stops like Ctrl-C once
+        that many steps are done (the schedule stays the full run's). Progress: one bar per epoch, left on screen with its
         loss, accuracy and eval metric. Returns the history (one dict per epoch, also `self.history`)."""
+        if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(
+                checkpoint_every, (int, np.integer)) or checkpoint_every < 1 or not checkpoint_dir):
+            raise InputError(f"checkpoint_every must be a positive int of steps, with checkpoint_dir; got "
+                             f"{checkpoint_every!r}")
         prep = self._prepare(cache, targets)
         if eval is not None:
             if not (isinstance(eval, (tuple, list)) and len(eval) == 2):
@@ -497,7 +534,10 @@ class Trainer:
         self._pull()
         self.model.push()   # the host head (maybe loaded or edited since) into the model
         steps_per_epoch, total, warm = self._loop_setup(cache)
-        self.reduction.start(self.model)
+        self.reduction.start(self.model, {"examples": len(cache), "features": feats["fingerprint"],
+                                          "batch_size": self.batch_size, "seed": self.seed, "epochs": self.epochs,
+                                          "head": self.head.config(), "train_layers": self.train_layers,
+                                          "parameters": self.model.params.shape[0], "position": list(self._pos)})
         old_handler = None
         if threading.current_thread() is threading.main_thread():
             def on_sigint(signum, frame):   # finish the step in flight, then stop cleanly
@@ -512,6 +552,7 @@ class Trainer:
             for epoch in range(first_epoch, self.epochs):
                 t0 = time.perf_counter()
                 start = first_batch if epoch == first_epoch else 0
+                order = cache.epoch_order(_epoch_seed(self.seed, epoch))   # the reader's: every rank's
                 it = self._batches(cache, batch_size=self.batch_size, shuffle=True,
                                    seed=_epoch_seed(self.seed, epoch), start=start)
                 stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
@@ -519,9 +560,9 @@ class Trainer:
                                                    desc=f"epoch {epoch + 1}/{self.epochs}",
                                                    disable=not self.show_progress, leave=True))
                 loss_sum, right, counted, seen, b = 0.0, 0, 0, 0, start
-                for ids, batch in it:
+                for ids, batch, where in it:
                     self._pos = (epoch, b)
-                    n, loss, c = self._step(cache, prep, ids, batch, total, warm)
+                    n, loss, c = self._step(cache, prep, order, ids, batch, where, total, warm)
                     del batch   # its buffer goes back to the reader before the next is asked for
                     b += 1
                     self._pos = (epoch, b)
@@ -533,6 +574,8 @@ class Trainer:
                     bar.update(1)
                     if b % 20 == 0:
                         bar.set_postfix(self._postfix(loss_sum, right, counted, seen), refresh=False)
+                    if checkpoint_every and self.global_step % checkpoint_every == 0:
+                        self.save(checkpoint_dir)
                     if stop_at_step is not None and self.global_step >= stop_at_step:
                         self._interrupt = True
                     if self._interrupt:
@@ -547,6 +590,7 @@ class Trainer:
                           file=sys.stderr)
                     break
                 self._pos = (epoch + 1, 0)
+                loss_sum, right, counted, seen = self.reduction.sum([loss_sum, right, counted, seen])   # all ranks'
                 rec = {"epoch": epoch + 1, "steps": self.global_step, "train_loss": loss_sum / max(seen, 1),
                        "seconds": time.perf_counter() - t0, "lr": self.optimizer.lr}
                 if counted:
@@ -608,7 +652,7 @@ class Trainer:
         # a bar appears when the pass is slow (an uncached source runs the encoder)
         with progress(total=steps, desc="evaluate", unit="batch", leave=False, delay=1.0,
                       disable=not self.show_progress) as bar:
-            for ids, batch in self._batches(cache, batch_size=batch_size, shuffle=False):
+            for ids, batch in self._batches(cache, sliced=False, batch_size=batch_size, shuffle=False):
                 x, lengths = rows_of(batch)
                 _, valid = self.head.batch(prep, cache.index_of(ids), lengths)
                 chunks.append(self.head.outputs(self.model.forward(x, lengths, valid), lengths, valid))
@@ -675,9 +719,11 @@ class Trainer:
         ragged = cache.positions == "all"
 
         def run(k0, n):
+            from types import SimpleNamespace
             for k in range(k0, k0 + n):
                 ex = rows(k)
-                scratch._step(cache, prep, ex, cache.get(ex, ragged=ragged), total, warm)
+                where = SimpleNamespace(step=k % len(batches), size=len(ex), offset=0, row_offset=0)
+                scratch._step(cache, prep, order, ex, cache.get(ex, ragged=ragged), where, total, warm)
 
         top = f"top {self.train_layers} layer{'s' if self.train_layers > 1 else ''} + " if self.train_layers else ""
         title = (f"{top}{type(scratch.head).__name__} + {scratch.optimizer_name.upper()}, batch {scratch.batch_size}, "

@@ -597,6 +597,8 @@ void ft_model_bucket(const ft_model *m, size_t i, size_t *offset, size_t *floats
 /* host <-> the flat parameter table, floats [offset, offset + n) */
 ft_status ft_model_write_params(ft_model *m, size_t offset, const float *host, size_t n);
 ft_status ft_model_read_params(ft_model *m, size_t offset, float *host, size_t n);
+/* every gradient 0 (a process's empty slice of a global batch still takes part in the reduction) */
+ft_status ft_model_zero_grads(ft_model *m);
 
 typedef struct {
     const float *x;              /* (N, C) backend memory: packed sequences, or pooled features (N = B) */

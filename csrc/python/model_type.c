@@ -135,6 +135,17 @@ static PyObject *Model_reserve(Model *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Model_zero_grads(Model *self, PyObject *unused) {
+    (void)unused;
+    if (!ready_model(self)) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_zero_grads(self->model);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Model_allocated(Model *self, PyObject *unused) {
     (void)unused;
     return ready_model(self) ? PyLong_FromSize_t(ft_model_allocated(self->model)) : NULL;
@@ -293,6 +304,7 @@ static PyMethodDef Model_methods[] = {
     {"read_params", (PyCFunction)Model_read_params, METH_VARARGS, "read_params(offset, n) -> float32 array (host)."},
     {"reserve", (PyCFunction)Model_reserve, METH_VARARGS, "reserve(B, N): per-batch buffers for this size now."},
     {"allocated", (PyCFunction)Model_allocated, METH_NOARGS, "bytes held: parameters, gradients, buffers."},
+    {"zero_grads", (PyCFunction)Model_zero_grads, METH_NOARGS, "every gradient 0."},
     {"step", (PyCFunction)(void (*)(void))Model_step, METH_VARARGS | METH_KEYWORDS,
      "step(x, lengths, targets, valid=None, denominator=0, seed=0, step=0, row_base=0, seq_base=0, sq_base=0, "
      "loss_scale=1.0, logits=None, ready=None) -> loss: forward, loss and every gradient."},

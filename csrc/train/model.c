@@ -121,6 +121,15 @@ ft_status ft_model_write_params(ft_model *m, size_t offset, const float *host, s
     return m->be->synchronize(m->be);
 }
 
+ft_status ft_model_zero_grads(ft_model *m) {
+    float *zeros = calloc(m->n_params ? m->n_params : 1, sizeof *zeros);
+    if (!zeros) return ft_error(FT_ERR_NOMEM, "out of memory");
+    ft_status st = m->be->upload(m->be, m->grads, zeros, m->n_params * sizeof(float));
+    if (st == FT_OK) st = m->be->synchronize(m->be);
+    free(zeros);
+    return st;
+}
+
 ft_status ft_model_read_params(ft_model *m, size_t offset, float *host, size_t n) {
     FT_TRY(check_range(m, offset, n));
     return m->be->download(m->be, host, m->params + offset, n * sizeof(float));

@@ -1,0 +1,250 @@
+"""Data-parallel training (fasttran.distributed.DataParallel through the Trainer's reduction hook)
+on gloo ranks of one machine, against one process at the same global batch: the same weights to
+fp32 rounding of the summation order after a step, bitwise the same on every rank after every step,
+dropout on and an uneven last batch included; top layers and head; checkpoints written by rank 0
+and resumed at another world size; a rank that diverges fails within the timeout, naming it."""
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from distributed_util import run_ranks
+
+pytest.importorskip("torch")
+
+# 29 examples, global batch 8: 3 full batches and one of 5 (three ranks: slices of 1, 2, 2; with
+# batch 7 and 2 examples left, a slice of 0)
+N_EXAMPLES = 29
+
+
+def _data(tiny_dir):
+    """a tiny random BERT's layer-(L-1) features of N_EXAMPLES random sequences, and labels"""
+    import fasttran
+    enc = fasttran.Encoder.from_pretrained(tiny_dir)
+    rng = np.random.default_rng(0)
+    L = rng.integers(2, 14, N_EXAMPLES)
+    ids = rng.integers(1, 99, (N_EXAMPLES, L.max())) * (np.arange(L.max())[None] < L[:, None])
+    mask = (ids != 0).astype(np.int64)
+    y = rng.integers(0, 3, N_EXAMPLES)
+    return enc, ids, mask, y
+
+
+def _trainer(reduction, head, batch_size, **kw):
+    import fasttran
+    args = dict(optimizer="adamw", lr=3e-3, epochs=2, batch_size=batch_size, seed=5, show_progress=False,
+                train_layers=1, dropout=0.2, layer_dropout=0.1, num_labels=3, reduction=reduction)
+    args.update(kw)
+    return fasttran.Trainer(head, **args)
+
+
+def train_and_record(rank, world, tiny_dir, head, batch_size, steps=None, ckpt=None, resume=False, **kw):
+    """fit on this rank (world 1: one process, no reduction); the flat parameter table after every
+    step (its sha256, and the arrays of the first and last steps)"""
+    import fasttran
+    from fasttran.distributed import DataParallel
+    enc, ids, mask, y = _data(tiny_dir)
+    red = DataParallel() if world > 1 else None
+    tr = _trainer(red, head, batch_size, **kw)
+    cache = tr.cache_for(enc, ids, mask, show_progress=False)
+    targets = y
+    if head == "token-classification":
+        targets = np.where(mask == 1, np.random.default_rng(1).integers(-100, 3, mask.shape), -100)
+        targets[:, 0] = -100
+        targets = np.where(targets < 0, -100, targets)
+    record = {"hashes": [], "first": None, "last": None}
+    step = tr._optimizer_step
+
+    def recorded(total, warm):
+        out = step(total, warm)
+        p = np.asarray(tr.model.params).copy()
+        record["hashes"].append(hashlib.sha256(p.tobytes()).hexdigest())
+        if record["first"] is None:
+            record["first"] = p
+        record["last"] = p
+        return out
+    tr._optimizer_step = recorded
+    hist = tr.fit(cache, targets, checkpoint_dir=ckpt, resume=resume, stop_at_step=steps)
+    record["loss_curve"] = [l for _, l in tr.loss_curve]
+    record["history"] = hist
+    record["step"] = tr.global_step
+    return record
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from conftest import make_checkpoint
+    return make_checkpoint(str(tmp_path_factory.mktemp("tiny")), vocab_size=99, hidden_size=32, num_attention_heads=4,
+                           intermediate_size=48, num_hidden_layers=3, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("head", ["classification", "token-classification"])
+def test_ranks_equal_one_process_and_each_other(tiny_dir, world, head):
+    one = train_and_record(0, 1, tiny_dir, head, 8)
+    ranks = run_ranks(train_and_record, world, tiny_dir, head, 8, timeout=300)
+    for r in ranks[1:]:   # every rank's weights are rank 0's, bit for bit, after every step
+        assert r["hashes"] == ranks[0]["hashes"]
+        assert r["loss_curve"] == ranks[0]["loss_curve"]
+    assert len(ranks[0]["hashes"]) == len(one["hashes"]) == 8   # 4 global batches x 2 epochs, the last of 5
+    # after one step: one process's weights, to fp32 rounding of the gradient sums' order (the ranks
+    # add their slices' partial sums; one process adds all rows in one GEMM): AdamW's first step moves
+    # each weight by lr * sign(g) unless g is at rounding level, so the difference is bounded by lr
+    # on the few weights whose gradient is ~0, and is ~1e-9 elsewhere
+    d1 = np.abs(ranks[0]["first"] - one["first"])
+    assert np.median(d1) <= 1e-8 and d1.max() <= 2 * 3e-3, (np.median(d1), d1.max())
+    assert np.allclose(ranks[0]["loss_curve"][:1], one["loss_curve"][:1], rtol=1e-6)
+    # and the whole run (dropout on, the uneven last batch) follows one process
+    assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-3)
+
+
+def test_empty_slices_of_an_uneven_last_batch_do_not_hang(tiny_dir):
+    """batch 7 over 29 examples: the last global batch holds 1 example, so 2 of 3 ranks hold none"""
+    one = train_and_record(0, 1, tiny_dir, "classification", 7, epochs=1)
+    ranks = run_ranks(train_and_record, 3, tiny_dir, "classification", 7, epochs=1, timeout=300)
+    assert all(r["hashes"] == ranks[0]["hashes"] for r in ranks) and len(one["hashes"]) == 5
+    assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-4)
+
+
+def test_checkpoints_written_by_rank_0_resume_at_another_world_size(tiny_dir, tmp_path):
+    full = run_ranks(train_and_record, 2, tiny_dir, "classification", 8, timeout=300)[0]
+    ck = str(tmp_path / "ck")
+    part = run_ranks(train_and_record, 2, tiny_dir, "classification", 8, steps=3, ckpt=ck, timeout=300)
+    assert part[0]["step"] == 3 and os.path.exists(os.path.join(ck, "trainer.json"))
+    # the same world size: bit for bit
+    same = run_ranks(train_and_record, 2, tiny_dir, "classification", 8, ckpt=ck + "2", timeout=300)[0]
+    assert same["hashes"] == full["hashes"]
+    import shutil
+    shutil.copytree(ck, ck + "3")
+    back = run_ranks(train_and_record, 2, tiny_dir, "classification", 8, ckpt=ck, resume=True, timeout=300)
+    assert back[0]["hashes"] == full["hashes"][3:] and back[1]["hashes"] == back[0]["hashes"]
+    # three ranks and one process continue it too (other summation orders: within rounding)
+    three = run_ranks(train_and_record, 3, tiny_dir, "classification", 8, ckpt=ck + "3", resume=True, timeout=300)
+    assert three[0]["step"] == 8 and np.allclose(three[0]["last"], full["last"], atol=1e-4)
+
+
+def diverge(rank, world, tiny_dir):
+    """rank 1 trains on one example fewer: the ranks' runs differ"""
+    import fasttran
+    from fasttran.distributed import DataParallel
+    enc, ids, mask, y = _data(tiny_dir)
+    n = N_EXAMPLES - (rank == 1)
+    tr = _trainer(DataParallel(), "classification", 8)
+    tr.fit(tr.cache_for(enc, ids[:n], mask[:n], show_progress=False), y[:n])
+
+
+def skip_a_step(rank, world, tiny_dir):
+    """rank 1 skips the reduction of its second step's gradients: a missing collective"""
+    from fasttran.distributed import DataParallel
+    enc, ids, mask, y = _data(tiny_dir)
+
+    class Skipping(DataParallel):
+        def begin(self, step):
+            if self.rank == 1 and step == 1:
+                return
+            super().begin(step)
+    tr = _trainer(Skipping(), "classification", 8)
+    tr.fit(tr.cache_for(enc, ids, mask, show_progress=False), y)
+
+
+@pytest.mark.parametrize("fn,says", [(diverge, "start different runs: examples: 29 here, 28 there"),
+                                     (skip_a_step, "barrier 'training step 1' did not complete within 20 s")])
+def test_ranks_that_diverge_fail_within_the_timeout_naming_it(tiny_dir, fn, says):
+    import time
+    t0 = time.monotonic()
+    out = run_ranks(fn, 2, tiny_dir, check=False, timeout=120, env={"FASTTRAN_DIST_TIMEOUT": "20"})
+    assert time.monotonic() - t0 < 90
+    assert not any(o.ok for o in out), out
+    assert any(says in (o.message or "") for o in out), [o.message for o in out]
+
+
+def _torchrun(tmp_path, tiny_dir, cache, ck, out, kill_at):
+    import subprocess
+    import sys
+    from distributed_util import free_port
+    env = dict(os.environ, FASTTRAN_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                        f"--master-port={free_port()}", "--max-restarts=1", os.path.join(os.path.dirname(__file__), "restart_job.py"), tiny_dir,
+                        str(cache), str(ck), str(out), str(kill_at)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [__import__("json").loads(line) for line in open(out)]
+
+
+def test_a_killed_rank_resumes_from_the_last_checkpoint_under_torchrun(tiny_dir, tmp_path):
+    """torchrun --max-restarts=1: rank 1 killed with SIGKILL at step 5 (mid-epoch; the last checkpoint:
+    step 4); the job starts again, opens the cache without building it, resumes, and ends with the
+    weights of an uninterrupted run, bit for bit."""
+    cache = tmp_path / "cache"
+    whole = _torchrun(tmp_path, tiny_dir, cache, tmp_path / "ck1", tmp_path / "whole.jsonl", -1)
+    killed = _torchrun(tmp_path, tiny_dir, cache, tmp_path / "ck2", tmp_path / "killed.jsonl", 5)
+    assert [k["attempt"] for k in killed] == [1]   # the first attempt died; the restart finished
+    assert killed[0]["step"] == whole[0]["step"] == 12
+    assert killed[0]["params"] == whole[0]["params"]
+    assert killed[0]["shards"] == whole[0]["shards"]   # the cache's files: not written again
+
+
+def sst2_epoch(rank, world, n):
+    """one epoch of MiniLM's top layer + head on the first n real SST-2 sentences, dropout on; the
+    dev accuracy on all 872 dev sentences"""
+    import fasttran
+    from fasttran.data import load_sst2
+    from fasttran.distributed import DataParallel
+    from conftest import sst2_file
+    enc = fasttran.Encoder.from_pretrained(fasttran.models.minilm_path())
+    s, y = load_sst2(sst2_file("train"))
+    sd, yd = load_sst2(sst2_file("dev"))
+    tr = fasttran.Trainer("classification", optimizer="adamw", lr=2e-4, epochs=1, batch_size=32, seed=1,
+                          train_layers=1, show_progress=False, reduction=DataParallel() if world > 1 else None)
+    cache = tr.cache_for(enc, *enc.tokenize(s[:n]), show_progress=False)
+    dev = tr.cache_for(enc, *enc.tokenize(sd), show_progress=False)
+    tr.fit(cache, np.array(y[:n]))
+    return tr.evaluate(dev, np.array(yd))["accuracy"], tr.predict(dev)
+
+
+def test_an_epoch_on_sst2_gives_the_dev_accuracy_of_one_process(minilm_dir):
+    n = 650   # 20 full global batches and one of 10
+    acc1, pred1 = sst2_epoch(0, 1, n)
+    for world in (2, 3):
+        (acc, pred), *rest = run_ranks(sst2_epoch, world, n, timeout=600)
+        assert acc == acc1, (world, acc, acc1)
+        assert (pred != pred1).sum() <= 2   # predictions at the decision boundary may flip on rounding
+        assert all(np.array_equal(p, pred) for _, p in rest)
+
+
+def test_torchrun_train_command_equals_one_process(minilm_dir, tmp_path):
+    """`torchrun --nproc-per-node=2 -m fasttran train` on a cache made by `fasttran cache`: one set of
+    epoch lines (rank 0 prints), the one-process run's dev accuracy, a checkpoint that loads"""
+    import json
+    import subprocess
+    import sys
+    from distributed_util import free_port
+    from fasttran.data import sst2_path
+    m = ["--model", minilm_dir]
+    env = dict(os.environ, FASTTRAN_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+
+    def fasttran(*args, ranks=1):
+        pre = [sys.executable, "-m", "fasttran"] if ranks == 1 else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", "-m", "fasttran"]
+        r = subprocess.run(pre + list(args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+    train, dev = sst2_path("train"), sst2_path("dev")
+    fasttran("cache", *m, "--input", train, "--limit", "300", "--output", "c", "--layer", "5", "--positions", "all",
+             ranks=2)
+    fasttran("cache", *m, "--input", dev, "--limit", "200", "--output", "cd", "--layer", "5", "--positions", "all")
+    args = [*m, "--input", train, "--cache", "c", "--eval-input", dev, "--eval-cache", "cd", "--epochs", "2",
+            "--train-layers", "1", "--optimizer", "adamw", "--lr", "2e-4"]
+    one = fasttran("train", *args, "--output", "ck1")
+    two = fasttran("train", *args, "--output", "ck2", ranks=2)
+    assert len(two) == len(one) == 2
+    assert [r["eval_accuracy"] for r in two] == [r["eval_accuracy"] for r in one]
+    assert abs(two[-1]["train_loss"] - one[-1]["train_loss"]) <= 1e-4 * one[-1]["train_loss"]
+    import fasttran as ft
+    assert ft.Trainer.load(str(tmp_path / "ck2")).global_step == 20
