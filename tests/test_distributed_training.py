@@ -87,12 +87,13 @@ def test_ranks_equal_one_process_and_each_other(tiny_dir, world, head):
         assert r["hashes"] == ranks[0]["hashes"]
         assert r["loss_curve"] == ranks[0]["loss_curve"]
     assert len(ranks[0]["hashes"]) == len(one["hashes"]) == 8   # 4 global batches x 2 epochs, the last of 5
-    # after one step: one process's weights, to fp32 rounding of the gradient sums' order (the ranks
-    # add their slices' partial sums; one process adds all rows in one GEMM): AdamW's first step moves
-    # each weight by lr * sign(g) unless g is at rounding level, so the difference is bounded by lr
-    # on the few weights whose gradient is ~0, and is ~1e-9 elsewhere
+    # after one step: one process's weights to fp32 rounding of the gradient sums' order. The ranks add
+    # their slices' partial sums, one process all rows in one GEMM: the summed gradients differ by
+    # |dg| <= gamma_n sum_i |g_i| (gamma_n ~ n 2^-24, n the rows summed). AdamW's first step moves a
+    # weight by lr g / (|g| + eps), whose slope is at most 1 / eps, so |dw| <= lr |dg| / eps: about
+    # lr 1e-4 here (measured 3.5e-7 at 2 ranks, 4.6e-7 at 3; most weights bit for bit); asserted: lr 1e-3
     d1 = np.abs(ranks[0]["first"] - one["first"])
-    assert np.median(d1) <= 1e-8 and d1.max() <= 2 * 3e-3, (np.median(d1), d1.max())
+    assert np.median(d1) == 0.0 and d1.max() <= 1e-3 * 3e-3, (np.median(d1), d1.max())
     assert np.allclose(ranks[0]["loss_curve"][:1], one["loss_curve"][:1], rtol=1e-6)
     # and the whole run (dropout on, the uneven last batch) follows one process
     assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-3)
