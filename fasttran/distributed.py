@@ -686,6 +686,10 @@ class DataParallel:
         self.group = group if group is not None else init()
         self.rank, self.world_size = self.group.rank, self.group.world_size
         self._views, self._works = [], []
+        #: seconds this rank spent in the reduction, by part: "begin" (the step's checked collective:
+        #: waiting for the other ranks to arrive), "ready" (starting the buckets' sums, inside the
+        #: backward), "finish" (waiting for them and summing the loss); "steps" counts them
+        self.seconds = {"begin": 0.0, "ready": 0.0, "finish": 0.0, "steps": 0}
 
     def __repr__(self):
         return f"DataParallel(rank {self.rank} of {self.world_size}, {self.group.backend or 'one process'})"
@@ -705,20 +709,27 @@ class DataParallel:
 
     def begin(self, step):
         """Before a step's model step: the ranks check they are at the same step."""
+        t0 = time.perf_counter()
         self.group.barrier(what=f"training step {int(step)}")
+        self.seconds["begin"] += time.perf_counter() - t0
 
     def ready(self, bucket):
         """The model hands over gradient bucket `bucket` (final in memory): its sum starts now."""
+        t0 = time.perf_counter()
         self._works.append(self.group.all_reduce_(self._views[bucket], async_op=True, what="gradient bucket",
                                                   check=False))
+        self.seconds["ready"] += time.perf_counter() - t0
 
     def finish(self, loss):
         """After the step's backward: the buckets' sums are complete; returns the global loss."""
+        t0 = time.perf_counter()
         works, self._works = self._works, []
         for w in works:
             w.wait()
         buf = np.array([loss], np.float64)
         self.group.all_reduce_(buf, what="loss", check=False)
+        self.seconds["finish"] += time.perf_counter() - t0
+        self.seconds["steps"] += 1
         return float(buf[0])
 
     def sum(self, values):
