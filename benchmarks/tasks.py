@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from torch_topk import engines, out_path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("FASTTRAN_DATA", os.path.join(ROOT, "..", "shared", "data"))
 TYPES = ("PER", "ORG", "LOC", "MISC")
@@ -130,14 +132,11 @@ def main():
     ap.add_argument("--limit", type=int, default=None, help="the first N training examples of each task")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "last_tasks.json"))
+    ap.add_argument("--out", default=out_path("last_tasks.json"))
     args = ap.parse_args()
     import fasttran
     import torch
-    fasttran.set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
-    path = fasttran.models.minilm_path()
-    enc = fasttran.Encoder.from_pretrained(path)
+    path, enc = engines(args.threads)
     rows = []
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
             "threads": args.threads, "k": args.k, "epochs": args.epochs, "lr": args.lr, "dropout": args.dropout,

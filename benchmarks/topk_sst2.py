@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from torch_topk import engines, out_path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("FASTTRAN_DATA", os.path.join(ROOT, "..", "shared", "data"))
 
@@ -85,14 +87,11 @@ def main():
                     help="dropout in the layers and before the head, both engines (0: the same computation "
                          "in both, up to fp32 rounding)")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "last_topk_sst2.json"))
+    ap.add_argument("--out", default=out_path("last_topk_sst2.json"))
     args = ap.parse_args()
     import fasttran
     import torch
-    fasttran.set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
-    path = fasttran.models.minilm_path()
-    enc = fasttran.Encoder.from_pretrained(path)
+    path, enc = engines(args.threads)
     s, y = load("train", args.limit)
     sd, ydev = load("dev")
     tr_inputs, dev_inputs = enc.tokenize(s), enc.tokenize(sd)

@@ -7,9 +7,25 @@ clipping, linear schedule with warmup, and dropout at the same places (drawn fro
 generator: the one difference). Every task fasttran's heads have but QA: a linear head on
 mean-pooled states (classification: cross-entropy; regression: squared error; multi-label:
 binary cross-entropy per label) or on every token (cross-entropy over the labelled tokens)."""
+import os
 import time
 
 import numpy as np
+
+
+def engines(threads):
+    """fasttran and torch on `threads` threads each; (MiniLM's directory, its fasttran Encoder)"""
+    import fasttran
+    import torch
+    fasttran.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    path = fasttran.models.minilm_path()
+    return path, fasttran.Encoder.from_pretrained(path)
+
+
+def out_path(name):
+    """benchmarks/<name>, where a script writes its JSON"""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
 
 
 class TorchTopK:

@@ -63,7 +63,7 @@ class Model:
         the order the backward finishes them (the reduction's buckets)"""
         names = ["head"] + ([f"layer {self.layers.first_layer + k}" for k in range(self.layers.k - 1, -1, -1)]
                             if self.layers is not None else [])
-        return [(n, self.grads.view(off, (count,))) for n, (off, count) in zip(names, self._core.buckets())]
+        return [(n, self.grads.view(int(off), (int(count),))) for n, (off, count) in zip(names, self._core.buckets())]
 
     def push(self):
         """the host head's parameters (head.params) into the model"""

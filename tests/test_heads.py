@@ -30,6 +30,17 @@ def rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
+def assert_matches_autograd(head, loss, logits, grads, dx, ref, z, P, xt):
+    """fasttran's loss, logits, parameter gradients and d x against torch's (ref = its loss, not yet
+    backpropagated; z its logits; P its parameters by name; xt its input), relative error <= 1e-5"""
+    ref.backward()
+    assert abs(loss - ref.item()) <= 1e-5 * abs(ref.item())
+    assert rel(logits, z.detach()) <= 1e-5
+    for name, g in head.views(grads).items():
+        assert rel(g, P[name].grad) <= 1e-5, name
+    assert rel(dx, xt.grad) <= 1e-5
+
+
 @pytest.mark.parametrize("pooler", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_classification_head_matches_autograd(pooler, dropout):
@@ -54,13 +65,8 @@ def test_classification_head_matches_autograd(pooler, dropout):
         if dropout:
             h = h * torch.tensor(dropout_mask(seed, step, 1, B * C, dropout).reshape(B, C)) * scale
     z = h @ P["classifier.weight"].T + P["classifier.bias"]
-    ref = torch.nn.functional.cross_entropy(z, torch.tensor(y))
-    ref.backward()
-    assert abs(loss - ref.item()) <= 1e-5 * abs(ref.item())
-    assert rel(logits, z.detach()) <= 1e-5
-    for name, g in head.views(grads).items():
-        assert rel(g, P[name].grad) <= 1e-5, name
-    assert rel(dx, xt.grad) <= 1e-5
+    assert_matches_autograd(head, loss, logits, grads, dx, torch.nn.functional.cross_entropy(z, torch.tensor(y)), z,
+                            P, xt)
     # eval mode: no dropout, and no gradient needed
     lg, l2 = head.step(x, y)
     hp = torch.tensor(x, dtype=torch.float64)

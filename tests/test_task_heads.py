@@ -8,7 +8,7 @@ import pytest
 import fasttran
 from fasttran.heads import ClassificationHead, MultiLabelHead, RegressionHead, TokenClassificationHead
 
-from test_heads import dropout_mask, rel
+from test_heads import assert_matches_autograd, dropout_mask, rel
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -46,13 +46,7 @@ def _check(head, x, lengths, targets, ref_loss_fn, seed=11, step=5):
     dx = np.zeros_like(x)
     logits, loss = head.step(x, targets, grads=grads, dx=dx, training=True, seed=seed, step=step, lengths=lengths)
     P, xt, z = _sequence_reference(head, x, lengths, seed, step)
-    ref = ref_loss_fn(z)
-    ref.backward()
-    assert abs(loss - ref.item()) <= 1e-5 * abs(ref.item())
-    assert rel(logits, z.detach()) <= 1e-5
-    for name, g in head.views(grads).items():
-        assert rel(g, P[name].grad) <= 1e-5, name
-    assert rel(dx, xt.grad) <= 1e-5
+    assert_matches_autograd(head, loss, logits, grads, dx, ref_loss_fn(z), z, P, xt)
 
 
 @pytest.mark.parametrize("pooler", [False, True])

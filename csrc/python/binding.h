@@ -59,6 +59,15 @@ int ft_py_add_io_functions(PyObject *module);
 int ft_py_add_train_functions(PyObject *module);
 int ft_py_add_layer_type(PyObject *module);
 int ft_py_add_model_type(PyObject *module);
+/* st = expr with the GIL released (expr must not touch Python objects) */
+#define FT_PY_NOGIL(st, expr) \
+    do {                      \
+        Py_BEGIN_ALLOW_THREADS \
+        (st) = (expr);         \
+        Py_END_ALLOW_THREADS   \
+    } while (0)
+/* None, or the exception of a failed status */
+PyObject *ft_py_none_or_raise(ft_status st);
 /* the ft_layer_stack of an initialised fasttran._C.LayerStack and its device (NULL with an
  * exception otherwise) */
 ft_layer_stack *ft_py_layer_stack_of(PyObject *obj, ft_device *dev);
@@ -91,6 +100,8 @@ PyObject *ft_py_tensor_new(void *data, int ndim, const int64_t *shape, const int
                            ft_device device, int readonly, PyObject *owner, ft_py_release_fn release,
                            void *release_ctx);
 int ft_py_tensor_check(PyObject *obj);
+/* a 1-d float32 Tensor of n elements over memory `owner` holds (kept alive by the Tensor) */
+PyObject *ft_py_flat_tensor(PyObject *owner, float *data, int64_t n, ft_device device);
 /* Tensor.from_dlpack(obj, stream): a Tensor over a DLPack producer's memory, in place; for CUDA
  * tensors `stream` (an int, or None) is the stream the producer makes the data ready for. */
 PyObject *ft_py_tensor_import(PyObject *obj, PyObject *stream);

@@ -134,17 +134,10 @@ static PyObject *LayerStack_tensors(LayerStack *self, PyObject *unused) {
 }
 
 /* params / grads: flat float32 Tensors over the stack's memory (they keep the stack alive) */
-static PyObject *flat(LayerStack *self, float *data) {
-    int64_t shape[1] = {(int64_t)ft_layer_stack_param_count(self->stack)};
-    return ft_py_tensor_new(data, 1, shape, NULL, FT_F32, self->device, 0, (PyObject *)self, NULL, NULL);
-}
-static PyObject *LayerStack_params(LayerStack *self, void *c) {
-    (void)c;
-    return ready(self) ? flat(self, ft_layer_stack_params(self->stack)) : NULL;
-}
-static PyObject *LayerStack_grads(LayerStack *self, void *c) {
-    (void)c;
-    return ready(self) ? flat(self, ft_layer_stack_grads(self->stack)) : NULL;
+static PyObject *LayerStack_flat(LayerStack *self, void *grads) {
+    if (!ready(self)) return NULL;
+    return ft_py_flat_tensor((PyObject *)self, grads ? ft_layer_stack_grads(self->stack) : ft_layer_stack_params(self->stack),
+                             (int64_t)ft_layer_stack_param_count(self->stack), self->device);
 }
 
 /* forward(x, lengths, out, training=False, seed=0, step=0): x, out (N, C) packed rows */
@@ -305,8 +298,8 @@ static PyMethodDef LayerStack_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef LayerStack_getset[] = {
-    {"params", (getter)LayerStack_params, NULL, "the layers' parameters, one flat float32 Tensor", NULL},
-    {"grads", (getter)LayerStack_grads, NULL, "their gradients, one flat float32 Tensor", NULL},
+    {"params", (getter)LayerStack_flat, NULL, "the layers' parameters, one flat float32 Tensor", NULL},
+    {"grads", (getter)LayerStack_flat, NULL, "their gradients, one flat float32 Tensor", (void *)1},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyType_Slot LayerStack_slots[] = {

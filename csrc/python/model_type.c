@@ -57,37 +57,31 @@ static int ready_model(Model *self) {
     return 1;
 }
 
-static PyObject *flat(Model *self, float *data) {
-    int64_t shape[1] = {(int64_t)ft_model_param_count(self->model)};
-    return ft_py_tensor_new(data, 1, shape, NULL, FT_F32, self->device, 0, (PyObject *)self, NULL, NULL);
-}
-static PyObject *Model_params(Model *self, void *c) {
-    (void)c;
-    return ready_model(self) ? flat(self, ft_model_params(self->model)) : NULL;
-}
-static PyObject *Model_grads(Model *self, void *c) {
-    (void)c;
-    return ready_model(self) ? flat(self, ft_model_grads(self->model)) : NULL;
+static PyObject *Model_flat(Model *self, void *grads) {
+    if (!ready_model(self)) return NULL;
+    return ft_py_flat_tensor((PyObject *)self, grads ? ft_model_grads(self->model) : ft_model_params(self->model),
+                             (int64_t)ft_model_param_count(self->model), self->device);
 }
 static PyObject *Model_head_offset(Model *self, void *c) {
     (void)c;
     return ready_model(self) ? PyLong_FromSize_t(ft_model_head_offset(self->model)) : NULL;
 }
 
-/* buckets() -> [(offset, floats)]: the head, then the top layer down to the bottom one */
+/* buckets() -> int64 array (buckets, 2) of (offset, floats): the head, then the top layer down to the
+ * bottom one */
 static PyObject *Model_buckets(Model *self, PyObject *unused) {
     (void)unused;
     if (!ready_model(self)) return NULL;
-    const size_t n = ft_model_num_buckets(self->model);
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; list && i < n; i++) {
+    npy_intp dims[2] = {(npy_intp)ft_model_num_buckets(self->model), 2};
+    PyObject *out = PyArray_SimpleNew(2, dims, NPY_INT64);
+    int64_t *v = out ? PyArray_DATA((PyArrayObject *)out) : NULL;
+    for (npy_intp i = 0; v && i < dims[0]; i++) {
         size_t off, count;
-        ft_model_bucket(self->model, i, &off, &count);
-        PyObject *t = Py_BuildValue("(nn)", (Py_ssize_t)off, (Py_ssize_t)count);
-        if (!t) { Py_CLEAR(list); break; }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+        ft_model_bucket(self->model, (size_t)i, &off, &count);
+        v[2 * i] = (int64_t)off;
+        v[2 * i + 1] = (int64_t)count;
     }
-    return list;
+    return out;
 }
 
 /* write_params(offset, array) / read_params(offset, n) -> array: host <-> the flat parameter table */
@@ -100,12 +94,8 @@ static PyObject *Model_write_params(Model *self, PyObject *args) {
     if (offset < 0) return ft_py_fail(ft_errors.input, "offset must be >= 0");
     ft_status st;
     const float *src = PyArray_DATA(a);
-    const size_t n = (size_t)PyArray_SIZE(a);
-    Py_BEGIN_ALLOW_THREADS
-    st = ft_model_write_params(self->model, (size_t)offset, src, n);
-    Py_END_ALLOW_THREADS
-    if (st != FT_OK) return ft_py_raise(st);
-    Py_RETURN_NONE;
+    FT_PY_NOGIL(st, ft_model_write_params(self->model, (size_t)offset, src, (size_t)PyArray_SIZE(a)));
+    return ft_py_none_or_raise(st);
 }
 
 static PyObject *Model_read_params(Model *self, PyObject *args) {
@@ -117,9 +107,7 @@ static PyObject *Model_read_params(Model *self, PyObject *args) {
     if (!out) return NULL;
     float *dst = PyArray_DATA((PyArrayObject *)out);
     ft_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ft_model_read_params(self->model, (size_t)offset, dst, (size_t)n);
-    Py_END_ALLOW_THREADS
+    FT_PY_NOGIL(st, ft_model_read_params(self->model, (size_t)offset, dst, (size_t)n));
     if (st != FT_OK) { Py_DECREF(out); return ft_py_raise(st); }
     return out;
 }
@@ -128,22 +116,16 @@ static PyObject *Model_reserve(Model *self, PyObject *args) {
     long long B, N;
     if (!ready_model(self) || !PyArg_ParseTuple(args, "LL", &B, &N)) return NULL;
     ft_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ft_model_reserve(self->model, B, N);
-    Py_END_ALLOW_THREADS
-    if (st != FT_OK) return ft_py_raise(st);
-    Py_RETURN_NONE;
+    FT_PY_NOGIL(st, ft_model_reserve(self->model, B, N));
+    return ft_py_none_or_raise(st);
 }
 
 static PyObject *Model_zero_grads(Model *self, PyObject *unused) {
     (void)unused;
     if (!ready_model(self)) return NULL;
     ft_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ft_model_zero_grads(self->model);
-    Py_END_ALLOW_THREADS
-    if (st != FT_OK) return ft_py_raise(st);
-    Py_RETURN_NONE;
+    FT_PY_NOGIL(st, ft_model_zero_grads(self->model));
+    return ft_py_none_or_raise(st);
 }
 
 static PyObject *Model_allocated(Model *self, PyObject *unused) {
@@ -163,6 +145,22 @@ static void on_bucket(void *arg, size_t bucket) {
         else PyErr_Fetch(&h->error_type, &h->error_value, &h->error_tb);
     }
     PyGILState_Release(g);
+}
+
+/* *data = the memory of a host float32 / int32 array `o` of `need` elements (NULL for None); 0 with
+ * an exception */
+static int host_array(PyObject *o, const char *what, int npy, int64_t need, int writeable, void **data) {
+    *data = NULL;
+    if (o == Py_None) return 1;
+    PyArrayObject *a = ft_py_want_array(o, what, npy, -1, writeable);
+    if (!a) return 0;
+    if ((int64_t)PyArray_SIZE(a) != need) {
+        ft_py_fail(ft_errors.input, "%s has %lld elements, this batch takes %lld", what, (long long)PyArray_SIZE(a),
+                   (long long)need);
+        return 0;
+    }
+    *data = PyArray_DATA(a);
+    return 1;
 }
 
 /* the batch arguments of step() and forward(), checked: fills b; 0 with an exception */
@@ -199,43 +197,11 @@ static int parse_batch(Model *self, PyObject *xo, PyObject *lo, PyObject *to, Py
     b->x = x.data;
     b->lengths = lengths;
     b->B = B;
-    b->targets = NULL;
-    b->valid = NULL;
-    if (to != Py_None) {
-        const int fl = ft_head_float_targets(&self->head);
-        PyArrayObject *t = ft_py_want_array(to, "targets", fl ? NPY_FLOAT32 : NPY_INT32, -1, 0);
-        if (!t) return 0;
-        const int64_t need = ft_head_target_count(&self->head, B, N);
-        if ((int64_t)PyArray_SIZE(t) != need) {
-            ft_py_fail(ft_errors.input, "targets has %lld elements, this batch needs %lld", (long long)PyArray_SIZE(t),
-                       (long long)need);
-            return 0;
-        }
-        b->targets = PyArray_DATA(t);
-    }
-    if (vo != Py_None) {
-        PyArrayObject *v = ft_py_want_array(vo, "valid", NPY_FLOAT32, -1, 0);
-        if (!v) return 0;
-        if ((int64_t)PyArray_SIZE(v) != N) {
-            ft_py_fail(ft_errors.input, "valid has %lld elements, the batch has %lld rows", (long long)PyArray_SIZE(v),
-                       (long long)N);
-            return 0;
-        }
-        b->valid = PyArray_DATA(v);
-    }
-    *logits = NULL;
-    if (zo != Py_None) {
-        PyArrayObject *z = ft_py_want_array(zo, "logits", NPY_FLOAT32, -1, 1);
-        if (!z) return 0;
-        const int64_t need = ft_head_logits_count(&self->head, B, N);
-        if ((int64_t)PyArray_SIZE(z) != need) {
-            ft_py_fail(ft_errors.input, "logits has room for %lld values, this batch gives %lld",
-                       (long long)PyArray_SIZE(z), (long long)need);
-            return 0;
-        }
-        *logits = PyArray_DATA(z);
-    }
-    return 1;
+    const int fl = ft_head_float_targets(&self->head);
+    return host_array(to, "targets", fl ? NPY_FLOAT32 : NPY_INT32, ft_head_target_count(&self->head, B, N), 0,
+                      (void **)&b->targets) &&
+           host_array(vo, "valid", NPY_FLOAT32, N, 0, (void **)&b->valid) &&
+           host_array(zo, "logits", NPY_FLOAT32, ft_head_logits_count(&self->head, B, N), 1, (void **)logits);
 }
 
 /* step(x, lengths, targets, valid=None, denominator=0 (the batch's loss terms), seed=0, step=0, row_base=0,
@@ -290,16 +256,13 @@ static PyObject *Model_forward(Model *self, PyObject *args, PyObject *kw) {
     if (!parse_batch(self, xo, lo, Py_None, vo, zo, &b, &logits)) return NULL;
     b.denominator = 1.0;
     ft_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ft_model_forward(self->model, &b, logits);
-    Py_END_ALLOW_THREADS
-    if (st != FT_OK) return ft_py_raise(st);
-    Py_RETURN_NONE;
+    FT_PY_NOGIL(st, ft_model_forward(self->model, &b, logits));
+    return ft_py_none_or_raise(st);
 }
 
 static PyMethodDef Model_methods[] = {
     {"buckets", (PyCFunction)Model_buckets, METH_NOARGS,
-     "[(offset, floats)] of the gradient buckets: the head, then the top layer down to the bottom one."},
+     "(buckets, 2) int64 (offset, floats) of the gradient buckets: the head, then the top layer down to the bottom one."},
     {"write_params", (PyCFunction)Model_write_params, METH_VARARGS, "write_params(offset, float32 array)."},
     {"read_params", (PyCFunction)Model_read_params, METH_VARARGS, "read_params(offset, n) -> float32 array (host)."},
     {"reserve", (PyCFunction)Model_reserve, METH_VARARGS, "reserve(B, N): per-batch buffers for this size now."},
@@ -313,8 +276,8 @@ static PyMethodDef Model_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef Model_getset[] = {
-    {"params", (getter)Model_params, NULL, "the flat parameter table (layers, then head), a float32 Tensor", NULL},
-    {"grads", (getter)Model_grads, NULL, "the flat gradient table, a float32 Tensor", NULL},
+    {"params", (getter)Model_flat, NULL, "the flat parameter table (layers, then head), a float32 Tensor", NULL},
+    {"grads", (getter)Model_flat, NULL, "the flat gradient table, a float32 Tensor", (void *)1},
     {"head_offset", (getter)Model_head_offset, NULL, "where the head's parameters start in the table", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 

@@ -108,6 +108,11 @@ PyArrayObject *ft_py_want_array(PyObject *o, const char *what, int npy, int nd, 
     return a;
 }
 
+PyObject *ft_py_none_or_raise(ft_status st) {
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 PyObject *ft_py_raise(ft_status st) {
     PyObject *cls;
     switch (st) {

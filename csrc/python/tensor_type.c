@@ -123,6 +123,11 @@ PyObject *ft_py_tensor_new(void *data, int ndim, const int64_t *shape, const int
     return (PyObject *)t;
 }
 
+PyObject *ft_py_flat_tensor(PyObject *owner, float *data, int64_t n, ft_device device) {
+    int64_t shape[1] = {n};
+    return ft_py_tensor_new(data, 1, shape, NULL, FT_F32, device, 0, owner, NULL, NULL);
+}
+
 int ft_py_tensor_check(PyObject *obj) { return obj && PyObject_TypeCheck(obj, tensor_type); }
 
 void *ft_py_tensor_data(PyObject *obj, int *ndim, const int64_t **shape, const int64_t **strides, ft_dtype *dtype,

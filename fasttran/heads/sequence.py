@@ -20,9 +20,12 @@ from .base import Head, Prepared
 class _SequenceHead(Head):
     loss_name = None
     least_labels = 2   # classes; regression and multi-label take one column or more
+    default_labels = 2
 
-    def __init__(self, hidden_size, num_labels, pooler, dropout, seed, init_std, pooling, label_names):
+    def __init__(self, hidden_size, num_labels=None, pooler=False, dropout=0.1, seed=0, init_std=0.02, pooling="mean",
+                 label_names=None):
         least = self.least_labels
+        num_labels = self.default_labels if num_labels is None else num_labels
         if isinstance(num_labels, bool) or not isinstance(num_labels, (int, np.integer)) or num_labels < least:
             raise InputError(f"num_labels{' (outputs per example)' if least == 1 else ''} must be an int >= {least}, "
                              f"got {num_labels!r}")
@@ -68,6 +71,19 @@ class _SequenceHead(Head):
                    label_names=cfg.get("label_names"))
 
 
+def _numbers(values, what, want, fix=""):
+    """`values` as an array, refusing what cannot be one and strings or objects, with a few of them shown"""
+    try:
+        y = np.asarray(values)
+    except ValueError as e:
+        raise InputError(f"{what} could not be read as an array: {e}") from None
+    if y.dtype.kind in "USO":
+        vals = list(dict.fromkeys(str(v) for v in y.reshape(-1)[:1000]))[:3]
+        raise InputTypeError(f"{what} must be {want}, got {'objects' if y.dtype.kind == 'O' else 'strings'} such as "
+                             f"{vals}{fix}")
+    return y
+
+
 def _where(example_ids, i):
     return f"of example {int(example_ids[i])}" if example_ids is not None else f"at position {int(i)}"
 
@@ -79,10 +95,6 @@ class ClassificationHead(_SequenceHead):
     loss_name = "xent"
     main_metric = "accuracy"
 
-    def __init__(self, hidden_size, num_labels=2, pooler=False, dropout=0.1, seed=0, init_std=0.02, pooling="mean",
-                 label_names=None):
-        super().__init__(hidden_size, num_labels, pooler, dropout, seed, init_std, pooling, label_names)
-
     @classmethod
     def infer_num_labels(cls, labels):
         y = cls.labels_array(labels)
@@ -91,16 +103,8 @@ class ClassificationHead(_SequenceHead):
     @staticmethod
     def labels_array(labels):
         """Labels as an integer array, with the errors a user can act on (strings, floats, ragged)."""
-        try:
-            y = np.asarray(labels)
-        except ValueError as e:
-            raise InputError(f"labels could not be read as a 1-D array: {e}") from None
-        if y.dtype.kind in "USO":
-            vals = list(dict.fromkeys(str(v) for v in y.reshape(-1)[:1000]))[:3]
-            what = "objects" if y.dtype.kind == "O" else "strings"
-            raise InputTypeError(
-                f"labels must be integer class ids 0..K-1, got {what} such as {vals}; map them to ids first, "
-                "e.g. classes, y = numpy.unique(labels, return_inverse=True) (fasttran.readers does it for files)")
+        y = _numbers(labels, "labels", "integer class ids 0..K-1", "; map them to ids first, e.g. classes, y = "
+                     "numpy.unique(labels, return_inverse=True) (fasttran.readers does it for files)")
         if y.dtype.kind == "f":
             whole = y.size and np.all(np.isfinite(y)) and np.all(y == np.round(y))
             raise InputTypeError(f"labels must be integer class ids, got {y.dtype}"
@@ -148,12 +152,8 @@ class RegressionHead(_SequenceHead):
     linear) on the pooled state, mean squared error, as transformers' problem_type='regression'."""
     task = "regression"
     loss_name = "mse"
-    least_labels = 1
+    least_labels = default_labels = 1
     main_metric = "pearson"
-
-    def __init__(self, hidden_size, num_labels=1, pooler=False, dropout=0.1, seed=0, init_std=0.02, pooling="mean",
-                 label_names=None):
-        super().__init__(hidden_size, num_labels, pooler, dropout, seed, init_std, pooling, label_names)
 
     @classmethod
     def infer_num_labels(cls, targets):
@@ -161,13 +161,7 @@ class RegressionHead(_SequenceHead):
         return int(y.shape[1]) if y.ndim == 2 else 1
 
     def check_targets(self, targets, n, example_ids=None):
-        try:
-            y = np.asarray(targets)
-        except ValueError as e:
-            raise InputError(f"regression targets could not be read as an array: {e}") from None
-        if y.dtype.kind in "USO":
-            vals = list(dict.fromkeys(str(v) for v in y.reshape(-1)[:1000]))[:3]
-            raise InputTypeError(f"regression targets must be numbers, got strings or objects such as {vals}")
+        y = _numbers(targets, "regression targets", "numbers")
         if y.dtype.kind not in "iubf":
             raise InputTypeError(f"regression targets must be numbers, got {y.dtype}")
         K = self.num_labels
