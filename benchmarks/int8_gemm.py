@@ -14,7 +14,6 @@ times against the float32 kernels of the same path and run. The rule the backend
 Writes benchmarks/last_int8_gemm.json (with the machine, its load and the versions)."""
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -83,16 +82,8 @@ print(json.dumps({"cpu_kernels": _C.cpu_isa(), "int8_kernel": int8, "int8_used_b
 
 
 def machine():
-    name, flags = platform.processor(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    from cpu_common import cpu_name_and_flags
+    name, flags = cpu_name_and_flags()
     return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(),
             "isa": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx_vnni", "avx2")))}
 

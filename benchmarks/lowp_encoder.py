@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 import fasttran
+from cpu_common import cpu_name_and_flags, export_onnx
 
 THREADS = int(os.environ.get("FASTTRAN_BENCH_THREADS", "2"))
 ROUNDS = int(os.environ.get("FASTTRAN_BENCH_ROUNDS", "7"))
@@ -44,39 +45,21 @@ DATA = os.environ.get("FASTTRAN_DATA", os.path.join(HERE, "..", "..", "shared", 
 def onnx_models(model_dir, tmp):
     """(float32 optimized path, int8 path, notes) or None when onnxruntime / onnx are missing"""
     try:
-        import onnxruntime  # noqa: F401
-        import torch
-        import transformers
+        import onnx
+        import torch  # noqa: F401  (the export)
         from onnxruntime.quantization import QuantType, quantize_dynamic
         from onnxruntime.transformers import optimizer
     except ImportError as e:
         print(f"ONNX Runtime engines skipped: {e}")
         return None
-    eager = transformers.BertModel.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-    class Wrap(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, a, b, c):
-            return self.m(input_ids=a, attention_mask=b, token_type_ids=c).last_hidden_state
-
     raw = os.path.join(tmp, "minilm.onnx")
-    x = torch.ones(2, 16, dtype=torch.long)
-    axes = {0: "batch", 1: "seq"}
-    torch.onnx.export(Wrap(eager), (x, x, torch.zeros_like(x)), raw, opset_version=17, dynamo=False,
-                      input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["last_hidden_state"],
-                      dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes,
-                                    "last_hidden_state": axes})
-    cfg = eager.config
+    cfg = export_onnx(model_dir, raw)
     opt = optimizer.optimize_model(raw, model_type="bert", num_heads=cfg.num_attention_heads,
                                    hidden_size=cfg.hidden_size, opt_level=1)
     fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
     f32 = os.path.join(tmp, "minilm_opt.onnx")
     opt.save_model_to_file(f32)
     i8 = os.path.join(tmp, "minilm_int8.onnx")
-    import onnx
     # the fused graph's contrib ops (Attention, SkipLayerNorm) escape ONNX shape inference: their
     # outputs are float32, as ORT's quantization examples for BERT say
     quantize_dynamic(f32, i8, weight_type=QuantType.QInt8, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
@@ -200,7 +183,7 @@ def main():
             versions[mod] = __import__(mod).__version__
         except ImportError:
             pass
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = cpu_name_and_flags()[0]
     rec = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/lowp_encoder.py", "threads": THREADS,
            "rounds": ROUNDS, "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "load_avg_before": load_before,
            "load_avg_after": load_after, "build_info": {k: fasttran.build_info()[k] for k in (
