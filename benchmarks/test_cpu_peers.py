@@ -36,7 +36,6 @@ Environment: FASTTRAN_BENCH_THREADS (default 2), FASTTRAN_BENCH_ROUNDS (default 
 """
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ import numpy as np
 import pytest
 
 import fasttran
+from cpu_common import cpu_name_and_flags, export_onnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -58,16 +58,7 @@ RESULTS = {}
 
 
 def cpu_description():
-    name, flags = platform.processor(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    name, flags = cpu_name_and_flags()
     isa = [x for x in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if x in flags]
     # what the engines detect (CPUID: avx2_only.c changes it, /proc/cpuinfo above keeps the hardware's)
     detected = {"fasttran": fasttran.build_info()["cpu_kernels"], "openblas": fasttran.build_info()["blas"],
@@ -109,24 +100,7 @@ def engines(model_dir, tmp_path_factory):
     try:
         import onnxruntime as ort
         onnx_path = str(tmp / "minilm.onnx")
-
-        class Wrap(torch.nn.Module):
-            def __init__(self, m):
-                super().__init__()
-                self.m = m
-
-            def forward(self, a, b, c):
-                return self.m(input_ids=a, attention_mask=b, token_type_ids=c).last_hidden_state
-
-        eager = transformers.BertModel.from_pretrained(model_dir, dtype=torch.float32,
-                                                       attn_implementation="eager").eval()
-        x = torch.ones(2, 16, dtype=torch.long)
-        axes = {0: "batch", 1: "seq"}
-        torch.onnx.export(Wrap(eager), (x, x, torch.zeros_like(x)), onnx_path, opset_version=17, dynamo=False,
-                          input_names=["input_ids", "attention_mask", "token_type_ids"],
-                          output_names=["last_hidden_state"],
-                          dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes,
-                                        "last_hidden_state": axes})
+        export_onnx(model_dir, onnx_path)
         try:
             from onnxruntime.transformers import optimizer
             cfg = ref.config
