@@ -301,13 +301,12 @@ def test_a_cuda_training_step_allocates_nothing(features):
     tr = fasttran.Trainer("classification-pooler", device="cuda", epochs=1, batch_size=4, show_progress=False)
     prep = tr._prepare(cache, y)
     spe, total, warm = tr._loop_setup(cache)
-    order = np.arange(len(cache))
-    batches = [(cache.example_ids[order[a:a + 4]], cache.get(cache.example_ids[order[a:a + 4]], output="device",
-                                                              device="cuda")) for a in range(0, len(cache), 4)]
-    tr._step(cache, prep, *batches[0], total, warm)   # the first step sizes the optimizer's tables
+    order = np.arange(len(cache))   # shuffle=False's order
+    batches = list(tr._batches(cache, batch_size=4, shuffle=False))   # (ids, device batch, its place)
+    tr._step(cache, prep, order, *batches[0], total, warm)   # the first step sizes the optimizer's tables
     before = emu_counters()
-    for ids, x in batches[1:]:
-        tr._step(cache, prep, ids, x, total, warm)
+    for ids, x, where in batches[1:]:
+        tr._step(cache, prep, order, ids, x, where, total, warm)
     after = emu_counters()
     steps = len(batches) - 1
     d = [b - a for a, b in zip(before, after)]
@@ -479,7 +478,7 @@ def test_bf16_topk_trainer_on_cuda(model, inputs, tmp_path):
     for (n, a), (_, b) in zip(rest.top.named_parameters(), bf.top.named_parameters()):
         assert np.array_equal(np.asarray(a), np.asarray(b)), n
     on_cpu = fasttran.Trainer.load(str(tmp_path / "ck"), device="cpu")   # a CUDA bf16 run continues on the CPU
-    assert on_cpu.precision == ("bfloat16" if _C.cpu_isa() == "amx" else "float32")   # as this CPU can
+    assert on_cpu.precision == ("bfloat16" if _C.cpu_features()[0]["avx512_bf16"] else "float32")   # as this CPU can
     for bad, match in ((dict(kw, device="cpu", precision="float16"), "AMX"),
                        (dict(kw, train_layers=0), "train_layers >= 1"),
                        (dict(kw, precision="half"), "precision must")):
