@@ -4,7 +4,7 @@ layers, same initial head, same cached inputs, same batches in the same order, s
 hyper-parameters and schedule; dropout masks from each engine's generator), several seeds; dev
 metric per epoch and seconds per epoch of both, in the same run.
 
-    python benchmarks/tasks.py [--tasks mrpc stsb cola conll conll-types] [--k 2] [--seeds 0 1 2]
+    python benchmarks/tasks.py [--tasks mrpc stsb cola conll conll-types squad] [--k 2] [--seeds 0 1 2]
                                [--epochs 3] [--lr 1e-4] [--limit N] [--threads 2] [--no-torch]
 
 Tasks (from $FASTTRAN_DATA, default ../shared/data; all-MiniLM-L6-v2; mean pooling, linear head):
@@ -14,6 +14,8 @@ Tasks (from $FASTTRAN_DATA, default ../shared/data; all-MiniLM-L6-v2; mean pooli
   conll        CoNLL-2003 named entities (IOB2, 9 tags), a label per word: entity F1 (seqeval's rules)
   conll-types  CoNLL-2003 sentences labelled with the entity types they hold (PER, ORG, LOC, MISC;
                none, one or several): multi-label, micro / macro F1
+  squad        SQuAD v1.1: FastTran's "small" split (the first 3,433 answer windows of the training
+               subset, 384 tokens, stride 128) and the first 1,000 dev questions: exact match and F1
 Dev sets: GLUE's dev files; CoNLL's valid.txt. Writes benchmarks/last_tasks.json."""
 import argparse
 import json
@@ -33,13 +35,24 @@ TYPES = ("PER", "ORG", "LOC", "MISC")
 #: task -> (Trainer task, the metric reported first, GLUE / CoNLL files)
 TASKS = {"mrpc": ("classification", "f1", "glue/MRPC"), "stsb": ("regression", "pearson", "glue/STS-B"),
          "cola": ("classification", "matthews_corrcoef", "glue/CoLA"),
-         "conll": ("token-classification", "f1", "conll2003"), "conll-types": ("multi-label", "micro_f1", "conll2003")}
+         "conll": ("token-classification", "f1", "conll2003"), "conll-types": ("multi-label", "micro_f1", "conll2003"),
+         "squad": ("qa", "f1", "squad")}
 
 
 def load(task, enc, limit=None):
     """(train inputs, train targets, dev inputs, dev targets, label_names)"""
     from fasttran import readers
     d = os.path.join(DATA, TASKS[task][2])
+    if task == "squad":
+        from fasttran.squad import SquadFeatures, load_squad
+        tr = SquadFeatures(load_squad(os.path.join(d, "train-subset-v1.1.json")), enc.tokenizer, max_length=384,
+                           doc_stride=128).with_answers()
+        n = min(limit or 3433, 3433)
+        inputs = (tr.input_ids[:n], tr.attention_mask[:n], tr.token_type_ids[:n])
+        dv = SquadFeatures(load_squad(os.path.join(d, "dev-v1.1.json"))[:1000], enc.tokenizer, max_length=384,
+                           doc_stride=128)
+        return inputs, (tr.start_positions[:n], tr.end_positions[:n]), \
+            (dv.input_ids, dv.attention_mask, dv.token_type_ids), dv, None
     if task.startswith("conll"):
         tr = readers.read_conll(os.path.join(d, "train.txt"), limit=limit)
         dv = readers.read_conll(os.path.join(d, "valid.txt"), label_names=tr.label_names)
@@ -95,7 +108,7 @@ def run_task(task, enc, path, args):
             head.params[...] = fresh.head.params
             ref = TorchTopK(path, args.k, head, args.lr, args.epochs, (len(cache) + 31) // 32, dropout=args.dropout,
                             seed=seed)
-            prep, dprep = head.prepare(cache, y), head.prepare(dev, ydev)
+            prep, dprep = head.prepare(cache, y), head.prepare_eval(dev, ydev)
             secs, evals = [], []
             for epoch in range(args.epochs):
                 secs.append(ref.train_epoch(cache, prep, cache.epoch_order(_epoch_seed(seed, epoch))))

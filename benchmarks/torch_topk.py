@@ -4,9 +4,10 @@ checkpoint (transformers' BertLayer modules), a head with fasttran's initial wei
 cached layer-(L-k) states fed as padded batches with an attention mask, the same examples in the
 same order per step, torch.optim.AdamW with the same groups (no decay on biases and LayerNorm),
 clipping, linear schedule with warmup, and dropout at the same places (drawn from torch's
-generator: the one difference). Every task fasttran's heads have but QA: a linear head on
-mean-pooled states (classification: cross-entropy; regression: squared error; multi-label:
-binary cross-entropy per label) or on every token (cross-entropy over the labelled tokens)."""
+generator: the one difference). Every task fasttran's heads have: a linear head on mean-pooled
+states (classification: cross-entropy; regression: squared error; multi-label: binary
+cross-entropy per label) or on every token (token classification: cross-entropy over the labelled
+tokens; QA: start and end scores, cross-entropy over each example's context tokens)."""
 import os
 import time
 
@@ -46,9 +47,10 @@ class TorchTopK:
         self.layers = torch.nn.ModuleList(ref.encoder.layer[L - k:]) if k else torch.nn.ModuleList()
         self.lin = torch.nn.Linear(C, head.num_labels)
         init = head.state_dict()
+        prefix = "qa_outputs" if head.task == "qa" else "classifier"
         with torch.no_grad():
-            self.lin.weight.copy_(torch.from_numpy(init["classifier.weight"]))
-            self.lin.bias.copy_(torch.from_numpy(init["classifier.bias"]))
+            self.lin.weight.copy_(torch.from_numpy(init[f"{prefix}.weight"]))
+            self.lin.bias.copy_(torch.from_numpy(init[f"{prefix}.bias"]))
         self.drop = torch.nn.Dropout(dropout)
         named = list(self.layers.named_parameters()) + [("classifier." + n, p) for n, p in self.lin.named_parameters()]
         no_decay = ("bias", "LayerNorm.weight", "LayerNorm.bias")
@@ -88,9 +90,14 @@ class TorchTopK:
             h = (h * mf).sum(1) / mf.sum(1)
         return self.lin(self.drop(h) if training else h), None
 
-    def _loss(self, logits, mask, targets):
+    def _loss(self, logits, mask, targets, valid=None):
         F = self.torch.nn.functional
         t = self.torch.from_numpy(np.asarray(targets))
+        if self.head.task == "qa":   # (B, T, 2); the softmax over each example's context tokens
+            ctx = self.torch.zeros(mask.shape, dtype=self.torch.bool)
+            ctx[mask] = self.torch.from_numpy(np.asarray(valid) > 0)
+            z = logits.masked_fill(~ctx[..., None], float("-inf"))
+            return (F.cross_entropy(z[..., 0], t[0].long()) + F.cross_entropy(z[..., 1], t[1].long())) / 2
         if self.head.task == "classification":
             return F.cross_entropy(logits, t.long())
         if self.head.task == "regression":
@@ -109,9 +116,9 @@ class TorchTopK:
             idx = order[a:a + batch_size]
             ids = cache.example_ids[idx]
             lengths = np.asarray(cache.lengths)[idx]
-            targets, _ = self.head.batch(prep, idx, lengths)
+            targets, valid = self.head.batch(prep, idx, lengths)
             logits, mask = self._logits(cache, ids, True)
-            loss = self._loss(logits, mask, targets)
+            loss = self._loss(logits, mask, targets, valid)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
@@ -123,14 +130,19 @@ class TorchTopK:
         """the head's outputs over `source` (as fasttran's Trainer._outputs gives them)"""
         for mod in (self.layers, self.lin, self.drop):
             mod.eval()
+        prep = self.head.prepare_eval(source, None)
         chunks = []
         with self.torch.no_grad():
             for a in range(0, len(source), batch_size):
                 ids = source.example_ids[a:a + batch_size]
                 logits, mask = self._logits(source, ids, False)
-                if mask is not None:
-                    lengths = mask.sum(1).numpy()
-                    chunks.append([logits[b, :n].numpy() for b, n in enumerate(lengths)])
-                else:
+                if mask is None:
                     chunks.append(logits.numpy())
+                    continue
+                lengths = mask.sum(1).numpy()
+                if self.head.task == "qa":   # (2, N) over the real rows, as fasttran's model gives them
+                    _, valid = self.head.batch(prep, np.arange(a, a + len(ids)), lengths)
+                    chunks.append(self.head.outputs(logits[mask].T.numpy(), lengths, valid))
+                else:
+                    chunks.append([logits[b, :n].numpy() for b, n in enumerate(lengths)])
         return self.head.collect(chunks)
