@@ -163,7 +163,9 @@ def _torchrun(tmp_path, tiny_dir, cache, ck, out, kill_at):
     import subprocess
     import sys
     from distributed_util import free_port
-    env = dict(os.environ, FASTTRAN_NUM_THREADS="1")
+    # a generous collective timeout: on a loaded machine a rank may take long to start (the default's 60 s
+    # is the time a live job's collective may take, not a cold start's)
+    env = dict(os.environ, FASTTRAN_NUM_THREADS="1", FASTTRAN_DIST_TIMEOUT="300")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
