@@ -31,8 +31,8 @@ ranks and writes the files one process writes; training takes a slice of every g
 (--batch-size) per rank and sums the gradients (equal to one process at that batch); only rank 0
 prints and writes the checkpoint
   torchrun --nproc-per-node=4 -m fasttran cache --input train.tsv --output ctrain
-  torchrun --nproc-per-node=4 --max-restarts=1 -m fasttran train --input train.tsv --cache ctrain --output ck \
-           --resume --checkpoint-every 200      # a restarted job continues from its last checkpoint
+  torchrun --nproc-per-node=4 --max-restarts=1 -m fasttran train --input train.tsv --cache ctrain
+           --output ck --resume --checkpoint-every 200   # a restarted job continues from its last checkpoint
 
 Inputs are JSON lines ({"text": ..., "text_pair": ..., "label": ...}) or TSV (GLUE's files as they
 are: byte-order marks, a header or none, label names such as `entailment`; other TSV files name
