@@ -71,7 +71,44 @@ def parse_bert_config(cfg, source="config.json"):
         raise CheckpointError(f"{source}: layer_norm_eps must be a positive number, got {eps!r}")
     if out["pad_token_id"] is None:
         out["pad_token_id"] = 0
+    out.update(_parse_structure(cfg, out, source))
     return out
+
+
+#: a compressed model's structure in config.json (fasttran.compress): heads and FFN width per layer,
+#: attention per head ("exact" / "sign_match") and the keys a sign-matching head attends to
+STRUCTURE_KEYS = ("fasttran_layer_heads", "fasttran_layer_intermediate", "fasttran_head_attention",
+                  "fasttran_sign_match_keys")
+ATTENTION_MODES = ("exact", "sign_match")
+
+
+def _parse_structure(cfg, out, source):
+    """The structure keys present in cfg, checked against the rest of the config (absent: none)."""
+    got = {k: cfg[k] for k in STRUCTURE_KEYS if cfg.get(k) is not None}
+    L, NH = out["num_hidden_layers"], out["num_attention_heads"]
+
+    def ints(name, lo, hi):
+        v = got[name]
+        if not isinstance(v, list) or len(v) != L or any(isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi
+                                                        for x in v):
+            raise CheckpointError(f"{source}: {name} must list {L} integers in [{lo}, {hi}] (one per layer), got {v!r}")
+    if "fasttran_layer_heads" in got:
+        ints("fasttran_layer_heads", 1, NH)
+    if "fasttran_layer_intermediate" in got:
+        ints("fasttran_layer_intermediate", 1, 1 << 20)
+    heads = got.get("fasttran_layer_heads", [NH] * L)
+    if "fasttran_head_attention" in got:
+        v = got["fasttran_head_attention"]
+        if (not isinstance(v, list) or len(v) != L or
+                any(not isinstance(row, list) or len(row) != n or any(m not in ATTENTION_MODES for m in row)
+                    for row, n in zip(v, heads))):
+            raise CheckpointError(f"{source}: fasttran_head_attention must list, per layer, one of {ATTENTION_MODES} per "
+                                  f"head ({heads} heads), got {v!r}")
+        if any("sign_match" in row for row in v):
+            k = got.get("fasttran_sign_match_keys")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise CheckpointError(f"{source}: sign-matching heads need fasttran_sign_match_keys >= 1, got {k!r}")
+    return got
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -251,13 +288,17 @@ class Encoder:
         if self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
             raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
                                    "half-precision attention takes head sizes up to 128. Use dtype='float32'")
+        modes = c.get("fasttran_head_attention")
         core = _C.EncoderCore(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
             num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
             max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
             layer_norm_eps=float(c["layer_norm_eps"]), activation=_ACTIVATIONS[c["hidden_act"]],
             pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]),
-            dtype=self.dtype)
+            dtype=self.dtype, layer_heads=c.get("fasttran_layer_heads"),
+            layer_intermediate=c.get("fasttran_layer_intermediate"),
+            head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
+            sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0))
         if self.allow_tf32:
             core.set_tf32(True)
         return core
@@ -324,6 +365,7 @@ class Encoder:
         except ImportError:
             return   # optional: encode() explains what to install
         tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+        self._tokenizer_dir = tok_dir
         tok.no_padding()
         tok.enable_truncation(max_length=self.max_seq_length)
         self.tokenizer = tok
@@ -345,8 +387,27 @@ class Encoder:
             "layer_norm_eps": c["layer_norm_eps"], "pad_token_id": c["pad_token_id"],
             "torch_dtype": dtype, "add_pooling_layer": bool(self._core.has_pooler),
         })
+        out.update({k: c[k] for k in STRUCTURE_KEYS if k in c})   # a compressed model's structure
         _C.atomic_write(os.path.join(path, "config.json"), [json.dumps(out, indent=2, sort_keys=True).encode()])
         return path
+
+    @classmethod
+    def _wrap(cls, core, raw_config, like):
+        """An Encoder over `core` (an EncoderCore made in C, e.g. a compressed copy) whose config is
+        raw_config, with `like`'s device settings and tokenizer."""
+        enc = cls.__new__(cls)
+        enc.config = parse_bert_config(raw_config, "compressed config")
+        enc._raw_config = dict(raw_config)
+        enc.dtype, enc.allow_tf32 = like.dtype, like.allow_tf32
+        enc._core = core
+        enc.path, enc.tokenizer, enc.max_seq_length = None, like.tokenizer, like.max_seq_length
+        enc._tokenizer_dir = getattr(like, "_tokenizer_dir", None)
+        return enc
+
+    @property
+    def compressed(self):
+        """True when the model's structure differs from its config's uniform one (fasttran.compress)."""
+        return any(k in self.config for k in STRUCTURE_KEYS)
 
     def state_dict(self):
         """{Hugging Face name: float32 NumPy copy} of every parameter."""
@@ -528,7 +589,9 @@ class Encoder:
                 f"heads={c['num_attention_heads']}, intermediate={c['intermediate_size']}, "
                 f"params={self.num_parameters / 1e6:.1f}M, device={self.device!r}"
                 + (f", dtype={self.dtype!r}" if self.dtype != "float32" else "")
-                + (", allow_tf32=True" if self.allow_tf32 else "") + f"{src})")
+                + (", allow_tf32=True" if self.allow_tf32 else "")
+                + (f", compressed: heads per layer {self._core.structure['layer_heads']}, FFN widths "
+                   f"{self._core.structure['layer_intermediate']}" if self.compressed else "") + f"{src})")
 
     def _repr_html_(self):
         import html

@@ -34,6 +34,10 @@ struct ft_encoder {
     size_t n_views;
     size_t word, pos, type, emb_ln_g, emb_ln_b, pooler_w, pooler_b;
     ft_layer_offsets *layers;
+    /* the structure of a compressed model: per layer its heads and FFN width, per head its
+     * attention mode (the config's arrays point here); head_first[l] = the layer's first head */
+    int64_t *layer_heads, *layer_intermediate, *head_first;
+    uint8_t *head_attention;
     int has_pooler;
     /* the backend's packed copies of the layer weights (pack_weight), made on the first
      * forward after the weights change; NULL when the backend packs nothing */

@@ -1,0 +1,397 @@
+"""The model compression works on: a fine-tuned encoder with its task head and pooling (what
+`Trainer.export` writes), its data, its own file format and the export to transformers' layout.
+
+    >>> model = TaskModel.load("finetuned")               # a Trainer.export directory, or a compressed model
+    >>> dev = TaskData.from_texts(model, texts, labels)    # tokenized once, batched by length
+    >>> model.evaluate(dev)                                # {'accuracy', 'f1', 'loss', 'examples'}
+    >>> model.save("small")                                # atomic files, sizes and CRC-32C recorded, checked on load
+"""
+import json
+import os
+
+import numpy as np
+
+from .. import _C
+from ..encoder import ATTENTION_MODES, STRUCTURE_KEYS, Encoder
+from ..errors import CheckpointError, CheckpointNotFoundError, InputError, InputTypeError, UnsupportedError
+from ..heads import ClassificationHead, _Head
+from ..safetensors_io import read_safetensors, write_safetensors
+
+#: the record of a compressed model directory (files with size and CRC-32C, plan, origin, metrics)
+RECORD = "compression.json"
+FORMAT = "fasttran-compressed-1"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+class TaskData:
+    """Tokenized examples with labels, kept ragged and served in batches of similar length (so
+    little padding). `ids`, `mask`, `types`: (n, T) int arrays padded on the right; `labels` (n,)."""
+
+    def __init__(self, ids, mask, types, labels):
+        ids, mask = np.asarray(ids), np.asarray(mask)
+        types = np.zeros_like(ids) if types is None else np.asarray(types)
+        labels = np.asarray(labels)
+        if ids.ndim != 2 or mask.shape != ids.shape or types.shape != ids.shape:
+            raise InputError(f"input_ids, attention_mask and token_type_ids must be (n, T) arrays of one shape, got "
+                             f"{ids.shape}, {mask.shape}, {types.shape}")
+        if labels.shape != (len(ids),) or labels.dtype.kind not in "iu":
+            raise InputError(f"labels must be ({len(ids)},) integers, got {labels.shape} {labels.dtype}")
+        self.lengths = mask.astype(bool).sum(1).astype(np.int64)
+        if len(ids) == 0 or (self.lengths == 0).any():
+            raise InputError("every example needs at least one real token (and there must be examples)")
+        if not (mask.astype(bool) == (np.arange(mask.shape[1])[None, :] < self.lengths[:, None])).all():
+            raise InputError("attention_mask must be right-padded (ones, then zeros)")
+        self.ids, self.types = ids.astype(np.int64), types.astype(np.int64)
+        self.labels = labels.astype(np.int64)
+        self._order = np.argsort(self.lengths, kind="stable")
+
+    @classmethod
+    def from_texts(cls, model, texts, labels, pairs=None, max_length=128):
+        """Tokenize `texts` (and, for a pair task, `pairs`: the second sentences) with the model's
+        tokenizer (token type 1 for the second sentence, as BERT was trained)."""
+        tok = (model.encoder if isinstance(model, TaskModel) else model).tokenizer
+        if tok is None:
+            raise UnsupportedError("the model has no tokenizer (tokenizer.json): pass token ids to TaskData()")
+        texts = list(texts)
+        if pairs is not None and len(pairs) != len(texts):
+            raise InputError(f"{len(texts)} first sentences but {len(pairs)} second ones")
+        tok.enable_truncation(max_length=int(max_length))
+        try:
+            encs = tok.encode_batch(texts if pairs is None else list(zip(texts, pairs)))
+        finally:
+            tok.enable_truncation(max_length=(model.encoder if isinstance(model, TaskModel) else model).max_seq_length)
+        T = max(len(e.ids) for e in encs)
+        ids = np.zeros((len(encs), T), np.int64)
+        mask, types = np.zeros_like(ids), np.zeros_like(ids)
+        for i, e in enumerate(encs):
+            n = len(e.ids)
+            ids[i, :n], mask[i, :n], types[i, :n] = e.ids, 1, e.type_ids
+        return cls(ids, mask, types, labels)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def subset(self, index):
+        """The examples at `index` (an array of positions), as a new TaskData."""
+        index = np.asarray(index, np.int64)
+        T = int(self.lengths[index].max())
+        mask = (np.arange(T)[None, :] < self.lengths[index][:, None]).astype(np.int64)
+        return TaskData(self.ids[index, :T], mask, self.types[index, :T], self.labels[index])
+
+    def split(self, n, seed=0):
+        """(a random n examples, the rest): e.g. a selection set held out of the training data."""
+        perm = np.random.default_rng(seed).permutation(len(self))
+        return self.subset(np.sort(perm[:n])), self.subset(np.sort(perm[n:]))
+
+    def batches(self, batch_size=64):
+        """(positions, ids, mask, types) padded to each batch's longest, in length order."""
+        for k in range(0, len(self), batch_size):
+            idx = self._order[k:k + batch_size]
+            T = int(self.lengths[idx].max())
+            mask = (np.arange(T)[None, :] < self.lengths[idx][:, None]).astype(np.int64)
+            yield idx, self.ids[idx, :T], mask, self.types[idx, :T]
+
+    def padded(self):
+        """(ids, mask, types) of every example, padded to the longest (the Trainer's inputs)."""
+        T = int(self.lengths.max())
+        mask = (np.arange(T)[None, :] < self.lengths[:, None]).astype(np.int64)
+        return self.ids[:, :T], mask, self.types[:, :T]
+
+    def __repr__(self):
+        return (f"TaskData({len(self)} examples, {int(self.lengths.sum())} tokens, "
+                f"labels {np.bincount(self.labels).tolist()})")
+
+
+def metrics(logits, labels):
+    """accuracy, F1 (binary: of class 1; else macro), mean cross-entropy"""
+    pred = logits.argmax(1)
+    z = logits - logits.max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    loss = float(-logp[np.arange(len(labels)), labels].mean())
+    K = logits.shape[1]
+    f1s = []
+    for c in ([1] if K == 2 else range(K)):
+        tp = int(((pred == c) & (labels == c)).sum())
+        f1s.append(2 * tp / max(2 * tp + int(((pred == c) & (labels != c)).sum()) +
+                                int(((pred != c) & (labels == c)).sum()), 1))
+    return {"accuracy": float((pred == labels).mean()), "f1": float(np.mean(f1s)), "loss": loss,
+            "examples": int(len(labels))}
+
+
+class TaskModel:
+    """A fine-tuned encoder, its classification head and pooling: what compression changes.
+
+    `origin` maps the current structure to the model it was compressed from (per current layer: the
+    original layer, its heads and FFN groups), so plans and reports speak of the original's parts."""
+
+    def __init__(self, encoder, head, pooling="mean", origin=None, info=None):
+        if not isinstance(encoder, Encoder):
+            raise InputTypeError(f"encoder must be a fasttran.Encoder, got {type(encoder).__name__}")
+        if not isinstance(head, ClassificationHead):
+            raise InputTypeError(f"compression takes a classification head, got {type(head).__name__}")
+        if head.hidden_size != encoder.hidden_size:
+            raise InputError(f"the head takes width {head.hidden_size}, the encoder gives {encoder.hidden_size}")
+        if pooling not in ("mean", "cls"):
+            raise InputError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        self.encoder, self.head, self.pooling = encoder, head, pooling
+        self.origin = origin or identity_origin(encoder)
+        self.info = dict(info or {})
+        if origin is None:   # the model compression starts from: its structure names the parts
+            self.info.setdefault("original_structure", {k: v for k, v in self.structure.items()})
+
+    # ---- structure ---------------------------------------------------------------------------
+    @property
+    def structure(self):
+        """{"layer_heads", "layer_intermediate", "head_attention", "sign_match_keys"} of the encoder"""
+        return self.encoder._core.structure
+
+    @property
+    def num_layers(self):
+        return self.encoder.num_layers
+
+    @property
+    def head_size(self):
+        c = self.encoder.config
+        return c["hidden_size"] // c["num_attention_heads"]
+
+    @property
+    def size_bytes(self):
+        """Bytes of the model's weights as stored (encoder + head), what `save` writes besides JSON."""
+        return 4 * (self.encoder.num_parameters + self.head.num_parameters)
+
+    # ---- inference ---------------------------------------------------------------------------
+    def pooled(self, ids, mask, types, **masks):
+        """(B, C) pooled encoder output; `masks`: the encoder core's forward masks (significance)"""
+        hidden, pooled = self.encoder._core.forward(
+            input_ids=ids, attention_mask=mask, token_type_ids=types, layers=(self.num_layers,),
+            pooling=_C.POOLINGS[self.pooling], want_hidden=False, **masks)
+        return pooled[0]
+
+    def logits(self, data, batch_size=64, **masks):
+        """(n, K) logits of every example of `data` (TaskData), in its order"""
+        out = np.empty((len(data), self.head.num_labels), np.float32)
+        for idx, ids, mask, types in data.batches(batch_size):
+            out[idx] = self.head.step(self.pooled(ids, mask, types, **masks))[0]
+        return out
+
+    def evaluate(self, data, batch_size=64, **masks):
+        """{'accuracy', 'f1', 'loss', 'examples'} on `data`"""
+        return metrics(self.logits(data, batch_size, **masks), data.labels)
+
+    def predict(self, data, batch_size=64):
+        return self.logits(data, batch_size).argmax(1)
+
+    # ---- files -------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path):
+        """A model directory: what `Trainer.export` writes (config.json, model.safetensors, head.safetensors,
+        head.json, tokenizer files) or what `save` writes (the same and compression.json, whose sizes and
+        CRC-32C are checked before each file is read)."""
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"model directory {path!r} does not exist")
+        record = None
+        rec_path = os.path.join(path, RECORD)
+        if os.path.isfile(rec_path):
+            record = _read_record(rec_path)
+        for name in ("config.json", "model.safetensors", "head.safetensors", "head.json"):
+            if not os.path.isfile(os.path.join(path, name)):
+                raise CheckpointNotFoundError(
+                    f"{path}: no {name}; compression takes a fine-tuned model with its head, as Trainer.export "
+                    "(train_layers >= 1) or TaskModel.save writes it")
+        files = record["files"] if record else {}
+        for name in ("config.json", "head.json"):
+            if name in files:
+                _check_file(os.path.join(path, name), files[name])
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                raw = json.load(f)
+            with open(os.path.join(path, "head.json")) as f:
+                head_cfg = json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: not valid JSON: {e}") from e
+        enc = Encoder(raw, _source=os.path.join(path, "config.json"))
+        weights = files.get("model.safetensors", {})
+        enc._core.load(os.path.join(path, "model.safetensors"), expect_bytes=int(weights.get("bytes", -1)),
+                       expect_crc32c=int(weights.get("crc32c", -1)))
+        enc.path = os.path.abspath(path)
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            enc._load_tokenizer(path)
+        if not isinstance(head_cfg, dict) or not isinstance(head_cfg.get("head"), dict):
+            raise CheckpointError(f"{path}/head.json: expected {{'head': {{...}}, 'pooling': ...}}")
+        head = _Head.from_config(head_cfg["head"])
+        head.load_state_dict(read_safetensors(os.path.join(path, "head.safetensors"), files.get("head.safetensors")))
+        origin = record.get("origin") if record else None
+        model = cls(enc, head, head_cfg.get("pooling", "mean"), origin=origin,
+                    info=record.get("info") if record else None)
+        if origin is not None:
+            check_origin(model, origin, rec_path)
+        return model
+
+    def save(self, path):
+        """Write the model into directory `path`: config.json (with the compressed structure),
+        model.safetensors, head.safetensors, head.json, the tokenizer files, and compression.json
+        (format, origin, plan and metrics in `info`, each file's size and CRC-32C). Every file is
+        written atomically by the project's writer; compression.json last, so a directory without
+        it (an interrupted save) is not taken for a compressed model. Returns `path`."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        files = {}
+        rec_path = os.path.join(path, RECORD)
+        if os.path.exists(rec_path):
+            os.remove(rec_path)   # the old record must not vouch for the new files while they are written
+        size, crc = self.encoder._core.save(os.path.join(path, "model.safetensors"))
+        files["model.safetensors"] = {"bytes": int(size), "crc32c": int(crc)}
+        files["head.safetensors"] = write_safetensors(os.path.join(path, "head.safetensors"), self.head.state_dict(),
+                                                      {"format": "fasttran-head"})
+        c = self.encoder.config
+        cfg = {k: v for k, v in self.encoder._raw_config.items() if not k.startswith("_")}
+        cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": c["num_hidden_layers"],
+                    "add_pooling_layer": self.encoder.has_pooler})
+        for k in STRUCTURE_KEYS:
+            cfg.pop(k, None)
+            if k in c:
+                cfg[k] = c[k]
+        for name, obj in (("config.json", cfg), ("head.json", {"head": self.head.config(), "pooling": self.pooling})):
+            files[name] = _write_json(os.path.join(path, name), obj)
+        tok_dir = getattr(self.encoder, "_tokenizer_dir", None)
+        for name in _TOKENIZER_FILES if tok_dir else ():
+            src = os.path.join(tok_dir, name)
+            if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
+                with open(src, "rb") as f:
+                    _C.atomic_write(os.path.join(path, name), [f.read()])
+        _write_json(rec_path, {"format": FORMAT, "files": files, "origin": self.origin, "info": _jsonable(self.info)})
+        return path
+
+    def __repr__(self):
+        s = self.structure
+        return (f"TaskModel({self.num_layers} layers, heads {s['layer_heads']}, FFN {s['layer_intermediate']}, "
+                f"{self.size_bytes / 1e6:.1f} MB, {self.head.num_labels} labels, {self.pooling} pooling)")
+
+
+# ---- origin: the current structure in the original model's numbering ------------------------------
+def identity_origin(encoder):
+    """An uncompressed model's origin: every layer, head and neuron its own."""
+    s = encoder._core.structure
+    return {"layers": list(range(encoder.num_layers)),
+            "heads": [list(range(n)) for n in s["layer_heads"]],
+            "neurons": [list(range(n)) for n in s["layer_intermediate"]],
+            "ffn_group_size": None}
+
+
+def check_origin(model, origin, where):
+    s = model.structure
+    try:
+        ok = (len(origin["layers"]) == model.num_layers and
+              [len(h) for h in origin["heads"]] == s["layer_heads"] and
+              [len(r) for r in origin["neurons"]] == s["layer_intermediate"])
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{where}: its 'origin' does not describe this model's structure")
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _write_json(path, obj):
+    data = json.dumps(_jsonable(obj), indent=1, sort_keys=True).encode()
+    size, crc = _C.atomic_write(path, [data])
+    return {"bytes": int(size), "crc32c": int(crc)}
+
+
+def _check_file(path, rec):
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) != int(rec["bytes"]) or _C.crc32c(data) != int(rec["crc32c"]):
+        raise CheckpointError(f"{path} does not match its record in {RECORD} (size {len(data)} vs {rec['bytes']}, or "
+                              "its CRC-32C): the file was changed or damaged after it was saved")
+
+
+def _read_record(path):
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from e
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT or not isinstance(rec.get("files"), dict):
+        raise CheckpointError(f"{path}: not a {FORMAT} record")
+    for name, r in rec["files"].items():
+        if not isinstance(r, dict) or not isinstance(r.get("bytes"), int) or not isinstance(r.get("crc32c"), int):
+            raise CheckpointError(f"{path}: the record of {name} is not {{'bytes': int, 'crc32c': int}}")
+    return rec
+
+
+# ---- transformers' layout ---------------------------------------------------------------------
+def export_transformers(model, path):
+    """Write the encoder in the layout transformers' `BertModel` loads (config.json, model.safetensors,
+    tokenizer files) with outputs equal to fasttran's, and the head beside it (head.safetensors,
+    head.json). transformers 5 has no per-layer head counts or FFN widths (prune_heads and head_mask
+    are gone), so every layer gets the uniform shapes back: a pruned head's Q, K, V rows and biases and
+    its columns of the output projection are zeros (its attention output is exactly zero, whatever its
+    softmax), a pruned FFN neuron's rows of the first projection, its bias and its column of the second
+    are zeros (GELU(0) = 0). Removed layers are simply absent. The zeros cost their full size and time
+    in transformers: the file and the GEMMs are those of the unpruned layers. Sign-matching heads have
+    no transformers equivalent and are refused. Returns `path`."""
+    s = model.structure
+    if any(m != 0 for m in s["head_attention"]):
+        raise UnsupportedError("this model has sign-matching attention heads, which transformers cannot express; "
+                               "export the model before applying sign matching, or keep it in fasttran's format")
+    enc = model.encoder
+    c = enc.config
+    C, NH = c["hidden_size"], c["num_attention_heads"]
+    hs, I = C // NH, max(max(s["layer_intermediate"], default=0), c["intermediate_size"])
+    sd = enc.state_dict()
+    out = {k: v for k, v in sd.items() if not k.startswith("encoder.layer.")}
+    for l in range(enc.num_layers):
+        p = f"encoder.layer.{l}."
+        A, Il = s["layer_heads"][l] * hs, s["layer_intermediate"][l]
+        for w in ("query", "key", "value"):
+            W = np.zeros((C, C), np.float32)
+            W[:A] = sd[p + f"attention.self.{w}.weight"]
+            b = np.zeros(C, np.float32)
+            b[:A] = sd[p + f"attention.self.{w}.bias"]
+            out[p + f"attention.self.{w}.weight"], out[p + f"attention.self.{w}.bias"] = W, b
+        Wo = np.zeros((C, C), np.float32)
+        Wo[:, :A] = sd[p + "attention.output.dense.weight"]
+        out[p + "attention.output.dense.weight"] = Wo
+        W1, b1, W2 = np.zeros((I, C), np.float32), np.zeros(I, np.float32), np.zeros((C, I), np.float32)
+        W1[:Il], b1[:Il], W2[:, :Il] = sd[p + "intermediate.dense.weight"], sd[p + "intermediate.dense.bias"], \
+            sd[p + "output.dense.weight"]
+        out[p + "intermediate.dense.weight"], out[p + "intermediate.dense.bias"] = W1, b1
+        out[p + "output.dense.weight"] = W2
+        for k in ("attention.output.dense.bias", "attention.output.LayerNorm.weight", "attention.output.LayerNorm.bias",
+                  "output.dense.bias", "output.LayerNorm.weight", "output.LayerNorm.bias"):
+            out[p + k] = sd[p + k]
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
+    cfg = {k: v for k, v in enc._raw_config.items() if not k.startswith("_") and k not in STRUCTURE_KEYS}
+    cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": enc.num_layers,
+                "intermediate_size": I, "num_attention_heads": NH, "torch_dtype": "float32"})
+    _write_json(os.path.join(path, "config.json"), cfg)
+    write_safetensors(os.path.join(path, "head.safetensors"), model.head.state_dict(), {"format": "fasttran-head"})
+    _write_json(os.path.join(path, "head.json"), {"head": model.head.config(), "pooling": model.pooling})
+    tok_dir = getattr(enc, "_tokenizer_dir", None)
+    for name in _TOKENIZER_FILES if tok_dir else ():
+        src = os.path.join(tok_dir, name)
+        if os.path.isfile(src):
+            with open(src, "rb") as f:
+                _C.atomic_write(os.path.join(path, name), [f.read()])
+    return path
+
+
+def attention_mode_names(model):
+    """per layer, the attention mode name of each head"""
+    s, out, k = model.structure, [], 0
+    for n in s["layer_heads"]:
+        out.append([ATTENTION_MODES[m] for m in s["head_attention"][k:k + n]])
+        k += n
+    return out
