@@ -517,3 +517,48 @@ def test_search_meets_a_budget_or_says_it_cannot(small_path):
         compress.search(model, train, select)
     with pytest.raises(InputError, match="max_drop must be"):
         compress.search(model, train, select, max_drop=-1)
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_finetuned(tmp_path_factory, minilm_dir):
+    """A small random BERT with MiniLM's tokenizer, its top 2 layers and head fine-tuned on 300 shipped
+    SST-2 sentences and exported as Trainer.export writes it: what `fasttran compress` takes."""
+    import shutil
+    from fasttran.compress.tasks import load_task
+    d = tmp_path_factory.mktemp("tiny")
+    make_checkpoint(str(d / "base"), seed=5, vocab_size=30522, hidden_size=32, num_attention_heads=4,
+                    intermediate_size=64, num_hidden_layers=2, type_vocab_size=2, max_position_embeddings=128)
+    for name in ("tokenizer.json", "vocab.txt"):
+        if os.path.exists(os.path.join(minilm_dir, name)):
+            shutil.copy(os.path.join(minilm_dir, name), d / "base" / name)
+    enc = fasttran.Encoder.from_pretrained(str(d / "base"))
+    texts, _, labels = load_task("sst2", "train", None, limit=300)
+    ids, mask, types = enc.tokenize(texts, max_length=64)
+    tr = fasttran.Trainer("classification", train_layers=2, epochs=1, show_progress=False)
+    tr.fit(tr.cache_for(enc, ids, mask, types), np.array(labels))
+    return tr.export(str(d / "ft"))
+
+
+def test_cli_compress_prints_the_table_and_the_trade_off(tiny_finetuned, tmp_path, capsys):
+    from fasttran.cli import main
+    out, plot = tmp_path / "small", tmp_path / "tradeoff.png"
+    argv = ["compress", tiny_finetuned, "--task", "sst2", "--data", str(tmp_path / "none"), "--limit", "60",
+            "--train-limit", "200", "--select", "40", "--ffn-group-size", "16", "--threads", "2"]
+    with pytest.raises(SystemExit, match="no dev.tsv for task 'sst2'"):
+        main(argv)
+    argv[argv.index("--data") + 1] = ""   # no directory: the sample fasttran ships
+    argv.remove("--data"), argv.remove("")
+    assert main(argv + ["--significance-only"]) == 0
+    text = capsys.readouterr().out
+    assert "mask: loss rise" in text and "head 1.3" in text and "Spearman" in text
+    with pytest.raises(SystemExit, match="give a budget"):
+        main(argv)
+    rc = main(argv + ["--max-drop", "100", "--output", str(out), "--plot", str(plot)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "trade-off" in text and "budget met" in text and "Pareto" in text
+    assert os.path.getsize(plot) > 0
+    model = compress.TaskModel.load(out)
+    assert model.info["search"]["met"] and os.path.exists(out / "search.json")
+    rc = main(argv + ["--max-drop", "0", "--target-size", "0.0001"])
+    assert rc == 3 and "CANNOT MEET" in capsys.readouterr().out

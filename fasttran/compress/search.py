@@ -176,6 +176,8 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
         return ((target_latency_ms is None or m_lat <= target_latency_ms) and
                 (target_size_mb is None or m_size <= target_size_mb * 1e6))
 
+    if ffn_group_size_ is None and significance is not None:
+        ffn_group_size_ = significance.group
     group = ffn_group_size(model, {"ffn_group_size": ffn_group_size_} if ffn_group_size_ else None)
     if significance is None:
         significance = _significance(model, select, ffn_group_size_=group, show_progress=show_progress)
@@ -261,6 +263,9 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
             if not within(acc):
                 break
             sm, sm_model, sm_lat = trial, cand, lat
+        if sm:   # measured again side by side: the machine's load moves between measurements
+            cur_lat = latency(current, select, latency_batch, threads, latency_examples)
+            sm_lat = latency(sm_model, select, latency_batch, threads, latency_examples)
         if sm and sm_lat < 0.98 * cur_lat:
             say(f"sign matching on {len(sm)} heads: {cur_lat:.1f} -> {sm_lat:.1f} ms")
             current, cur_lat = sm_model, sm_lat
