@@ -259,13 +259,14 @@ def cmd_compress(args):
         return compress.TaskData.from_texts(model, a, y, pairs=b, max_length=args.max_length)
     dev = data("dev", args.limit)
     train = data("train", args.train_limit)
-    n_select = args.select or min(1000, max(len(train) // 10, 1))
+    n_select = args.select or min(500, max(len(train) // 10, 1))
     if n_select >= len(train):
         _fail(f"--select {n_select}: the training split has only {len(train)} examples")
     select, train = train.split(n_select, seed=args.seed)
     print(f"data: {len(train)} train (re-fine-tuning), {len(select)} selection (held out of train: decisions), "
           f"{len(dev)} dev (reported)", file=sys.stderr)
-    sig = compress.significance(model, select, ffn_group_size_=args.ffn_group_size, seed=args.seed)
+    methods = ("mask", "gradient") if args.significance == "both" else (args.significance,)
+    sig = compress.significance(model, select, methods=methods, ffn_group_size_=args.ffn_group_size, seed=args.seed)
     print(sig.table())
     if args.significance_only:
         if args.output:
@@ -319,7 +320,7 @@ def _compress_parser(sub):
     k.add_argument("--latency-batch", type=int, default=32, help="batch size of the latency budget")
     k.add_argument("--target-size", type=float, default=None, metavar="MB", help="largest model size")
     k.add_argument("--select", type=int, default=None, metavar="N",
-                   help="examples held out of the training split to decide on (default: 10%%, at most 1000)")
+                   help="examples held out of the training split to decide on (default: 10%%, at most 500)")
     k.add_argument("--train-limit", type=int, default=20000, metavar="N", help="training examples read")
     k.add_argument("--limit", type=int, default=None, metavar="N", help="dev examples read")
     k.add_argument("--max-length", type=int, default=128, help="tokens per example")
@@ -329,6 +330,9 @@ def _compress_parser(sub):
     k.add_argument("--sign-match", action=argparse.BooleanOptionalAction, default=True,
                    help="try sign-matching attention on the least significant heads")
     k.add_argument("--sign-match-keys", type=int, default=16, help="keys a sign-matching head attends to")
+    k.add_argument("--significance", default="both", choices=["both", "mask", "gradient"],
+                   help="how parts are scored (the search orders by masking when it is measured): masking runs one "
+                        "forward per part over the selection set, gradient x activation one backward in all")
     k.add_argument("--significance-only", action="store_true", help="print the significance table and stop")
     k.add_argument("--threads", type=int, default=None, help="CPU threads (latency is measured with 2 by default)")
     k.add_argument("--seed", type=int, default=0, help="selection split and re-fine-tuning")

@@ -20,9 +20,9 @@
  * attention_heads_forward (compressed models) gives each head a mode: exact (the tasks above),
  * off (zeros, nothing computed) or sign-matching (Nagarajan et al. 2020): per query row, every key's
  * sign agreement with the query -- head size minus the popcount of the XOR of their sign bits, one
- * 64-bit word per 64 dimensions -- picks the sign_keys best keys (ties: the earlier key; all keys
- * when there are no more than that), and softmax(q.k / sqrt(d)) V is taken over those keys only, in
- * key order. Its cost per query is nk popcounts plus 2 sign_keys d multiply-adds against 2 nk d. */
+ * 64-bit word per 64 dimensions -- picks the sign_keys best keys (ties: the earlier key), and
+ * softmax(q.k / sqrt(d)) V is taken over those keys only, in key order; a sequence with no more keys
+ * than sign_keys gets exact attention (the same keys, the exact path's bits). Its cost per query is nk popcounts plus 2 sign_keys d multiply-adds against 2 nk d. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -131,13 +131,11 @@ static void head_sign_match(float *out, const float *q, int64_t nq, int64_t nk, 
     const float *k = q + C, *v = q + 2 * C;
     const int64_t nw = (hs + 63) / 64;
     sign_bits(kbits, k, nk, hs, ld, nw);
-    uint64_t qbits[16];   /* head sizes up to 1024 (checked by the caller) */
+    uint64_t qbits[16];   /* head sizes up to 1024 (checked by the caller); nk > keys (else exact) */
     for (int64_t i = 0; i < nq; i++) {
         const float *qi = q + i * ld;
         int64_t m = 0;
-        if (nk <= keys) {
-            for (int64_t j = 0; j < nk; j++) sel[m++] = (int32_t)j;
-        } else {
+        {
             sign_bits(qbits, qi, 1, hs, ld, nw);
             /* agreement of every key, a histogram of them, then the threshold t: every key above it,
              * and as many of the keys at it (the earliest) as fill `keys` */
@@ -156,9 +154,10 @@ static void head_sign_match(float *out, const float *q, int64_t nq, int64_t nk, 
                 if (a > t || (a == t && at_t-- > 0)) sel[m++] = (int32_t)j;
             }
         }
-        for (int64_t s = 0; s < m; s++) {   /* unscaled q.k of the chosen keys, each one chain in order */
+        for (int64_t s = 0; s < m; s++) {   /* unscaled q.k of the chosen keys (a fixed vector order) */
             const float *kj = k + (int64_t)sel[s] * ld;
             float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
             for (int64_t c = 0; c < hs; c++) acc += qi[c] * kj[c];
             scores[s] = acc;
         }
@@ -231,7 +230,7 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
                 for (int64_t i = 0; i < nq; i++) memset(out + i * C, 0, (size_t)hs * sizeof(float));
                 continue;
             }
-            if (mode == FT_ATTN_SIGN_MATCH) {
+            if (mode == FT_ATTN_SIGN_MATCH && nk > sign_keys) {   /* (no more keys than that: exact attention) */
                 uint64_t *kbits = (uint64_t *)buf;
                 int32_t *counts = (int32_t *)(kbits + maxk * nw), *sel = counts + hs + 1;
                 head_sign_match(out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, sign_keys, kbits, counts,

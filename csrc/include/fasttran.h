@@ -89,7 +89,8 @@ typedef struct {
  * al., "Optimizing Transformers with Approximate Computing" (2020): per query, the keys whose signs
  * agree with the query's in the most dimensions (XOR + popcount of sign bits) are found, and
  * softmax(q.k / sqrt(d)) V is taken over the sign_match_keys best of them only (the others get no
- * weight; ties go to the earlier key). FT_ATTN_OFF (forward masks only): the head's output is zero. */
+ * weight; ties go to the earlier key; a sequence with no more keys than that gets exact attention).
+ * FT_ATTN_OFF (forward masks only): the head's output is zero. */
 typedef enum { FT_ATTN_EXACT = 0, FT_ATTN_SIGN_MATCH = 1, FT_ATTN_OFF = 2 } ft_attention_mode;
 
 /* per-layer shape of a config (NULL arrays: the uniform values), its consistency check, and equality

@@ -395,3 +395,52 @@ def attention_mode_names(model):
         out.append([ATTENTION_MODES[m] for m in s["head_attention"][k:k + n]])
         k += n
     return out
+
+
+def export_onnx(model, path, opset=17):
+    """The model (encoder, pooling and head: input_ids, attention_mask, token_type_ids -> logits) as an
+    ONNX file for ONNX Runtime, through the transformers layout (export_transformers: pruned parts
+    zero-filled, sign matching refused) and torch.onnx's TorchScript exporter; batch and sequence
+    axes dynamic. Needs torch, transformers and onnx. Returns `path`."""
+    try:
+        import torch
+        from transformers import BertModel
+    except ImportError:
+        from ..errors import MissingDependencyError
+        raise MissingDependencyError("ONNX export needs torch and transformers: pip install 'fasttran[test]'") from None
+    import tempfile
+    W = torch.tensor(model.head.tensors["classifier.weight"])
+    b = torch.tensor(model.head.tensors["classifier.bias"])
+    pooler = None
+    if model.head.kind == "pooler":
+        pooler = (torch.tensor(model.head.tensors["pooler.dense.weight"]), torch.tensor(model.head.tensors["pooler.dense.bias"]))
+    cls = model.pooling == "cls"
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, bert):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            h = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+            if cls:
+                x = h[:, 0]
+            else:
+                m = attention_mask.to(h.dtype).unsqueeze(-1)
+                x = (h * m).sum(1) / m.sum(1).clamp(min=1.0)
+            if pooler is not None:
+                x = torch.tanh(x @ pooler[0].T + pooler[1])
+            return x @ W.T + b
+
+    with tempfile.TemporaryDirectory(prefix="fasttran-onnx-") as d:
+        export_transformers(model, d)
+        bert = BertModel.from_pretrained(d, attn_implementation="eager").eval()
+    x = torch.ones((2, 8), dtype=torch.long)
+    path = os.fspath(path)
+    axes = {0: "batch", 1: "sequence"}
+    with torch.no_grad():
+        torch.onnx.export(Wrap(bert), (x, x, torch.zeros_like(x)), path, opset_version=opset, dynamo=False,
+                          input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["logits"],
+                          dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes,
+                                        "logits": {0: "batch"}})
+    return path

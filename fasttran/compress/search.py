@@ -4,7 +4,8 @@ drop, a target latency, a target size, or several -- with a brief re-fine-tuning
 1. Score every layer, head and FFN group on the selection set (masking; significance.py).
 2. Prune in order of increasing significance, a step of parts at a time (each step applied for real:
    a smaller model, evaluated on the selection set; a step that breaks the accuracy budget is retried
-   part by part). Stop when the latency / size target is met, or when nothing more fits the budget.
+   part by part). Stop when the latency / size target is met, or when no part of a step fits the
+   budget (the parts after it are more significant).
 3. Re-fine-tune the pruned model briefly (Trainer, its top layers, from the activation cache); if the
    accuracy budget is then broken, back off the last third of the pruned parts and train again.
 4. Sign matching on the least significant remaining heads, while the budget holds -- kept only when
@@ -131,11 +132,13 @@ class SearchResult:
 def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=None, latency_batch=32,
            target_size_mb=None, significance=None, ffn_group_size_=None, steps=24, retrain_epochs=1,
            retrain_layers=None, retrain_lr=None, retrain_batch_size=32, max_retrains=2, sign_match=True,
-           sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, threads=2, latency_examples=128, seed=0, show_progress=True):
+           sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, threads=2, latency_examples=128, order_by=None, seed=0,
+           show_progress=True):
     """Compress `model` (TaskModel) under a budget: `max_drop` (accuracy points on the selection set, e.g.
     0.5), `target_latency_ms` (per batch of `latency_batch`, `threads` threads) and/or `target_size_mb`.
     `train` (TaskData) re-fine-tunes after pruning, `select` (TaskData, held out of train) decides,
-    `dev` (optional) reports. Returns a SearchResult; an unreachable budget gives met=False and why."""
+    `dev` (optional) reports. `order_by`: 'mask' or 'gradient' significance (default: mask when the
+    significance has it). Returns a SearchResult; an unreachable budget gives met=False and why."""
     if max_drop is None and target_latency_ms is None and target_size_mb is None:
         raise InputError("search needs a budget: max_drop (accuracy points), target_latency_ms or target_size_mb")
     for name, v in (("max_drop", max_drop), ("target_latency_ms", target_latency_ms), ("target_size_mb", target_size_mb)):
@@ -183,7 +186,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
         significance = _significance(model, select, ffn_group_size_=group, show_progress=show_progress)
     elif significance.group != group:
         raise InputError(f"the significance given was measured with FFN groups of {significance.group}, not {group}")
-    order = significance.order("mask")
+    order = significance.order(order_by)   # default: masking when measured, else gradient x activation
     points = [{"stage": "fine-tuned", "accuracy": base_acc, "latency_ms": base["latency_ms"],
                "size_bytes": base["size_bytes"], "plan": None}]
 
@@ -194,7 +197,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
     pending = list(order)
     while pending and not (target_met(cur_lat, cur_size) and (target_latency_ms or target_size_mb)):
         chunk, pending = pending[:step], pending[step:]
-        trial_sets = [chunk]
+        trial_sets, before = [chunk], len(accepted)
         while trial_sets:
             parts = trial_sets.pop(0)
             plan = _plan_of(model, accepted + parts, group, sign_match_keys)
@@ -214,6 +217,10 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
                     break
             elif len(parts) > 1:   # the step broke the budget: try its parts one by one
                 trial_sets = [[p] for p in parts] + trial_sets
+        if len(accepted) == before and len(chunk) > 1:
+            say(f"no part of the next step fits the accuracy budget: the pruning stops ({len(pending)} more significant "
+                "parts left)")
+            break
     if (target_latency_ms or target_size_mb) and not target_met(cur_lat, cur_size):
         say("the pruning order is exhausted before the latency / size target was met")
 

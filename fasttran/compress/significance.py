@@ -201,16 +201,27 @@ class Significance:
         self.control = control or {}
         self.components = components(model, group)
 
-    def order(self, method="mask", kind=None):
-        """components (kind, layer, index) least significant first (mask: by loss rise)"""
-        scores = {c: (self.mask[c][0] if method == "mask" else self.gradient[c]) for c in self.components
-                  if kind is None or c[0] == kind}
+    @property
+    def methods(self):
+        return [m for m in ("mask", "gradient") if getattr(self, m)]
+
+    def score(self, c, method=None):
+        """a component's score by `method` (default: mask when measured, else gradient)"""
+        method = method or self.methods[0]
+        if not getattr(self, method):
+            raise InputError(f"this analysis has no {method!r} scores; it measured {self.methods}")
+        return self.mask[c][0] if method == "mask" else self.gradient[c]
+
+    def order(self, method=None, kind=None):
+        """components (kind, layer, index) least significant first (mask: by loss rise; default: mask when
+        measured, else gradient)"""
+        scores = {c: self.score(c, method) for c in self.components if kind is None or c[0] == kind}
         return sorted(scores, key=lambda c: (scores[c], c))
 
     def agreement(self):
         """Spearman's rank correlation of the two scores: overall and per kind"""
         out = {}
-        if not self.gradient:
+        if not (self.gradient and self.mask):
             return out
         for kind in (None, "layer", "head", "ffn"):
             cs = [c for c in self.components if kind is None or c[0] == kind]
@@ -223,8 +234,9 @@ class Significance:
         out = []
         for c in self.components:
             kind, l, i = c
-            r = {"kind": kind, "layer": l, "index": i, "original_layer": o["layers"][l],
-                 "mask_loss_rise": self.mask[c][0], "mask_accuracy_drop": self.mask[c][1]}
+            r = {"kind": kind, "layer": l, "index": i, "original_layer": o["layers"][l]}
+            if self.mask:
+                r["mask_loss_rise"], r["mask_accuracy_drop"] = self.mask[c]
             if kind == "head":
                 r["original_index"] = o["heads"][l][i]
             if self.gradient:
@@ -233,7 +245,8 @@ class Significance:
         return out
 
     def to_dict(self):
-        return {"ffn_group_size": self.group, "baseline": {"loss": self.base[0], "accuracy": self.base[1]},
+        return {"ffn_group_size": self.group, "methods": self.methods,
+                "baseline": {"loss": self.base[0], "accuracy": self.base[1]},
                 "seconds": self.seconds, "spearman": self.agreement(), "control": self.control, "rows": self.rows}
 
     def table(self, top=None):
@@ -245,14 +258,15 @@ class Significance:
             name = {"layer": f"layer {r['layer']}", "head": f"  head {r['layer']}.{r['index']}",
                     "ffn": f"  ffn {r['layer']}.{r['index']}"}[r["kind"]]
             g = f"{r['gradient']:12.5f}" if "gradient" in r else " " * 12
-            lines.append(f"{name:<14}{r['mask_loss_rise']:16.5f}{r['mask_accuracy_drop']:10.2f}{g}")
+            m = f"{r['mask_loss_rise']:16.5f}{r['mask_accuracy_drop']:10.2f}" if "mask_loss_rise" in r else " " * 26
+            lines.append(f"{name:<14}{m}{g}")
         agr = self.agreement()
         if agr:
             lines.append("rank agreement (Spearman) mask vs gradient: " +
                          ", ".join(f"{k} {v:.3f}" for k, v in agr.items()))
         rnd = self.control.get("random_spearman")
         if rnd:
-            lines.append(f"random order vs mask: Spearman {rnd['mean']:+.3f} +/- {rnd['sd']:.3f} "
+            lines.append(f"random order vs {self.methods[0]}: Spearman {rnd['mean']:+.3f} +/- {rnd['sd']:.3f} "
                          f"({rnd['draws']} draws)")
         for kind, rows in self.control.get("pruned_accuracy", {}).items():
             for frac, accs in rows.items():
@@ -273,17 +287,23 @@ class Significance:
 def significance(model, data, methods=("mask", "gradient"), ffn_group_size_=None, batch_size=64, control=True,
                  seed=0, show_progress=True):
     """Score every layer, head and FFN group of `model` (a TaskModel) on `data` (TaskData) by masking
-    and by gradient x activation (see the module's text). `ffn_group_size_`: neurons per FFN group
+    and / or by gradient x activation (`methods`; see the module's text). `ffn_group_size_`: neurons per FFN group
     (default intermediate_size / 16). control=True adds the random-order control. Returns a
     Significance."""
+    methods = tuple(methods)
     unknown = set(methods) - {"mask", "gradient"}
-    if unknown or "mask" not in methods:
-        raise InputError(f"methods must include 'mask' and may add 'gradient', got {methods!r}")
+    if unknown or not methods:
+        raise InputError(f"methods are 'mask' and / or 'gradient', got {methods!r}")
     group = ffn_group_size(model, {"ffn_group_size": ffn_group_size_} if ffn_group_size_ else None)
     seconds = {}
-    t = time.perf_counter()
-    mask, (base_loss, base_acc) = mask_scores(model, data, group, batch_size, show_progress)
-    seconds["mask"] = time.perf_counter() - t
+    mask = {}
+    if "mask" in methods:
+        t = time.perf_counter()
+        mask, (base_loss, base_acc) = mask_scores(model, data, group, batch_size, show_progress)
+        seconds["mask"] = time.perf_counter() - t
+    else:
+        ev = model.evaluate(data, batch_size)
+        base_loss, base_acc = ev["loss"], ev["accuracy"]
     grad = {}
     if "gradient" in methods:
         t = time.perf_counter()
@@ -302,8 +322,8 @@ def _control(model, data, sig, batch_size, seed, draws=1000, random_orders=3):
     the accuracy after switching off the least significant 25% and 50% of the heads and of the FFN
     groups by each order (random: the mean of `random_orders` draws)"""
     rng = np.random.default_rng(seed)
-    mask_scores_ = [sig.mask[c][0] for c in sig.components]
-    rs = [spearman(mask_scores_, rng.permutation(len(mask_scores_))) for _ in range(draws)]
+    first = [sig.score(c) for c in sig.components]
+    rs = [spearman(first, rng.permutation(len(first))) for _ in range(draws)]
     out = {"random_spearman": {"mean": float(np.mean(rs)), "sd": float(np.std(rs)), "draws": draws},
            "pruned_accuracy": {}}
     mk = _Masks(model, sig.group)
@@ -314,9 +334,7 @@ def _control(model, data, sig, batch_size, seed, draws=1000, random_orders=3):
             k = int(round(frac * len(cs)))
             if k == 0:
                 continue
-            orders = {"mask": sig.order("mask", kind)}
-            if sig.gradient:
-                orders["gradient"] = sig.order("gradient", kind)
+            orders = {m: sig.order(m, kind) for m in sig.methods}
             accs = {name: model.evaluate(data, batch_size, **mk.many(o[:k]))["accuracy"] for name, o in orders.items()}
             accs["random"] = float(np.mean([
                 model.evaluate(data, batch_size, **mk.many([cs[i] for i in rng.permutation(len(cs))[:k]]))["accuracy"]
