@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 11
+#define FT_BACKEND_ABI 12
 
 typedef struct ft_backend ft_backend;
 
@@ -82,7 +82,16 @@ typedef struct {
     S(ft_status, event_synchronize, (ft_backend *be, uintptr_t event))                             \
     /* upload queued on `stream` (from pinned memory: asynchronous; the source must stay as it is \
      * until an event recorded after it completes) */                                            \
-    S(ft_status, upload_async, (ft_backend *be, void *dst, const void *host_src, size_t bytes, uintptr_t stream))
+    S(ft_status, upload_async, (ft_backend *be, void *dst, const void *host_src, size_t bytes, uintptr_t stream)) \
+    /* ---- issue 31: reduced-precision linear layers (cpu/lowp.h) ---- */                          \
+    /* bytes of the packed copy of an (N, K) weight for linear_lp_*_forward in wt (FT_I8: int8    \
+     * weights with per-output-channel scales; FT_BF16); 0 where the backend has no such kernels    \
+     * (CUDA; bf16 on a CPU without AVX512_BF16) */                                                \
+    S(size_t, packed_weight_lp_bytes, (ft_backend *be, ft_dtype wt, int64_t N, int64_t K))       \
+    /* 1 when the linear layers run faster in wt than in float32 on this backend (measured per     \
+     * instruction set: int8 with VNNI / AVX-VNNI / AMX-INT8, bf16 with AVX512_BF16), so an encoder \
+     * uses linear_lp_*; 0: an int8 encoder runs its weights dequantized in float32 */              \
+    S(int, linear_lp_pays, (ft_backend *be, ft_dtype wt))
 
 #define FT_BACKEND_OPS(X)                                                                           \
     /* C (M, N) = alpha * op(A) op(B) + beta * C, row-major, op = transpose when trans_* */        \
@@ -232,6 +241,49 @@ typedef struct {
      * (0: the backend's; rows must then stay as they are until the stream has run the copy). */  \
     X(cache_decode_rows, (ft_backend *be, float *dst, const ft_gather_row *rows, ft_gather_row *rows_dev, int64_t n,  \
                      int64_t C, ft_dtype codec, uintptr_t stream), (be, dst, rows, rows_dev, n, C, codec, stream)) \
+    /* ---- issue 31: reduced precision (CPU; the CUDA backend refuses these with the reason). int8: \
+     * weights q (N, K) in [-127, 127] with scale (N): w = scale q per output channel; activations  \
+     * quantized per row as the layer runs (u8 with a zero point: quantize_rows); sums exact in    \
+     * int32. bf16: weights and activations rounded to bf16 (nearest even), float32 sums. ---- */  \
+    /* q (N, K) int8, scale (N) = a float32 weight's symmetric per-row quantization: scale = max|w| \
+     * / 127, q = rint(w / scale); a non-finite value is refused */                                 \
+    X(quantize_weight, (ft_backend *be, int8_t *q, float *scale, const float *w, int64_t N, int64_t K), \
+      (be, q, scale, w, N, K))                                                                     \
+    /* q (M, K) u8, scale (M), zero_point (M) int32 = x (M, K)'s dynamic per-row quantization, as  \
+     * linear_lp_* quantizes its input: x ~ scale (q - zero_point) (cpu/lowp.h) */                  \
+    X(quantize_rows, (ft_backend *be, uint8_t *q, float *scale, int32_t *zero_point, const float *x,  \
+                      int64_t M, int64_t K), (be, q, scale, zero_point, x, M, K))                  \
+    /* packed (packed_weight_lp_bytes(FT_I8)) = int8 weights q (N, K) and their scales (N) */       \
+    X(pack_weight_i8, (ft_backend *be, void *packed, const int8_t *q, const float *scale, int64_t N, \
+                       int64_t K), (be, packed, q, scale, N, K))                                    \
+    /* packed (packed_weight_lp_bytes(FT_BF16)) = w (N, K) rounded to bf16 */                      \
+    X(pack_weight_bf16, (ft_backend *be, void *packed, const float *w, int64_t N, int64_t K),       \
+      (be, packed, w, N, K))                                                                       \
+    /* C (M, N) int32, row stride ldc = sum_k (A[m, k] - zero_point[m]) q[n, k] exactly: A (M, K)   \
+     * u8 with row stride lda, zero_point (M) or NULL (0), q the int8 weights packed in w_packed;  \
+     * the int8 GEMM of linear_lp_* on its own */                                                  \
+    X(gemm_i8, (ft_backend *be, int32_t *C, const uint8_t *A, const int32_t *zero_point,           \
+                const void *w_packed, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldc),   \
+      (be, C, A, zero_point, w_packed, M, N, K, lda, ldc))                                          \
+    /* out (M, N) float32 = act(x (M, K) w^T + bias) with w packed in wt (FT_I8: x quantized per  \
+     * row, out = dequantized int32 sums; FT_BF16: bf16 products, float32 sums); bias (N) or NULL, \
+     * act an ft_activation or -1. out must not alias x. */                                         \
+    X(linear_lp_forward, (ft_backend *be, ft_dtype wt, float *out, const float *x, const void *w_packed, \
+                          const float *bias, int64_t M, int64_t K, int64_t N, int act),              \
+      (be, wt, out, x, w_packed, bias, M, K, N, act))                                               \
+    /* out (M, N) = LayerNorm(residual + (x w^T + bias)) per row, w packed in wt */                \
+    X(linear_lp_residual_ln_forward, (ft_backend *be, ft_dtype wt, float *out, const float *x,     \
+                                      const void *w_packed, const float *bias, const float *residual, \
+                                      const float *gamma, const float *beta, int64_t M, int64_t K,  \
+                                      int64_t N, float eps),                                        \
+      (be, wt, out, x, w_packed, bias, residual, gamma, beta, M, K, N, eps))                        \
+    /* embed_ln_forward with int8 word embeddings: row r = LayerNorm(word_scale[id] word[id] +    \
+     * type[types[r]] + pos[positions[r]]), word (V, C) int8, word_scale (V); float32 otherwise */ \
+    X(embed_i8_ln_forward, (ft_backend *be, float *out, const int32_t *ids, const int32_t *types,  \
+                            const int32_t *positions, const int8_t *word, const float *word_scale, \
+                            const float *pos, const float *type, const float *gamma, const float *beta, \
+                            int64_t N, int64_t C, float eps),                                       \
+      (be, out, ids, types, positions, word, word_scale, pos, type, gamma, beta, N, C, eps)) \
     /* ---- issue 31: compressed models (fasttran.compress) ---- */                               \
     /* attention_forward with a mode per head: modes (HOST, NH entries, ft_attention_mode):       \
      * FT_ATTN_EXACT = attention_forward's result, FT_ATTN_SIGN_MATCH = softmax over the           \

@@ -62,6 +62,12 @@ def build_info():
         "backends": ["cpu"] + (["cuda (emulated)" if _C.cuda_emulated else "cuda"] if _cuda_backend_installed() else []),
         "blas": _C.blas_name(),
         "cpu_kernels": _C.cpu_isa(),
+        # what the kernels may use (FASTTRAN_CPU_ISA restricts it to a CPU generation's set)
+        "cpu_features": _C.cpu_features()[0],
+        # int8 products (exact int32 sums on every kernel); used_by_encoders False: the exact fallback is
+        # slower than float32 here and int8 encoders run their weights dequantized in float32 kernels
+        "int8_kernels": dict(zip(("name", "used_by_encoders"), _C.cpu_lowp_kernels()[:2])),
+        "bf16_kernels": _C.cpu_lowp_kernels()[2],   # None: no bf16 products (dtype="bfloat16" refused on this CPU)
         "threads": _C.num_threads(),
         "compiler": BUILD.get("compiler"),
         "cflags": BUILD.get("cflags"),

@@ -238,7 +238,7 @@ def _as_index_array(x, name, device="cpu"):
     raise InputTypeError(f"{name} must be a NumPy array, a DLPack tensor or a list, got {type(x).__name__}")
 
 
-_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 
 class Encoder:
@@ -254,7 +254,10 @@ class Encoder:
         load a checkpoint. (`_source` names the config in error messages.)
 
         dtype: "float32" (every device), "bfloat16" or "float16" (CUDA: weights and activations in
-        half precision, float32 accumulation and LayerNorm/softmax statistics, float32 outputs).
+        half precision, float32 accumulation and LayerNorm/softmax statistics, float32 outputs),
+        "bfloat16" on a CPU with AVX512_BF16 (the linear layers' weights and products in bf16,
+        float32 activations, sums and statistics), or "int8" (CPU: each layer's four projections
+        and the word embeddings in int8 with per-output-channel scales, see :meth:`quantize`).
         allow_tf32: a float32 encoder on CUDA runs its products on TF32 tensor cores (inputs rounded
         to a 10-bit mantissa, relative error about 5e-4 per product input; about 1e-3 relative on
         the last hidden states of BERT-size models); off by default (true fp32). No effect on the
@@ -277,15 +280,19 @@ class Encoder:
 
     def _make_core(self, device):
         if device != "cpu":
+            if self.dtype == "int8":
+                raise UnsupportedError("dtype='int8' runs on the CPU backend only (int8 products on VNNI / AMX); use "
+                                       "device='cpu', or dtype='bfloat16' / 'float16' on CUDA")
             from ._info import no_gpu_reason
             reason = no_gpu_reason()
             if reason:
                 raise NoGPUError(f"device {device!r}: there is no usable GPU: {reason}. Use device='cpu'")
-        elif self.dtype != "float32":
-            raise UnsupportedError(f"dtype={self.dtype!r} runs on CUDA only: the CPU backend computes in float32. "
-                                   "Use device='cuda' or dtype='float32'")
+        elif self.dtype == "float16":
+            raise UnsupportedError("dtype='float16' runs on CUDA only: the CPU backend computes in float32, bfloat16 "
+                                   "(on CPUs with AVX512_BF16) or int8. Use device='cuda', or dtype='float32', "
+                                   "'bfloat16' or 'int8' on the CPU")
         c = self.config
-        if self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
+        if device != "cpu" and self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
             raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
                                    "half-precision attention takes head sizes up to 128. Use dtype='float32'")
         modes = c.get("fasttran_head_attention")
@@ -295,10 +302,12 @@ class Encoder:
             max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
             layer_norm_eps=float(c["layer_norm_eps"]), activation=_ACTIVATIONS[c["hidden_act"]],
             pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]),
-            dtype=self.dtype, layer_heads=c.get("fasttran_layer_heads"),
+            dtype="float32" if self.dtype == "int8" else self.dtype, layer_heads=c.get("fasttran_layer_heads"),
             layer_intermediate=c.get("fasttran_layer_intermediate"),
             head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
             sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0))
+        if self.dtype == "int8":   # a blank int8 encoder: zero weights, quantized (load_state_dict fills it)
+            core.quantize(embeddings=True)
         if self.allow_tf32:
             core.set_tf32(True)
         return core
@@ -307,6 +316,9 @@ class Encoder:
         """Move the weights to `device` ('cpu', 'cuda', 'cuda:N') and run there from now on.
         Returns self. Tensors produced earlier stay valid where they are."""
         device = self._parse_device(device)
+        if device != self.device and self.dtype == "int8":
+            raise UnsupportedError("an int8 encoder runs on the CPU backend only; quantize a float32 encoder's copy "
+                                   "on the CPU, or use dtype='bfloat16' on CUDA")
         if device != self.device:
             core = self._make_core(device)
             core.copy_weights_from(self._core)
@@ -340,7 +352,9 @@ class Encoder:
         it; a Hugging Face Hub id ("sentence-transformers/all-MiniLM-L6-v2") is fetched into the
         Hub cache through huggingface_hub when that is installed (configs, safetensors and
         tokenizer files only). Tensor names may carry a prefix such as ``bert.`` (detected, or pass ``prefix``).
-        Pickle checkpoints (pytorch_model.bin) are refused."""
+        Pickle checkpoints (pytorch_model.bin) are refused. ``dtype="int8"`` loads the float
+        weights and quantizes them (:meth:`quantize`, word embeddings included); ``"bfloat16"`` on
+        the CPU needs AVX512_BF16."""
         path = os.fspath(path)
         if not os.path.exists(path) and _HUB_ID.match(path):   # "org/name": through huggingface_hub
             path = _from_hub(path)
@@ -350,8 +364,11 @@ class Encoder:
                 raw = json.load(f)
         except ValueError as e:
             raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
-        enc = cls(raw, device, dtype, allow_tf32, _source=config_file)
+        int8 = cls._parse_dtype(dtype) == "int8"
+        enc = cls(raw, device, "float32" if int8 else dtype, allow_tf32, _source=config_file)
         enc._core.load(weights, prefix=prefix)
+        if int8:
+            enc.quantize(inplace=True)
         enc.path = os.path.abspath(os.fspath(path))
         if max_len:
             enc.max_seq_length = min(int(max_len), enc.config["max_position_embeddings"])
@@ -373,6 +390,11 @@ class Encoder:
     def save_pretrained(self, path, dtype="float32"):
         """Write config.json + model.safetensors (Hugging Face BertModel names) into directory
         `path`, atomically; loadable by transformers' BertModel.from_pretrained."""
+        if self.dtype == "int8":
+            raise UnsupportedError(
+                "save_pretrained writes float weights in Hugging Face's layout and an int8 encoder has none (quantize() "
+                "freed them). Save the float32 model and quantize it when loading (Encoder.from_pretrained(path, "
+                "dtype='int8')), or keep state_dict(): its int8 weights with their '<name>_scale' tensors")
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
         self._core.save(os.path.join(path, "model.safetensors"), dtype=dtype)
@@ -410,14 +432,97 @@ class Encoder:
         return any(k in self.config for k in STRUCTURE_KEYS)
 
     def state_dict(self):
-        """{Hugging Face name: float32 NumPy copy} of every parameter."""
+        """{Hugging Face name: NumPy copy} of every parameter: float32; in an int8 encoder the
+        quantized ones are int8 (rows x cols) with their per-row float32 scales beside them as
+        ``<name>_scale`` (rows,): weight = scale[:, None] * int8."""
         names = self._core.tensors()
         out = {}
         for i, (name, _shape) in enumerate(names):
             if name.startswith("pooler.") and not self._core.has_pooler:
                 continue
             out[name] = self._core.tensor(i)
+            scale = self._core.tensor_scale(i)
+            if scale is not None:
+                out[name + "_scale"] = scale
         return out
+
+    def load_state_dict(self, state, strict=True):
+        """Set parameters from {name: array} as :meth:`state_dict` gives them (Hugging Face names;
+        an int8 encoder's quantized tensors as int8 arrays with their ``<name>_scale``). Shapes
+        and dtypes are checked before anything is written; with strict, every parameter must be
+        there (the pooler's two only when this encoder has a pooler) and no other name. The packed
+        copies are remade on the next forward. Returns self."""
+        if not isinstance(state, dict):
+            raise InputTypeError(f"load_state_dict takes a dict of arrays, got {type(state).__name__}")
+        plan, seen = [], set()
+        for i, (name, shape) in enumerate(self._core.tensors()):
+            if name not in state:
+                if strict and not (name.startswith("pooler.") and not self._core.has_pooler):
+                    raise CheckpointError(f"load_state_dict: missing {name!r} (shape {tuple(shape)})")
+                continue
+            seen.add(name)
+            int8 = self._core.tensor_scale(i) is not None
+            v = np.asarray(state[name])
+            want = np.int8 if int8 else np.float32
+            if not int8 and v.dtype == np.int8 and name + "_scale" in state:
+                raise CheckpointError(f"load_state_dict: {name!r} is int8 with its scales and this encoder is "
+                                      f"{self.dtype}: load int8 weights into an int8 encoder (Encoder(config, "
+                                      "dtype='int8'), or quantize it first)")
+            if tuple(v.shape) != tuple(shape) or (int8 and v.dtype != np.int8) or (not int8 and v.dtype.kind != "f"):
+                raise CheckpointError(f"load_state_dict: {name!r} is {v.dtype} {tuple(v.shape)}; this encoder needs "
+                                      f"{np.dtype(want).name} {tuple(shape)}")
+            scale = None
+            if int8:
+                seen.add(name + "_scale")
+                scale = state.get(name + "_scale")
+                if scale is None:
+                    raise CheckpointError(f"load_state_dict: {name!r} is int8 here and needs its scales "
+                                          f"{name + '_scale'!r} ({shape[0]},)")
+                scale = np.ascontiguousarray(scale, np.float32)
+                if scale.shape != (shape[0],):
+                    raise CheckpointError(f"load_state_dict: {name + '_scale'!r} has shape {scale.shape}, "
+                                          f"expected ({shape[0]},)")
+            plan.append((i, np.ascontiguousarray(v, want), scale))
+        extra = sorted(set(state) - seen)
+        if strict and extra:
+            raise CheckpointError(f"load_state_dict: unexpected {extra[:5]}" + (" ..." if len(extra) > 5 else "")
+                                  + (" (scales for tensors this float32 encoder holds in float32: quantize it first)"
+                                     if any(k.endswith("_scale") for k in extra) else ""))
+        for i, v, scale in plan:
+            self._core.set_tensor(i, v, scale)
+        self.__dict__.pop("_ft_fingerprint", None)
+        return self
+
+    def quantize(self, embeddings=True, inplace=False):
+        """An int8 copy of this float32 CPU encoder (``inplace=True``: this one): each layer's four
+        projections (Q, K, V, attention output, FFN in and out) -- and with ``embeddings`` the word
+        embeddings, half of MiniLM's parameters -- become int8 with one float32 scale per output
+        channel (row): ``scale = max|w| / 127``, ``q = rint(w / scale)``. Their float32 copies are not
+        kept (biases, LayerNorms, position/type embeddings and the pooler stay float32), so an int8
+        encoder cannot be trained, moved to CUDA or saved in Hugging Face's layout (its
+        :meth:`state_dict` has the int8 tensors and their ``<name>_scale``).
+
+        The linear layers then take int8 products -- activations quantized per token as they run
+        (asymmetric u8, a zero point per row), exact int32 sums, dequantized with both scales -- on
+        CPUs with AVX-512 VNNI, AVX-VNNI or AMX-INT8; elsewhere the int8 weights run dequantized in
+        float32 kernels, never slower than float32 (``memory_report()["weights"]`` says which).
+        A token's result still depends only on its own sequence. Error against float32 on
+        all-MiniLM-L6-v2: benchmarks/RESULTS.md, "Compression: reduced-precision kernels"."""
+        if self.dtype != "float32":
+            raise UnsupportedError(f"quantize() takes a float32 encoder; this one is {self.dtype}")
+        if self.device != "cpu":
+            raise UnsupportedError("int8 encoders run on the CPU backend: enc.to('cpu').quantize()")
+        target = self
+        if not inplace:
+            target = Encoder.__new__(Encoder)
+            target.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_core", "_ft_fingerprint")})
+            target.config = dict(self.config)
+            target._core = target._make_core("cpu")   # float32 (dtype still says so)
+            target._core.copy_weights_from(self._core)
+        target._core.quantize(embeddings=bool(embeddings))
+        target.dtype = "int8"
+        target.__dict__.pop("_ft_fingerprint", None)
+        return target
 
     # ---- properties --------------------------------------------------------------------------
     @property
@@ -566,7 +671,8 @@ class Encoder:
             ("intermediate", c["intermediate_size"]), ("vocab", c["vocab_size"]),
             ("max positions", c["max_position_embeddings"]), ("activation", c["hidden_act"]),
             ("parameters", f"{self.num_parameters / 1e6:.1f} M"), ("pooler", self.has_pooler),
-            ("device", self.device), ("tokenizer", self.tokenizer is not None),
+            ("device", self.device), ("dtype", self.dtype), ("weights", self._weights_note()),
+            ("tokenizer", self.tokenizer is not None),
         ]
 
     def memory_report(self):
@@ -580,7 +686,21 @@ class Encoder:
         on_device = ("parameters", "workspace", "backend") if self.device != "cpu" else ()
         r["total_device"] = sum(r[k] for k in on_device)
         r["device"], r["dtype"] = self.device, self.dtype
+        r["weights"] = self._weights_note()
         return r
+
+    def _weights_note(self):
+        """What the linear layers' weights are and which kernels multiply them."""
+        if self.device != "cpu" or self.dtype == "float32":
+            return f"{self.dtype} ({_C.cpu_isa() if self.device == 'cpu' else 'CUDA'} kernels)"
+        if self.dtype == "bfloat16":
+            return f"bfloat16, packed once; bf16 products ({_C.cpu_lowp_kernels()[2]} kernels), float32 sums"
+        kernel, _used, _ = _C.cpu_lowp_kernels()
+        emb = ", word embeddings int8" if self._core.int8_embeddings else ""
+        if self._core.int8_products:
+            return f"int8 with per-channel scales{emb}; int8 products ({kernel} kernels), per-token activation scales"
+        return (f"int8 with per-channel scales{emb}; dequantized into float32 kernels: this CPU has no VNNI or "
+                f"AMX-INT8, and its exact int8 fallback ({kernel}) is not faster than float32 here")
 
     def __repr__(self):
         c = self.config
@@ -589,6 +709,8 @@ class Encoder:
                 f"heads={c['num_attention_heads']}, intermediate={c['intermediate_size']}, "
                 f"params={self.num_parameters / 1e6:.1f}M, device={self.device!r}"
                 + (f", dtype={self.dtype!r}" if self.dtype != "float32" else "")
+                + (", int8 weights in float32 kernels (no VNNI)" if self.dtype == "int8" and
+                   not self._core.int8_products else "")
                 + (", allow_tf32=True" if self.allow_tf32 else "")
                 + (f", compressed: heads per layer {self._core.structure['layer_heads']}, FFN widths "
                    f"{self._core.structure['layer_intermediate']}" if self.compressed else "") + f"{src})")

@@ -255,9 +255,10 @@ class Trainer:
             if not train_layers:
                 raise InputError(f"precision={precision!r} (mixed precision: the trained encoder layers' products "
                                  "in half precision) needs train_layers >= 1: a head alone trains in float32")
-            if not _cuda_device(device) and (precision != "bfloat16" or _cpu_isa() != "amx"):
-                raise InputError(f"precision={precision!r} on the CPU needs bfloat16 and a CPU with AMX (Intel Sapphire "
-                                 f"Rapids or later; this one runs the {_cpu_isa()!r} kernels): elsewhere half-precision "
+            if not _cuda_device(device) and (precision != "bfloat16" or not _C.cpu_features()[0]["avx512_bf16"]):
+                raise InputError(f"precision={precision!r} on the CPU needs bfloat16 and a CPU with bf16 dot products "
+                                 f"(avx512_bf16: Intel Cooper Lake, Sapphire Rapids (AMX) or later, AMD Zen 4 or later; "
+                                 f"this one runs the {_cpu_isa()!r} kernels without it): elsewhere half-precision "
                                  "products are no faster than float32. Train in float32 here, or on device='cuda'")
         cuda = _cuda_device(device)
         if cuda:

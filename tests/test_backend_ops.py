@@ -29,8 +29,8 @@ SIZES = _C._abi_sizes()
 _SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "uint64_t": ctypes.c_uint64,
             "size_t": ctypes.c_size_t, "ft_activation": ctypes.c_int, "ft_pooling": ctypes.c_int,
             "ft_dtype": ctypes.c_int, "uintptr_t": ctypes.c_size_t}
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}   # ft_dtype
-_RETURNS = {"ft_status": ctypes.c_int, "void": None, "size_t": ctypes.c_size_t}
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 6}   # ft_dtype
+_RETURNS = {"ft_status": ctypes.c_int, "void": None, "size_t": ctypes.c_size_t, "int": ctypes.c_int}
 
 
 def parse_params(params):
@@ -145,6 +145,11 @@ class Packed:        # the backend's packed copy of the weight argument `name` (
     def __init__(self, name, N, K): self.name, self.N, self.K = name, N, K
 
 
+class PackedLP:      # the backend's reduced-precision packed copy (issue 31) of weight argument `name` (N, K):
+    # int8 values with their per-row scales (argument `scale`), or float32 weights packed in bf16
+    def __init__(self, name, N, K, scale=None): self.name, self.N, self.K, self.scale = name, N, K, scale
+
+
 class Host:          # an argument the op reads from host memory (attention's sequence table)
     def __init__(self, a): self.a = np.ascontiguousarray(a)
 
@@ -185,6 +190,14 @@ def run_case(be, op, args):
         elif isinstance(v, Packed):
             ptrs[name] = be.alloc(be.fn["packed_weight_bytes"](be.addr, v.N, v.K))
             be.check(be.fn["pack_weight"](be.addr, ptrs[name], ptrs[v.name], v.N, v.K), "pack_weight")
+        elif isinstance(v, PackedLP):
+            wt = DTYPE_CODES["int8"] if v.scale else DTYPE_CODES["bfloat16"]
+            ptrs[name] = be.alloc(be.fn["packed_weight_lp_bytes"](be.addr, wt, v.N, v.K))
+            if v.scale:
+                be.check(be.fn["pack_weight_i8"](be.addr, ptrs[name], ptrs[v.name], ptrs[v.scale], v.N, v.K),
+                         "pack_weight_i8")
+            else:
+                be.check(be.fn["pack_weight_bf16"](be.addr, ptrs[name], ptrs[v.name], v.N, v.K), "pack_weight_bf16")
     call = []
     for name, t in be.params[op]:
         if name == "be":
@@ -897,8 +910,88 @@ for N, W, group, lda, ldo in [(1, 1, 1, 1, 1), (9, 384, 32, 384, 12), (40, 1536,
 
 # pack_weight writes a layout of the backend's own choosing (none at all on CUDA): it is checked
 # through the linear ops above, which read what it wrote
-BACKEND_SPECIFIC = {"pack_weight"}
+BACKEND_SPECIFIC = {"pack_weight", "pack_weight_i8", "pack_weight_bf16"}
 CASES["pack_weight"].append(("pack_weight-via-linear_forward", None))
+
+
+# ---- issue 31: reduced precision, CPU only (the CUDA backend refuses these ops, saying so). Their
+# exactness and bounds against NumPy / float64 on every kernel path: tests/test_lowp.py ----
+CPU_ONLY = {"quantize_weight", "quantize_rows", "pack_weight_i8", "pack_weight_bf16", "gemm_i8", "linear_lp_forward",
+            "linear_lp_residual_ln_forward", "embed_i8_ln_forward"}
+HAS_BF16 = _C.cpu_lowp_kernels()[2] is not None
+CASES["pack_weight_i8"].append(("pack_weight_i8-via-linear_lp_forward", None))
+CASES["pack_weight_bf16"].append(("pack_weight_bf16-via-linear_lp_forward", None))
+
+
+def _int8_weight(rng, N, K):
+    w = f32(rng, N, K, scale=1 / np.sqrt(K))
+    scale = (np.abs(w).max(1) / 127).astype(np.float32)
+    return np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale
+
+
+for N, K in [(1, 1), (7, 33), (130, 257)]:
+    case("quantize_weight", f"{N}x{K}")(lambda rng, N=N, K=K: dict(
+        q=Out((N, K), np.int8), scale=Out((N,), tol=0.0), w=In(f32(rng, N, K)), N=N, K=K))
+    case("quantize_rows", f"{N}x{K}")(lambda rng, N=N, K=K: dict(
+        q=Out((N, K), np.uint8), scale=Out((N,), tol=0.0), zero_point=Out((N,), np.int32), x=In(f32(rng, N, K)), M=N,
+        K=K))
+
+
+def _gemm_i8(M, N, K, zp, pad):
+    def build(rng):
+        q, s = _int8_weight(rng, N, K)
+        A = rng.integers(0, 256, (M, K + pad), dtype=np.uint8)
+        return dict(C=Out((M, N + pad), np.int32, init=np.zeros((M, N + pad), np.int32)), A=In(A),
+                    zero_point=In(rng.integers(0, 256, M).astype(np.int32)) if zp else None,
+                    w_packed=PackedLP("_q", N, K, scale="_s"), M=M, N=N, K=K, lda=K + pad, ldc=N + pad, _q=In(q), _s=In(s))
+    return build
+
+
+for M, N, K, zp, pad in [(1, 1, 1, True, 0), (7, 509, 17, False, 3), (97, 75, 333, True, 1), (130, 96, 768, True, 0)]:
+    case("gemm_i8", f"{M}x{N}x{K}" + ("-zp" if zp else "") + ("-ld" if pad else ""))(_gemm_i8(M, N, K, zp, pad))
+
+
+def _linear_lp(wt, M, K, N, act, bias, residual=False):
+    def build(rng):
+        x = f32(rng, M, K)
+        if wt == "int8":
+            q, s = _int8_weight(rng, N, K)
+            w, extra = PackedLP("_q", N, K, scale="_s"), dict(_q=In(q), _s=In(s))
+        else:
+            w, extra = PackedLP("_w", N, K), dict(_w=In(f32(rng, N, K, scale=1 / np.sqrt(K))))
+        args = dict(wt=DTYPE_CODES[wt], out=Out((M, N)), x=In(x), w_packed=w,
+                    bias=In(f32(rng, N)) if bias else None, M=M, K=K, N=N, **extra)
+        if residual:
+            args.update(residual=In(f32(rng, M, N)), gamma=In(f32(rng, N)), beta=In(f32(rng, N)), eps=1e-12)
+        else:
+            args["act"] = act
+        return args
+    return build
+
+
+for wt in ("int8",) + (("bfloat16",) if HAS_BF16 else ()):
+    for M, K, N, act, bias in [(1, 1, 1, -1, True), (7, 33, 17, 0, True), (70, 150, 72, 1, False),
+                               (9, 72, 72, 2, True), (5, 40, 33, 3, True), (130, 384, 1152, -1, True)]:
+        case("linear_lp_forward", f"{wt}-{M}x{K}x{N}-act{act}" + ("" if bias else "-nobias"))(
+            _linear_lp(wt, M, K, N, act, bias))
+    for M, K, N, bias in [(1, 1, 1, True), (7, 33, 17, True), (70, 150, 72, False), (61, 1536, 384, True)]:
+        case("linear_lp_residual_ln_forward", f"{wt}-{M}x{K}x{N}" + ("" if bias else "-nobias"))(
+            _linear_lp(wt, M, K, N, -1, bias, residual=True))
+
+
+def _embed_i8(N, C, V=50, P=40, types=True):
+    def build(rng):
+        q, s = _int8_weight(rng, V, C)
+        return dict(out=Out((N, C)), ids=In(rng.integers(0, V, N).astype(np.int32)),
+                    types=In(rng.integers(0, 2, N).astype(np.int32)) if types else None,
+                    positions=In(rng.integers(0, P, N).astype(np.int32)), word=In(q), word_scale=In(s),
+                    pos=In(f32(rng, P, C)), type=In(f32(rng, 2, C)), gamma=In(f32(rng, C)), beta=In(f32(rng, C)),
+                    N=N, C=C, eps=1e-12)
+    return build
+
+
+for N, C, types in [(1, 1, True), (14, 33, False), (60, 384, True)]:
+    case("embed_i8_ln_forward", f"{N}x{C}" + ("" if types else "-notypes"))(_embed_i8(N, C, types=types))
 
 
 # ---- the tests ---------------------------------------------------------------------------------------
@@ -964,7 +1057,15 @@ def test_every_op_has_a_cuda_implementation():
 
 
 @cuda
-@pytest.mark.parametrize("op,ident,build", ALL_CASES)
+@pytest.mark.parametrize("op", sorted(CPU_ONLY - BACKEND_SPECIFIC))
+def test_cuda_refuses_the_cpus_reduced_precision_ops_with_the_reason(op):
+    build = CASES[op][0][1]
+    with pytest.raises(AssertionError, match="run on the CPU backend only"):
+        run_case(Backend(0), op, build(np.random.default_rng(0)))
+
+
+@cuda
+@pytest.mark.parametrize("op,ident,build", [c for c in ALL_CASES if c.values[0] not in CPU_ONLY])
 def test_cuda_op_matches_cpu(op, ident, build):
     if ident in CPU_ONLY:
         pytest.skip("sign-matching attention runs on the CPU only (test_cuda_refuses_sign_matching)")

@@ -24,8 +24,10 @@ import json, sys
 import numpy as np
 import fasttran
 path, out, isa = sys.argv[1], sys.argv[2], sys.argv[3]
+dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"   # int8 / bfloat16: tests/test_lowp.py
 assert fasttran.build_info()["cpu_kernels"] == isa, fasttran.build_info()["cpu_kernels"]
-enc = fasttran.Encoder.from_pretrained(path)
+enc = fasttran.Encoder.from_pretrained(path, dtype=dtype)
+print(json.dumps({"weights": enc.memory_report()["weights"]}))
 rng = np.random.default_rng(0)
 B, T = 7, 37
 ids = rng.integers(1, 99, (B, T)); types = rng.integers(0, 2, (B, T))

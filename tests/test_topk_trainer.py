@@ -102,11 +102,13 @@ def test_bf16_on_amx_learns_like_float32_and_resumes_exactly(enc, data, cache1, 
     assert_resumes_exactly(bf, trainer(1, epochs=2, lr=3e-4, precision="bfloat16"), cache1, y, tmp_path)
 
 
-def test_bf16_refused_where_the_cpu_has_no_amx(monkeypatch):
+def test_bf16_refused_where_the_cpu_has_no_bf16_products(monkeypatch):
+    """(A process that is such a CPU: tests/test_lowp.py's FASTTRAN_CPU_ISA cases.)"""
+    monkeypatch.setattr(fasttran.trainer._C, "cpu_features", lambda: ({"avx512_bf16": False}, {}))
     monkeypatch.setattr(fasttran.trainer, "_cpu_isa", lambda: "avx2")
-    with pytest.raises(fasttran.InputError, match="AMX.*'avx2'"):
+    with pytest.raises(fasttran.InputError, match="avx512_bf16.*'avx2'"):
         trainer(1, precision="bfloat16")
-    with pytest.raises(fasttran.InputError, match="AMX"):
+    with pytest.raises(fasttran.InputError, match="avx512_bf16"):
         trainer(1, precision="float16")
     with pytest.raises(fasttran.InputError, match="train_layers >= 1"):
         trainer(0, precision="bfloat16")

@@ -135,7 +135,7 @@ FT_PROF_WRAP_COPY(copy, dst, src)
 
 /* ---- entries ------------------------------------------------------------------------------- */
 static ft_prof_kind kind_of_op(const char *name) {
-    if (!strncmp(name, "gemm", 4) || !strncmp(name, "linear", 6) || !strcmp(name, "pack_weight"))
+    if (!strncmp(name, "gemm", 4) || !strncmp(name, "linear", 6) || !strncmp(name, "pack_weight", 11))
         return FT_PROF_GEMM;   /* gemm and gemm_prec (the layers' projections) */
     if (strstr(name, "attention")) return FT_PROF_ATTENTION;
     if (!strcmp(name, "optim_step")) return FT_PROF_OPTIMIZER;

@@ -48,15 +48,18 @@ size_t ft_amx_scratch_bytes(int64_t rows, int64_t K, int64_t panels) {
 static int usable;
 static pthread_once_t usable_once = PTHREAD_ONCE_INIT;
 
+/* the OS must enable the tile state for this process (Linux >= 5.16); asking again is harmless */
+int ft_amx_tile_permission(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
 static void probe(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
     const int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1, avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1;
     if (!(amx_bf16 && amx_tile && avx512f && avx512bw) || a < 1) return;
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return;   /* AVX512_BF16 */
-    /* the OS must enable the tile state for this process (Linux >= 5.16) */
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return;
-    usable = 1;
+    usable = ft_amx_tile_permission();
 }
 
 int ft_amx_usable(void) {
@@ -70,9 +73,9 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tiles 0-3: the 32 x 32 accumulator (four 16 x 16 float32); 4, 5: two 16-row A tiles;
- * 6, 7: two 16-column B tiles; all 16 rows x 64 bytes */
-AMX static void configure_tiles(void) {
+/* tiles 0-3: the 32 x 32 accumulator (four 16 x 16 float32 or int32); 4, 5: two 16-row A tiles;
+ * 6, 7: two 16-column B tiles; all 16 rows x 64 bytes (amx_int8.c's layout too) */
+__attribute__((target("amx-tile"))) void ft_amx_configure_tiles(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -337,7 +340,7 @@ AMX void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int
     uint16_t *a = (uint16_t *)scratch;
     float *accs = (float *)(a + blocks * a_block);
     float *buf = accs + (several ? blocks * (p1 - p0) : 1) * acc_elems;
-    configure_tiles();
+    ft_amx_configure_tiles();
     for (int64_t s0 = 0; s0 < S; s0 += kb_steps) {
         const int64_t s1 = s0 + kb_steps < S ? s0 + kb_steps : S, last = s1 == S;
         if (split || several)
@@ -396,6 +399,8 @@ AMX void ft_amx_linear_rows(const ft_amx_product *g, int64_t r0, int64_t r1, int
 }
 #else   /* no AMX in this compiler: ft_amx_usable() is 0, so nothing below is ever called */
 int ft_amx_usable(void) { return 0; }
+int ft_amx_tile_permission(void) { return 0; }
+void ft_amx_configure_tiles(void) {}
 
 void ft_amx_pack_panel(uint16_t *dst, ft_amx_matrix w, int64_t N, int64_t K, int64_t p, int nparts) {
     (void)dst; (void)w; (void)N; (void)K; (void)p; (void)nparts;

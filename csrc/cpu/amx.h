@@ -32,6 +32,10 @@
  * (asked once: arch_prctl ARCH_REQ_XCOMP_PERM); 0 otherwise, and always 0 in builds whose
  * compiler has no AMX support. */
 int ft_amx_usable(void);
+/* ask the OS for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM): 1 when granted */
+int ft_amx_tile_permission(void);
+/* palette 1, every one of the 8 tiles 16 rows x 64 bytes (call on the thread that runs the tiles) */
+void ft_amx_configure_tiles(void);
 
 /* bytes of the packed copy of an (N, K) weight */
 size_t ft_amx_packed_bytes(int64_t N, int64_t K);

@@ -81,10 +81,11 @@ static float *rounded_copy(const float *X, int64_t rows, int64_t cols, int64_t l
 }
 
 /* Half-precision products as the GPU's tensor cores compute them (inputs rounded, products exact,
- * float32 sums). bf16 on AMX: the tiles' own bf16 products (one term of the bf16x6 split), the
- * fast path of mixed-precision training on such CPUs; otherwise the inputs are rounded into copies
- * and multiplied in float32: a reference for tests (the CUDA op is checked against it), no
- * faster than float32. */
+ * float32 sums). bf16 on AMX: the tiles' own bf16 products (one term of the bf16x6 split); bf16 on
+ * AVX512_BF16 without AMX: vdpbf16ps over bf16 panels (lowp_ops.c); these are the fast paths of
+ * mixed-precision training on such CPUs. Otherwise the inputs are rounded into copies and
+ * multiplied in float32: a reference for tests (the CUDA op is checked against it), no faster
+ * than float32. Every path equals that reference up to the order of the float32 sums. */
 ft_status cpu_gemm_prec(ft_backend *be, ft_dtype prec, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
                         float alpha, const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                         int64_t ldc) {
@@ -93,6 +94,8 @@ ft_status cpu_gemm_prec(ft_backend *be, ft_dtype prec, int trans_a, int trans_b,
     if (M <= 0 || N <= 0) return FT_OK;
     if (prec == FT_BF16 && ft_cpu_gemm_on_amx(M, N, K))
         return ft_cpu_amx_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, 1);
+    if (prec == FT_BF16 && ft_cpu_bf16_gemm_fast(M, N, K))
+        return ft_cpu_bf16_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     const int64_t ar = trans_a ? K : M, ac = trans_a ? M : K, br = trans_b ? N : K, bc = trans_b ? K : N;
     float *a = rounded_copy(A, ar, ac, lda, prec), *b = a ? rounded_copy(B, br, bc, ldb, prec) : NULL;
     ft_status st = a && b ? cpu_gemm(be, trans_a, trans_b, M, N, K, alpha, a, ac, b, bc, beta, C, ldc)

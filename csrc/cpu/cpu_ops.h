@@ -20,7 +20,8 @@ FT_BACKEND_OPS(FT_CPU_OP)
     do {                                                                                            \
         if ((dt) != FT_F32)                                                                         \
             return ft_error(FT_ERR_UNSUPPORTED, "%s: the CPU backend computes in float32, not %s; "  \
-                            "half precision runs on CUDA", op, ft_dtype_name(dt));                  \
+                            "half-precision storage runs on CUDA (the CPU's bf16 and int8 products: "   \
+                            "linear_lp_*)", op, ft_dtype_name(dt));                                   \
     } while (0)
 
 /* gemm on the linear layers' AMX kernels (linear.c), same contract as the op: taken when the
@@ -29,6 +30,13 @@ FT_BACKEND_OPS(FT_CPU_OP)
 int ft_cpu_gemm_on_amx(int64_t M, int64_t N, int64_t K);
 ft_status ft_cpu_amx_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                           int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc, int bf16_only);
+
+/* gemm_prec's bf16 products on AVX512_BF16 (lowp_ops.c: op(B)^T packed as bf16 once per call, op(A)'s
+ * rows rounded as the product runs, vdpbf16ps, float32 sums): taken for products of at least
+ * 16 x 16 x 32 and 2^18 multiply-adds where there is no AMX */
+int ft_cpu_bf16_gemm_fast(int64_t M, int64_t N, int64_t K);
+ft_status ft_cpu_bf16_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                           int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
 
 /* v rounded to bf16 (nearest even; a NaN stays a quiet NaN), as float: the same bits as
  * ft_bf16_to_f32(ft_f32_to_bf16(v)), inline and branch-free so row loops vectorise */

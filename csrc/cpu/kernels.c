@@ -4,11 +4,13 @@
 #include "kernels.h"
 
 #include "amx.h"
+#include "lowp.h"
 #include "rowfun.h"
 #include "vecmath.h"
 
 #include "fasttran.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
@@ -18,31 +20,12 @@
 
 /* ---- AVX-512: 12 x 32 (24 zmm accumulators, A broadcast from its 12 rows) ---------------- */
 #define MR512 12
-/* c = act(c + bias) on a tile's accumulators before they are stored: the same operations as
- * ft_cpu_epilogue on the stored values, so the same bits; act a constant after inlining */
-#define FT_EPI_REGS(ADD, ACT, rows, c0, c1, b0, b1, has_bias, act)                     \
-    do {                                                                               \
-        _Pragma("GCC unroll 12") for (int i = 0; i < (rows); i++) {                    \
-            if (has_bias) { c0[i] = ADD(c0[i], b0); c1[i] = ADD(c1[i], b1); }          \
-            if ((act) >= 0) { c0[i] = ACT(c0[i], act); c1[i] = ACT(c1[i], act); }      \
-        }                                                                              \
-    } while (0)
-
 __attribute__((target("avx512f"), always_inline)) static inline void body_avx512(
     int64_t K, const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int m, int n,
     int accumulate, const float *bias, const int act) {
     const __mmask16 m0 = ft_mask16(n), m1 = ft_mask16(n - 16);
     __m512 c0[MR512], c1[MR512];
-#pragma GCC unroll 12
-    for (int i = 0; i < MR512; i++) {
-        if (accumulate && i < m) {
-            c0[i] = _mm512_maskz_loadu_ps(m0, c + i * ldc);
-            c1[i] = _mm512_maskz_loadu_ps(m1, c + i * ldc + 16);
-        } else {
-            c0[i] = _mm512_setzero_ps();
-            c1[i] = _mm512_setzero_ps();
-        }
-    }
+    FT_TILE512_INIT(c0, c1, MR512, c, ldc, m, m0, m1, accumulate);
     /* rows from four bases walking along k (rows 0-2, 3-5, 6-8, 9-11), each row one base +
      * index * scale addressing mode: no address arithmetic in the loop; k unrolled by 4 */
     const float *p0 = a, *p3 = a + 3 * lda, *p6 = a + 6 * lda, *p9 = a + 9 * lda;
@@ -60,18 +43,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void body_avx512
             c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
         }
     }
-    if (bias || act >= 0) {
-        const __m512 bb0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-        const __m512 bb1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-        FT_EPI_REGS(_mm512_add_ps, ft_act512, MR512, c0, c1, bb0, bb1, bias != NULL, act);
-    }
-#pragma GCC unroll 12
-    for (int i = 0; i < MR512; i++) {
-        if (i < m) {
-            _mm512_mask_storeu_ps(c + i * ldc, m0, c0[i]);
-            _mm512_mask_storeu_ps(c + i * ldc + 16, m1, c1[i]);
-        }
-    }
+    FT_TILE512_FINISH(c0, c1, MR512, c, ldc, m, m0, m1, bias, act);
 }
 __attribute__((target("avx512f"))) static void tile_avx512(int64_t K, const float *a, int64_t lda, const float *b,
                                                             int64_t ldb, float *c, int64_t ldc, int m, int n,
@@ -440,6 +412,7 @@ static const ft_cpu_kernel kernels[] = {
 #define N_KERNELS 4
 
 static const ft_cpu_kernel *chosen;
+static unsigned features, present;
 static pthread_once_t choose_once = PTHREAD_ONCE_INIT;
 
 static int supported(int k) {
@@ -452,21 +425,89 @@ static int supported(int k) {
     }
 }
 
+static const char *const feature_names[FT_CPU_FEATURE_COUNT] = {"avx2", "avx512", "avx512_vnni", "avx_vnni",
+                                                                 "avx512_bf16", "amx_bf16", "amx_int8"};
+const char *ft_cpu_feature_name(int k) { return k >= 0 && k < FT_CPU_FEATURE_COUNT ? feature_names[k] : NULL; }
+
+/* The CPU's features: CPUID, each vector feature only where the OS saves its registers
+ * (__builtin_cpu_supports checks XCR0 for the AVX and AVX-512 state), AMX only where the OS
+ * granted this process the tile state (amx.c, amx_int8.c). */
+static unsigned detect(void) {
+    __builtin_cpu_init();
+    unsigned f = 0;
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    unsigned a = 0, b = 0, c = 0, d = 0, a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+    if (__get_cpuid_max(0, NULL) >= 7) {
+        __cpuid_count(7, 0, a, b, c, d);
+        if (a >= 1) __cpuid_count(7, 1, a1, b1, c1, d1);
+    }
+    if (avx2) f |= FT_CPU_AVX2;
+    if (avx2 && (a1 >> 4) & 1) f |= FT_CPU_AVX_VNNI;
+    if (avx2 && avx512) {
+        f |= FT_CPU_AVX512;
+        if ((c >> 11) & 1) f |= FT_CPU_AVX512_VNNI;
+        if ((a1 >> 5) & 1) f |= FT_CPU_AVX512_BF16;
+    }
+    if ((f & FT_CPU_AVX512) && ft_amx_usable()) f |= FT_CPU_AMX_BF16;
+    if ((f & FT_CPU_AVX512) && ft_amx_int8_usable()) f |= FT_CPU_AMX_INT8;
+    return f;
+}
+
+/* FASTTRAN_CPU_ISA: a CPU generation's feature set, to run (and test) what such a CPU would run:
+ * the float32 kernel set (kernels[]) and the features the reduced-precision kernels may use */
+#define F_AVX512_ALL (FT_CPU_AVX2 | FT_CPU_AVX512)
+static const struct {
+    const char *name;
+    int kernel;
+    unsigned features;
+} levels[] = {
+    {"amx", 0, ~0u},                                                                  /* Sapphire Rapids */
+    {"avx512_bf16", 1, F_AVX512_ALL | FT_CPU_AVX512_VNNI | FT_CPU_AVX512_BF16},        /* Cooper Lake, Zen 4 */
+    {"avx512_vnni", 1, F_AVX512_ALL | FT_CPU_AVX512_VNNI},                             /* Cascade Lake, Ice Lake */
+    {"avx512", 1, F_AVX512_ALL},                                                      /* Skylake-X */
+    {"avx_vnni", 2, FT_CPU_AVX2 | FT_CPU_AVX_VNNI},                                   /* Alder Lake */
+    {"avx2", 2, FT_CPU_AVX2},                                                         /* Haswell .. Zen 3 */
+    {"generic", 3, 0},
+    /* test infrastructure: avx512_bf16's set with AMX-INT8's block loop on a C model of the tiles */
+    {"amx_int8_emulated", 1, F_AVX512_ALL | FT_CPU_AVX512_VNNI | FT_CPU_AVX512_BF16 | FT_CPU_AMX_INT8_MODEL},
+};
+#define N_LEVELS (sizeof levels / sizeof *levels)
+
 static void choose(void) {
     const char *want = getenv("FASTTRAN_CPU_ISA");
     int best = 0;
     while (!supported(best)) best++;
     chosen = &kernels[best];
-    if (want && *want && strcmp(want, "auto") != 0) {
-        for (int k = 0; k < N_KERNELS; k++)
-            if (strcmp(want, kernels[k].name) == 0) {
-                if (supported(k)) chosen = &kernels[k];
-                else fprintf(stderr, "fasttran: FASTTRAN_CPU_ISA=%s is not supported by this CPU; using %s\n", want, chosen->name);
-                return;
-            }
-        fprintf(stderr, "fasttran: unknown FASTTRAN_CPU_ISA=%s (expected amx, avx512, avx2, generic or auto); using %s\n",
-                want, chosen->name);
+    present = features = detect();
+    if (!want || !*want || strcmp(want, "auto") == 0) return;
+    for (size_t k = 0; k < N_LEVELS; k++) {
+        if (strcmp(want, levels[k].name) != 0) continue;
+        if (supported(levels[k].kernel)) chosen = &kernels[levels[k].kernel];
+        else fprintf(stderr, "fasttran: FASTTRAN_CPU_ISA=%s is not supported by this CPU; using %s\n", want, chosen->name);
+        features &= levels[k].features;
+        if ((levels[k].features & FT_CPU_AMX_INT8_MODEL) && (present & FT_CPU_AVX512_VNNI)) features |= FT_CPU_AMX_INT8_MODEL;
+        const unsigned lacking = levels[k].features & ~present & ((1u << FT_CPU_FEATURE_COUNT) - 1);
+        if (supported(levels[k].kernel) && lacking && levels[k].features != ~0u)
+            for (int b = 0; b < FT_CPU_FEATURE_COUNT; b++)
+                if (lacking >> b & 1)
+                    fprintf(stderr, "fasttran: FASTTRAN_CPU_ISA=%s: this CPU has no %s; running without it\n", want,
+                            feature_names[b]);
+        return;
     }
+    fprintf(stderr, "fasttran: unknown FASTTRAN_CPU_ISA=%s (expected amx, avx512_bf16, avx512_vnni, avx512, avx_vnni, "
+                    "avx2, generic, amx_int8_emulated or auto); using %s\n", want, chosen->name);
+}
+
+unsigned ft_cpu_features(void) {
+    pthread_once(&choose_once, choose);
+    return features;
+}
+
+unsigned ft_cpu_features_present(void) {
+    pthread_once(&choose_once, choose);
+    return present;
 }
 
 const ft_cpu_kernel *ft_cpu_kernel_get(void) {

@@ -54,6 +54,10 @@ void ft_cpu_softmax_row(float *s, int64_t n, float scale, float *stats);
  * portable path: mathfun.h's ft_act_gradf); dh may alias df */
 void ft_cpu_act_grad_row(float *dh, const float *df, const float *x, int64_t n, int act);
 
+/* ft_cpu_features()' bit for the C model of AMX-INT8's tiles (FASTTRAN_CPU_ISA=amx_int8_emulated:
+ * test infrastructure, run where there is AVX512_VNNI but no AMX; amx_int8.c) */
+#define FT_CPU_AMX_INT8_MODEL (1u << 16)
+
 /* The kernel set of this process (chosen on first call). */
 const ft_cpu_kernel *ft_cpu_kernel_get(void);
 

@@ -21,6 +21,7 @@
 #include "amx.h"
 #include "cpu_ops.h"
 #include "kernels.h"
+#include "lowp.h"
 #include "mathfun.h"
 #include "rowfun.h"
 
@@ -95,6 +96,11 @@ typedef struct {
     const float *gamma, *beta_ln;
     float eps;
     int bf16_only;          /* AMX: products of bf16-rounded inputs (ft_amx_product.bf16_only) */
+    /* reduced precision (lowp.h): x is prepared rows, w packed by lp; raw: int8 sums stored as int32 */
+    const ft_lp_kernel *lp;
+    const ft_lp_rows *xr;
+    const ft_lp_layout *lay;
+    int raw;
 } linear_args;
 
 /* K in equal blocks of at most KC_MAX (384 -> 2 x 192, 1536 -> 6 x 256) */
@@ -103,11 +109,71 @@ static int64_t kblock(const ft_cpu_kernel *kr, int64_t K) {
     return (K + blocks - 1) / blocks;
 }
 
+/* groups per K block of a reduced-precision product: at most 256 (a 12-row block of A and a
+ * 32-column slice of weights: 12 + 32 KiB, as KC_MAX floats), equal blocks */
+static int64_t kblock_lp(int64_t groups) {
+    const int64_t blocks = (groups + 255) / 256;
+    return (groups + blocks - 1) / blocks;
+}
+
+/* columns of a reduced-precision task's chunk: its K block of weights in half of L2 */
+static int64_t ncb_lp(const ft_lp_kernel *kl, int64_t groups) {
+    const int64_t cols = l2_budget_floats() * (int64_t)sizeof(float) / (4 * kblock_lp(groups)) / kl->nr * kl->nr;
+    return cols < kl->nr ? kl->nr : cols > 512 ? 512 : cols;
+}
+
+/* rows [r0, r1) x tiles [u0, u1) (of NR columns) of a reduced-precision product: the same loops as
+ * run_task's, over prepared rows and packed groups; int8 sums wait in `out` as int32 between K
+ * blocks (the same 4 bytes as the floats they become) */
+static void run_task_lp(const linear_args *a, int64_t r0, int64_t r1, int64_t u0, int64_t u1, void *scratch) {
+    const ft_lp_kernel *kl = a->lp;
+    const ft_lp_layout *L = a->lay;
+    const ft_lp_rows *x = a->xr;
+    const int mr = kl->mr, nr = kl->nr, per = nr / FT_LP_PANEL;
+    const int64_t N = a->N;
+    const float *cscale = kl->wt == FT_I8 ? (const float *)((const uint8_t *)a->w + L->scale_off) : NULL;
+    const int32_t *csum = kl->wt == FT_I8 ? (const int32_t *)((const uint8_t *)a->w + L->sum_off) : NULL;
+    const float *bias = a->residual ? NULL : a->bias;
+    const int act = a->residual ? -1 : a->act;
+    if (kl->amx) {   /* AMX-INT8: all of K in the tiles (amx_int8.c) */
+        const ft_lp_epi e = {x->scale, x->zp, cscale, csum, a->raw, bias, act};
+        ft_amx_int8_rows(ft_lp_vnni512(), kl->amx == 2, x, (const uint8_t *)a->w, L, N, a->out, a->ldo, r0, r1,
+                         u0 * per, u1 * per < L->panels ? u1 * per : L->panels, &e, scratch);
+        return;
+    }
+    const int64_t G = L->groups, KG = kblock_lp(G);
+    for (int64_t g0 = 0; g0 < G; g0 += KG) {
+        const int64_t kg = G - g0 < KG ? G - g0 : KG;
+        const int last = g0 + kg == G;
+        for (int64_t r = r0; r < r1; r += mr) {
+            const int m = (int)(r1 - r < mr ? r1 - r : mr);
+            const uint8_t *ar = x->data + r * x->lda + g0 * 4;
+            for (int64_t u = u0; u < u1; u++) {
+                const int n = (int)(N - u * nr < nr ? N - u * nr : nr);
+                const uint8_t *wb = (const uint8_t *)a->w + (size_t)(u * per) * L->panel_bytes + g0 * 64;
+                float *c = a->out + r * a->ldo + u * nr;
+                if (!last) {
+                    kl->tile(kg, ar, x->lda, wb, (int64_t)L->panel_bytes, c, a->ldo, m, n, g0 > 0, NULL);
+                    continue;
+                }
+                const ft_lp_epi e = {x->scale ? x->scale + r : NULL, x->zp ? x->zp + r : NULL,
+                                     cscale ? cscale + u * nr : NULL, csum ? csum + u * nr : NULL, a->raw,
+                                     bias ? bias + u * nr : NULL, act};
+                kl->tile(kg, ar, x->lda, wb, (int64_t)L->panel_bytes, c, a->ldo, m, n, g0 > 0, &e);
+            }
+        }
+    }
+}
+
 /* rows [r0, r1) x panels [p0, p1) of one linear layer; pad: the thread's scratch (task_scratch) */
 static void run_task(const ft_cpu_kernel *kr, const linear_args *a, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
                      float *pad, int split) {
     const int mr = kr->mr, nr = kr->nr;
     const int64_t K = a->K, N = a->N, KC = kblock(kr, K);
+    if (a->lp) {
+        run_task_lp(a, r0, r1, p0, p1, pad);
+        goto rows_done;
+    }
     if (kr->amx) {   /* K blocks inside (amx.c); the residual rows get their bias in the LayerNorm */
         const ft_amx_product g = {{a->x, a->ldx, a->x_kmajor}, K, N, (const uint16_t *)a->w, a->out, a->ldo, a->out_t,
                                   a->alpha, a->beta, a->residual ? NULL : a->bias, a->residual ? -1 : a->act,
@@ -153,23 +219,27 @@ rows_done:
 
 /* bytes of a thread's scratch for tasks of up to mc rows: a zero-padded copy of a short block of
  * A (MR x KC floats), or for AMX the split rows and the accumulators */
-static size_t task_scratch(const ft_cpu_kernel *kr, int64_t mc, int64_t K, int64_t panels) {
-    const size_t bytes = kr->amx ? ft_amx_scratch_bytes(mc, K, panels) : (size_t)kr->mr * kblock(kr, K) * sizeof(float);
+static size_t task_scratch(const ft_cpu_kernel *kr, const linear_args *a, int64_t mc, int64_t K, int64_t panels) {
+    const size_t bytes = a->lp ? (a->lp->amx ? ft_amx_int8_scratch_bytes() : 64)
+                         : kr->amx ? ft_amx_scratch_bytes(mc, K, panels) : (size_t)kr->mr * kblock(kr, K) * sizeof(float);
     return (bytes + 63) & ~(size_t)63;
 }
 
 static ft_status run_linear(const linear_args *a) {
     const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int nt = ft_num_threads();
-    const int64_t panels = (a->N + kr->nr - 1) / kr->nr, want = 4 * (int64_t)nt;
-    const int64_t granule = kr->amx ? FT_AMX_MR : kr->mr;   /* rows of a full block */
+    const int nr = a->lp ? a->lp->nr : kr->nr;   /* reduced precision: "panels" are its tiles' columns */
+    const int amx = kr->amx && !a->lp;
+    const int64_t panels = (a->N + nr - 1) / nr, want = 4 * (int64_t)nt;
+    const int64_t granule = a->lp ? a->lp->mr : amx ? FT_AMX_MR : kr->mr;   /* rows of a full block */
     int64_t mc = MC, chunks = 1;
     if (a->residual) {   /* whole rows per task: shrink the row blocks until there are enough tasks */
         int64_t per = (a->M + want - 1) / want;
         per = (per + granule - 1) / granule * granule;
         mc = per < MC ? per : MC;
     } else {             /* column blocks that fit L2, more of them when there are few row blocks */
-        const int64_t rb = (a->M + MC - 1) / MC, per_block = (kr->amx ? NCB_amx(a->K) : NCB(kr)) / kr->nr;
+        const int64_t rb = (a->M + MC - 1) / MC;
+        const int64_t per_block = (a->lp ? ncb_lp(a->lp, a->lay->groups) : amx ? NCB_amx(a->K) : NCB(kr)) / nr;
         chunks = (panels + per_block - 1) / per_block;
         if (rb * chunks < want) chunks = (want + rb - 1) / rb;
         if (chunks > panels) chunks = panels;
@@ -177,18 +247,18 @@ static ft_status run_linear(const linear_args *a) {
          * at a time (k-major rows through register transposes: a third of such a product); with
          * rows enough for every thread and few panels, one chunk of all of them (its accumulators,
          * blocks x panels x 8 KiB, wait in L2 between K blocks) */
-        if (kr->amx && ft_amx_kblock(a->K) < a->K && rb >= want && panels <= AMX_ONE_CHUNK_PANELS) chunks = 1;
+        if (amx && ft_amx_kblock(a->K) < a->K && rb >= want && panels <= AMX_ONE_CHUNK_PANELS) chunks = 1;
     }
     const int64_t row_blocks = (a->M + mc - 1) / mc, per_chunk = (panels + chunks - 1) / chunks;
     /* AMX with all of K in one block and rows enough for every thread: a task takes a row block
      * across every chunk of weights in turn, so its rows are split into bf16 parts once, not once
      * per chunk (the chunks come from L3; the split was 10-20% of the product) */
-    const int row_major = kr->amx && !a->residual && ft_amx_kblock(a->K) >= a->K && row_blocks >= want;
+    const int row_major = amx && !a->residual && ft_amx_kblock(a->K) >= a->K && row_blocks >= want;
     const int64_t tasks = row_major ? row_blocks : row_blocks * chunks;
     int failed = 0;
 #pragma omp parallel num_threads(tasks < nt ? (int)tasks : nt)
     {
-        float *ap = aligned_alloc(64, task_scratch(kr, mc, a->K, per_chunk));
+        float *ap = aligned_alloc(64, task_scratch(kr, a, mc, a->K, per_chunk));
         if (!ap) {
 #pragma omp atomic write
             failed = 1;
@@ -230,6 +300,16 @@ ft_status cpu_linear_residual_ln_forward(ft_backend *be, ft_dtype dt, void *out,
     FT_CPU_F32_ONLY(dt, "linear_residual_ln_forward");
     if (M == 0) return FT_OK;
     linear_args a = {x, w_packed, K, 0, out, N, 0, M, K, N, 1.0f, 0.0f, bias, -1, residual, gamma, beta, eps};
+    return run_linear(&a);
+}
+
+ft_status ft_cpu_lp_product(const ft_lp_kernel *kl, const ft_lp_rows *x, const void *packed, int64_t M, int64_t K,
+                            int64_t N, void *out, int64_t ldo, const float *bias, int act, const float *residual,
+                            const float *gamma, const float *beta, float eps, int raw) {
+    if (M == 0 || N == 0) return FT_OK;
+    const ft_lp_layout lay = ft_lp_layout_of(kl, N, K);
+    linear_args a = {NULL, packed, 0, 0, out, ldo, 0, M, K, N, 1.0f, 0.0f, bias, act, residual, gamma, beta, eps, 0,
+                     kl, x, &lay, raw};
     return run_linear(&a);
 }
 

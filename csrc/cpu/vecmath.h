@@ -201,6 +201,45 @@ FT_V256 __m256 ft_act_grad256(__m256 x, int act) {   /* ft_act_grad512 on 8 lane
     }
 }
 
+/* c = act(c + bias) on a tile's accumulators before they are stored: the same operations as
+ * ft_cpu_epilogue on the stored values, so the same bits; act a constant after inlining */
+#define FT_EPI_REGS(ADD, ACT, rows, c0, c1, b0, b1, has_bias, act)                     \
+    do {                                                                               \
+        _Pragma("GCC unroll 12") for (int i = 0; i < (rows); i++) {                    \
+            if (has_bias) { c0[i] = ADD(c0[i], b0); c1[i] = ADD(c1[i], b1); }          \
+            if ((act) >= 0) { c0[i] = ACT(c0[i], act); c1[i] = ACT(c1[i], act); }      \
+        }                                                                              \
+    } while (0)
+
+/* A rows x 32 AVX-512 register tile of float32 accumulators, c0[i] (columns 0-15) and c1[i]
+ * (16-31), lanes masked by m0 / m1: loaded from c (row stride ldc) when accumulating (rows < m),
+ * else zero; and finished: bias + activation on the registers (FT_EPI_REGS), rows [0, m) stored.
+ * The float32 kernel (kernels.c) and the bf16 one (lowp.c) share them. */
+#define FT_TILE512_INIT(c0, c1, rows, c, ldc, m, m0, m1, accumulate)                   \
+    _Pragma("GCC unroll 12") for (int i = 0; i < (rows); i++) {                        \
+        if ((accumulate) && i < (m)) {                                                 \
+            c0[i] = _mm512_maskz_loadu_ps(m0, (c) + i * (ldc));                        \
+            c1[i] = _mm512_maskz_loadu_ps(m1, (c) + i * (ldc) + 16);                   \
+        } else {                                                                       \
+            c0[i] = _mm512_setzero_ps();                                               \
+            c1[i] = _mm512_setzero_ps();                                               \
+        }                                                                              \
+    }
+#define FT_TILE512_FINISH(c0, c1, rows, c, ldc, m, m0, m1, bias, act)                  \
+    do {                                                                               \
+        if ((bias) || (act) >= 0) {                                                    \
+            const __m512 bb0 = (bias) ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();      \
+            const __m512 bb1 = (bias) ? _mm512_maskz_loadu_ps(m1, (bias) + 16) : _mm512_setzero_ps(); \
+            FT_EPI_REGS(_mm512_add_ps, ft_act512, rows, c0, c1, bb0, bb1, (bias) != NULL, act); \
+        }                                                                              \
+        _Pragma("GCC unroll 12") for (int i = 0; i < (rows); i++) {                    \
+            if (i < (m)) {                                                             \
+                _mm512_mask_storeu_ps((c) + i * (ldc), m0, c0[i]);                     \
+                _mm512_mask_storeu_ps((c) + i * (ldc) + 16, m1, c1[i]);                \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+
 /* whether ft_act512 / ft_act256 compute `act` (-1 counts: nothing to compute) */
 static inline int ft_vec_act(int act) { return act != FT_ACT_TANH; }
 #endif

@@ -108,9 +108,12 @@ typedef struct ft_encoder ft_encoder;
 typedef int (*ft_cancel_fn)(void *arg);
 
 /* dtype: the storage type of the weights and activations on the device: FT_F32 everywhere,
- * FT_F16 / FT_BF16 on CUDA (float32 accumulation and statistics). The host copy of the weights
- * (ft_encoder_tensor_info, save) is float32 whatever dtype is. */
+ * FT_F16 / FT_BF16 on CUDA (float32 accumulation and statistics); FT_BF16 on a CPU with
+ * AVX512_BF16: the linear layers' weights packed in bf16 and their products in bf16 (float32
+ * activations, sums and statistics; refused, naming avx512_bf16, where the CPU lacks it). The host
+ * copy of the weights (ft_encoder_tensor_info, save) is float32 whatever dtype is. */
 ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_dtype dtype, ft_encoder **out);
+/* FT_F32, FT_F16, FT_BF16, or FT_I8 after ft_encoder_quantize */
 ft_dtype ft_encoder_dtype(const ft_encoder *enc);
 /* float32 encoders on CUDA: products on TF32 tensor cores (inputs rounded to 10-bit mantissas,
  * float32 accumulation) when on != 0; true fp32 by default. No effect on the CPU or in half
@@ -148,10 +151,33 @@ ft_status ft_encoder_load_safetensors_expect(ft_encoder *enc, const char *path, 
 ft_status ft_encoder_save_safetensors_record(const ft_encoder *enc, const char *path, ft_dtype dtype,
                                              uint64_t *bytes, uint32_t *crc32c);
 
-/* Named parameter views, in a fixed order (Hugging Face names, no prefix). */
+/* Named parameter views, in a fixed order (Hugging Face names, no prefix). A view an int8 encoder
+ * stores in int8 has no float32 data: tensor_info gives its name and shape, *host_data NULL and
+ * FT_ERR_UNSUPPORTED; read it with ft_encoder_tensor_int8. */
 size_t ft_encoder_num_tensors(const ft_encoder *enc);
 ft_status ft_encoder_tensor_info(const ft_encoder *enc, size_t i, const char **name,
                                  int *ndim, int64_t shape[2], float **host_data);
+/* Write view i (float32, shape as tensor_info says); the packed copies are remade on the next forward. */
+ft_status ft_encoder_set_tensor(ft_encoder *enc, size_t i, const float *data);
+
+/* ---- int8 encoders (issue 31) ---------------------------------------------------------------
+ * ft_encoder_quantize turns a float32 CPU encoder into an int8 one, in place: each layer's four
+ * projection matrices (Q, K, V, attention output, FFN in and out) and, with embeddings != 0, the
+ * word embeddings become int8 q (rows x cols) with one float32 scale per row (output channel):
+ * scale = max|w| / 127, q = rint(w / scale) in [-127, 127]. Their float32 copies are freed (the
+ * biases, LayerNorms, position and type embeddings and the pooler stay float32). The linear layers
+ * then run int8 products where the CPU gains from them (ft_cpu_int8_kernel: VNNI, AVX-VNNI,
+ * AMX-INT8), else float32 kernels over the dequantized weights (int8_products 0). Irreversible: an
+ * int8 encoder cannot be trained (ft_layer_stack_create refuses it), moved to CUDA, loaded from or
+ * saved to a float checkpoint. A non-finite weight is refused (the encoder stays as it was). */
+ft_status ft_encoder_quantize(ft_encoder *enc, int embeddings);
+int ft_encoder_int8_products(const ft_encoder *enc);     /* 1: its linear layers run int8 products */
+int ft_encoder_int8_embeddings(const ft_encoder *enc);   /* 1: its word embeddings are int8 */
+int ft_encoder_tensor_is_int8(const ft_encoder *enc, size_t i);
+/* view i's int8 values (shape[0] x shape[1], row-major) and its per-row scales (shape[0]), in place */
+ft_status ft_encoder_tensor_int8(const ft_encoder *enc, size_t i, int8_t **data, float **scale);
+/* write an int8 view: values (any int8) and per-row scales (finite, >= 0) */
+ft_status ft_encoder_set_tensor_int8(ft_encoder *enc, size_t i, const int8_t *data, const float *scale);
 
 /* Forward pass over a (B, T) batch.
  *   ids   (B, T) token ids, mask (B, T) 1 = attend / 0 = padding (NULL: all ones),
@@ -617,6 +643,29 @@ int ft_num_threads(void);               /* threads of the CPU backend (see core/
 void ft_set_num_threads(int n);
 int ft_default_threads(void);           /* FASTTRAN_NUM_THREADS, OMP_NUM_THREADS, else CPUs this process may use */
 const char *ft_cpu_isa(void);           /* CPU kernels in use: "amx", "avx512", "avx2" or "generic" */
+/* The CPU features fasttran's kernels may use in this process: the CPU's (CPUID, and the OS's
+ * permission for AVX-512 and AMX state), restricted by FASTTRAN_CPU_ISA to a level's set. Bits: */
+enum {
+    FT_CPU_AVX2 = 1 << 0,         /* AVX2 + FMA */
+    FT_CPU_AVX512 = 1 << 1,       /* AVX-512 F, BW, DQ, VL (Skylake-X's set) */
+    FT_CPU_AVX512_VNNI = 1 << 2,  /* vpdpbusd on zmm (Cascade Lake, Ice Lake, Zen 4) */
+    FT_CPU_AVX_VNNI = 1 << 3,     /* vpdpbusd on ymm, VEX-encoded (Alder Lake, Sapphire Rapids) */
+    FT_CPU_AVX512_BF16 = 1 << 4,  /* vdpbf16ps (Cooper Lake, Sapphire Rapids, Zen 4) */
+    FT_CPU_AMX_BF16 = 1 << 5,     /* AMX tiles with bf16 products, tile state granted by the OS */
+    FT_CPU_AMX_INT8 = 1 << 6      /* AMX tiles with int8 products (tdpbusd), tile state granted */
+};
+#define FT_CPU_FEATURE_COUNT 7
+unsigned ft_cpu_features(void);
+/* the name of feature bit k (0 <= k < FT_CPU_FEATURE_COUNT): "avx2", "avx512", "avx512_vnni", ... */
+const char *ft_cpu_feature_name(int k);
+/* the features this CPU has, whatever FASTTRAN_CPU_ISA says */
+unsigned ft_cpu_features_present(void);
+/* the kernels of the reduced-precision linear layers (cpu/lowp.h): int8 ("amx_int8", "avx512_vnni",
+ * "avx_vnni", "avx512bw", "avx2" or "generic": exact int32 sums on every one) and whether the
+ * encoder uses them (int8_used = 0: slower than float32 on this CPU, int8 weights are dequantized
+ * into float32 panels instead); bf16 ("avx512_bf16", or NULL: no bf16 products on this CPU) */
+const char *ft_cpu_int8_kernel(int *int8_used);
+const char *ft_cpu_bf16_kernel(void);
 int ft_cuda_compiled(void);              /* the CUDA backend library (nvcc) is installed */
 int ft_cuda_emulated(void);              /* FASTTRAN_CUDA_EMU is set and the emulated backend is installed */
 /* Try to load the CUDA backend; returns FT_OK and the device count, or an error saying why. */

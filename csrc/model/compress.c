@@ -40,6 +40,9 @@ ft_status ft_encoder_compress(const ft_encoder *src, const ft_compress_spec *spe
     const int64_t L = c->num_layers, C = c->hidden_size, hs = C / c->num_heads;
     const ft_compress_spec none = {NULL, NULL, NULL, NULL, 0};
     if (!spec) spec = &none;
+    if (src->int8)
+        return ft_error(FT_ERR_UNSUPPORTED, "compress: this encoder is int8; prune or approximate the float32 model, "
+                        "then quantize the result");
     int64_t *heads = calloc((size_t)L + 1, sizeof *heads), *inter = calloc((size_t)L + 1, sizeof *inter);
     uint8_t *modes = calloc((size_t)src->head_first[L] + 1, 1);
     ft_status st = heads && inter && modes ? FT_OK : ft_error(FT_ERR_NOMEM, "out of memory");

@@ -22,6 +22,7 @@ static ft_status add_view(ft_encoder *e, size_t *cap, size_t *off, const char *n
         *cap = nc;
     }
     ft_param_view *v = &e->views[e->n_views++];
+    memset(v, 0, sizeof *v);
     snprintf(v->name, sizeof v->name, "%s", name);
     v->offset = *off;
     v->ndim = ndim;
@@ -181,14 +182,28 @@ ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_dtyp
     FT_TRY(check_config(cfg));
     if (dtype != FT_F32 && dtype != FT_F16 && dtype != FT_BF16)
         return ft_error(FT_ERR_DTYPE, "an encoder computes in float32, float16 or bfloat16, not %s", ft_dtype_name(dtype));
-    if (dtype != FT_F32 && device.kind == FT_DEVICE_CPU)
-        return ft_error(FT_ERR_UNSUPPORTED, "dtype %s: the CPU backend computes in float32 (half precision runs on "
-                        "CUDA); use dtype float32 on the CPU", ft_dtype_name(dtype));
+    ft_dtype wtype = FT_F32;
+    if (dtype != FT_F32 && device.kind == FT_DEVICE_CPU) {
+        /* bf16 on the CPU: bf16 weights (packed copies of the float32 masters) and products, float32
+         * activations and sums */
+        if (dtype == FT_F16)
+            return ft_error(FT_ERR_UNSUPPORTED, "dtype float16: the CPU backend computes in float32, or in bfloat16 on "
+                            "CPUs with AVX512_BF16 (float16 runs on CUDA); use dtype float32 or bfloat16 on the CPU");
+        ft_backend *cpu = ft_backend_cpu();
+        if (!cpu->linear_lp_pays(cpu, FT_BF16))
+            return ft_error(FT_ERR_UNSUPPORTED, "dtype bfloat16 on the CPU needs bf16 dot products (avx512_bf16: Intel "
+                            "Cooper Lake, Sapphire Rapids or later, AMD Zen 4 or later); this CPU runs the '%s' kernels "
+                            "without avx512_bf16. Use dtype float32 here (or device='cuda')", ft_cpu_isa());
+        wtype = FT_BF16;
+        dtype = FT_F32;
+    }
     ft_encoder *e = calloc(1, sizeof *e);
     if (!e) return ft_error(FT_ERR_NOMEM, "out of memory");
     e->cfg = *cfg;
     e->dtype = dtype;
     e->esz = ft_dtype_size(dtype);
+    e->wtype = wtype;
+    e->lowp = wtype != FT_F32;
     pthread_mutex_init(&e->lock, NULL);
     ft_status st = FT_OK;
     if (device.kind == FT_DEVICE_CPU) e->be = ft_backend_cpu();
@@ -216,6 +231,7 @@ void ft_encoder_free(ft_encoder *e) {
         if (e->params && e->params != e->host_params) e->be->free(e->be, e->params);
         e->be->destroy(e->be);
     }
+    ft_encoder_int8_free(e->int8);
     free(e->host_params);
     free(e->host_ws);
     free(e->views);
@@ -229,7 +245,7 @@ void ft_encoder_free(ft_encoder *e) {
 }
 
 const ft_bert_config *ft_encoder_config(const ft_encoder *e) { return &e->cfg; }
-ft_dtype ft_encoder_dtype(const ft_encoder *e) { return e->dtype; }
+ft_dtype ft_encoder_dtype(const ft_encoder *e) { return e->wtype != FT_F32 ? e->wtype : e->dtype; }
 
 ft_status ft_encoder_set_tf32(ft_encoder *e, int on) {
     pthread_mutex_lock(&e->lock);
@@ -245,7 +261,7 @@ ft_status ft_encoder_memory_report(ft_encoder *e, ft_encoder_memory *m) {
     memset(m, 0, sizeof *m);
     pthread_mutex_lock(&e->lock);
     const int on_host = e->params == (void *)e->host_params;
-    m->parameters = e->n_params * e->esz;
+    m->parameters = e->n_params * e->esz + (e->int8 ? e->int8->data_bytes + e->int8->scales * sizeof(float) : 0);
     m->packed_weights = e->packed_floats * sizeof(float);
     m->workspace = e->ws_bytes;
     m->host = e->host_ws_bytes + (on_host ? 0 : e->n_params * sizeof(float));
@@ -263,11 +279,17 @@ ft_status ft_encoder_tensor_info(const ft_encoder *e, size_t i, const char **nam
     *ndim = v->ndim;
     shape[0] = v->shape[0];
     shape[1] = v->shape[1];
-    *host_data = e->host_params + v->offset;
+    *host_data = v->int8 ? NULL : e->host_params + v->offset;
+    if (v->int8)
+        return ft_error(FT_ERR_UNSUPPORTED, "%s is stored in int8 in this quantized encoder: read it with "
+                        "ft_encoder_tensor_int8", v->name);
     return FT_OK;
 }
 
 ft_status ft_encoder_copy_weights(ft_encoder *dst, const ft_encoder *src) {
+    if (dst->int8 || src->int8)
+        return ft_error(FT_ERR_UNSUPPORTED, "copy_weights: an int8 encoder's weights are int8 (no float32 masters) and "
+                        "run on the CPU only; quantize a float32 copy instead");
     if (!ft_bert_config_equal(&dst->cfg, &src->cfg) || dst->n_params != src->n_params)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "copy_weights: the two encoders have different configs");
     memcpy(dst->host_params, src->host_params, src->n_params * sizeof(float));
@@ -331,6 +353,9 @@ ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const cha
 
 ft_status ft_encoder_load_safetensors_expect(ft_encoder *e, const char *path, const char *prefix_in,
                                              int64_t expect_bytes, int64_t expect_crc32c) {
+    if (e->int8)
+        return ft_error(FT_ERR_UNSUPPORTED, "%s: this encoder is int8; load float weights into a float32 encoder, then "
+                        "quantize it", path);
     ft_st_file f;
     FT_TRY(ft_st_open_expect(path, expect_bytes, expect_crc32c, &f));
     char prefix[128];
@@ -387,6 +412,9 @@ ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_
 
 ft_status ft_encoder_save_safetensors_record(const ft_encoder *e, const char *path, ft_dtype dtype, uint64_t *bytes,
                                              uint32_t *crc32c) {
+    if (e->int8)
+        return ft_error(FT_ERR_UNSUPPORTED, "%s: an int8 encoder has no float32 weights to write in Hugging Face's "
+                        "layout; its int8 weights and scales are named tensors (ft_encoder_tensor_int8)", path);
     if (dtype != FT_F32 && dtype != FT_F16 && dtype != FT_BF16)
         return ft_error(FT_ERR_DTYPE, "checkpoints are saved as float32, float16 or bfloat16, not %s", ft_dtype_name(dtype));
     size_t n = e->n_views - (e->has_pooler ? 0 : 2);
@@ -418,19 +446,50 @@ ft_status ft_encoder_save_safetensors_record(const ft_encoder *e, const char *pa
 /* ---- packed weights ------------------------------------------------------------------------ */
 
 /* The backend's packed copies of the four layer weights (made on the first forward after the
- * weights change; a backend that reads weights as they are packs nothing). */
+ * weights change; a backend that reads weights as they are packs nothing): float32 panels; bf16 or
+ * int8 ones where the linear layers run in reduced precision (e->lowp); an int8 encoder whose
+ * backend gains nothing from int8 products (no VNNI / AMX-INT8) packs its weights dequantized
+ * into float32 panels. Offsets in floats, each copy 64-byte aligned. */
+void ft_encoder_layer_shapes(const ft_encoder *e, int64_t l, int64_t shapes[4][2]) {
+    const int64_t C = e->cfg.hidden_size, A = e->layer_heads[l] * (C / e->cfg.num_heads), I = e->layer_intermediate[l];
+    const int64_t s[4][2] = {{3 * A, C}, {C, A}, {I, C}, {C, I}};
+    memcpy(shapes, s, sizeof s);
+}
+
+static size_t packed_floats_of(const ft_encoder *e, int64_t N, int64_t K) {
+    ft_backend *be = e->be;
+    const size_t bytes = e->lowp ? be->packed_weight_lp_bytes(be, e->wtype, N, K) : be->packed_weight_bytes(be, N, K);
+    return (bytes + 63) / 64 * 16;
+}
+
+static ft_status pack_one(ft_encoder *e, float *dst, int64_t l, int k, int64_t N, int64_t K) {
+    ft_backend *be = e->be;
+    const ft_layer_offsets *o = &e->layers[l];
+    const size_t src[4] = {o->wqkv, o->wo, o->w1, o->w2};
+    if (!e->int8) {
+        const float *w = (const float *)e->params + src[k];
+        return e->lowp ? be->pack_weight_bf16(be, dst, w, N, K) : be->pack_weight(be, dst, w, N, K);
+    }
+    const int8_t *q = e->int8->data + e->int8->layer[l][k].q;
+    const float *scale = e->int8->scale + e->int8->layer[l][k].s;
+    if (e->lowp) return be->pack_weight_i8(be, dst, q, scale, N, K);
+    float *w = malloc((size_t)N * (size_t)K * sizeof(float));   /* dequantized: w = scale q per row */
+    if (!w) return ft_error(FT_ERR_NOMEM, "out of memory dequantizing a %lld x %lld weight", (long long)N, (long long)K);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t c = 0; c < K; c++) w[n * K + c] = (float)q[n * K + c] * scale[n];
+    const ft_status st = be->pack_weight(be, dst, w, N, K);
+    free(w);
+    return st;
+}
+
 static ft_status ensure_packed(ft_encoder *e) {
     if (e->packed_ok) return FT_OK;
     ft_backend *be = e->be;
-    const int64_t C = e->cfg.hidden_size, hs = C / e->cfg.num_heads;
-    /* the four weights' shapes in layer l (a pruned layer's are smaller) */
-#define SHAPES(l)                                                                                     \
-    const int64_t A = e->layer_heads[l] * hs, I = e->layer_intermediate[l];                           \
-    const int64_t shapes[4][2] = {{3 * A, C}, {C, A}, {I, C}, {C, I}};
     size_t total = 0;
     for (int64_t l = 0; l < e->cfg.num_layers; l++) {
-        SHAPES(l)
-        for (int k = 0; k < 4; k++) total += be->packed_weight_bytes(be, shapes[k][0], shapes[k][1]) / sizeof(float);
+        int64_t shapes[4][2];   /* a pruned layer's are smaller */
+        ft_encoder_layer_shapes(e, l, shapes);
+        for (int k = 0; k < 4; k++) total += packed_floats_of(e, shapes[k][0], shapes[k][1]);
     }
     if (total > e->packed_floats) {
         if (e->packed) be->free(be, e->packed);
@@ -441,20 +500,43 @@ static ft_status ensure_packed(ft_encoder *e) {
     }
     size_t off = 0;
     for (int64_t l = 0; l < e->cfg.num_layers; l++) {
-        SHAPES(l)
+        int64_t shapes[4][2];
+        ft_encoder_layer_shapes(e, l, shapes);
         ft_layer_offsets *o = &e->layers[l];
-        const size_t src[4] = {o->wqkv, o->wo, o->w1, o->w2};
         size_t *dst[4] = {&o->pqkv, &o->po, &o->p1, &o->p2};
         for (int k = 0; k < 4; k++) {
-            const size_t size = be->packed_weight_bytes(be, shapes[k][0], shapes[k][1]) / sizeof(float);
+            const size_t size = packed_floats_of(e, shapes[k][0], shapes[k][1]);
             *dst[k] = off;
-            if (size) FT_TRY(be->pack_weight(be, e->packed + off, (const float *)e->params + src[k], shapes[k][0], shapes[k][1]));
+            if (size) FT_TRY(pack_one(e, e->packed + off, l, k, shapes[k][0], shapes[k][1]));
             off += size;
         }
     }
-#undef SHAPES
     e->packed_ok = 1;
     return FT_OK;
+}
+
+/* out = act(x W^T + bias) and out = LN(residual + x W^T + bias) for the weight at float offset
+ * w_off (FT_NO_OFFSET in an int8 encoder) with its packed copy at p_off: the backend's float32
+ * linear ops, or the reduced-precision ones */
+static ft_status linear(ft_encoder *e, void *out, const void *x, size_t w_off, size_t p_off, const void *bias,
+                        int64_t M, int64_t K, int64_t N, int act) {
+    ft_backend *be = e->be;
+    const float *packed = e->packed ? e->packed + p_off : NULL;
+    if (e->lowp) return be->linear_lp_forward(be, e->wtype, out, x, packed, bias, M, K, N, act);
+    const void *w = w_off == FT_NO_OFFSET ? NULL : (const char *)e->params + w_off * e->esz;
+    return be->linear_forward(be, e->dtype, out, x, w, packed, bias, M, K, N, act);
+}
+
+static ft_status linear_residual_ln(ft_encoder *e, void *out, const void *x, size_t w_off, size_t p_off,
+                                   const void *bias, const void *residual, const void *gamma, const void *beta,
+                                   int64_t M, int64_t K, int64_t N, float eps) {
+    ft_backend *be = e->be;
+    const float *packed = e->packed ? e->packed + p_off : NULL;
+    if (e->lowp)
+        return be->linear_lp_residual_ln_forward(be, e->wtype, out, x, packed, bias, residual, gamma, beta, M, K, N,
+                                                 eps);
+    const void *w = w_off == FT_NO_OFFSET ? NULL : (const char *)e->params + w_off * e->esz;
+    return be->linear_residual_ln_forward(be, e->dtype, out, x, w, packed, bias, residual, gamma, beta, M, K, N, eps);
 }
 
 /* ---- forward ------------------------------------------------------------------------------ */
@@ -718,9 +800,11 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     const ft_dtype dt = e->dtype;
     const char *Pb = e->params;
 #define P(off) ((const void *)(Pb + (off) * e->esz))
-    const float *Pk = e->packed;   /* NULL when the backend packs nothing */
-#define PACKED(off) (Pk ? Pk + (off) : NULL)
-    if (N > 0 && start == 0)
+    if (N > 0 && start == 0 && e->int8 && e->int8->word)   /* int8 word embeddings (per-row scales) */
+        FT_TRY(be->embed_i8_ln_forward(be, w.x, w.ids, w.types, w.positions, e->int8->data + e->int8->word_q,
+                                       e->int8->scale + e->int8->word_s, P(e->pos), P(e->type), P(e->emb_ln_g),
+                                       P(e->emb_ln_b), N, C, c->layer_norm_eps));
+    else if (N > 0 && start == 0)
         FT_TRY(be->embed_ln_forward(be, dt, w.x, w.ids, w.types, w.positions, P(e->word), P(e->pos), P(e->type),
                                     P(e->emb_ln_g), P(e->emb_ln_b), N, C, c->layer_norm_eps));
     if (N > 0 && start > 0) {   /* x = the given layer's rows, gathered into the packed order */
@@ -742,21 +826,21 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
             /* A = this layer's heads x head size, I its FFN width (smaller when pruned) */
             const int64_t nh = e->layer_heads[l - 1], A = nh * hs, I = e->layer_intermediate[l - 1];
             /* qkv (N, 3A) = x Wqkv^T + bqkv: one GEMM for Q, K and V */
-            FT_TRY(be->linear_forward(be, dt, w.big, w.x, P(o->wqkv), PACKED(o->pqkv), P(o->bqkv), N, C, 3 * A, -1));
+            FT_TRY(linear(e, w.big, w.x, o->wqkv, o->pqkv, P(o->bqkv), N, C, 3 * A, -1));
             if (head_modes(e, l - 1, masks, modes))
                 FT_TRY(be->attention_heads_forward(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, A, nh, modes,
                                                    c->sign_match_keys, w.scratch));
             else
                 FT_TRY(be->attention_forward(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, A, nh, w.scratch));
             /* t = LN(x + ctx Wo^T + bo) */
-            FT_TRY(be->linear_residual_ln_forward(be, dt, w.t, w.ctx, P(o->wo), PACKED(o->po), P(o->bo), w.x,
-                                                  P(o->ln1_g), P(o->ln1_b), N, A, C, c->layer_norm_eps));
+            FT_TRY(linear_residual_ln(e, w.t, w.ctx, o->wo, o->po, P(o->bo), w.x, P(o->ln1_g), P(o->ln1_b), N, A, C,
+                                      c->layer_norm_eps));
             /* big (N, I) = act(t W1^T + b1) */
-            FT_TRY(be->linear_forward(be, dt, w.big, w.t, P(o->w1), PACKED(o->p1), P(o->b1), N, C, I, c->activation));
+            FT_TRY(linear(e, w.big, w.t, o->w1, o->p1, P(o->b1), N, C, I, c->activation));
             FT_TRY(mask_ffn(e, l - 1, masks, w.big, N));
             /* x = LN(t + big W2^T + b2) */
-            FT_TRY(be->linear_residual_ln_forward(be, dt, w.x, w.big, P(o->w2), PACKED(o->p2), P(o->b2), w.t,
-                                                  P(o->ln2_g), P(o->ln2_b), N, I, C, c->layer_norm_eps));
+            FT_TRY(linear_residual_ln(e, w.x, w.big, o->w2, o->p2, P(o->b2), w.t, P(o->ln2_g), P(o->ln2_b), N, I, C,
+                                      c->layer_norm_eps));
         }
         if (hidden_out && hidden_out[l]) {   /* every position was computed (with_pad); float32 out */
             const size_t bytes = (size_t)N * C * 4;
@@ -774,7 +858,6 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
             if (dst != pooled_out[l]) FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
         }
     }
-#undef PACKED
 #undef P
     return be->synchronize(be);
 }

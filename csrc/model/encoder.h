@@ -12,7 +12,24 @@ typedef struct {
     int ndim;
     int64_t shape[2];
     int optional;         /* pooler: may be absent from a checkpoint */
+    /* int8 encoders (ft_encoder_quantize): the view is stored in int8, its rows at qoffset bytes
+     * of q.data with one scale per row at soffset floats of q.scale; offset is FT_NO_OFFSET */
+    int int8;
+    size_t qoffset, soffset;
 } ft_param_view;
+
+#define FT_NO_OFFSET ((size_t)-1)   /* a float view that an int8 encoder no longer has */
+
+/* An int8 encoder's quantized weights: each layer's four projection matrices, and optionally the
+ * word embeddings, int8 with one float32 scale per output channel (row); one allocation each. */
+typedef struct {
+    int8_t *data;
+    float *scale;
+    size_t data_bytes, scales;
+    struct { size_t q, s; } (*layer)[4];   /* per layer: wqkv, wo, w1, w2 (bytes into data, floats into scale) */
+    int word;                               /* the word embeddings are int8 */
+    size_t word_q, word_s;
+} ft_encoder_int8;
 
 /* Offsets (in floats) of one layer's tensors. Q, K, V weights are adjacent rows of one
  * (3C, C) block and their biases one (3C) vector, so the QKV projection is a single GEMM while
@@ -27,6 +44,11 @@ struct ft_encoder {
     ft_backend *be;
     ft_dtype dtype;           /* storage type of params and activations: F32, or F16/BF16 on CUDA */
     size_t esz;               /* its size in bytes */
+    /* the linear layers' weights on the CPU (issue 31): FT_F32, FT_BF16 (packed bf16 copies of the
+     * float32 masters) or FT_I8 (int8 + scales in `int8`, no float32 masters) */
+    ft_dtype wtype;
+    int lowp;                 /* the linear layers run on the backend's linear_lp_* (it pays for wtype) */
+    ft_encoder_int8 *int8;    /* FT_I8: the quantized weights */
     void *params;             /* backend memory, n_params values of dtype */
     float *host_params;       /* float32 master copy (== params on the CPU) for save and inspection */
     size_t n_params;
@@ -51,6 +73,12 @@ struct ft_encoder {
     size_t host_ws_bytes;
     pthread_mutex_t lock;
 };
+
+void ft_encoder_int8_free(ft_encoder_int8 *q);
+
+/* the (rows, columns) of layer l's four projection weights -- Wqkv (3A, C), Wo (C, A), W1 (I, C),
+ * W2 (C, I) with A its heads x head size and I its FFN width -- at the layer's own (pruned) shape */
+void ft_encoder_layer_shapes(const ft_encoder *e, int64_t l, int64_t shapes[4][2]);
 
 /* host_params changed: refresh the backend's copy (in dtype) and drop the packed copies */
 ft_status ft_encoder_sync_params(ft_encoder *e);

@@ -263,6 +263,10 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
                                 const ft_layer_options *opt, ft_layer_stack **out) {
     *out = NULL;
     const int64_t L = e->cfg.num_layers;
+    if (e->int8)
+        return ft_error(FT_ERR_UNSUPPORTED, "an int8 model asked to train: quantization kept int8 weights and their "
+                        "scales, not the float32 weights training updates. Fine-tune the float32 model, then quantize "
+                        "it (a head alone trains on an int8 encoder's features)");
     if (count < 1 || first < 0 || first + count > L)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "layers [%lld, %lld) are not layers of this %lld-layer encoder",
                         (long long)first, (long long)(first + count), (long long)L);
@@ -575,6 +579,8 @@ void ft_layer_stack_allocated(const ft_layer_stack *s, size_t *now, size_t *peak
 ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *e) {
     if (!ft_bert_config_equal(&e->cfg, &s->cfg))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "export: the encoder has another configuration");
+    if (e->int8)
+        return ft_error(FT_ERR_UNSUPPORTED, "export: the encoder is int8; export into a float32 encoder, then quantize it");
     for (int64_t l = 0; l < s->count; l++)
         FT_TRY(s->be->download(s->be, e->host_params + e->layers[s->first + l].wqkv, s->params + s->layer_start[l],
                                (s->layer_start[l + 1] - s->layer_start[l]) * sizeof(float)));

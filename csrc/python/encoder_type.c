@@ -458,7 +458,8 @@ static PyObject *EncoderCore_tensors(EncoderCore *self, PyObject *unused) {
     return out;
 }
 
-/* tensor(i) -> a NumPy copy of parameter i (host copy of the weights) */
+/* tensor(i) -> a NumPy copy of parameter i (host copy of the weights): float32, or int8 for a
+ * view an int8 encoder stores in int8 (its scales: tensor_scale(i)) */
 static PyObject *EncoderCore_tensor(EncoderCore *self, PyObject *arg) {
     if (!ready(self)) return NULL;
     Py_ssize_t i = PyLong_AsSsize_t(arg);
@@ -467,13 +468,103 @@ static PyObject *EncoderCore_tensor(EncoderCore *self, PyObject *arg) {
     int nd;
     int64_t sh[2];
     float *data;
-    if (i < 0) return ft_py_fail(ft_errors.input_range, "tensor index %zd out of range", i);
+    if (i < 0 || (size_t)i >= ft_encoder_num_tensors(self->enc))
+        return ft_py_fail(ft_errors.input_range, "tensor index %zd out of range", i);
+    const int q = ft_encoder_tensor_is_int8(self->enc, (size_t)i);
     ft_status st = ft_encoder_tensor_info(self->enc, (size_t)i, &name, &nd, sh, &data);
-    if (st != FT_OK) return ft_py_raise(st);
+    if (st != FT_OK && !q) return ft_py_raise(st);
+    ft_clear_error();
     npy_intp dims[2] = {(npy_intp)sh[0], (npy_intp)sh[1]};
-    PyObject *a = PyArray_SimpleNew(nd, dims, NPY_FLOAT32);
-    if (a) memcpy(PyArray_DATA((PyArrayObject *)a), data, (size_t)(sh[0] * sh[1]) * sizeof(float));
+    PyObject *a = PyArray_SimpleNew(nd, dims, q ? NPY_INT8 : NPY_FLOAT32);
+    if (!a) return NULL;
+    if (q) {
+        int8_t *qd;
+        float *scale;
+        if ((st = ft_encoder_tensor_int8(self->enc, (size_t)i, &qd, &scale)) != FT_OK) { Py_DECREF(a); return ft_py_raise(st); }
+        memcpy(PyArray_DATA((PyArrayObject *)a), qd, (size_t)(sh[0] * sh[1]));
+    } else {
+        memcpy(PyArray_DATA((PyArrayObject *)a), data, (size_t)(sh[0] * sh[1]) * sizeof(float));
+    }
     return a;
+}
+
+static int tensor_index(EncoderCore *self, PyObject *arg, size_t *out) {
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred()) return 0;
+    if (i < 0 || (size_t)i >= ft_encoder_num_tensors(self->enc)) {
+        ft_py_fail(ft_errors.input_range, "tensor index %zd out of range", i);
+        return 0;
+    }
+    *out = (size_t)i;
+    return 1;
+}
+
+/* tensor_scale(i) -> the per-row float32 scales of an int8 view, or None for a float32 one */
+static PyObject *EncoderCore_tensor_scale(EncoderCore *self, PyObject *arg) {
+    size_t i;
+    if (!ready(self) || !tensor_index(self, arg, &i)) return NULL;
+    if (!ft_encoder_tensor_is_int8(self->enc, i)) Py_RETURN_NONE;
+    const char *name;
+    int nd;
+    int64_t sh[2];
+    float *data, *scale;
+    int8_t *qd;
+    ft_encoder_tensor_info(self->enc, i, &name, &nd, sh, &data);
+    ft_clear_error();
+    ft_status st = ft_encoder_tensor_int8(self->enc, i, &qd, &scale);
+    if (st != FT_OK) return ft_py_raise(st);
+    npy_intp dims[1] = {(npy_intp)sh[0]};
+    PyObject *a = PyArray_SimpleNew(1, dims, NPY_FLOAT32);
+    if (a) memcpy(PyArray_DATA((PyArrayObject *)a), scale, (size_t)sh[0] * sizeof(float));
+    return a;
+}
+
+/* set_tensor(i, values, scale=None): write parameter i from a C-contiguous array of its shape:
+ * float32 for a float view; int8 values and float32 scales (its rows) for an int8 view */
+static PyObject *EncoderCore_set_tensor(EncoderCore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"index", "values", "scale", NULL};
+    PyObject *idx, *values, *scale = Py_None;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kwlist, &idx, &values, &scale)) return NULL;
+    size_t i;
+    if (!tensor_index(self, idx, &i)) return NULL;
+    const char *name;
+    int nd;
+    int64_t sh[2];
+    float *data;
+    const int q = ft_encoder_tensor_is_int8(self->enc, i);
+    ft_encoder_tensor_info(self->enc, i, &name, &nd, sh, &data);
+    ft_clear_error();
+    const npy_intp want = (npy_intp)(sh[0] * sh[1]);
+    if (!PyArray_Check(values) || PyArray_TYPE((PyArrayObject *)values) != (q ? NPY_INT8 : NPY_FLOAT32) ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)values) || PyArray_SIZE((PyArrayObject *)values) != want)
+        return ft_py_fail(ft_errors.input_type, "%s: expected a C-contiguous %s array of %lld x %lld values", name,
+                          q ? "int8" : "float32", (long long)sh[0], (long long)sh[1]);
+    if (q && (!PyArray_Check(scale) || PyArray_TYPE((PyArrayObject *)scale) != NPY_FLOAT32 ||
+              !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)scale) || PyArray_SIZE((PyArrayObject *)scale) != sh[0]))
+        return ft_py_fail(ft_errors.input_type, "%s is int8: its scales must be a C-contiguous float32 array of %lld "
+                          "values (one per row)", name, (long long)sh[0]);
+    if (!q && scale != Py_None) return ft_py_fail(ft_errors.input, "%s is a float32 tensor: it takes no scales", name);
+    ft_status st;
+    const void *vd = PyArray_DATA((PyArrayObject *)values);
+    const float *sd = q ? PyArray_DATA((PyArrayObject *)scale) : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = q ? ft_encoder_set_tensor_int8(self->enc, i, vd, sd) : ft_encoder_set_tensor(self->enc, i, vd);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* quantize(embeddings): int8 in place (ft_encoder_quantize) */
+static PyObject *EncoderCore_quantize(EncoderCore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"embeddings", NULL};
+    int embeddings = 1;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "|p", kwlist, &embeddings)) return NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_encoder_quantize(self->enc, embeddings);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    Py_RETURN_NONE;
 }
 
 static PyObject *EncoderCore_memory_report(EncoderCore *self, PyObject *unused) {
@@ -505,6 +596,17 @@ static PyObject *EncoderCore_get_dtype(EncoderCore *self, void *c) {
     (void)c;
     if (!ready(self)) return NULL;
     return PyUnicode_FromString(ft_dtype_name(ft_encoder_dtype(self->enc)));
+}
+
+static PyObject *EncoderCore_get_int8_products(EncoderCore *self, void *c) {
+    (void)c;
+    if (!ready(self)) return NULL;
+    return PyBool_FromLong(ft_encoder_int8_products(self->enc));
+}
+static PyObject *EncoderCore_get_int8_embeddings(EncoderCore *self, void *c) {
+    (void)c;
+    if (!ready(self)) return NULL;
+    return PyBool_FromLong(ft_encoder_int8_embeddings(self->enc));
 }
 
 static PyObject *EncoderCore_get_has_pooler(EncoderCore *self, void *c) {
@@ -570,12 +672,22 @@ static PyMethodDef EncoderCore_methods[] = {
     {"set_tf32", (PyCFunction)EncoderCore_set_tf32, METH_O, "set_tf32(on): fp32 products on TF32 tensor cores (CUDA)."},
     {"memory_report", (PyCFunction)EncoderCore_memory_report, METH_NOARGS,
      "memory_report() -> {parameters, packed_weights, workspace, backend, host, device_free, device_total} in bytes."},
-    {"tensor", (PyCFunction)EncoderCore_tensor, METH_O, "tensor(i): copy of parameter i."},
+    {"tensor", (PyCFunction)EncoderCore_tensor, METH_O, "tensor(i): copy of parameter i (float32, or int8)."},
+    {"tensor_scale", (PyCFunction)EncoderCore_tensor_scale, METH_O,
+     "tensor_scale(i): the per-row scales of an int8 parameter (None for a float32 one)."},
+    {"set_tensor", (PyCFunction)(void (*)(void))EncoderCore_set_tensor, METH_VARARGS | METH_KEYWORDS,
+     "set_tensor(index, values, scale=None): write parameter i (int8 ones with their per-row scales)."},
+    {"quantize", (PyCFunction)(void (*)(void))EncoderCore_quantize, METH_VARARGS | METH_KEYWORDS,
+     "quantize(embeddings=True): int8 weights with per-output-channel scales, in place."},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef EncoderCore_getset[] = {
     {"has_pooler", (getter)EncoderCore_get_has_pooler, NULL, "whether the checkpoint had pooler weights", NULL},
-    {"dtype", (getter)EncoderCore_get_dtype, NULL, "storage type of weights and activations on the device", NULL},
+    {"dtype", (getter)EncoderCore_get_dtype, NULL,
+     "the encoder's type: float32, float16 / bfloat16 (CUDA storage; CPU: bf16 weights and products), int8", NULL},
+    {"int8_products", (getter)EncoderCore_get_int8_products, NULL,
+     "int8 encoders: whether the linear layers run int8 products (else float32 over dequantized weights)", NULL},
+    {"int8_embeddings", (getter)EncoderCore_get_int8_embeddings, NULL, "whether the word embeddings are int8", NULL},
     {"num_parameters", (getter)EncoderCore_get_num_parameters, NULL, "float parameters in the table", NULL},
     {"device", (getter)EncoderCore_get_device, NULL, "'cpu' or 'cuda:N'", NULL},
     {"structure", (getter)EncoderCore_get_structure, NULL,

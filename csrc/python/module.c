@@ -135,6 +135,30 @@ static PyObject *py_cpu_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(ft_cpu_isa());
 }
 
+/* cpu_features() -> {name: bool}: what the kernels may use in this process (FASTTRAN_CPU_ISA applied) */
+static PyObject *py_cpu_features(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    const unsigned f = ft_cpu_features(), present = ft_cpu_features_present();
+    PyObject *d = PyDict_New(), *have = PyDict_New();
+    for (int k = 0; d && have && k < FT_CPU_FEATURE_COUNT; k++)
+        if (PyDict_SetItemString(d, ft_cpu_feature_name(k), (f >> k & 1) ? Py_True : Py_False) < 0 ||
+            PyDict_SetItemString(have, ft_cpu_feature_name(k), (present >> k & 1) ? Py_True : Py_False) < 0)
+            Py_CLEAR(d);
+    if (!d || !have) { Py_XDECREF(d); Py_XDECREF(have); return NULL; }
+    PyObject *r = Py_BuildValue("(OO)", d, have);
+    Py_DECREF(d);
+    Py_DECREF(have);
+    return r;
+}
+
+/* cpu_lowp_kernels() -> (int8 kernel, int8 used by encoders, bf16 kernel or None) */
+static PyObject *py_cpu_lowp_kernels(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    int used = 0;
+    const char *i8 = ft_cpu_int8_kernel(&used), *bf16 = ft_cpu_bf16_kernel();
+    return Py_BuildValue("(sOz)", i8, used ? Py_True : Py_False, bf16);
+}
+
 static PyObject *py_default_threads(PyObject *self, PyObject *unused) {
     (void)self; (void)unused;
     return PyLong_FromLong(ft_default_threads());
@@ -240,7 +264,12 @@ static PyMethodDef module_methods[] = {
     {"_abi_sizes", py_abi_sizes, METH_NOARGS, "sizeof of the backend structs."},
     {"device_stream", py_device_stream, METH_O, "Stream used to read CUDA tensors on device N to the host."},
     {"blas_name", py_blas_name, METH_NOARGS, "The BLAS library and CPU core it selected."},
-    {"cpu_isa", py_cpu_isa, METH_NOARGS, "The CPU kernels in use: avx512, avx2 or generic."},
+    {"cpu_isa", py_cpu_isa, METH_NOARGS, "The CPU kernels in use: amx, avx512, avx2 or generic."},
+    {"cpu_features", py_cpu_features, METH_NOARGS,
+     "(features the kernels may use, features the CPU has): {avx2, avx512, avx512_vnni, avx_vnni, avx512_bf16, "
+     "amx_bf16, amx_int8: bool} each; FASTTRAN_CPU_ISA restricts the first."},
+    {"cpu_lowp_kernels", py_cpu_lowp_kernels, METH_NOARGS,
+     "(int8 kernel, whether int8 encoders use it, bf16 kernel or None)."},
     {"default_threads", py_default_threads, METH_NOARGS, "The thread count the environment and this process's CPUs give."},
     {"num_threads", py_num_threads, METH_NOARGS, "Threads used by OpenMP and BLAS."},
     {"set_num_threads", py_set_num_threads, METH_O, "Set the threads used by OpenMP and BLAS."},
