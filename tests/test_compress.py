@@ -571,3 +571,39 @@ def test_cli_compress_prints_the_table_and_the_trade_off(tiny_finetuned, tmp_pat
     assert model.info["search"]["met"] and os.path.exists(out / "search.json")
     rc = main(argv + ["--max-drop", "0", "--target-size", "0.0001"])
     assert rc == 3 and "CANNOT MEET" in capsys.readouterr().out
+
+
+# ---- int8 (the kernels' int8 encoder on compressed models) ------------------------------------------------
+def test_pruned_then_int8_model_runs_saves_and_loads_back(small_path, tmp_path):
+    model = task_model(small_path)
+    q = compress.apply(model, dict(PLAN, weights="int8"))
+    assert q.weights == "int8" and q.structure == compress.apply(model, PLAN).structure
+    assert q.size_bytes == compress.model.int8_size(compress.apply(model, PLAN)) < compress.apply(model, PLAN).size_bytes
+    data = task_data(12)
+    ref = compress.apply(model, PLAN).logits(data)
+    got = q.logits(data)
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max() + 1e-3   # int8 error, not a different model
+    out = q.save(tmp_path / "q")
+    back = compress.TaskModel.load(out)
+    assert back.weights == "int8" and np.array_equal(back.logits(data), got)
+    cfg = json.loads(open(os.path.join(out, "config.json")).read())
+    assert cfg["fasttran_weights"] == "int8" and cfg["fasttran_int8_embeddings"] is True
+    layers_only = compress.apply(model, dict(PLAN, weights="int8-layers"))
+    assert not layers_only.encoder._core.int8_embeddings and layers_only.size_bytes > q.size_bytes
+    hf = compress.TaskModel.load(compress.export_transformers(q, tmp_path / "hf"))   # dequantized weights
+    assert np.abs(hf.logits(data) - got).max() < 0.05 * np.abs(got).max() + 1e-3
+
+
+def test_an_int8_model_is_not_trained_or_pruned_further(small_path):
+    q = compress.quantize(task_model(small_path))
+    data = task_data(13, n=16)
+    tr = fasttran.Trainer(q.head, train_layers=1, epochs=1, show_progress=False)
+    ids, mask, types = data.padded()
+    with pytest.raises(UnsupportedError, match="an int8 model asked to train"):
+        tr.fit(tr.cache_for(q.encoder, ids, mask, types), data.labels)
+    with pytest.raises(InputError, match="this model is int8"):
+        compress.apply(q, PLAN)
+    with pytest.raises(UnsupportedError, match="int8; prune or approximate the float32 model"):
+        q.encoder._core.compressed(keep_layers=np.array([1, 0, 1], np.uint8))
+    with pytest.raises(InputError, match="int8 already"):
+        compress.quantize(q)

@@ -155,9 +155,21 @@ class TaskModel:
         return c["hidden_size"] // c["num_attention_heads"]
 
     @property
+    def weights(self):
+        """'float32', or 'int8' (the layers' projections and maybe the word embeddings in int8)"""
+        return "int8" if self.encoder.dtype == "int8" else "float32"
+
+    @property
     def size_bytes(self):
-        """Bytes of the model's weights as stored (encoder + head), what `save` writes besides JSON."""
-        return 4 * (self.encoder.num_parameters + self.head.num_parameters)
+        """Bytes of the model's weights as stored (encoder + head), what `save` writes besides JSON:
+        4 per float32 value; an int8 tensor 1 per value and 4 per row for its scales."""
+        core, n = self.encoder._core, 4 * self.head.num_parameters
+        for i, (name, shape) in enumerate(core.tensors()):
+            if name.startswith("pooler.") and not core.has_pooler:
+                continue
+            values = int(np.prod(shape))
+            n += values + 4 * int(shape[0]) if self.weights == "int8" and core.tensor_scale(i) is not None else 4 * values
+        return n
 
     # ---- inference ---------------------------------------------------------------------------
     def pooled(self, ids, mask, types, **masks):
@@ -212,8 +224,17 @@ class TaskModel:
             raise CheckpointError(f"{path}: not valid JSON: {e}") from e
         enc = Encoder(raw, _source=os.path.join(path, "config.json"))
         weights = files.get("model.safetensors", {})
-        enc._core.load(os.path.join(path, "model.safetensors"), expect_bytes=int(weights.get("bytes", -1)),
-                       expect_crc32c=int(weights.get("crc32c", -1)))
+        if raw.get("fasttran_weights", "float32") == "int8":   # int8 tensors with their scales (state_dict)
+            if not isinstance(raw.get("fasttran_int8_embeddings"), bool):
+                raise CheckpointError(f"{path}/config.json: an int8 model needs fasttran_int8_embeddings (true/false)")
+            enc.quantize(embeddings=raw["fasttran_int8_embeddings"], inplace=True)
+            enc.load_state_dict(read_safetensors(os.path.join(path, "model.safetensors"), weights or None))
+        elif raw.get("fasttran_weights", "float32") != "float32":
+            raise CheckpointError(f"{path}/config.json: fasttran_weights {raw['fasttran_weights']!r}; expected "
+                                  "'float32' or 'int8'")
+        else:
+            enc._core.load(os.path.join(path, "model.safetensors"), expect_bytes=int(weights.get("bytes", -1)),
+                           expect_crc32c=int(weights.get("crc32c", -1)))
         enc.path = os.path.abspath(path)
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             enc._load_tokenizer(path)
@@ -240,8 +261,12 @@ class TaskModel:
         rec_path = os.path.join(path, RECORD)
         if os.path.exists(rec_path):
             os.remove(rec_path)   # the old record must not vouch for the new files while they are written
-        size, crc = self.encoder._core.save(os.path.join(path, "model.safetensors"))
-        files["model.safetensors"] = {"bytes": int(size), "crc32c": int(crc)}
+        if self.weights == "int8":   # the int8 tensors with their per-row scales, as state_dict gives them
+            files["model.safetensors"] = write_safetensors(os.path.join(path, "model.safetensors"),
+                                                           self.encoder.state_dict(), {"format": "fasttran-int8"})
+        else:
+            size, crc = self.encoder._core.save(os.path.join(path, "model.safetensors"))
+            files["model.safetensors"] = {"bytes": int(size), "crc32c": int(crc)}
         files["head.safetensors"] = write_safetensors(os.path.join(path, "head.safetensors"), self.head.state_dict(),
                                                       {"format": "fasttran-head"})
         c = self.encoder.config
@@ -252,6 +277,11 @@ class TaskModel:
             cfg.pop(k, None)
             if k in c:
                 cfg[k] = c[k]
+        cfg.pop("fasttran_weights", None)
+        cfg.pop("fasttran_int8_embeddings", None)
+        if self.weights == "int8":
+            cfg["fasttran_weights"] = "int8"
+            cfg["fasttran_int8_embeddings"] = bool(self.encoder._core.int8_embeddings)
         for name, obj in (("config.json", cfg), ("head.json", {"head": self.head.config(), "pooling": self.pooling})):
             files[name] = _write_json(os.path.join(path, name), obj)
         tok_dir = getattr(self.encoder, "_tokenizer_dir", None)
@@ -266,7 +296,8 @@ class TaskModel:
     def __repr__(self):
         s = self.structure
         return (f"TaskModel({self.num_layers} layers, heads {s['layer_heads']}, FFN {s['layer_intermediate']}, "
-                f"{self.size_bytes / 1e6:.1f} MB, {self.head.num_labels} labels, {self.pooling} pooling)")
+                + ("int8 weights, " if self.weights == "int8" else "")
+                + f"{self.size_bytes / 1e6:.1f} MB, {self.head.num_labels} labels, {self.pooling} pooling)")
 
 
 # ---- origin: the current structure in the original model's numbering ------------------------------
@@ -339,7 +370,9 @@ def export_transformers(model, path):
     softmax), a pruned FFN neuron's rows of the first projection, its bias and its column of the second
     are zeros (GELU(0) = 0). Removed layers are simply absent. The zeros cost their full size and time
     in transformers: the file and the GEMMs are those of the unpruned layers. Sign-matching heads have
-    no transformers equivalent and are refused. Returns `path`."""
+    no transformers equivalent and are refused. An int8 model's weights are written dequantized
+    (scale x q, float32): transformers then computes what fasttran's int8 model computes up to the
+    int8 activations' rounding. Returns `path`."""
     s = model.structure
     if any(m != 0 for m in s["head_attention"]):
         raise UnsupportedError("this model has sign-matching attention heads, which transformers cannot express; "
@@ -349,6 +382,8 @@ def export_transformers(model, path):
     C, NH = c["hidden_size"], c["num_attention_heads"]
     hs, I = C // NH, max(max(s["layer_intermediate"], default=0), c["intermediate_size"])
     sd = enc.state_dict()
+    for name in [k for k in sd if k + "_scale" in sd]:   # int8: the weights dequantized (scale x q)
+        sd[name] = sd.pop(name + "_scale")[:, None] * sd[name].astype(np.float32)
     out = {k: v for k, v in sd.items() if not k.startswith("encoder.layer.")}
     for l in range(enc.num_layers):
         p = f"encoder.layer.{l}."
@@ -444,3 +479,37 @@ def export_onnx(model, path, opset=17):
                           dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes,
                                         "logits": {0: "batch"}})
     return path
+
+
+def quantize(model, embeddings=True):
+    """A new TaskModel whose encoder keeps each layer's four projections (and, with `embeddings`, the
+    word embeddings) in int8 with one scale per output channel (Encoder.quantize: int8 products on
+    VNNI / AMX CPUs, exact int32 sums); the head stays float32. For inference: an int8 model cannot
+    be trained or pruned further (prune first, then quantize)."""
+    if model.weights == "int8":
+        raise InputError("this model is int8 already")
+    head = _Head.from_config(model.head.config())
+    head.load_state_dict(model.head.state_dict())
+    info = dict(model.info)
+    info["weights"] = {"dtype": "int8", "embeddings": bool(embeddings)}
+    import copy
+    return TaskModel(model.encoder.quantize(embeddings=embeddings), head, model.pooling,
+                     origin=copy.deepcopy(model.origin), info=copy.deepcopy(info))
+
+
+#: the tensors Encoder.quantize stores in int8 (the layers' four projections; the word embeddings too)
+_INT8_SUFFIXES = ("attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight",
+                  "output.dense.weight", "intermediate.dense.weight")
+
+
+def int8_size(model, embeddings=True):
+    """The size_bytes `quantize(model, embeddings)` would have (float32 model; nothing is made)."""
+    core, n = model.encoder._core, 4 * model.head.num_parameters
+    for name, shape in core.tensors():
+        if name.startswith("pooler.") and not core.has_pooler:
+            continue
+        values = int(np.prod(shape))
+        q = name.endswith(_INT8_SUFFIXES) and name.startswith("encoder.layer.") or (
+            embeddings and name == "embeddings.word_embeddings.weight")
+        n += values + 4 * int(shape[0]) if q else 4 * values
+    return n

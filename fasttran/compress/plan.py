@@ -56,8 +56,12 @@ def parse(model, plan):
     if unknown:
         raise InputError(f"plan: unknown key(s) {sorted(unknown)}; a plan has 'layers', 'ffn_group_size', "
                          "'sign_match_keys' and 'weights'")
-    if plan.get("weights", "float32") != "float32":
-        raise InputError(f"plan['weights'] = {plan['weights']!r}: only 'float32' weights in this build")
+    if plan.get("weights", "float32") not in ("float32", "int8", "int8-layers"):
+        raise InputError(f"plan['weights'] = {plan['weights']!r}; expected 'float32', 'int8' (the layers' projections "
+                         "and the word embeddings) or 'int8-layers' (the projections only)")
+    if model.weights == "int8" and (plan.get("layers") or plan.get("weights", "float32") == "float32"):
+        raise InputError("this model is int8: prune and approximate the float32 model, then quantize it "
+                         "(plan['weights'] = 'int8')")
     s = model.structure
     L = model.num_layers
     group = ffn_group_size(model, plan)
@@ -131,10 +135,16 @@ def _keep_arrays(model, p):
 
 def apply(model, plan):
     """A new TaskModel: `model` with the plan carried out -- layers, heads and FFN groups removed (the
-    matrices made smaller), sign matching set on the heads named. `model` is unchanged; the head is
-    copied."""
-    from .model import TaskModel
+    matrices made smaller), sign matching set on the heads named, then the weights quantized when
+    plan['weights'] says 'int8' (the projections and the word embeddings) or 'int8-layers' (the
+    projections only). `model` is unchanged; the head is copied."""
+    from .model import TaskModel, quantize
     p = parse(model, plan)
+    weights = plan.get("weights", "float32")
+    if weights != "float32" and not plan.get("layers"):
+        return quantize(model, embeddings=weights == "int8")
+    if weights != "float32":
+        return quantize(apply(model, {k: v for k, v in plan.items() if k != "weights"}), embeddings=weights == "int8")
     keep_layers, keep_heads, keep_neurons, modes = _keep_arrays(model, p)
     core = model.encoder._core.compressed(keep_layers=keep_layers, keep_heads=keep_heads, keep_neurons=keep_neurons,
                                           head_attention=modes, sign_match_keys=p["keys"])

@@ -10,7 +10,9 @@ drop, a target latency, a target size, or several -- with a brief re-fine-tuning
    accuracy budget is then broken, back off the last third of the pruned parts and train again.
 4. Sign matching on the least significant remaining heads, while the budget holds -- kept only when
    it makes the model faster (it saves nothing on short sequences).
-5. Measure the result on the dev set: accuracy, latency at batch 1 and at the latency batch size, size.
+5. int8 weights (Encoder.quantize: the projections and the word embeddings, else the projections
+   only), while the budget holds.
+6. Measure the result on the dev set: accuracy, latency at batch 1 and at the latency batch size, size.
 
 A budget that cannot be met returns the best model found with `met = False` and the reason, never a
 model that silently breaks it. Decisions use the selection set (held out of the training data); the
@@ -24,7 +26,7 @@ import numpy as np
 
 from ..errors import InputError
 from .measure import latency, pareto, plot_tradeoff
-from .model import TaskModel
+from .model import TaskModel, int8_size, quantize
 from .plan import DEFAULT_SIGN_MATCH_KEYS, apply, ffn_group_size
 from .significance import significance as _significance
 
@@ -132,13 +134,14 @@ class SearchResult:
 def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=None, latency_batch=32,
            target_size_mb=None, significance=None, ffn_group_size_=None, steps=24, retrain_epochs=1,
            retrain_layers=None, retrain_lr=None, retrain_batch_size=32, max_retrains=2, sign_match=True,
-           sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, threads=2, latency_examples=128, order_by=None, seed=0,
-           show_progress=True):
+           sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, int8=True, threads=2, latency_examples=128, order_by=None,
+           seed=0, show_progress=True):
     """Compress `model` (TaskModel) under a budget: `max_drop` (accuracy points on the selection set, e.g.
     0.5), `target_latency_ms` (per batch of `latency_batch`, `threads` threads) and/or `target_size_mb`.
     `train` (TaskData) re-fine-tunes after pruning, `select` (TaskData, held out of train) decides,
     `dev` (optional) reports. `order_by`: 'mask' or 'gradient' significance (default: mask when the
-    significance has it). Returns a SearchResult; an unreachable budget gives met=False and why."""
+    significance has it). `int8`: try int8 weights last. Returns a SearchResult; an unreachable budget
+    gives met=False and why."""
     if max_drop is None and target_latency_ms is None and target_size_mb is None:
         raise InputError("search needs a budget: max_drop (accuracy points), target_latency_ms or target_size_mb")
     for name, v in (("max_drop", max_drop), ("target_latency_ms", target_latency_ms), ("target_size_mb", target_size_mb)):
@@ -179,6 +182,19 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
         return ((target_latency_ms is None or m_lat <= target_latency_ms) and
                 (target_size_mb is None or m_size <= target_size_mb * 1e6))
 
+    # with int8 to come last, pruning stops at the target the int8 model will meet: its size is exact
+    # (int8_size), its latency the float32 one times the int8 / float32 ratio measured here
+    lat_ratio = 1.0
+    if int8 and model.weights == "float32" and (target_latency_ms or target_size_mb):
+        q0 = quantize(model)
+        lat_ratio = latency(q0, select, latency_batch, threads, latency_examples) / base["latency_ms"]
+        say(f"int8 at the end: latency x{lat_ratio:.2f}, size {model.size_bytes / 1e6:.1f} -> {q0.size_bytes / 1e6:.1f} MB "
+            "(the pruning aims at the target after it)")
+
+    def pruned_enough(m_lat, m):
+        size = int8_size(m) if int8 and m.weights == "float32" else m.size_bytes
+        return (target_latency_ms or target_size_mb) and target_met(m_lat * lat_ratio, size)
+
     if ffn_group_size_ is None and significance is not None:
         ffn_group_size_ = significance.group
     group = ffn_group_size(model, {"ffn_group_size": ffn_group_size_} if ffn_group_size_ else None)
@@ -195,7 +211,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
     cur_lat, cur_size = base["latency_ms"], base["size_bytes"]
     step = max(1, -(-len(order) // steps))
     pending = list(order)
-    while pending and not (target_met(cur_lat, cur_size) and (target_latency_ms or target_size_mb)):
+    while pending and not pruned_enough(cur_lat, current):
         chunk, pending = pending[:step], pending[step:]
         trial_sets, before = [chunk], len(accepted)
         while trial_sets:
@@ -213,7 +229,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
                 current, cur_lat, cur_size = cand, lat, cand.size_bytes
                 say(f"pruned {len(accepted)} parts: {100 * acc:.2f}% ({drop_of(acc):+.2f} points), {lat:.1f} ms, "
                     f"{cand.size_bytes / 1e6:.1f} MB")
-                if target_met(cur_lat, cur_size) and (target_latency_ms or target_size_mb):
+                if pruned_enough(cur_lat, current):
                     break
             elif len(parts) > 1:   # the step broke the budget: try its parts one by one
                 trial_sets = [[p] for p in parts] + trial_sets
@@ -221,7 +237,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
             say(f"no part of the next step fits the accuracy budget: the pruning stops ({len(pending)} more significant "
                 "parts left)")
             break
-    if (target_latency_ms or target_size_mb) and not target_met(cur_lat, cur_size):
+    if (target_latency_ms or target_size_mb) and not pruned_enough(cur_lat, current):
         say("the pruning order is exhausted before the latency / size target was met")
 
     # ---- 3. re-fine-tune after pruning ------------------------------------------------------------
@@ -280,7 +296,24 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
             say(f"sign matching on {len(sm)} heads fits the budget but saves no time ({cur_lat:.1f} -> {sm_lat:.1f} ms "
                 f"per batch): not applied")
 
-    # ---- 5. the result -------------------------------------------------------------------------------
+    # ---- 5. int8 weights (the layers' projections, then the word embeddings too) -----------------------
+    if int8 and current.weights == "float32":
+        cur_lat = latency(current, select, latency_batch, threads, latency_examples)
+        for emb in (True, False):
+            cand = quantize(current, embeddings=emb)
+            acc = cand.evaluate(select)["accuracy"]
+            lat = latency(cand, select, latency_batch, threads, latency_examples)
+            points.append({"stage": "int8" if emb else "int8 (float32 embeddings)", "accuracy": acc, "latency_ms": lat,
+                           "size_bytes": cand.size_bytes, "plan": None})
+            if within(acc):
+                say(f"int8 weights{'' if emb else ' (embeddings float32)'}: {100 * acc:.2f}% "
+                    f"({drop_of(acc):+.2f} points), {cur_lat:.1f} -> {lat:.1f} ms, {current.size_bytes / 1e6:.1f} -> "
+                    f"{cand.size_bytes / 1e6:.1f} MB")
+                current, cur_lat, cur_size = cand, lat, cand.size_bytes
+                break
+            say(f"int8 weights{'' if emb else ' (embeddings float32)'} break the budget ({drop_of(acc):+.2f} points)")
+
+    # ---- 6. the result -------------------------------------------------------------------------------
     final = measure(current, True, True)
     reasons = []
     if not within(final["select"]["accuracy"]):
