@@ -1,8 +1,7 @@
 """Compression on real data (issue 31): all-MiniLM-L6-v2 fine-tuned by fasttran's top-k Trainer, then
 compressed, per task and seed -- dev metric (flips against the fine-tuned model counted pairwise),
 CPU latency at batch 1 and batch 32 (2 threads) and size -- for: the fine-tuned model; pruned at
-several levels (significance order, re-fine-tuned); int8 and pruned + int8 (when this build has int8
-weights); sign matching on the least significant heads; the search under a 0.5-point budget; and ONNX
+several levels (significance order, re-fine-tuned); int8 and pruned + int8; sign matching on the least significant heads; the search under a 0.5-point budget; and ONNX
 Runtime's dynamic int8 quantization of the same fine-tuned model (and its float32), measured in the
 same run. Then "train big, then compress": the 6-layer model fine-tuned and compressed to the cost of
 3 layers against the 3-layer truncation fine-tuned directly for the same number of steps.
@@ -144,6 +143,7 @@ def run_seed(task, seed, args, data, log):
     lr, epochs = 1e-4, args.epochs[task]
     say = lambda m: (log.append(m), print(f"[{task} seed {seed}] {m}", flush=True))   # noqa: E731
     ft, ft_info = finetune(base_enc, train, epochs, seed, lr)
+    retrain = {"retrain_optimizer": "adamw", "retrain_lr": lr}   # re-fine-tuning as the fine-tuning
     say(f"fine-tuned in {ft_info['seconds']:.0f} s ({ft_info['steps']} steps)")
     ref = metric(ft, dev, task)
     out = {"fine_tune": ft_info, "variants": {}, "load": [load_avg()]}
@@ -160,17 +160,16 @@ def run_seed(task, seed, args, data, log):
     lb = layer_bytes(ft)
     for level in args.levels:
         res = compress.search(ft, train, select, target_size_mb=(ft.size_bytes - level * lb) / 1e6,
-                              significance=sig, retrain_epochs=args.retrain_epochs, sign_match=False, seed=seed,
-                              latency_examples=64, show_progress=False)
+                              significance=sig, retrain_epochs=args.retrain_epochs, sign_match=False, int8=False,
+                              seed=seed, latency_examples=64, show_progress=False, **retrain)
         models[f"pruned {int(100 * level)}%"] = res.model
         say(f"pruned {level:.0%} of the layers' weights: {res.model}")
 
-    # int8 weights (this build: when the encoder takes dtype='int8')
-    int8 = getattr(compress, "quantize", None)
-    if int8 is not None:
-        models["int8"] = int8(ft)
-        models["pruned 50% + int8"] = int8(models["pruned 50%"]) if "pruned 50%" in models else None
-        models = {k: v for k, v in models.items() if v is not None}
+    # int8 weights: the layers' projections and the word embeddings; pruned + int8
+    models["int8"] = compress.quantize(ft)
+    for level in args.levels:
+        name = f"pruned {int(100 * level)}%"
+        models[name + " + int8"] = compress.quantize(models[name])
 
     # sign matching on the least significant quarter / half of the heads, no re-fine-tuning
     heads = sig.order("mask", "head")
@@ -183,7 +182,8 @@ def run_seed(task, seed, args, data, log):
 
     # the search under the accuracy budget
     res = compress.search(ft, train, select, max_drop=args.max_drop, significance=sig,
-                          retrain_epochs=args.retrain_epochs, seed=seed, latency_examples=64, show_progress=False)
+                          retrain_epochs=args.retrain_epochs, seed=seed, latency_examples=64, show_progress=False,
+                          **retrain)
     models[f"search (max drop {args.max_drop})"] = res.model
     out["search"] = {"met": res.met, "reason": res.reason, "plan": res.plan, "points": res.points, "log": res.log}
     say(f"search: met={res.met}; {res.model}")
@@ -218,8 +218,8 @@ def run_seed(task, seed, args, data, log):
                                                                                       int(train.labels.max()) + 1)),
                            {"layers": {"3": "prune", "4": "prune", "5": "prune"}})
     big = compress.search(ft, train, select, target_size_mb=three.size_bytes / 1e6 + 1e-3, significance=sig,
-                          retrain_epochs=args.retrain_epochs, sign_match=False, seed=seed, latency_examples=64,
-                          show_progress=False)
+                          retrain_epochs=args.retrain_epochs, sign_match=False, int8=False, seed=seed,
+                          latency_examples=64, show_progress=False, **retrain)
     small, small_info = finetune(three.encoder, train, epochs + args.retrain_epochs, seed, lr)
     bm, sm_ = metric(big.model, dev, task), metric(small, dev, task)
     per_epoch = -(-len(train) // 32)   # the Trainer's batch of 32
@@ -233,6 +233,39 @@ def run_seed(task, seed, args, data, log):
     say(f"train big then compress: {100 * bm['accuracy']:.2f}% vs the 3-layer truncation {100 * sm_['accuracy']:.2f}%")
     out["load"].append(load_avg())
     return out
+
+
+def sign_match_cost(model_dir, threads, keys=(16, 32), lengths=(32, 64, 128, 256, 512), batch=8, repeats=3):
+    """What sign matching buys where it can: the whole model's forward (batch of `batch` sequences of
+    one length, random tokens) and its attention op alone (the backend profiler), every head exact
+    against every head sign-matching `keys` keys, per sequence length; round-robin, median of
+    `repeats`. Returns rows."""
+    fasttran.set_num_threads(threads)
+    enc = fasttran.Encoder.from_pretrained(model_dir)
+    base = compress.TaskModel(enc, fasttran.ClassificationHead(enc.hidden_size, 2))
+    L, H = enc.num_layers, enc.config["num_attention_heads"]
+    variants = {"exact": base}
+    for k in keys:
+        variants[f"sign-match k={k}"] = compress.apply(base, {"sign_match_keys": k, "layers": {
+            str(l): {"heads": {str(h): "sign_match" for h in range(H)}} for l in range(L)}})
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in lengths:
+        ids = rng.integers(1000, 20000, (batch, n))
+        mask, types = np.ones_like(ids), np.zeros_like(ids)
+        wall = {name: [] for name in variants}
+        attn = {name: [] for name in variants}
+        for _ in range(repeats):
+            for name, m in variants.items():
+                ph = fasttran.profile(lambda m=m: m.pooled(ids, mask, types))["<lambda>"]
+                wall[name].append(1000 * ph.wall)
+                attn[name].append(1000 * ph.kinds["attention"])   # the attention op alone
+        row = {"tokens": n, "batch": batch, "forward_ms": {k: float(np.median(v)) for k, v in wall.items()},
+               "attention_ms": {k: float(np.median(v)) for k, v in attn.items()}}
+        rows.append(row)
+        print(f"  {n:>4} tokens x {batch}: forward " + ", ".join(f"{k} {v:.1f} ms" for k, v in row["forward_ms"].items())
+              + "; attention op " + ", ".join(f"{k} {v:.1f} ms" for k, v in row["attention_ms"].items()), flush=True)
+    return rows
 
 
 def summarize(results):
@@ -319,6 +352,8 @@ def main():
         except ImportError:
             meta[mod] = None
     results = {}
+    print("sign matching where sequences are long (every head of all-MiniLM-L6-v2, forward, 2 threads):")
+    sm_rows = sign_match_cost(model_dir, args.threads, lengths=(32, 128) if args.quick else (32, 64, 128, 256, 512))
     for task in args.tasks:
         a, b, y = load_task(task, "train", DATA, args.train_limit)
         full = tokenize(model_dir, a, b, y, 128)
@@ -333,7 +368,7 @@ def main():
             meta["load_end"] = load_avg()
             rows = summarize(results)
             with open(args.out, "w") as f:
-                json.dump({"meta": meta, "rows": rows, "results": results}, f, indent=1,
+                json.dump({"meta": meta, "rows": rows, "sign_match_cost": sm_rows, "results": results}, f, indent=1,
                           default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
     print_table(summarize(results), results)
     print(f"\nload average: {meta['load_start']:.2f} at the start, {meta['load_end']:.2f} at the end; wrote {args.out}")

@@ -607,3 +607,15 @@ def test_an_int8_model_is_not_trained_or_pruned_further(small_path):
         q.encoder._core.compressed(keep_layers=np.array([1, 0, 1], np.uint8))
     with pytest.raises(InputError, match="int8 already"):
         compress.quantize(q)
+
+
+def test_onnx_export_of_a_pruned_model_runs_in_onnx_runtime(small_path, tmp_path):
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    small = compress.apply(task_model(small_path), PLAN)
+    path = compress.export_onnx(small, str(tmp_path / "m.onnx"))
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    data = task_data(14)
+    ids, mask, types = data.padded()
+    got = sess.run(None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})[0]
+    np.testing.assert_allclose(got, small.logits(data), atol=1e-4, rtol=0)

@@ -26,6 +26,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "core/rng.h"
 #include "core/status.h"
@@ -123,37 +126,131 @@ static void sign_bits(uint64_t *words, const float *x, int64_t n, int64_t d, int
     }
 }
 
-/* one (sequence, head) by sign matching (see the top of the file). scratch: kbits (nk nw words),
- * counts (hs + 1), sel (nk), scores (nk) */
+/* Sign matching's per-query work over the keys -- agreements, their threshold, the chosen keys --
+ * in portable C and on AVX-512 (BW + DQ + VPOPCNTDQ: a zmm of 8 keys' popcounts, 64 keys' compares in
+ * one mask); integer work, the same keys on both. */
+typedef struct {
+    void (*sign_bits)(uint64_t *words, const float *x, int64_t n, int64_t d, int64_t ld, int64_t nw);
+    void (*agree)(uint8_t *agree, const uint64_t *qbits, const uint64_t *kbits, int64_t nk, int64_t hs, int64_t nw);
+    int64_t (*count_at_least)(const uint8_t *agree, int64_t n, int t);
+    int64_t (*select)(int32_t *sel, const uint8_t *agree, int64_t n, int t, int64_t at_t);
+} sm_kernels;
+
+static void agree_c(uint8_t *agree, const uint64_t *qbits, const uint64_t *kbits, int64_t nk, int64_t hs, int64_t nw) {
+    for (int64_t j = 0; j < nk; j++) {
+        int64_t diff = 0;
+        for (int64_t w = 0; w < nw; w++) diff += __builtin_popcountll(qbits[w] ^ kbits[j * nw + w]);
+        agree[j] = (uint8_t)(hs - diff);
+    }
+}
+
+static int64_t count_at_least_c(const uint8_t *agree, int64_t n, int t) {
+    int32_t c = 0;
+    for (int64_t j = 0; j < n; j++) c += agree[j] >= t;
+    return c;
+}
+
+/* every key above t, and the first at_t at it, in key order */
+static int64_t select_c(int32_t *sel, const uint8_t *agree, int64_t n, int t, int64_t at_t) {
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const int a = agree[j];
+        if (a > t || (a == t && at_t-- > 0)) sel[m++] = (int32_t)j;
+    }
+    return m;
+}
+
+#if defined(__x86_64__)
+#define FT_SM_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vpopcntdq")))
+FT_SM_TARGET static void sign_bits_avx512(uint64_t *words, const float *x, int64_t n, int64_t d, int64_t ld,
+                                          int64_t nw) {
+    for (int64_t r = 0; r < n; r++) {
+        uint64_t *w = words + r * nw;
+        memset(w, 0, (size_t)nw * sizeof *w);
+        int64_t c = 0;
+        for (; c + 16 <= d; c += 16)   /* the 16 floats' sign bits, one mask */
+            w[c >> 6] |= (uint64_t)_mm512_movepi32_mask(_mm512_castps_si512(_mm512_loadu_ps(x + r * ld + c))) << (c & 63);
+        for (; c < d; c++) {
+            uint32_t u;
+            memcpy(&u, x + r * ld + c, sizeof u);
+            w[c >> 6] |= (uint64_t)(u >> 31) << (c & 63);
+        }
+    }
+}
+
+FT_SM_TARGET static void agree_avx512(uint8_t *agree, const uint64_t *qbits, const uint64_t *kbits, int64_t nk,
+                                      int64_t hs, int64_t nw) {
+    if (nw != 1) {
+        agree_c(agree, qbits, kbits, nk, hs, nw);
+        return;
+    }
+    const __m512i q = _mm512_set1_epi64((long long)qbits[0]), h = _mm512_set1_epi64(hs);
+    int64_t j = 0;
+    for (; j + 8 <= nk; j += 8) {
+        const __m512i a = _mm512_sub_epi64(h, _mm512_popcnt_epi64(_mm512_xor_si512(q, _mm512_loadu_si512(kbits + j))));
+        _mm_storel_epi64((__m128i *)(agree + j), _mm512_cvtepi64_epi8(a));
+    }
+    for (; j < nk; j++) agree[j] = (uint8_t)(hs - __builtin_popcountll(qbits[0] ^ kbits[j]));
+}
+
+FT_SM_TARGET static int64_t count_at_least_avx512(const uint8_t *agree, int64_t n, int t) {
+    const __m512i tv = _mm512_set1_epi8((char)t);
+    int64_t c = 0;
+    for (int64_t j = 0; j < n; j += 64) {
+        const __mmask64 live = n - j >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (n - j)) - 1);
+        c += __builtin_popcountll(_mm512_mask_cmpge_epu8_mask(live, _mm512_maskz_loadu_epi8(live, agree + j), tv));
+    }
+    return c;
+}
+
+FT_SM_TARGET static int64_t select_avx512(int32_t *sel, const uint8_t *agree, int64_t n, int t, int64_t at_t) {
+    const __m512i tv = _mm512_set1_epi8((char)t);
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j += 64) {
+        const __mmask64 live = n - j >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (n - j)) - 1);
+        const __m512i a = _mm512_maskz_loadu_epi8(live, agree + j);
+        uint64_t chosen = _mm512_mask_cmpgt_epu8_mask(live, a, tv), eq = _mm512_mask_cmpeq_epu8_mask(live, a, tv);
+        for (; eq && at_t > 0; at_t--) {   /* the earliest keys at the threshold */
+            chosen |= eq & (~eq + 1);
+            eq &= eq - 1;
+        }
+        for (; chosen; chosen &= chosen - 1) sel[m++] = (int32_t)(j + __builtin_ctzll(chosen));
+    }
+    return m;
+}
+#endif
+
+static const sm_kernels *sm_kernels_get(void) {
+    static const sm_kernels portable = {sign_bits, agree_c, count_at_least_c, select_c};
+#if defined(__x86_64__)
+    static const sm_kernels avx512 = {sign_bits_avx512, agree_avx512, count_at_least_avx512, select_avx512};
+    if ((ft_cpu_features() & FT_CPU_AVX512) && __builtin_cpu_supports("avx512vpopcntdq")) return &avx512;
+#endif
+    return &portable;
+}
+
+/* one (sequence, head) by sign matching (see the top of the file), nk > keys. scratch: kbits (nk nw
+ * words), agree (nk bytes), sel (nk), scores (nk) */
 static void head_sign_match(float *out, const float *q, int64_t nq, int64_t nk, int64_t hs, int64_t ld, int64_t C,
-                            float scale, int64_t keys, uint64_t *kbits, int32_t *counts, int32_t *sel,
-                            float *scores) {
+                            float scale, int64_t keys, uint64_t *kbits, uint8_t *agree, int32_t *sel, float *scores) {
+    const sm_kernels *sk = sm_kernels_get();
     const float *k = q + C, *v = q + 2 * C;
     const int64_t nw = (hs + 63) / 64;
-    sign_bits(kbits, k, nk, hs, ld, nw);
-    uint64_t qbits[16];   /* head sizes up to 1024 (checked by the caller); nk > keys (else exact) */
+    sk->sign_bits(kbits, k, nk, hs, ld, nw);
+    uint64_t qbits[4];   /* head sizes up to 255 (checked by the caller): agreements fit a byte */
     for (int64_t i = 0; i < nq; i++) {
         const float *qi = q + i * ld;
-        int64_t m = 0;
-        {
-            sign_bits(qbits, qi, 1, hs, ld, nw);
-            /* agreement of every key, a histogram of them, then the threshold t: every key above it,
-             * and as many of the keys at it (the earliest) as fill `keys` */
-            memset(counts, 0, (size_t)(hs + 1) * sizeof *counts);
-            for (int64_t j = 0; j < nk; j++) {
-                int64_t diff = 0;
-                for (int64_t w = 0; w < nw; w++) diff += __builtin_popcountll(qbits[w] ^ kbits[j * nw + w]);
-                scores[j] = (float)(hs - diff);   /* agreement, kept as a small float */
-                counts[hs - diff]++;
-            }
-            int64_t t = hs, above = 0;
-            while (above + counts[t] < keys) above += counts[t--];
-            int64_t at_t = keys - above;
-            for (int64_t j = 0; j < nk; j++) {
-                const int64_t a = (int64_t)scores[j];
-                if (a > t || (a == t && at_t-- > 0)) sel[m++] = (int32_t)j;
-            }
+        sk->sign_bits(qbits, qi, 1, hs, ld, nw);
+        sk->agree(agree, qbits, kbits, nk, hs, nw);   /* dimensions whose signs match, per key */
+        /* t = the largest agreement that at least `keys` keys reach (binary search over 0..hs): every
+         * key above it is chosen, and the earliest keys at it until there are `keys` */
+        int lo = 0, hi = (int)hs;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (sk->count_at_least(agree, nk, mid) >= keys) lo = mid;
+            else hi = mid - 1;
         }
+        const int64_t m = sk->select(sel, agree, nk, lo, keys - (lo < hs ? sk->count_at_least(agree, nk, lo + 1) : 0));
         for (int64_t s = 0; s < m; s++) {   /* unscaled q.k of the chosen keys (a fixed vector order) */
             const float *kj = k + (int64_t)sel[s] * ld;
             float acc = 0.0f;
@@ -201,8 +298,8 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
     int sign_match = 0;
     for (int64_t h = 0; modes && h < NH; h++) sign_match |= modes[h] == FT_ATTN_SIGN_MATCH;
     const int64_t nw = (hs + 63) / 64;
-    /* sign matching: key sign words (maxk nw, 8-byte units), histogram, chosen keys, scores */
-    const size_t sm_floats = sign_match ? (size_t)(2 * maxk * nw + (hs + 1) + 2 * maxk + 2) : 0;
+    /* sign matching: key sign words (maxk nw, 8-byte units), agreements (bytes), chosen keys, scores */
+    const size_t sm_floats = sign_match ? (size_t)(2 * maxk * nw + (maxk + 3) / 4 + 2 * maxk + 2) : 0;
     if (sm_floats > floats) floats = sm_floats;
     const int64_t tasks = B * NH;
     const uint32_t thr = training && p > 0.0f ? ft_dropout_threshold(p) : 0;
@@ -232,9 +329,10 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
             }
             if (mode == FT_ATTN_SIGN_MATCH && nk > sign_keys) {   /* (no more keys than that: exact attention) */
                 uint64_t *kbits = (uint64_t *)buf;
-                int32_t *counts = (int32_t *)(kbits + maxk * nw), *sel = counts + hs + 1;
-                head_sign_match(out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, sign_keys, kbits, counts,
-                                sel, (float *)(sel + maxk));
+                int32_t *sel = (int32_t *)(kbits + maxk * nw);
+                float *scores = (float *)(sel + maxk);
+                head_sign_match(out, qkv + first * ld + h * hs, nq, nk, hs, ld, C, scale, sign_keys, kbits,
+                                (uint8_t *)(scores + maxk), sel, scores);
                 continue;
             }
             head_train tr, *trp = NULL;
@@ -277,8 +375,8 @@ ft_status cpu_attention_heads_forward(ft_backend *be, ft_dtype dt, void *ctx, co
     if (sign_match && sign_keys < 1)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_heads_forward: sign matching needs sign_keys >= 1, got %lld",
                         (long long)sign_keys);
-    if (sign_match && C / NH > 1024)
-        return ft_error(FT_ERR_UNSUPPORTED, "attention_heads_forward: sign matching takes head sizes up to 1024, "
+    if (sign_match && C / NH > 255)
+        return ft_error(FT_ERR_UNSUPPORTED, "attention_heads_forward: sign matching takes head sizes up to 255, "
                         "not %lld", (long long)(C / NH));
     return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, NULL, 0.0f, 0, FT_F32, modes,
                          sign_keys);

@@ -107,7 +107,7 @@ static ft_status check_config(const ft_bert_config *c) {
     }
     REQ(!sign_match || (c->sign_match_keys >= 1 && c->sign_match_keys <= INT32_MAX),
         "sign-matching heads need sign_match_keys >= 1, got %lld", (long long)c->sign_match_keys);
-    REQ(!sign_match || c->hidden_size / c->num_heads <= 1024, "sign-matching attention takes head sizes up to 1024");
+    REQ(!sign_match || c->hidden_size / c->num_heads <= 255, "sign-matching attention takes head sizes up to 255");
 #undef REQ
     return FT_OK;
 }

@@ -64,7 +64,7 @@ def _plan_of(model, parts, group, keys, sign_match=()):
     return plan
 
 
-def _retrain(model, train, epochs, layers, lr, batch_size, seed, show_progress):
+def _retrain(model, train, epochs, layers, lr, batch_size, seed, show_progress, optimizer="lamb"):
     """The model fine-tuned again: its top `layers` (default: all) and head, `epochs` over `train`,
     through the public Trainer (cache of layer L - layers, export, load)."""
     from ..heads import _Head
@@ -72,8 +72,8 @@ def _retrain(model, train, epochs, layers, lr, batch_size, seed, show_progress):
     head = _Head.from_config(model.head.config())
     head.load_state_dict(model.head.state_dict())
     k = min(layers or model.num_layers, model.num_layers)
-    tr = Trainer(head, train_layers=k, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed, pooling=model.pooling,
-                 show_progress=show_progress)
+    tr = Trainer(head, optimizer=optimizer, train_layers=k, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
+                 pooling=model.pooling, show_progress=show_progress)
     ids, mask, types = train.padded()
     cache = tr.cache_for(model.encoder, ids, mask, types, show_progress=show_progress)
     tr.fit(cache, train.labels)
@@ -133,7 +133,8 @@ class SearchResult:
 
 def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=None, latency_batch=32,
            target_size_mb=None, significance=None, ffn_group_size_=None, steps=24, retrain_epochs=1,
-           retrain_layers=None, retrain_lr=None, retrain_batch_size=32, max_retrains=2, sign_match=True,
+           retrain_layers=None, retrain_lr=None, retrain_batch_size=32, retrain_optimizer="lamb", max_retrains=2,
+           sign_match=True,
            sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, int8=True, threads=2, latency_examples=128, order_by=None,
            seed=0, show_progress=True):
     """Compress `model` (TaskModel) under a budget: `max_drop` (accuracy points on the selection set, e.g.
@@ -247,7 +248,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
         say(f"re-fine-tuning the model with {len(parts)} parts pruned ({retrain_epochs} epoch(s) over {len(train)} "
             "examples)")
         tuned = _retrain(pruned, train, retrain_epochs, retrain_layers, retrain_lr, retrain_batch_size,
-                         seed + retrains, show_progress)
+                         seed + retrains, show_progress, retrain_optimizer)
         acc = tuned.evaluate(select)["accuracy"]
         lat = latency(tuned, select, latency_batch, threads, latency_examples)
         points.append({"stage": "re-fine-tuned", "accuracy": acc, "latency_ms": lat, "size_bytes": tuned.size_bytes,
