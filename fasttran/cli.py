@@ -282,7 +282,7 @@ def cmd_compress(args):
     res = compress.search(model, train, select, dev, max_drop=args.max_drop, target_latency_ms=args.target_latency,
                           latency_batch=args.latency_batch, target_size_mb=args.target_size, significance=sig,
                           retrain_epochs=args.retrain_epochs, retrain_layers=args.retrain_layers,
-                          sign_match=args.sign_match, sign_match_keys=args.sign_match_keys,
+                          sign_match=args.sign_match, sign_match_keys=args.sign_match_keys, int8=args.int8,
                           threads=args.threads or 2, seed=args.seed)
     print("\ntrade-off (selection set; * = Pareto-optimal in accuracy, latency and size):")
     front = set(compress.pareto(res.points))
@@ -307,8 +307,8 @@ def _compress_parser(sub):
                        help="compress a fine-tuned model (Trainer.export) under an accuracy / latency / size budget",
                        description="Score every layer, attention head and FFN group (masking and gradient x "
                                    "activation), then prune by increasing significance, re-fine-tune briefly, and "
-                                   "try sign-matching attention, under the budget. Exit status 3: the budget cannot "
-                                   "be met (the best model found is still reported and saved).")
+                                   "try sign-matching attention and int8 weights, under the budget. Exit status 3: "
+                                   "the budget cannot be met (the best model found is still reported and saved).")
     k.add_argument("model", help="fine-tuned model directory: Trainer.export(...) or a compressed model")
     k.add_argument("--task", required=True, choices=["sst2", "mrpc", "cola"], help="GLUE task of the model")
     k.add_argument("--data", default=os.environ.get("FASTTRAN_DATA"),
@@ -330,6 +330,8 @@ def _compress_parser(sub):
     k.add_argument("--sign-match", action=argparse.BooleanOptionalAction, default=True,
                    help="try sign-matching attention on the least significant heads")
     k.add_argument("--sign-match-keys", type=int, default=16, help="keys a sign-matching head attends to")
+    k.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                   help="try int8 weights last (the layers' projections and the word embeddings)")
     k.add_argument("--significance", default="both", choices=["both", "mask", "gradient"],
                    help="how parts are scored (the search orders by masking when it is measured): masking runs one "
                         "forward per part over the selection set, gradient x activation one backward in all")
