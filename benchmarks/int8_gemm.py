@@ -40,8 +40,8 @@ int8, used, bf16 = _C.cpu_lowp_kernels()
 rng = np.random.default_rng(0)
 
 def best(calls):
-    """{name: best time}: the calls in turn, REPEATS rounds (under a competing load each kernel sees
-    the same machine)"""
+    # {name: best time}: the calls in turn, REPEATS rounds (under a competing load each kernel sees
+    # the same machine)
     t = {k: float("inf") for k in calls}
     for k, call in calls.items():
         be.check(call(), k)

@@ -119,14 +119,13 @@ def pooled(fn, batches):
     return np.concatenate(out)
 
 
-def sst2(enc, split, limit=None):
-    from fasttran.data import load_sst2
+def sst2(split):
+    """the real dev set (872 sentences, FASTTRAN_DATA or ../shared/data) or the shipped copy; for
+    training the shipped 4,000-sentence sample"""
+    from fasttran.data import load_sst2, sst2_path
     path = os.path.join(DATA, "sst2", f"{split}.tsv")
-    if split == "train" or not os.path.exists(path):   # the shipped sample (4,000 train / 872 dev sentences)
-        import importlib.resources as res
-        path = str(res.files("fasttran.data") / ("sst2_train_sample.tsv" if split == "train" else "sst2_dev.tsv"))
-    sents, labels = load_sst2(path)
-    return sents[:limit], np.asarray(labels[:limit])
+    sents, labels = load_sst2(path if split == "dev" and os.path.exists(path) else sst2_path(split))
+    return sents, np.asarray(labels)
 
 
 def batches_of(enc, sents, size):
@@ -141,7 +140,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         f32, fns, notes = engines(model_dir, tmp)
         rng = np.random.default_rng(0)
-        dev, dev_y = sst2(f32, "dev")
+        dev, dev_y = sst2("dev")
         dev_b32, order = batches_of(f32, dev, 32)
         workloads = {}
         for B in (1, 32):
@@ -170,7 +169,7 @@ def main():
                     time.sleep(0.05)
         # accuracy beside the speed
         emb = {name: pooled(fn, dev_b32) for name, fn in fns.items()}
-        train, train_y = sst2(f32, "train")
+        train, train_y = sst2("train")
         train_b, train_order = batches_of(f32, train, 32)
         from sklearn.linear_model import LogisticRegression
         head = LogisticRegression(max_iter=2000, C=1.0).fit(pooled(fns["fasttran f32"], train_b), train_y[train_order])

@@ -334,8 +334,7 @@ def test_int8_minilm_error_against_float32_is_within_the_stated_bound(minilm_thr
     """all-MiniLM-L6-v2 int8 (weights per channel, word embeddings per row, activations per token)
     against float32, mean-pooled SST-2 dev sentences. Stated bound (benchmarks/RESULTS.md, all 872
     dev sentences on AVX-512 VNNI): cosine >= 0.99 for every sentence, >= 0.997 on average, max abs
-    0.15 on the pooled vectors; the same weights dequantized in float32 kernels (CPUs without VNNI)
-    only lose the weights' rounding: cosine >= 0.999."""
+    0.15 on the pooled vectors (measured 0.9939, 0.9986, 0.107)."""
     encs, emb = minilm_three
     c = _cos(emb["int8"], emb["float32"])
     assert c.min() >= 0.99 and c.mean() >= 0.997, (c.min(), c.mean())
@@ -343,6 +342,32 @@ def test_int8_minilm_error_against_float32_is_within_the_stated_bound(minilm_thr
     assert not np.array_equal(emb["int8"], emb["float32"])
     m = encs["int8"].memory_report()
     assert m["parameters"] < 0.3 * encs["float32"].memory_report()["parameters"]   # 24.0 of 90.9 MB
+
+
+DEQUANTIZED_CHILD = r"""
+import json, sys
+import numpy as np
+import fasttran
+from fasttran.data import load_sst2
+f32 = fasttran.Encoder.from_pretrained(fasttran.models.minilm_path())
+i8 = f32.quantize()
+sents = load_sst2(sys.argv[1])[0][:160]
+a, b = f32.encode(sents, show_progress=False), i8.encode(sents, show_progress=False)
+cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+print(json.dumps({"weights": i8.memory_report()["weights"], "cos_min": float(cos.min()), "cos_mean": float(cos.mean())}))
+"""
+
+
+def test_int8_weights_in_float32_kernels_only_lose_the_weights_rounding(minilm_dir):
+    """On a CPU without VNNI (FASTTRAN_CPU_ISA=avx2) the int8 MiniLM runs its weights dequantized in
+    float32 kernels, activations unquantized: cosine >= 0.997 per sentence, >= 0.999 on average
+    (measured over all of SST-2 dev: 0.9977, 0.9995)."""
+    from conftest import sst2_file
+    r = _run(DEQUANTIZED_CHILD, sst2_file("dev"), env={"FASTTRAN_CPU_ISA": "avx2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "dequantized into float32 kernels" in rep["weights"], rep
+    assert rep["cos_min"] >= 0.997 and rep["cos_mean"] >= 0.999, rep
 
 
 @needs_bf16
@@ -365,7 +390,7 @@ def test_bf16_minilm_error_against_float32_is_within_the_stated_bound(minilm_thr
 def test_int8_state_dict_round_trip_and_quantization(minilm_three):
     """The named int8 tensors (int8 values + '<name>_scale') load into a blank int8 encoder and give
     the same bits; each weight's quantization is scale = max|w| / 127, q = rint(w / scale), so the
-    dequantized weight is within scale / 2 of the float32 one."""
+    dequantized weight is within scale / 2 of the float32 one (and its own float32 rounding)."""
     encs, _ = minilm_three
     f32, i8 = encs["float32"], encs["int8"]
     sd = i8.state_dict()
