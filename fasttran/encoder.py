@@ -78,7 +78,7 @@ def parse_bert_config(cfg, source="config.json"):
 #: a compressed model's structure in config.json (fasttran.compress): heads and FFN width per layer,
 #: attention per head ("exact" / "sign_match") and the keys a sign-matching head attends to
 STRUCTURE_KEYS = ("fasttran_layer_heads", "fasttran_layer_intermediate", "fasttran_head_attention",
-                  "fasttran_sign_match_keys")
+                  "fasttran_sign_match_keys", "fasttran_vocab_kept", "fasttran_vocab_unknown")
 ATTENTION_MODES = ("exact", "sign_match")
 
 
@@ -108,7 +108,27 @@ def _parse_structure(cfg, out, source):
             k = got.get("fasttran_sign_match_keys")
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
                 raise CheckpointError(f"{source}: sign-matching heads need fasttran_sign_match_keys >= 1, got {k!r}")
+    if ("fasttran_vocab_kept" in got) != ("fasttran_vocab_unknown" in got):
+        raise CheckpointError(f"{source}: a pruned vocabulary needs both fasttran_vocab_kept and fasttran_vocab_unknown")
+    if "fasttran_vocab_kept" in got:   # a pruned vocabulary: the token ids whose rows are kept, increasing
+        kept, unk, V = got["fasttran_vocab_kept"], got["fasttran_vocab_unknown"], out["vocab_size"]
+        if (not isinstance(kept, list) or not kept or any(isinstance(t, bool) or not isinstance(t, int) for t in kept)
+                or any(not 0 <= t < V for t in kept) or any(a >= b for a, b in zip(kept, kept[1:]))):
+            raise CheckpointError(f"{source}: fasttran_vocab_kept must list increasing token ids in [0, {V})")
+        if unk not in kept:
+            raise CheckpointError(f"{source}: fasttran_vocab_unknown {unk!r} must be one of the kept tokens")
     return got
+
+
+def vocab_map(config):
+    """(int32 row of every token id, kept rows) of a config's pruned vocabulary, or (None, 0)"""
+    kept = config.get("fasttran_vocab_kept")
+    if kept is None:
+        return None, 0
+    kept = np.asarray(kept, np.int64)
+    m = np.full(config["vocab_size"], int(np.searchsorted(kept, config["fasttran_vocab_unknown"])), np.int32)
+    m[kept] = np.arange(len(kept), dtype=np.int32)
+    return m, len(kept)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -296,6 +316,7 @@ class Encoder:
             raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
                                    "half-precision attention takes head sizes up to 128. Use dtype='float32'")
         modes = c.get("fasttran_head_attention")
+        vmap, vrows = vocab_map(c)
         core = _C.EncoderCore(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
             num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
@@ -305,7 +326,7 @@ class Encoder:
             dtype="float32" if self.dtype == "int8" else self.dtype, layer_heads=c.get("fasttran_layer_heads"),
             layer_intermediate=c.get("fasttran_layer_intermediate"),
             head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
-            sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0))
+            sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0), vocab_map=vmap, vocab_rows=vrows)
         if self.dtype == "int8":   # a blank int8 encoder: zero weights, quantized (load_state_dict fills it)
             core.quantize(embeddings=True)
         if self.allow_tf32:

@@ -619,3 +619,48 @@ def test_onnx_export_of_a_pruned_model_runs_in_onnx_runtime(small_path, tmp_path
     ids, mask, types = data.padded()
     got = sess.run(None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})[0]
     np.testing.assert_allclose(got, small.logits(data), atol=1e-4, rtol=0)
+
+
+# ---- a pruned vocabulary ---------------------------------------------------------------------------------
+def test_pruned_vocabulary_keeps_the_tokens_used_and_reads_unknown_for_the_rest(small_path, tmp_path):
+    import torch
+    from transformers import BertModel
+    model = task_model(small_path)
+    data = task_data(15)
+    used = set(np.unique(data.ids).tolist())
+    voc = {"keep": sorted(used | {1}), "unknown": 1}
+    small = compress.apply(model, dict(PLAN, vocabulary=voc))
+    assert small.encoder.state_dict()["embeddings.word_embeddings.weight"].shape == (len(voc["keep"]), 48)
+    assert small.structure["vocab_rows"] == len(voc["keep"])
+    # the tokens kept: what the unpruned model (pruned alike) computes, bit for bit
+    assert np.array_equal(small.logits(data), compress.apply(model, PLAN).logits(data))
+    # a removed token reads the unknown token's row
+    gone = next(t for t in range(2, 99) if t not in used)
+    ids, mask, types = data.padded()
+    odd = ids.copy()
+    odd[0, 1] = gone
+    as_unk = ids.copy()
+    as_unk[0, 1] = 1
+    both = [compress.TaskData(x, mask, types, data.labels) for x in (odd, as_unk)]
+    assert np.array_equal(small.logits(both[0]), compress.apply(model, PLAN).logits(both[1]))
+    # its files, and transformers' layout with every id's row back
+    back = compress.TaskModel.load(small.save(tmp_path / "v"))
+    assert np.array_equal(back.logits(both[0]), small.logits(both[0]))
+    bert = BertModel.from_pretrained(compress.export_transformers(small, tmp_path / "hf")).eval()
+    with torch.no_grad():
+        ref = bert(input_ids=torch.tensor(odd), attention_mask=torch.tensor(mask),
+                   token_type_ids=torch.tensor(types)).last_hidden_state.numpy()
+    assert np.abs(hidden(small.encoder, odd, mask, types)[-1] - ref)[mask.astype(bool)].max() <= 1e-4
+    # int8 on top, and the size of it known beforehand
+    q = compress.apply(model, dict(PLAN, vocabulary=voc, weights="int8"))
+    assert q.size_bytes == compress.model.int8_size(compress.apply(model, PLAN), vocab_rows=len(voc["keep"]))
+    assert np.array_equal(compress.TaskModel.load(q.save(tmp_path / "q")).logits(data), q.logits(data))
+    # refusals: the unknown token must be kept; a token the pruned model lost cannot come back
+    with pytest.raises(InputError, match="must be one of the kept ids"):
+        compress.apply(model, {"vocabulary": {"keep": [2, 3], "unknown": 1}})
+    with pytest.raises(InputError, match=r"token ids in \[0, 99\)"):
+        compress.apply(model, {"vocabulary": {"keep": [1, 99], "unknown": 1}})
+    with pytest.raises(InputError, match=f"token {gone} has no word-embedding row of its own"):
+        compress.apply(small, {"vocabulary": {"keep": [1, gone], "unknown": 1}})
+    again = compress.apply(small, {"vocabulary": {"keep": sorted(used - {gone} | {1})[:5], "unknown": 1}})
+    assert again.structure["vocab_rows"] == 5

@@ -83,6 +83,11 @@ typedef struct {
     const uint8_t *head_attention;       /* (sum of the layers' heads) ft_attention_mode per head (EXACT or
                                           * SIGN_MATCH), layer after layer, or NULL: every head exact */
     int64_t sign_match_keys;             /* keys a sign-matching head attends to (>= 1 when one does) */
+    /* A pruned vocabulary: the word embeddings keep vocab_rows rows and token id t reads row
+     * vocab_map[t] (vocab_size entries: the ids a tokenizer gives stay valid; ids whose rows were
+     * removed map to the unknown token's). NULL / 0: every id its own row. */
+    const int32_t *vocab_map;
+    int64_t vocab_rows;
 } ft_bert_config;
 
 /* How an attention head computes. FT_ATTN_SIGN_MATCH is the sign-matching attention of Nagarajan et
@@ -98,6 +103,7 @@ typedef enum { FT_ATTN_EXACT = 0, FT_ATTN_SIGN_MATCH = 1, FT_ATTN_OFF = 2 } ft_a
 int64_t ft_config_layer_heads(const ft_bert_config *c, int64_t layer);
 int64_t ft_config_layer_intermediate(const ft_bert_config *c, int64_t layer);
 int64_t ft_config_total_heads(const ft_bert_config *c);
+int64_t ft_config_vocab_rows(const ft_bert_config *c);   /* rows of the word embeddings */
 int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b);
 
 typedef enum { FT_POOL_NONE = 0, FT_POOL_CLS = 1, FT_POOL_MEAN = 2 } ft_pooling;
@@ -227,12 +233,17 @@ ft_status ft_encoder_forward_masked(ft_encoder *enc, int64_t B, int64_t T, const
  *   keep_layers (src layers), keep_heads (src's heads, layer after layer), keep_neurons (src's FFN
  *   neurons, layer after layer): 1 = kept;
  *   head_attention (src's heads): the ft_attention_mode of each kept head in the copy (EXACT or
- *   SIGN_MATCH), sign_match_keys its keys (0: src's).
+ *   SIGN_MATCH), sign_match_keys its keys (0: src's);
+ *   keep_tokens: the word-embedding rows kept (a pruned vocabulary, see ft_bert_config.vocab_map).
  * A kept layer must keep at least one head and one neuron, and at least one layer must be kept; a
  * spec that breaks this is refused (FT_ERR_INVALID_ARGUMENT) and nothing is created. */
 typedef struct {
     const uint8_t *keep_layers, *keep_heads, *keep_neurons, *head_attention;
     int64_t sign_match_keys;
+    /* keep_tokens (vocab_size) or NULL: the token ids whose word-embedding rows are kept (each one src
+     * has a row of its own for); every other id reads unknown_token's row, which must be kept */
+    const uint8_t *keep_tokens;
+    int64_t unknown_token;
 } ft_compress_spec;
 ft_status ft_encoder_compress(const ft_encoder *src, const ft_compress_spec *spec, ft_encoder **out);
 

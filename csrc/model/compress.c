@@ -6,7 +6,9 @@
  * Layer l of src (heads NH_l of size hs, A_l = NH_l hs, FFN width I_l) -> layer j of dst:
  *   Wqkv (3 A, C)   rows of the kept heads, in Q, K and V;  bqkv likewise
  *   Wo (C, A)       the kept heads' columns;  bo, LayerNorm 1: as they are
- *   W1 (I, C), b1   rows / entries of the kept neurons;  W2 (C, I): their columns;  b2, LayerNorm 2 */
+ *   W1 (I, C), b1   rows / entries of the kept neurons;  W2 (C, I): their columns;  b2, LayerNorm 2
+ * and, with a pruned vocabulary, the kept tokens' word-embedding rows (the config's vocab_map sends
+ * every other id to the unknown token's row). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -38,7 +40,7 @@ ft_status ft_encoder_compress(const ft_encoder *src, const ft_compress_spec *spe
     *out = NULL;
     const ft_bert_config *c = &src->cfg;
     const int64_t L = c->num_layers, C = c->hidden_size, hs = C / c->num_heads;
-    const ft_compress_spec none = {NULL, NULL, NULL, NULL, 0};
+    const ft_compress_spec none = {NULL, NULL, NULL, NULL, 0, NULL, 0};
     if (!spec) spec = &none;
     if (src->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "compress: this encoder is int8; prune or approximate the float32 model, "
@@ -74,7 +76,48 @@ ft_status ft_encoder_compress(const ft_encoder *src, const ft_compress_spec *spe
     }
     if (st == FT_OK && L > 0 && Lk == 0)
         st = ft_error(FT_ERR_INVALID_ARGUMENT, "compress: the plan removes every layer; keep at least one");
+    /* the vocabulary: the kept tokens' rows in id order, every other id reading unknown_token's; rows
+     * (the source row of each new one) */
+    const int64_t V = c->vocab_size, src_rows = ft_config_vocab_rows(c);
+    int32_t *vmap = NULL, *rows = NULL;
+    int64_t vrows = src_rows;
+    if (st == FT_OK && (spec->keep_tokens || src->vocab_map)) {
+        vmap = malloc((size_t)V * sizeof *vmap);
+        rows = malloc((size_t)src_rows * sizeof *rows);
+        uint8_t *seen = calloc((size_t)src_rows, 1);
+        if (!vmap || !rows || !seen) st = ft_error(FT_ERR_NOMEM, "out of memory");
+        const int64_t unk = spec->unknown_token;
+        if (st == FT_OK && spec->keep_tokens && (unk < 0 || unk >= V || !spec->keep_tokens[unk]))
+            st = ft_error(FT_ERR_INVALID_ARGUMENT, "compress: the unknown token %lld must be one of the kept tokens: the "
+                          "ids whose rows are removed read its row", (long long)unk);
+        vrows = 0;
+        for (int64_t t = 0; st == FT_OK && t < V; t++) {
+            if (spec->keep_tokens ? !spec->keep_tokens[t] : 0) continue;
+            const int64_t r = src->vocab_map ? src->vocab_map[t] : t;
+            if (!spec->keep_tokens) {   /* src's own pruned vocabulary, as it is */
+                vmap[t] = (int32_t)r;
+                continue;
+            }
+            if (seen[r]) {
+                st = ft_error(FT_ERR_INVALID_ARGUMENT, "compress: token %lld has no word-embedding row of its own in this "
+                              "model (its vocabulary was pruned before); keep only tokens it has", (long long)t);
+                break;
+            }
+            seen[r] = 1;
+            vmap[t] = (int32_t)vrows;
+            rows[vrows++] = (int32_t)r;
+        }
+        if (!spec->keep_tokens)
+            for (int64_t r = 0; r < src_rows; r++) rows[r] = (int32_t)r;
+        if (st == FT_OK && spec->keep_tokens)
+            for (int64_t t = 0; t < V; t++)
+                if (!spec->keep_tokens[t]) vmap[t] = vmap[unk];
+        if (!spec->keep_tokens) vrows = src_rows;
+        free(seen);
+    }
     ft_bert_config cfg = *c;
+    cfg.vocab_map = vmap;
+    cfg.vocab_rows = vmap ? vrows : 0;
     cfg.num_layers = Lk;
     cfg.layer_heads = heads;
     cfg.layer_intermediate = inter;
@@ -85,12 +128,19 @@ ft_status ft_encoder_compress(const ft_encoder *src, const ft_compress_spec *spe
     free(heads);
     free(inter);
     free(modes);
-    if (st != FT_OK) return st;
+    free(vmap);
+    if (st != FT_OK) {
+        free(rows);
+        return st;
+    }
 
     const float *S = src->host_params;
     float *D = e->host_params;
-    /* embeddings and the pooler: the same tensors at their own offsets */
-    memcpy(D + e->word, S + src->word, (size_t)(src->emb_ln_b + C - src->word) * sizeof(float));
+    /* embeddings (the word rows kept) and the pooler: the same tensors at their own offsets */
+    for (int64_t r = 0; r < ft_config_vocab_rows(&e->cfg); r++)
+        memcpy(D + e->word + r * C, S + src->word + (rows ? rows[r] : r) * C, (size_t)C * sizeof(float));
+    free(rows);
+    memcpy(D + e->pos, S + src->pos, (size_t)(src->emb_ln_b + C - src->pos) * sizeof(float));
     memcpy(D + e->pooler_w, S + src->pooler_w, (src->n_params - src->pooler_w) * sizeof(float));
     e->has_pooler = src->has_pooler;
     int64_t j = 0;

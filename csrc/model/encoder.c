@@ -39,7 +39,7 @@ static ft_status build_layout(ft_encoder *e) {
     const int64_t C = c->hidden_size, hs = c->hidden_size / c->num_heads;
     size_t cap = 0, off = 0, dummy;
     char nm[96];
-    FT_TRY(add_view(e, &cap, &off, "embeddings.word_embeddings.weight", 2, c->vocab_size, C, 0, &e->word));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.word_embeddings.weight", 2, ft_config_vocab_rows(c), C, 0, &e->word));
     FT_TRY(add_view(e, &cap, &off, "embeddings.position_embeddings.weight", 2, c->max_position_embeddings, C, 0, &e->pos));
     FT_TRY(add_view(e, &cap, &off, "embeddings.token_type_embeddings.weight", 2, c->type_vocab_size, C, 0, &e->type));
     FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.weight", 1, C, 0, 0, &e->emb_ln_g));
@@ -108,6 +108,13 @@ static ft_status check_config(const ft_bert_config *c) {
     REQ(!sign_match || (c->sign_match_keys >= 1 && c->sign_match_keys <= INT32_MAX),
         "sign-matching heads need sign_match_keys >= 1, got %lld", (long long)c->sign_match_keys);
     REQ(!sign_match || c->hidden_size / c->num_heads <= 255, "sign-matching attention takes head sizes up to 255");
+    if (c->vocab_map) {
+        REQ(c->vocab_rows >= 1 && c->vocab_rows <= c->vocab_size, "a pruned vocabulary keeps 1 to vocab_size = %lld "
+            "word-embedding rows, got %lld", (long long)c->vocab_size, (long long)c->vocab_rows);
+        for (int64_t t = 0; t < c->vocab_size; t++)
+            REQ(c->vocab_map[t] >= 0 && c->vocab_map[t] < c->vocab_rows, "vocab_map[%lld] = %d is not a row of the %lld "
+                "kept", (long long)t, (int)c->vocab_map[t], (long long)c->vocab_rows);
+    }
 #undef REQ
     return FT_OK;
 }
@@ -119,6 +126,8 @@ int64_t ft_config_layer_heads(const ft_bert_config *c, int64_t l) {
 int64_t ft_config_layer_intermediate(const ft_bert_config *c, int64_t l) {
     return c->layer_intermediate ? c->layer_intermediate[l] : c->intermediate_size;
 }
+
+int64_t ft_config_vocab_rows(const ft_bert_config *c) { return c->vocab_map ? c->vocab_rows : c->vocab_size; }
 
 int64_t ft_config_total_heads(const ft_bert_config *c) {
     int64_t n = 0;
@@ -136,6 +145,9 @@ int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b) {
         if (ft_config_layer_heads(a, l) != ft_config_layer_heads(b, l) ||
             ft_config_layer_intermediate(a, l) != ft_config_layer_intermediate(b, l))
             return 0;
+    if (!a->vocab_map != !b->vocab_map || ft_config_vocab_rows(a) != ft_config_vocab_rows(b) ||
+        (a->vocab_map && memcmp(a->vocab_map, b->vocab_map, (size_t)a->vocab_size * sizeof(int32_t)) != 0))
+        return 0;
     const int64_t heads = ft_config_total_heads(a);
     int sign_match = 0;
     for (int64_t h = 0; h < heads; h++) {
@@ -174,6 +186,15 @@ static ft_status copy_structure(ft_encoder *e, const ft_bert_config *c) {
     e->cfg.layer_intermediate = e->layer_intermediate;
     e->cfg.head_attention = e->head_attention;
     e->cfg.sign_match_keys = sign_match ? c->sign_match_keys : 0;
+    e->cfg.vocab_map = NULL;
+    e->cfg.vocab_rows = 0;
+    if (c->vocab_map) {
+        if (!(e->vocab_map = malloc((size_t)c->vocab_size * sizeof(int32_t))))
+            return ft_error(FT_ERR_NOMEM, "out of memory");
+        memcpy(e->vocab_map, c->vocab_map, (size_t)c->vocab_size * sizeof(int32_t));
+        e->cfg.vocab_map = e->vocab_map;
+        e->cfg.vocab_rows = c->vocab_rows;
+    }
     return FT_OK;
 }
 
@@ -240,6 +261,7 @@ void ft_encoder_free(ft_encoder *e) {
     free(e->layer_intermediate);
     free(e->head_first);
     free(e->head_attention);
+    free(e->vocab_map);
     pthread_mutex_destroy(&e->lock);
     free(e);
 }
@@ -681,7 +703,7 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
                     if (m != 0.0f || !(with_pad || (cls_pad && t == 0))) continue;
                     if (t == 0) h->pool_first[b] = (int32_t)r;   /* a padded CLS row */
                 }
-                h->ids[r] = (int32_t)id;
+                h->ids[r] = c->vocab_map ? c->vocab_map[id] : (int32_t)id;   /* a pruned vocabulary's row */
                 h->types[r] = (int32_t)ty;
                 h->positions[r] = (int32_t)t;
                 h->src[r] = (int32_t)(b * T + t);

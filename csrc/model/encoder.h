@@ -60,6 +60,7 @@ struct ft_encoder {
      * attention mode (the config's arrays point here); head_first[l] = the layer's first head */
     int64_t *layer_heads, *layer_intermediate, *head_first;
     uint8_t *head_attention;
+    int32_t *vocab_map;       /* a pruned vocabulary's id -> row map (vocab_size), or NULL */
     int has_pooler;
     /* the backend's packed copies of the layer weights (pack_weight), made on the first
      * forward after the weights change; NULL when the backend packs nothing */

@@ -33,7 +33,7 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
         return ft_error(FT_ERR_INVALID_ARGUMENT, "quantize a float32 encoder (this one is %s)",
                         ft_dtype_name(ft_encoder_dtype(e)));
     ft_backend *be = e->be;
-    const int64_t L = e->cfg.num_layers, C = e->cfg.hidden_size, V = e->cfg.vocab_size;
+    const int64_t L = e->cfg.num_layers, C = e->cfg.hidden_size, V = ft_config_vocab_rows(&e->cfg);
     int64_t shapes[4][2];   /* each layer's own (a pruned layer's are smaller): ft_encoder_layer_shapes */
     ft_encoder_int8 *q = calloc(1, sizeof *q);
     if (!q || !(q->layer = calloc(L ? (size_t)L : 1, sizeof *q->layer))) {

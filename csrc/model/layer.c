@@ -164,6 +164,7 @@ struct ft_layer_stack {
     size_t *layer_start, n_params;      /* per layer: its first float in params / grads; count + 1 entries */
     int64_t *layer_heads, *layer_inter; /* the config's per-layer arrays (all L layers), owned here */
     uint8_t *head_attention;
+    int32_t *vocab_map;
     float *params, *grads;              /* n_params each, backend memory */
     /* first-order significance (ft_layer_stack_set_significance): per row of the last batch, every
      * head's, FFN group's and layer's gradient x activation (layers: two columns, out and x) */
@@ -223,6 +224,7 @@ void ft_layer_stack_free(ft_layer_stack *s) {
     free(s->layer_heads);
     free(s->layer_inter);
     free(s->head_attention);
+    free(s->vocab_map);
     free(s);
 }
 
@@ -243,6 +245,11 @@ static ft_status copy_structure(ft_layer_stack *s, const ft_encoder *e) {
     s->cfg.layer_heads = s->layer_heads;
     s->cfg.layer_intermediate = s->layer_inter;
     s->cfg.head_attention = s->head_attention;
+    if (e->vocab_map) {   /* (only compared: the stack holds no embeddings) */
+        if (!(s->vocab_map = malloc((size_t)e->cfg.vocab_size * sizeof(int32_t)))) return ft_error(FT_ERR_NOMEM, "out of memory");
+        memcpy(s->vocab_map, e->vocab_map, (size_t)e->cfg.vocab_size * sizeof(int32_t));
+        s->cfg.vocab_map = s->vocab_map;
+    }
     for (int64_t i = 0; i < s->count; i++) {
         const int64_t l = s->first + i;
         for (int64_t h = e->head_first[l]; h < e->head_first[l + 1]; h++)

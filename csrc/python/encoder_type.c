@@ -70,18 +70,30 @@ static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                              "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "activation",
                              "pad_token_id", "device_index", "dtype", "layer_heads", "layer_intermediate",
-                             "head_attention", "sign_match_keys", NULL};
+                             "head_attention", "sign_match_keys", "vocab_map", "vocab_rows", NULL};
     ft_bert_config c;
     int act = 0, device_index = -1;
     const char *dtype = "float32";
-    PyObject *heads_o = Py_None, *inter_o = Py_None, *attn_o = Py_None;
-    long long sign_keys = 0;
+    PyObject *heads_o = Py_None, *inter_o = Py_None, *attn_o = Py_None, *vmap_o = Py_None;
+    long long sign_keys = 0, vocab_rows = 0;
     memset(&c, 0, sizeof c);
-    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|isOOOL", kwlist, &c.vocab_size, &c.hidden_size,
+    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|isOOOLOL", kwlist, &c.vocab_size, &c.hidden_size,
                                      &c.num_layers, &c.num_heads, &c.intermediate_size,
                                      &c.max_position_embeddings, &c.type_vocab_size, &c.layer_norm_eps, &act,
-                                     &c.pad_token_id, &device_index, &dtype, &heads_o, &inter_o, &attn_o, &sign_keys))
+                                     &c.pad_token_id, &device_index, &dtype, &heads_o, &inter_o, &attn_o, &sign_keys,
+                                     &vmap_o, &vocab_rows))
         return -1;
+    if (vmap_o != Py_None) {   /* a pruned vocabulary: one int32 row per token id (checked for sense in C) */
+        PyArrayObject *a = (PyArrayObject *)vmap_o;
+        if (!PyArray_Check(vmap_o) || PyArray_TYPE(a) != NPY_INT32 || PyArray_NDIM(a) != 1 ||
+            !PyArray_IS_C_CONTIGUOUS(a) || PyArray_SIZE(a) != c.vocab_size) {
+            ft_py_fail(ft_errors.input, "vocab_map must be a contiguous int32 array of vocab_size = %lld rows",
+                       (long long)c.vocab_size);
+            return -1;
+        }
+        c.vocab_map = PyArray_DATA(a);
+        c.vocab_rows = vocab_rows;
+    }
     /* a compressed model's structure (fasttran.compress): checked for type and length here, for sense in C */
     int64_t *heads = NULL, *inter = NULL, *modes64 = NULL;
     uint8_t *modes = NULL;
@@ -400,17 +412,19 @@ done:
 /* compressed(keep_layers=None, keep_heads=None, keep_neurons=None, head_attention=None, sign_match_keys=0)
  * -> a new EncoderCore: the kept parts of this one (ft_encoder_compress); arrays are 1-d uint8 */
 static PyObject *EncoderCore_compressed(EncoderCore *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"keep_layers", "keep_heads", "keep_neurons", "head_attention", "sign_match_keys", NULL};
-    PyObject *lo = Py_None, *ho = Py_None, *no = Py_None, *ao = Py_None;
-    long long keys = 0;
+    static char *kwlist[] = {"keep_layers", "keep_heads", "keep_neurons", "head_attention", "sign_match_keys",
+                             "keep_tokens", "unknown_token", NULL};
+    PyObject *lo = Py_None, *ho = Py_None, *no = Py_None, *ao = Py_None, *to = Py_None;
+    long long keys = 0, unk = -1;
     if (!ready(self) || !ft_py_keywords_only(args, "EncoderCore.compressed()") ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "|OOOOL", kwlist, &lo, &ho, &no, &ao, &keys))
+        !PyArg_ParseTupleAndKeywords(args, kw, "|OOOOLOL", kwlist, &lo, &ho, &no, &ao, &keys, &to, &unk))
         return NULL;
     const ft_bert_config *cfg = ft_encoder_config(self->enc);
     int64_t neurons = 0;
     for (int64_t l = 0; l < cfg->num_layers; l++) neurons += ft_config_layer_intermediate(cfg, l);
-    ft_compress_spec spec = {NULL, NULL, NULL, NULL, keys};
-    if (!mask_array(lo, "keep_layers", cfg->num_layers, "one entry per layer", &spec.keep_layers) ||
+    ft_compress_spec spec = {NULL, NULL, NULL, NULL, keys, NULL, unk};
+    if (!mask_array(to, "keep_tokens", cfg->vocab_size, "one entry per token id", &spec.keep_tokens) ||
+        !mask_array(lo, "keep_layers", cfg->num_layers, "one entry per layer", &spec.keep_layers) ||
         !mask_array(ho, "keep_heads", ft_config_total_heads(cfg), "one entry per attention head, layer after layer",
                     &spec.keep_heads) ||
         !mask_array(no, "keep_neurons", neurons, "one entry per FFN neuron, layer after layer", &spec.keep_neurons))
@@ -638,8 +652,9 @@ static PyObject *EncoderCore_get_structure(EncoderCore *self, void *unused) {
         Py_XDECREF(modes);
         return NULL;
     }
-    return Py_BuildValue("{sNsNsNsL}", "layer_heads", heads, "layer_intermediate", inter, "head_attention", modes,
-                         "sign_match_keys", (long long)c->sign_match_keys);
+    return Py_BuildValue("{sNsNsNsLsL}", "layer_heads", heads, "layer_intermediate", inter, "head_attention", modes,
+                         "sign_match_keys", (long long)c->sign_match_keys, "vocab_rows",
+                         (long long)ft_config_vocab_rows(c));
 }
 
 static PyObject *EncoderCore_get_device(EncoderCore *self, void *c) {
@@ -666,8 +681,9 @@ static PyMethodDef EncoderCore_methods[] = {
      "skip_layers=None, head_keep=None, ffn_keep=None, ffn_group=0) -> (hidden, pooled)."},
     {"copy_weights_from", (PyCFunction)EncoderCore_copy_weights_from, METH_O, "copy all weights of another core."},
     {"compressed", (PyCFunction)(void (*)(void))EncoderCore_compressed, METH_VARARGS | METH_KEYWORDS,
-     "compressed(keep_layers=None, keep_heads=None, keep_neurons=None, head_attention=None, sign_match_keys=0)"
-     " -> a new EncoderCore holding the kept layers, heads and FFN neurons."},
+     "compressed(keep_layers=None, keep_heads=None, keep_neurons=None, head_attention=None, sign_match_keys=0, "
+     "keep_tokens=None, unknown_token=-1) -> a new EncoderCore holding the kept layers, heads, FFN neurons and "
+     "word-embedding rows."},
     {"tensors", (PyCFunction)EncoderCore_tensors, METH_NOARGS, "[(name, shape)] of the parameter table."},
     {"set_tf32", (PyCFunction)EncoderCore_set_tf32, METH_O, "set_tf32(on): fp32 products on TF32 tensor cores (CUDA)."},
     {"memory_report", (PyCFunction)EncoderCore_memory_report, METH_NOARGS,

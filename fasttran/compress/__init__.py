@@ -16,10 +16,10 @@ attention's sign matching); this package validates, orders and measures.
 """
 from .measure import latency, pareto, plot_tradeoff
 from .model import TaskData, TaskModel, attention_mode_names, export_onnx, export_transformers, metrics, quantize
-from .plan import apply, in_original_numbering, masks, parse as check_plan
+from .plan import apply, in_original_numbering, masks, parse as check_plan, vocabulary
 from .search import SearchResult, save_result, search
 from .significance import Significance, significance, spearman
 
 __all__ = ["TaskData", "TaskModel", "quantize", "export_transformers", "export_onnx", "metrics", "apply", "masks", "check_plan",
-           "in_original_numbering", "attention_mode_names", "significance", "Significance", "spearman", "search",
+           "in_original_numbering", "vocabulary", "attention_mode_names", "significance", "Significance", "spearman", "search",
            "SearchResult", "save_result", "latency", "pareto", "plot_tradeoff"]

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from .. import _C
-from ..encoder import ATTENTION_MODES, STRUCTURE_KEYS, Encoder
+from ..encoder import ATTENTION_MODES, STRUCTURE_KEYS, Encoder, vocab_map
 from ..errors import CheckpointError, CheckpointNotFoundError, InputError, InputTypeError, UnsupportedError
 from ..heads import ClassificationHead, _Head
 from ..safetensors_io import read_safetensors, write_safetensors
@@ -370,7 +370,8 @@ def export_transformers(model, path):
     softmax), a pruned FFN neuron's rows of the first projection, its bias and its column of the second
     are zeros (GELU(0) = 0). Removed layers are simply absent. The zeros cost their full size and time
     in transformers: the file and the GEMMs are those of the unpruned layers. Sign-matching heads have
-    no transformers equivalent and are refused. An int8 model's weights are written dequantized
+    no transformers equivalent and are refused. A pruned vocabulary gets every row back (a removed id's
+    row is a copy of the unknown token's: what fasttran reads for it). An int8 model's weights are written dequantized
     (scale x q, float32): transformers then computes what fasttran's int8 model computes up to the
     int8 activations' rounding. Returns `path`."""
     s = model.structure
@@ -384,6 +385,9 @@ def export_transformers(model, path):
     sd = enc.state_dict()
     for name in [k for k in sd if k + "_scale" in sd]:   # int8: the weights dequantized (scale x q)
         sd[name] = sd.pop(name + "_scale")[:, None] * sd[name].astype(np.float32)
+    vmap, _ = vocab_map(c)
+    if vmap is not None:   # a pruned vocabulary: every id its row again (removed ids: the unknown token's)
+        sd["embeddings.word_embeddings.weight"] = sd["embeddings.word_embeddings.weight"][vmap]
     out = {k: v for k, v in sd.items() if not k.startswith("encoder.layer.")}
     for l in range(enc.num_layers):
         p = f"encoder.layer.{l}."
@@ -502,8 +506,9 @@ _INT8_SUFFIXES = ("attention.self.query.weight", "attention.self.key.weight", "a
                   "output.dense.weight", "intermediate.dense.weight")
 
 
-def int8_size(model, embeddings=True):
-    """The size_bytes `quantize(model, embeddings)` would have (float32 model; nothing is made)."""
+def int8_size(model, embeddings=True, vocab_rows=None, int8=True):
+    """The size_bytes `quantize(model, embeddings)` would have (float32 model; nothing is made), with
+    `vocab_rows` word-embedding rows when given (a vocabulary still to be pruned); int8=False: in float32."""
     core, n = model.encoder._core, 4 * model.head.num_parameters
     for name, shape in core.tensors():
         if name.startswith("pooler.") and not core.has_pooler:
@@ -511,5 +516,7 @@ def int8_size(model, embeddings=True):
         values = int(np.prod(shape))
         q = name.endswith(_INT8_SUFFIXES) and name.startswith("encoder.layer.") or (
             embeddings and name == "embeddings.word_embeddings.weight")
-        n += values + 4 * int(shape[0]) if q else 4 * values
+        if name == "embeddings.word_embeddings.weight" and vocab_rows is not None:   # a vocabulary to be pruned
+            values, shape = vocab_rows * int(shape[1]), (vocab_rows, shape[1])
+        n += values + 4 * int(shape[0]) if q and int8 else 4 * values
     return n

@@ -52,14 +52,15 @@ def parse(model, plan):
     "ffn": {l: set of groups}, "group": size, "keys": sign-matching keys}; every error names the entry."""
     if not isinstance(plan, dict):
         raise InputTypeError(f"a plan is a dict (see fasttran.compress.plan), got {type(plan).__name__}")
-    unknown = set(plan) - {"layers", "ffn_group_size", "sign_match_keys", "weights"}
+    unknown = set(plan) - {"layers", "ffn_group_size", "sign_match_keys", "weights", "vocabulary"}
     if unknown:
         raise InputError(f"plan: unknown key(s) {sorted(unknown)}; a plan has 'layers', 'ffn_group_size', "
-                         "'sign_match_keys' and 'weights'")
+                         "'sign_match_keys', 'vocabulary' and 'weights'")
     if plan.get("weights", "float32") not in ("float32", "int8", "int8-layers"):
         raise InputError(f"plan['weights'] = {plan['weights']!r}; expected 'float32', 'int8' (the layers' projections "
                          "and the word embeddings) or 'int8-layers' (the projections only)")
-    if model.weights == "int8" and (plan.get("layers") or plan.get("weights", "float32") == "float32"):
+    if model.weights == "int8" and (plan.get("layers") or plan.get("vocabulary") or
+                                    plan.get("weights", "float32") == "float32"):
         raise InputError("this model is int8: prune and approximate the float32 model, then quantize it "
                          "(plan['weights'] = 'int8')")
     s = model.structure
@@ -71,7 +72,26 @@ def parse(model, plan):
     layers = plan.get("layers", {})
     if not isinstance(layers, dict):
         raise InputTypeError(f"plan['layers'] must be a dict {{layer: 'prune' or {{...}}}}, got {type(layers).__name__}")
-    out = {"layers": set(), "heads": {}, "ffn": {}, "group": group, "keys": int(keys)}
+    out = {"layers": set(), "heads": {}, "ffn": {}, "group": group, "keys": int(keys), "vocab": None}
+    voc = plan.get("vocabulary")
+    if voc is not None:   # {"keep": [token ids], "unknown": id}: the word-embedding rows kept
+        V = model.encoder.config["vocab_size"]
+        if not isinstance(voc, dict) or set(voc) != {"keep", "unknown"}:
+            raise InputError("plan['vocabulary'] must be {'keep': [token ids], 'unknown': the id the others read} "
+                             "(compress.vocabulary(model, data) makes one from a task's data)")
+        try:
+            keep = np.asarray(voc["keep"], np.int64)
+            unk = int(voc["unknown"])
+        except (TypeError, ValueError, OverflowError):
+            raise InputError("plan['vocabulary']: 'keep' must list token ids and 'unknown' be one") from None
+        if keep.ndim != 1 or not len(keep) or keep.min() < 0 or keep.max() >= V:
+            raise InputError(f"plan['vocabulary']['keep'] must list token ids in [0, {V})")
+        mask = np.zeros(V, np.uint8)
+        mask[keep] = 1
+        if not (0 <= unk < V and mask[unk]):
+            raise InputError(f"plan['vocabulary']['unknown'] = {unk} must be one of the kept ids (the removed ids read "
+                             "its row)")
+        out["vocab"] = (mask, unk)
     for key, spec in layers.items():
         where = f"plan['layers'][{key!r}]"
         l = _index(key, L, "layer", "plan['layers']")
@@ -141,15 +161,19 @@ def apply(model, plan):
     from .model import TaskModel, quantize
     p = parse(model, plan)
     weights = plan.get("weights", "float32")
-    if weights != "float32" and not plan.get("layers"):
+    if weights != "float32" and not plan.get("layers") and not plan.get("vocabulary"):
         return quantize(model, embeddings=weights == "int8")
     if weights != "float32":
         return quantize(apply(model, {k: v for k, v in plan.items() if k != "weights"}), embeddings=weights == "int8")
     keep_layers, keep_heads, keep_neurons, modes = _keep_arrays(model, p)
+    voc = {"keep_tokens": p["vocab"][0], "unknown_token": p["vocab"][1]} if p["vocab"] else {}
     core = model.encoder._core.compressed(keep_layers=keep_layers, keep_heads=keep_heads, keep_neurons=keep_neurons,
-                                          head_attention=modes, sign_match_keys=p["keys"])
+                                          head_attention=modes, sign_match_keys=p["keys"], **voc)
     st = core.structure
     raw = {k: v for k, v in model.encoder._raw_config.items()}
+    if p["vocab"]:
+        raw["fasttran_vocab_kept"] = np.flatnonzero(p["vocab"][0]).tolist()
+        raw["fasttran_vocab_unknown"] = p["vocab"][1]
     raw["num_hidden_layers"] = len(st["layer_heads"])
     raw["fasttran_layer_heads"] = st["layer_heads"]
     raw["fasttran_layer_intermediate"] = st["layer_intermediate"]
@@ -221,3 +245,22 @@ def in_original_numbering(model):
             if groups:
                 out["ffn_groups_removed"][l] = groups
     return out
+
+
+def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"), unknown=None):
+    """A plan's 'vocabulary' entry keeping the token ids `data` (TaskData) uses and the tokenizer's special
+    tokens; every other id reads the unknown token's row (the tokenizer's [UNK], or `unknown`). Build it
+    from the training data only: ids that appear only in evaluation data then read [UNK], as they would
+    in serving."""
+    tok = model.encoder.tokenizer
+    ids = set()
+    for d in data:
+        ids.update(np.unique(d.ids[np.arange(d.ids.shape[1])[None, :] < d.lengths[:, None]]).tolist())
+    if tok is not None:
+        ids.update(i for i in (tok.token_to_id(t) for t in special) if i is not None)
+        if unknown is None:
+            unknown = tok.token_to_id("[UNK]")
+    if unknown is None:
+        raise InputError("vocabulary(): the model has no tokenizer to name its unknown token: pass unknown=<id>")
+    ids.add(int(unknown))
+    return {"keep": sorted(int(i) for i in ids), "unknown": int(unknown)}

@@ -10,9 +10,10 @@ drop, a target latency, a target size, or several -- with a brief re-fine-tuning
    accuracy budget is then broken, back off the last third of the pruned parts and train again.
 4. Sign matching on the least significant remaining heads, while the budget holds -- kept only when
    it makes the model faster (it saves nothing on short sequences).
-5. int8 weights (Encoder.quantize: the projections and the word embeddings, else the projections
-   only), while the budget holds.
-6. Measure the result on the dev set: accuracy, latency at batch 1 and at the latency batch size, size.
+5. The vocabulary pruned to the training data's tokens (the word embeddings are half of MiniLM), and
+6. int8 weights (Encoder.quantize: the projections and the word embeddings, else the projections
+   only), each while the budget holds.
+7. Measure the result on the dev set: accuracy, latency at batch 1 and at the latency batch size, size.
 
 A budget that cannot be met returns the best model found with `met = False` and the reason, never a
 model that silently breaks it. Decisions use the selection set (held out of the training data); the
@@ -27,7 +28,7 @@ import numpy as np
 from ..errors import InputError
 from .measure import latency, pareto, plot_tradeoff
 from .model import TaskModel, int8_size, quantize
-from .plan import DEFAULT_SIGN_MATCH_KEYS, apply, ffn_group_size
+from .plan import DEFAULT_SIGN_MATCH_KEYS, apply, ffn_group_size, vocabulary
 from .significance import significance as _significance
 
 
@@ -135,14 +136,14 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
            target_size_mb=None, significance=None, ffn_group_size_=None, steps=24, retrain_epochs=1,
            retrain_layers=None, retrain_lr=None, retrain_batch_size=32, retrain_optimizer="lamb", max_retrains=2,
            sign_match=True,
-           sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, int8=True, threads=2, latency_examples=128, order_by=None,
-           seed=0, show_progress=True):
+           sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, prune_vocabulary=True, int8=True, threads=2, latency_examples=128,
+           order_by=None, seed=0, show_progress=True):
     """Compress `model` (TaskModel) under a budget: `max_drop` (accuracy points on the selection set, e.g.
     0.5), `target_latency_ms` (per batch of `latency_batch`, `threads` threads) and/or `target_size_mb`.
     `train` (TaskData) re-fine-tunes after pruning, `select` (TaskData, held out of train) decides,
     `dev` (optional) reports. `order_by`: 'mask' or 'gradient' significance (default: mask when the
-    significance has it). `int8`: try int8 weights last. Returns a SearchResult; an unreachable budget
-    gives met=False and why."""
+    significance has it). `prune_vocabulary`: keep only the training data's tokens' embedding rows;
+    `int8`: try int8 weights last. Returns a SearchResult; an unreachable budget gives met=False and why."""
     if max_drop is None and target_latency_ms is None and target_size_mb is None:
         raise InputError("search needs a budget: max_drop (accuracy points), target_latency_ms or target_size_mb")
     for name, v in (("max_drop", max_drop), ("target_latency_ms", target_latency_ms), ("target_size_mb", target_size_mb)):
@@ -183,8 +184,13 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
         return ((target_latency_ms is None or m_lat <= target_latency_ms) and
                 (target_size_mb is None or m_size <= target_size_mb * 1e6))
 
-    # with int8 to come last, pruning stops at the target the int8 model will meet: its size is exact
-    # (int8_size), its latency the float32 one times the int8 / float32 ratio measured here
+    # the vocabulary to keep: the training data's tokens (ids only the selection or dev data use then read
+    # [UNK], as they would in serving)
+    voc = None
+    if prune_vocabulary and model.encoder.tokenizer is not None and "fasttran_vocab_kept" not in model.encoder.config:
+        voc = vocabulary(model, train)
+    # with int8 and the vocabulary to come last, pruning stops at the target the final model will meet:
+    # its size is exact (int8_size), its latency the float32 one times the int8 / float32 ratio measured here
     lat_ratio = 1.0
     if int8 and model.weights == "float32" and (target_latency_ms or target_size_mb):
         q0 = quantize(model)
@@ -193,7 +199,8 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
             "(the pruning aims at the target after it)")
 
     def pruned_enough(m_lat, m):
-        size = int8_size(m) if int8 and m.weights == "float32" else m.size_bytes
+        size = int8_size(m, vocab_rows=len(voc["keep"]) if voc else None, int8=int8) if m.weights == "float32" \
+            else m.size_bytes
         return (target_latency_ms or target_size_mb) and target_met(m_lat * lat_ratio, size)
 
     if ffn_group_size_ is None and significance is not None:
@@ -297,7 +304,21 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
             say(f"sign matching on {len(sm)} heads fits the budget but saves no time ({cur_lat:.1f} -> {sm_lat:.1f} ms "
                 f"per batch): not applied")
 
-    # ---- 5. int8 weights (the layers' projections, then the word embeddings too) -----------------------
+    # ---- 5. the vocabulary: the word-embedding rows of the training data's tokens -------------------------
+    if voc is not None and current.weights == "float32":
+        cand = apply(current, {"vocabulary": voc})
+        acc = cand.evaluate(select)["accuracy"]
+        points.append({"stage": "vocabulary", "accuracy": acc, "latency_ms": cur_lat, "size_bytes": cand.size_bytes,
+                       "plan": None})
+        if within(acc):
+            say(f"vocabulary pruned to the training data's {len(voc['keep'])} tokens: {100 * acc:.2f}% "
+                f"({drop_of(acc):+.2f} points), {current.size_bytes / 1e6:.1f} -> {cand.size_bytes / 1e6:.1f} MB")
+            current, cur_size = cand, cand.size_bytes
+        else:
+            say(f"the training data's vocabulary ({len(voc['keep'])} tokens) breaks the budget ({drop_of(acc):+.2f} "
+                "points): every token kept")
+
+    # ---- 6. int8 weights (the layers' projections, then the word embeddings too) -----------------------
     if int8 and current.weights == "float32":
         cur_lat = latency(current, select, latency_batch, threads, latency_examples)
         for emb in (True, False):
@@ -314,7 +335,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
                 break
             say(f"int8 weights{'' if emb else ' (embeddings float32)'} break the budget ({drop_of(acc):+.2f} points)")
 
-    # ---- 6. the result -------------------------------------------------------------------------------
+    # ---- 7. the result -------------------------------------------------------------------------------
     final = measure(current, True, True)
     reasons = []
     if not within(final["select"]["accuracy"]):
