@@ -1,7 +1,8 @@
 """Compression on real data (issue 31): all-MiniLM-L6-v2 fine-tuned by fasttran's top-k Trainer, then
 compressed, per task and seed -- dev metric (flips against the fine-tuned model counted pairwise),
 CPU latency at batch 1 and batch 32 (2 threads) and size -- for: the fine-tuned model; pruned at
-several levels (significance order, re-fine-tuned); int8 and pruned + int8; sign matching on the least significant heads; the search under a 0.5-point budget; and ONNX
+several levels (significance order, re-fine-tuned); int8, pruned + int8 and those with the
+vocabulary pruned to the training data's tokens; sign matching on the least significant heads; the search under a 0.5-point budget; and ONNX
 Runtime's dynamic int8 quantization of the same fine-tuned model (and its float32), measured in the
 same run. Then "train big, then compress": the 6-layer model fine-tuned and compressed to the cost of
 3 layers against the 3-layer truncation fine-tuned directly for the same number of steps.
@@ -165,11 +166,16 @@ def run_seed(task, seed, args, data, log):
         models[f"pruned {int(100 * level)}%"] = res.model
         say(f"pruned {level:.0%} of the layers' weights: {res.model}")
 
-    # int8 weights: the layers' projections and the word embeddings; pruned + int8
+    # int8 weights: the layers' projections and the word embeddings; pruned + int8; and with the
+    # vocabulary pruned to the training data's tokens (dev-only tokens then read [UNK])
+    voc = compress.vocabulary(ft, train)
+    out["vocabulary"] = {"kept": len(voc["keep"]), "of": ft.encoder.config["vocab_size"]}
     models["int8"] = compress.quantize(ft)
+    models["vocabulary + int8"] = compress.apply(ft, {"vocabulary": voc, "weights": "int8"})
     for level in args.levels:
         name = f"pruned {int(100 * level)}%"
         models[name + " + int8"] = compress.quantize(models[name])
+        models[name + " + vocabulary + int8"] = compress.apply(models[name], {"vocabulary": voc, "weights": "int8"})
 
     # sign matching on the least significant quarter / half of the heads, no re-fine-tuning
     heads = sig.order("mask", "head")
