@@ -410,7 +410,10 @@ class Encoder:
 
     def save_pretrained(self, path, dtype="float32"):
         """Write config.json + model.safetensors (Hugging Face BertModel names) into directory
-        `path`, atomically; loadable by transformers' BertModel.from_pretrained."""
+        `path`, atomically; loadable by transformers' BertModel.from_pretrained. A compressed
+        encoder (fasttran.compress: per-layer heads / widths, a pruned vocabulary) keeps its
+        structure in config.json's fasttran_* keys and its smaller tensors: fasttran loads it back;
+        for transformers write it with fasttran.compress.export_transformers."""
         if self.dtype == "int8":
             raise UnsupportedError(
                 "save_pretrained writes float weights in Hugging Face's layout and an int8 encoder has none (quantize() "
