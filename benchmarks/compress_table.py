@@ -162,7 +162,7 @@ def run_seed(task, seed, args, data, log):
     for level in args.levels:
         res = compress.search(ft, train, select, target_size_mb=(ft.size_bytes - level * lb) / 1e6,
                               significance=sig, retrain_epochs=args.retrain_epochs, sign_match=False, int8=False,
-                              seed=seed, latency_examples=64, show_progress=False, **retrain)
+                              prune_vocabulary=False, seed=seed, latency_examples=64, show_progress=False, **retrain)
         models[f"pruned {int(100 * level)}%"] = res.model
         say(f"pruned {level:.0%} of the layers' weights: {res.model}")
 
@@ -224,8 +224,8 @@ def run_seed(task, seed, args, data, log):
                                                                                       int(train.labels.max()) + 1)),
                            {"layers": {"3": "prune", "4": "prune", "5": "prune"}})
     big = compress.search(ft, train, select, target_size_mb=three.size_bytes / 1e6 + 1e-3, significance=sig,
-                          retrain_epochs=args.retrain_epochs, sign_match=False, int8=False, seed=seed,
-                          latency_examples=64, show_progress=False, **retrain)
+                          retrain_epochs=args.retrain_epochs, sign_match=False, int8=False, prune_vocabulary=False,
+                          seed=seed, latency_examples=64, show_progress=False, **retrain)
     small, small_info = finetune(three.encoder, train, epochs + args.retrain_epochs, seed, lr)
     bm, sm_ = metric(big.model, dev, task), metric(small, dev, task)
     per_epoch = -(-len(train) // 32)   # the Trainer's batch of 32
