@@ -301,7 +301,26 @@ typedef struct {
                             const int32_t *positions, const int8_t *word, const float *word_scale, \
                             const float *pos, const float *type, const float *gamma, const float *beta, \
                             int64_t N, int64_t C, float eps),                                       \
-      (be, out, ids, types, positions, word, word_scale, pos, type, gamma, beta, N, C, eps))
+      (be, out, ids, types, positions, word, word_scale, pos, type, gamma, beta, N, C, eps)) \
+    /* ---- issue 31: compressed models (fasttran.compress) ---- */                               \
+    /* attention_forward with a mode per head: modes (HOST, NH entries, ft_attention_mode):       \
+     * FT_ATTN_EXACT = attention_forward's result, FT_ATTN_SIGN_MATCH = softmax over the           \
+     * sign_keys keys whose signs agree most with the query's (fasttran.h), FT_ATTN_OFF = zeros,  \
+     * nothing computed. CUDA: EXACT and OFF only. */                                             \
+    X(attention_heads_forward, (ft_backend *be, ft_dtype dt, void *ctx, const void *qkv,           \
+                                const int32_t *seqs, const int32_t *seqs_dev, int64_t B, int64_t C, \
+                                int64_t NH, const uint8_t *modes, int64_t sign_keys, void *scratch), \
+      (be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, modes, sign_keys, scratch))                    \
+    /* x (N rows of ld values, dt): columns [col, col + ncols) of every row set to zero (a masked  \
+     * FFN group) */                                                                               \
+    X(zero_columns, (ft_backend *be, ft_dtype dt, void *x, int64_t N, int64_t ld, int64_t col,     \
+                     int64_t ncols), (be, dt, x, N, ld, col, ncols))                               \
+    /* out (N rows, row stride ldo), column g < W / group = sum over c < group of                  \
+     * a[r lda + g group + c] b[r ldb + g group + c], in order of c (float32; first-order          \
+     * significance: a gradient times an activation, per row and component) */                    \
+    X(group_dot, (ft_backend *be, float *out, int64_t ldo, const float *a, int64_t lda,            \
+                  const float *b, int64_t ldb, int64_t N, int64_t W, int64_t group),               \
+      (be, out, ldo, a, lda, b, ldb, N, W, group))
 
 struct ft_backend {
     int abi;

@@ -405,6 +405,106 @@ def cmd_export(args):
     print(f"wrote {layout_of(tr.head)} model to {args.output}")
 
 
+# ---- compress (issue 31) --------------------------------------------------------------------------------
+def cmd_compress(args):
+    """Significance table, then the search under the budget; the trade-off and the result."""
+    from . import compress
+    from .compress.tasks import load_task
+    from . import set_num_threads
+    if args.threads:
+        set_num_threads(args.threads)
+    model = compress.TaskModel.load(args.model)
+    print(model, file=sys.stderr)
+
+    def data(split, limit=None):
+        a, b, y = load_task(args.task, split, args.data, limit)
+        return compress.TaskData.from_texts(model, a, y, pairs=b, max_length=args.max_length)
+    dev = data("dev", args.limit)
+    train = data("train", args.train_limit)
+    n_select = args.select or min(500, max(len(train) // 10, 1))
+    if n_select >= len(train):
+        _fail(f"--select {n_select}: the training split has only {len(train)} examples")
+    select, train = train.split(n_select, seed=args.seed)
+    print(f"data: {len(train)} train (re-fine-tuning), {len(select)} selection (held out of train: decisions), "
+          f"{len(dev)} dev (reported)", file=sys.stderr)
+    methods = ("mask", "gradient") if args.significance == "both" else (args.significance,)
+    sig = compress.significance(model, select, methods=methods, ffn_group_size_=args.ffn_group_size, seed=args.seed)
+    print(sig.table())
+    if args.significance_only:
+        if args.output:
+            os.makedirs(args.output, exist_ok=True)
+            from ._C import atomic_write as _atomic_write
+            from .compress.model import _jsonable
+            _atomic_write(os.path.join(args.output, "significance.json"),
+                          [json.dumps(_jsonable(sig.to_dict()), indent=1).encode()])
+        return 0
+    if args.max_drop is None and args.target_latency is None and args.target_size is None:
+        _fail("give a budget: --max-drop POINTS, --target-latency MS and/or --target-size MB "
+              "(or --significance-only)")
+    res = compress.search(model, train, select, dev, max_drop=args.max_drop, target_latency_ms=args.target_latency,
+                          latency_batch=args.latency_batch, target_size_mb=args.target_size, significance=sig,
+                          retrain_epochs=args.retrain_epochs, retrain_layers=args.retrain_layers,
+                          sign_match=args.sign_match, sign_match_keys=args.sign_match_keys, int8=args.int8,
+                          threads=args.threads or 2, seed=args.seed)
+    print("\ntrade-off (selection set; * = Pareto-optimal in accuracy, latency and size):")
+    front = set(compress.pareto(res.points))
+    print(f"  {'stage':<15}{'accuracy':>10}{'ms/batch':>10}{'MB':>8}")
+    for i, p in enumerate(res.points):
+        print(f"{'*' if i in front else ' '} {p['stage']:<15}{100 * p['accuracy']:>9.2f}%{p['latency_ms']:>10.2f}"
+              f"{p['size_bytes'] / 1e6:>8.1f}")
+    print()
+    print(res.table())
+    print("plan (original numbering):", json.dumps(res.plan))
+    if args.plot:
+        res.plot(args.plot)
+        print(f"plot: {args.plot}")
+    if args.output:
+        compress.save_result(res, args.output)
+        print(f"compressed model: {args.output}")
+    return 0 if res.met else 3
+
+
+def _compress_parser(sub):
+    k = sub.add_parser("compress", formatter_class=_Fmt,
+                       help="compress a fine-tuned model (Trainer.export) under an accuracy / latency / size budget",
+                       description="Score every layer, attention head and FFN group (masking and gradient x "
+                                   "activation), then prune by increasing significance, re-fine-tune briefly, and "
+                                   "try sign-matching attention and int8 weights, under the budget. Exit status 3: "
+                                   "the budget cannot be met (the best model found is still reported and saved).")
+    k.add_argument("model", help="fine-tuned model directory: Trainer.export(...) or a compressed model")
+    k.add_argument("--task", required=True, choices=["sst2", "mrpc", "cola"], help="GLUE task of the model")
+    k.add_argument("--data", default=os.environ.get("FASTTRAN_DATA"),
+                   help="data directory (sst2/, glue/MRPC, glue/CoLA); sst2 without it: the shipped sample")
+    k.add_argument("--max-drop", type=float, default=None, metavar="POINTS",
+                   help="largest accuracy drop allowed, in points, on the selection set")
+    k.add_argument("--target-latency", type=float, default=None, metavar="MS",
+                   help="milliseconds per batch of --latency-batch (CPU, --threads)")
+    k.add_argument("--latency-batch", type=int, default=32, help="batch size of the latency budget")
+    k.add_argument("--target-size", type=float, default=None, metavar="MB", help="largest model size")
+    k.add_argument("--select", type=int, default=None, metavar="N",
+                   help="examples held out of the training split to decide on (default: 10%%, at most 500)")
+    k.add_argument("--train-limit", type=int, default=20000, metavar="N", help="training examples read")
+    k.add_argument("--limit", type=int, default=None, metavar="N", help="dev examples read")
+    k.add_argument("--max-length", type=int, default=128, help="tokens per example")
+    k.add_argument("--ffn-group-size", type=int, default=None, help="FFN neurons per group (default intermediate/16)")
+    k.add_argument("--retrain-epochs", type=int, default=1, help="re-fine-tuning after pruning")
+    k.add_argument("--retrain-layers", type=int, default=None, help="top layers re-fine-tuned (default: all)")
+    k.add_argument("--sign-match", action=argparse.BooleanOptionalAction, default=True,
+                   help="try sign-matching attention on the least significant heads")
+    k.add_argument("--sign-match-keys", type=int, default=16, help="keys a sign-matching head attends to")
+    k.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                   help="try int8 weights last (the layers' projections and the word embeddings)")
+    k.add_argument("--significance", default="both", choices=["both", "mask", "gradient"],
+                   help="how parts are scored (the search orders by masking when it is measured): masking runs one "
+                        "forward per part over the selection set, gradient x activation one backward in all")
+    k.add_argument("--significance-only", action="store_true", help="print the significance table and stop")
+    k.add_argument("--threads", type=int, default=None, help="CPU threads (latency is measured with 2 by default)")
+    k.add_argument("--seed", type=int, default=0, help="selection split and re-fine-tuning")
+    k.add_argument("--output", default=None, help="directory for the compressed model and search.json")
+    k.add_argument("--plot", default=None, metavar="FILE.png", help="accuracy against latency and size")
+    k.set_defaults(func=cmd_compress)
+
+
 def _version():
     import fasttran
     info = fasttran.build_info()
@@ -416,7 +516,7 @@ def build_parser():
     from .trainer import DEFAULT_LR
     p = argparse.ArgumentParser(prog="fasttran", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_VersionAction, help="show the version and build, then exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate,export}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate,export,compress}")
 
     def common(sp, batch=64, data=True):
         sp.add_argument("--model", default=None,
@@ -517,6 +617,7 @@ def build_parser():
     x.add_argument("--checkpoint", required=True, help="checkpoint directory (fasttran train --output)")
     x.add_argument("--output", required=True, help="model directory to write")
     x.set_defaults(func=cmd_export)
+    _compress_parser(sub)
     return p
 
 

@@ -72,7 +72,64 @@ def parse_bert_config(cfg, source="config.json"):
         raise CheckpointError(f"{source}: layer_norm_eps must be a positive number, got {eps!r}")
     if out["pad_token_id"] is None:
         out["pad_token_id"] = 0
+    out.update(_parse_structure(cfg, out, source))
     return out
+
+
+#: a compressed model's structure in config.json (fasttran.compress): heads and FFN width per layer,
+#: attention per head ("exact" / "sign_match") and the keys a sign-matching head attends to
+STRUCTURE_KEYS = ("fasttran_layer_heads", "fasttran_layer_intermediate", "fasttran_head_attention",
+                  "fasttran_sign_match_keys", "fasttran_vocab_kept", "fasttran_vocab_unknown")
+ATTENTION_MODES = ("exact", "sign_match")
+
+
+def _parse_structure(cfg, out, source):
+    """The structure keys present in cfg, checked against the rest of the config (absent: none)."""
+    got = {k: cfg[k] for k in STRUCTURE_KEYS if cfg.get(k) is not None}
+    L, NH = out["num_hidden_layers"], out["num_attention_heads"]
+
+    def ints(name, lo, hi):
+        v = got[name]
+        if not isinstance(v, list) or len(v) != L or any(isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi
+                                                        for x in v):
+            raise CheckpointError(f"{source}: {name} must list {L} integers in [{lo}, {hi}] (one per layer), got {v!r}")
+    if "fasttran_layer_heads" in got:
+        ints("fasttran_layer_heads", 1, NH)
+    if "fasttran_layer_intermediate" in got:
+        ints("fasttran_layer_intermediate", 1, 1 << 20)
+    heads = got.get("fasttran_layer_heads", [NH] * L)
+    if "fasttran_head_attention" in got:
+        v = got["fasttran_head_attention"]
+        if (not isinstance(v, list) or len(v) != L or
+                any(not isinstance(row, list) or len(row) != n or any(m not in ATTENTION_MODES for m in row)
+                    for row, n in zip(v, heads))):
+            raise CheckpointError(f"{source}: fasttran_head_attention must list, per layer, one of {ATTENTION_MODES} per "
+                                  f"head ({heads} heads), got {v!r}")
+        if any("sign_match" in row for row in v):
+            k = got.get("fasttran_sign_match_keys")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise CheckpointError(f"{source}: sign-matching heads need fasttran_sign_match_keys >= 1, got {k!r}")
+    if ("fasttran_vocab_kept" in got) != ("fasttran_vocab_unknown" in got):
+        raise CheckpointError(f"{source}: a pruned vocabulary needs both fasttran_vocab_kept and fasttran_vocab_unknown")
+    if "fasttran_vocab_kept" in got:   # a pruned vocabulary: the token ids whose rows are kept, increasing
+        kept, unk, V = got["fasttran_vocab_kept"], got["fasttran_vocab_unknown"], out["vocab_size"]
+        if (not isinstance(kept, list) or not kept or any(isinstance(t, bool) or not isinstance(t, int) for t in kept)
+                or any(not 0 <= t < V for t in kept) or any(a >= b for a, b in zip(kept, kept[1:]))):
+            raise CheckpointError(f"{source}: fasttran_vocab_kept must list increasing token ids in [0, {V})")
+        if unk not in kept:
+            raise CheckpointError(f"{source}: fasttran_vocab_unknown {unk!r} must be one of the kept tokens")
+    return got
+
+
+def vocab_map(config):
+    """(int32 row of every token id, kept rows) of a config's pruned vocabulary, or (None, 0)"""
+    kept = config.get("fasttran_vocab_kept")
+    if kept is None:
+        return None, 0
+    kept = np.asarray(kept, np.int64)
+    m = np.full(config["vocab_size"], int(np.searchsorted(kept, config["fasttran_vocab_unknown"])), np.int32)
+    m[kept] = np.arange(len(kept), dtype=np.int32)
+    return m, len(kept)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -259,13 +316,18 @@ class Encoder:
         if device != "cpu" and self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
             raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
                                    "half-precision attention takes head sizes up to 128. Use dtype='float32'")
+        modes = c.get("fasttran_head_attention")
+        vmap, vrows = vocab_map(c)
         core = _C.EncoderCore(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
             num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
             max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
             layer_norm_eps=float(c["layer_norm_eps"]), activation=_ACTIVATIONS[c["hidden_act"]],
             pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]),
-            dtype="float32" if self.dtype == "int8" else self.dtype)
+            dtype="float32" if self.dtype == "int8" else self.dtype, layer_heads=c.get("fasttran_layer_heads"),
+            layer_intermediate=c.get("fasttran_layer_intermediate"),
+            head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
+            sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0), vocab_map=vmap, vocab_rows=vrows)
         if self.dtype == "int8":   # a blank int8 encoder: zero weights, quantized (load_state_dict fills it)
             core.quantize(embeddings=True)
         if self.allow_tf32:
@@ -342,13 +404,17 @@ class Encoder:
         except ImportError:
             return   # optional: encode() explains what to install
         tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+        self._tokenizer_dir = tok_dir
         tok.no_padding()
         tok.enable_truncation(max_length=self.max_seq_length)
         self.tokenizer = tok
 
     def save_pretrained(self, path, dtype="float32"):
         """Write config.json + model.safetensors (Hugging Face BertModel names) into directory
-        `path`, atomically; loadable by transformers' BertModel.from_pretrained."""
+        `path`, atomically; loadable by transformers' BertModel.from_pretrained. A compressed
+        encoder (fasttran.compress: per-layer heads / widths, a pruned vocabulary) keeps its
+        structure in config.json's fasttran_* keys and its smaller tensors: fasttran loads it back;
+        for transformers write it with fasttran.compress.export_transformers."""
         if self.dtype == "int8":
             raise UnsupportedError(
                 "save_pretrained writes float weights in Hugging Face's layout and an int8 encoder has none (quantize() "
@@ -368,8 +434,27 @@ class Encoder:
             "layer_norm_eps": c["layer_norm_eps"], "pad_token_id": c["pad_token_id"],
             "torch_dtype": dtype, "add_pooling_layer": bool(self._core.has_pooler),
         })
+        out.update({k: c[k] for k in STRUCTURE_KEYS if k in c})   # a compressed model's structure
         _C.atomic_write(os.path.join(path, "config.json"), [json.dumps(out, indent=2, sort_keys=True).encode()])
         return path
+
+    @classmethod
+    def _wrap(cls, core, raw_config, like):
+        """An Encoder over `core` (an EncoderCore made in C, e.g. a compressed copy) whose config is
+        raw_config, with `like`'s device settings and tokenizer."""
+        enc = cls.__new__(cls)
+        enc.config = parse_bert_config(raw_config, "compressed config")
+        enc._raw_config = dict(raw_config)
+        enc.dtype, enc.allow_tf32 = like.dtype, like.allow_tf32
+        enc._core = core
+        enc.path, enc.tokenizer, enc.max_seq_length = None, like.tokenizer, like.max_seq_length
+        enc._tokenizer_dir = getattr(like, "_tokenizer_dir", None)
+        return enc
+
+    @property
+    def compressed(self):
+        """True when the model's structure differs from its config's uniform one (fasttran.compress)."""
+        return any(k in self.config for k in STRUCTURE_KEYS)
 
     def state_dict(self):
         """{Hugging Face name: NumPy copy} of every parameter: float32; in an int8 encoder the
@@ -702,7 +787,9 @@ class Encoder:
                 + (f", dtype={self.dtype!r}" if self.dtype != "float32" else "")
                 + (", int8 weights in float32 kernels (no VNNI)" if self.dtype == "int8" and
                    not self._core.int8_products else "")
-                + (", allow_tf32=True" if self.allow_tf32 else "") + f"{src})")
+                + (", allow_tf32=True" if self.allow_tf32 else "")
+                + (f", compressed: heads per layer {self._core.structure['layer_heads']}, FFN widths "
+                   f"{self._core.structure['layer_intermediate']}" if self.compressed else "") + f"{src})")
 
     def _repr_html_(self):
         import html

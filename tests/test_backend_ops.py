@@ -916,6 +916,56 @@ for n_src, rows, C, codec in [(5, 9, 33, "float32"), (3, 7, 1, "float32"), (40, 
     case("cache_decode_rows", f"{rows}from{n_src}x{C}-{codec}")(_decode_rows(n_src, rows, C, codec))
 
 
+# ---- compressed models (issue 31): head modes, masked FFN groups, gradient x activation ----------------
+EXACT, SIGN_MATCH, OFF = 0, 1, 2
+SIGN_MATCH_IDS = set()   # attention_heads_forward cases the CUDA backend refuses by design (sign matching: CPU only)
+
+
+def _attention_heads(lengths, NH, hs, modes, keys=4, padded_queries=0):
+    base = _attention(lengths, NH, hs, padded_queries)
+
+    def build(rng):
+        args = base(rng)
+        args.update(modes=Host(np.asarray(modes, np.uint8)), sign_keys=keys)
+        return args
+    return build
+
+
+for lens, NH, hs, modes, keys, pq in [([7, 2], 3, 5, [EXACT, OFF, EXACT], 4, 0),
+                                      ([33, 12, 30, 1], 4, 16, [OFF, OFF, OFF, OFF], 4, 2),
+                                      ([3, 7, 1], 2, 17, [SIGN_MATCH, EXACT], 2, 4),
+                                      ([509, 50], 3, 70, [SIGN_MATCH, OFF, SIGN_MATCH], 31, 0),
+                                      ([64, 5, 0], 4, 32, [SIGN_MATCH] * 4, 64, 1)]:
+    ident = "-".join(map(str, lens)) + f"-{NH}h{hs}-" + "".join("xso"[m] for m in modes) + f"-k{keys}" + \
+        (f"-pad{pq}" if pq else "")
+    case("attention_heads_forward", ident)(_attention_heads(lens, NH, hs, modes, keys, pq))
+    if SIGN_MATCH in modes:
+        SIGN_MATCH_IDS.add(f"attention_heads_forward-{ident}")
+
+
+def _zero_columns(N, ld, col, ncols):
+    def build(rng):
+        return dict(x=Out((N, ld), tol=0.0, init=f32(rng, N, ld)), N=N, ld=ld, col=col, ncols=ncols)
+    return build
+
+
+for N, ld, col, ncols in [(1, 1, 0, 1), (7, 33, 5, 11), (300, 1536, 1280, 256), (3, 10, 4, 0)]:
+    case("zero_columns", f"{N}x{ld}-{col}+{ncols}")(_zero_columns(N, ld, col, ncols))
+
+
+def _group_dot(N, W, group, lda, ldo):
+    def build(rng):
+        G = W // group
+        return dict(out=Out((N, ldo), tol=1e-5, init=np.full((N, ldo), 7.0, np.float32)), ldo=ldo,
+                    a=In(f32(rng, N, lda)), lda=lda, b=In(f32(rng, N, lda)), ldb=lda, N=N, W=W, group=group)
+    return build
+
+
+for N, W, group, lda, ldo in [(1, 1, 1, 1, 1), (9, 384, 32, 384, 12), (40, 1536, 96, 1536, 20), (5, 21, 7, 30, 3),
+                              (17, 384, 384, 384, 2)]:
+    case("group_dot", f"{N}x{W}-g{group}-ld{lda}-ldo{ldo}")(_group_dot(N, W, group, lda, ldo))
+
+
 # pack_weight writes a layout of the backend's own choosing (none at all on CUDA): it is checked
 # through the linear ops above, which read what it wrote
 BACKEND_SPECIFIC = {"pack_weight", "pack_weight_i8", "pack_weight_bf16"}
@@ -1075,6 +1125,8 @@ def test_cuda_refuses_the_cpus_reduced_precision_ops_with_the_reason(op):
 @cuda
 @pytest.mark.parametrize("op,ident,build", [c for c in ALL_CASES if c.values[0] not in CPU_ONLY])
 def test_cuda_op_matches_cpu(op, ident, build):
+    if op == "attention_heads_forward" and ident in SIGN_MATCH_IDS:
+        pytest.skip("sign-matching attention runs on the CPU only (test_cuda_refuses_sign_matching)")
     args = build(np.random.default_rng(zlib.crc32(ident.encode())))
     ref = run_case(Backend(-1), op, args)
     got = run_case(Backend(0), op, args)
@@ -1373,3 +1425,13 @@ def test_cpu_refuses_half_precision_with_the_reason(op):
     args, _ = dict((c[1], c) for c in HALF_CASES)[op][2](np.random.default_rng(0))
     with pytest.raises(AssertionError, match="the CPU backend computes in float32, not bfloat16|not float16"):
         run_case(Backend(-1), op, args)
+
+
+@cuda
+def test_cuda_refuses_sign_matching():
+    """CUDA runs exact and masked heads; a sign-matching head is refused with the reason, not computed
+    some other way."""
+    ident = sorted(SIGN_MATCH_IDS)[0]
+    args = dict(CASES["attention_heads_forward"])[ident](np.random.default_rng(0))
+    with pytest.raises(AssertionError, match="sign-matching attention, which runs on the CPU only"):
+        run_case(Backend(0), "attention_heads_forward", args)

@@ -73,7 +73,38 @@ typedef struct {
     float layer_norm_eps;
     ft_activation activation;
     int64_t pad_token_id;
+    /* Structure of a compressed model (fasttran.compress); all NULL / 0 for a model as pretrained.
+     * The head size is hidden_size / num_heads in every layer; a pruned layer keeps fewer heads
+     * (its Q, K, V projections have layer_heads[l] * head size rows, its output projection as many
+     * columns) and a narrower FFN. The encoder copies the arrays it is given at creation;
+     * ft_encoder_config returns its copies. */
+    const int64_t *layer_heads;          /* (num_layers) heads per layer, 1..num_heads, or NULL: num_heads */
+    const int64_t *layer_intermediate;   /* (num_layers) FFN width per layer >= 1, or NULL: intermediate_size */
+    const uint8_t *head_attention;       /* (sum of the layers' heads) ft_attention_mode per head (EXACT or
+                                          * SIGN_MATCH), layer after layer, or NULL: every head exact */
+    int64_t sign_match_keys;             /* keys a sign-matching head attends to (>= 1 when one does) */
+    /* A pruned vocabulary: the word embeddings keep vocab_rows rows and token id t reads row
+     * vocab_map[t] (vocab_size entries: the ids a tokenizer gives stay valid; ids whose rows were
+     * removed map to the unknown token's). NULL / 0: every id its own row. */
+    const int32_t *vocab_map;
+    int64_t vocab_rows;
 } ft_bert_config;
+
+/* How an attention head computes. FT_ATTN_SIGN_MATCH is the sign-matching attention of Nagarajan et
+ * al., "Optimizing Transformers with Approximate Computing" (2020): per query, the keys whose signs
+ * agree with the query's in the most dimensions (XOR + popcount of sign bits) are found, and
+ * softmax(q.k / sqrt(d)) V is taken over the sign_match_keys best of them only (the others get no
+ * weight; ties go to the earlier key; a sequence with no more keys than that gets exact attention).
+ * FT_ATTN_OFF (forward masks only): the head's output is zero. */
+typedef enum { FT_ATTN_EXACT = 0, FT_ATTN_SIGN_MATCH = 1, FT_ATTN_OFF = 2 } ft_attention_mode;
+
+/* per-layer shape of a config (NULL arrays: the uniform values), its consistency check, and equality
+ * (arrays compared by value) */
+int64_t ft_config_layer_heads(const ft_bert_config *c, int64_t layer);
+int64_t ft_config_layer_intermediate(const ft_bert_config *c, int64_t layer);
+int64_t ft_config_total_heads(const ft_bert_config *c);
+int64_t ft_config_vocab_rows(const ft_bert_config *c);   /* rows of the word embeddings */
+int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b);
 
 typedef enum { FT_POOL_NONE = 0, FT_POOL_CLS = 1, FT_POOL_MEAN = 2 } ft_pooling;
 
@@ -119,6 +150,12 @@ ft_status ft_encoder_load_safetensors(ft_encoder *enc, const char *path, const c
 ft_status ft_encoder_copy_weights(ft_encoder *dst, const ft_encoder *src);
 /* Write the weights as a Hugging Face BertModel safetensors file (atomic: temp + rename). */
 ft_status ft_encoder_save_safetensors(const ft_encoder *enc, const char *path, ft_dtype dtype);
+/* The same two with the file's record: the load first checks the file's size and CRC-32C (-1: not
+ * checked) before its header is read; the save returns them (bytes / crc may be NULL). */
+ft_status ft_encoder_load_safetensors_expect(ft_encoder *enc, const char *path, const char *prefix,
+                                             int64_t expect_bytes, int64_t expect_crc32c);
+ft_status ft_encoder_save_safetensors_record(const ft_encoder *enc, const char *path, ft_dtype dtype,
+                                             uint64_t *bytes, uint32_t *crc32c);
 
 /* Named parameter views, in a fixed order (Hugging Face names, no prefix). A view an int8 encoder
  * stores in int8 has no float32 data: tensor_info gives its name and shape, *host_data NULL and
@@ -162,6 +199,53 @@ ft_status ft_encoder_forward(ft_encoder *enc, int64_t B, int64_t T,
                              float *const *hidden_out, float *const *pooled_out,
                              ft_pooling pooling, int outputs_on_device,
                              ft_cancel_fn cancel, void *cancel_arg);
+
+/* Masks of a forward pass (significance analysis, fasttran.compress): components switched off for
+ * one call, on the model as it is -- no copy of the weights. Every field may be NULL.
+ *   skip_layers (num_layers): 1 = the layer is skipped (its output is its input);
+ *   head_keep (sum of the layers' heads, layer after layer): 0 = the head's attention output is zero,
+ *     as if its value projection and bias were zero (or its columns of the output projection);
+ *   ffn_keep (per layer its intermediate width / ffn_group entries, layer after layer): 0 = the
+ *     group's activations are zero, as if its rows of the first FFN projection and its biases were
+ *     zero (GELU(0) = 0) or its columns of the second. ffn_group must divide every layer's width. */
+typedef struct {
+    const uint8_t *skip_layers;
+    const uint8_t *head_keep;
+    const uint8_t *ffn_keep;
+    int64_t ffn_group;
+    /* start_layer > 0: the forward starts from start_hidden (B, T, C), host float32, the output of
+     * layer start_layer as ft_encoder_forward gives it (its real positions are read): the layers above
+     * run from it (masks of the layers below are the caller's to have applied), and no output below
+     * start_layer may be asked for. The CPU encoder's results are then the bits of a full forward. */
+    int64_t start_layer;
+    const float *start_hidden;
+} ft_forward_masks;
+
+/* ft_encoder_forward with masks (NULL: none) */
+ft_status ft_encoder_forward_masked(ft_encoder *enc, int64_t B, int64_t T, const ft_index2d *ids,
+                                    const ft_index2d *mask, const ft_index2d *types, float *const *hidden_out,
+                                    float *const *pooled_out, ft_pooling pooling, int outputs_on_device,
+                                    const ft_forward_masks *masks, ft_cancel_fn cancel, void *cancel_arg);
+
+/* A compressed copy of an encoder (fasttran.compress): the layers, attention heads and FFN neurons
+ * kept are copied into an encoder of that smaller structure (same device and dtype); every field may
+ * be NULL (keep everything / keep src's modes).
+ *   keep_layers (src layers), keep_heads (src's heads, layer after layer), keep_neurons (src's FFN
+ *   neurons, layer after layer): 1 = kept;
+ *   head_attention (src's heads): the ft_attention_mode of each kept head in the copy (EXACT or
+ *   SIGN_MATCH), sign_match_keys its keys (0: src's);
+ *   keep_tokens: the word-embedding rows kept (a pruned vocabulary, see ft_bert_config.vocab_map).
+ * A kept layer must keep at least one head and one neuron, and at least one layer must be kept; a
+ * spec that breaks this is refused (FT_ERR_INVALID_ARGUMENT) and nothing is created. */
+typedef struct {
+    const uint8_t *keep_layers, *keep_heads, *keep_neurons, *head_attention;
+    int64_t sign_match_keys;
+    /* keep_tokens (vocab_size) or NULL: the token ids whose word-embedding rows are kept (each one src
+     * has a row of its own for); every other id reads unknown_token's row, which must be kept */
+    const uint8_t *keep_tokens;
+    int64_t unknown_token;
+} ft_compress_spec;
+ft_status ft_encoder_compress(const ft_encoder *src, const ft_compress_spec *spec, ft_encoder **out);
 
 /* Memory on the encoder's device (host memory for the CPU backend), for device outputs.
  * Free it with ft_encoder_device_free on the same encoder, before ft_encoder_free. */
@@ -597,6 +681,20 @@ void ft_layer_stack_options(const ft_layer_stack *s, ft_layer_options *out);
 void ft_layer_stack_allocated(const ft_layer_stack *s, size_t *now, size_t *peak);
 /* the stack's weights written back into the encoder's layers [first, first + count) (same config) */
 ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *enc);
+/* First-order significance (fasttran.compress; Michel et al. 2019, Molchanov et al. 2019): with
+ * ffn_group > 0 (dividing every layer's FFN width) each later backward also records, per sequence of
+ * its batch, the derivative of the loss with respect to a gate on each component at 1 -- the sum
+ * over the sequence's rows of
+ *   head h of layer l:  dL/dctx_h . ctx_h        (its attention output, before the output projection)
+ *   FFN group g:        dL/dact_g . act_g        (its activations, after GELU)
+ *   layer l:            dL/dout_l . (out_l - x_l) (its residual branch: 0 = the layer skipped)
+ * ffn_group 0 turns it off. The stack's layers must not be sign-matching ones (refused at creation). */
+ft_status ft_layer_stack_set_significance(ft_layer_stack *s, int64_t ffn_group);
+/* After such a backward over B sequences: heads (B, sum of the stack's heads), ffn (B, its groups),
+ * layers (B, count), host memory, layers in stack order (NULL: not wanted). */
+ft_status ft_layer_stack_significance(ft_layer_stack *s, float *heads, float *ffn, float *layers);
+/* the heads and FFN width of the stack's layer i (0 <= i < ft_layer_stack_count) */
+void ft_layer_stack_layer_shape(const ft_layer_stack *s, int64_t i, int64_t *heads, int64_t *intermediate);
 
 /* ---- the training model ------------------------------------------------------------------ */
 /* [frozen features] -> [top layers, optional] -> task head: one forward / backward over a batch,

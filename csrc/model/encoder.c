@@ -36,10 +36,10 @@ static ft_status add_view(ft_encoder *e, size_t *cap, size_t *off, const char *n
 
 static ft_status build_layout(ft_encoder *e) {
     const ft_bert_config *c = &e->cfg;
-    const int64_t C = c->hidden_size, I = c->intermediate_size;
+    const int64_t C = c->hidden_size, hs = c->hidden_size / c->num_heads;
     size_t cap = 0, off = 0, dummy;
     char nm[96];
-    FT_TRY(add_view(e, &cap, &off, "embeddings.word_embeddings.weight", 2, c->vocab_size, C, 0, &e->word));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.word_embeddings.weight", 2, ft_config_vocab_rows(c), C, 0, &e->word));
     FT_TRY(add_view(e, &cap, &off, "embeddings.position_embeddings.weight", 2, c->max_position_embeddings, C, 0, &e->pos));
     FT_TRY(add_view(e, &cap, &off, "embeddings.token_type_embeddings.weight", 2, c->type_vocab_size, C, 0, &e->type));
     FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.weight", 1, C, 0, 0, &e->emb_ln_g));
@@ -48,16 +48,18 @@ static ft_status build_layout(ft_encoder *e) {
     if (!e->layers) return ft_error(FT_ERR_NOMEM, "out of memory");
     for (int64_t l = 0; l < c->num_layers; l++) {
         ft_layer_offsets *L = &e->layers[l];
+        const int64_t A = ft_config_layer_heads(c, l) * hs, I = ft_config_layer_intermediate(c, l);
 #define LV(suffix, nd, a, b, slot)                                                   \
         snprintf(nm, sizeof nm, "encoder.layer.%lld.%s", (long long)l, suffix);      \
         FT_TRY(add_view(e, &cap, &off, nm, nd, a, b, 0, slot));
-        LV("attention.self.query.weight", 2, C, C, &L->wqkv)   /* rows 0..C-1 of Wqkv */
-        LV("attention.self.key.weight", 2, C, C, &dummy)       /* rows C..2C-1 */
-        LV("attention.self.value.weight", 2, C, C, &dummy)     /* rows 2C..3C-1 */
-        LV("attention.self.query.bias", 1, C, 0, &L->bqkv)
-        LV("attention.self.key.bias", 1, C, 0, &dummy)
-        LV("attention.self.value.bias", 1, C, 0, &dummy)
-        LV("attention.output.dense.weight", 2, C, C, &L->wo)
+        /* A = the layer's heads x head size (C unless heads were pruned) */
+        LV("attention.self.query.weight", 2, A, C, &L->wqkv)   /* rows 0..A-1 of Wqkv */
+        LV("attention.self.key.weight", 2, A, C, &dummy)       /* rows A..2A-1 */
+        LV("attention.self.value.weight", 2, A, C, &dummy)     /* rows 2A..3A-1 */
+        LV("attention.self.query.bias", 1, A, 0, &L->bqkv)
+        LV("attention.self.key.bias", 1, A, 0, &dummy)
+        LV("attention.self.value.bias", 1, A, 0, &dummy)
+        LV("attention.output.dense.weight", 2, C, A, &L->wo)
         LV("attention.output.dense.bias", 1, C, 0, &L->bo)
         LV("attention.output.LayerNorm.weight", 1, C, 0, &L->ln1_g)
         LV("attention.output.LayerNorm.bias", 1, C, 0, &L->ln1_b)
@@ -88,7 +90,111 @@ static ft_status check_config(const ft_bert_config *c) {
     REQ(c->type_vocab_size >= 1 && c->type_vocab_size <= 1 << 20, "type_vocab_size must be in [1, 2^20], got %lld", (long long)c->type_vocab_size);
     REQ(c->layer_norm_eps > 0.0f, "layer_norm_eps must be > 0, got %g", (double)c->layer_norm_eps);
     REQ(c->activation >= FT_ACT_GELU_ERF && c->activation <= FT_ACT_RELU, "unknown activation %d", (int)c->activation);
+    int sign_match = 0;
+    for (int64_t l = 0; l < c->num_layers; l++) {
+        const int64_t nh = ft_config_layer_heads(c, l), I = ft_config_layer_intermediate(c, l);
+        REQ(nh >= 1 && nh <= c->num_heads, "layer %lld keeps %lld attention heads; a layer keeps 1 to "
+            "num_attention_heads = %lld (remove the whole layer instead of all its heads)", (long long)l,
+            (long long)nh, (long long)c->num_heads);
+        REQ(I >= 1 && I <= 1 << 20, "layer %lld has intermediate size %lld; a layer keeps 1 to 2^20 FFN neurons "
+            "(remove the whole layer instead of all of them)", (long long)l, (long long)I);
+    }
+    const int64_t heads = ft_config_total_heads(c);
+    for (int64_t h = 0; c->head_attention && h < heads; h++) {
+        REQ(c->head_attention[h] == FT_ATTN_EXACT || c->head_attention[h] == FT_ATTN_SIGN_MATCH,
+            "head_attention[%lld] = %d; expected 0 (exact) or 1 (sign matching)", (long long)h, (int)c->head_attention[h]);
+        sign_match |= c->head_attention[h] == FT_ATTN_SIGN_MATCH;
+    }
+    REQ(!sign_match || (c->sign_match_keys >= 1 && c->sign_match_keys <= INT32_MAX),
+        "sign-matching heads need sign_match_keys >= 1, got %lld", (long long)c->sign_match_keys);
+    REQ(!sign_match || c->hidden_size / c->num_heads <= 255, "sign-matching attention takes head sizes up to 255");
+    if (c->vocab_map) {
+        REQ(c->vocab_rows >= 1 && c->vocab_rows <= c->vocab_size, "a pruned vocabulary keeps 1 to vocab_size = %lld "
+            "word-embedding rows, got %lld", (long long)c->vocab_size, (long long)c->vocab_rows);
+        for (int64_t t = 0; t < c->vocab_size; t++)
+            REQ(c->vocab_map[t] >= 0 && c->vocab_map[t] < c->vocab_rows, "vocab_map[%lld] = %d is not a row of the %lld "
+                "kept", (long long)t, (int)c->vocab_map[t], (long long)c->vocab_rows);
+    }
 #undef REQ
+    return FT_OK;
+}
+
+int64_t ft_config_layer_heads(const ft_bert_config *c, int64_t l) {
+    return c->layer_heads ? c->layer_heads[l] : c->num_heads;
+}
+
+int64_t ft_config_layer_intermediate(const ft_bert_config *c, int64_t l) {
+    return c->layer_intermediate ? c->layer_intermediate[l] : c->intermediate_size;
+}
+
+int64_t ft_config_vocab_rows(const ft_bert_config *c) { return c->vocab_map ? c->vocab_rows : c->vocab_size; }
+
+int64_t ft_config_total_heads(const ft_bert_config *c) {
+    int64_t n = 0;
+    for (int64_t l = 0; l < c->num_layers; l++) n += ft_config_layer_heads(c, l);
+    return n;
+}
+
+int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b) {
+    if (a->vocab_size != b->vocab_size || a->hidden_size != b->hidden_size || a->num_layers != b->num_layers ||
+        a->num_heads != b->num_heads || a->intermediate_size != b->intermediate_size ||
+        a->max_position_embeddings != b->max_position_embeddings || a->type_vocab_size != b->type_vocab_size ||
+        a->layer_norm_eps != b->layer_norm_eps || a->activation != b->activation || a->pad_token_id != b->pad_token_id)
+        return 0;
+    for (int64_t l = 0; l < a->num_layers; l++)
+        if (ft_config_layer_heads(a, l) != ft_config_layer_heads(b, l) ||
+            ft_config_layer_intermediate(a, l) != ft_config_layer_intermediate(b, l))
+            return 0;
+    if (!a->vocab_map != !b->vocab_map || ft_config_vocab_rows(a) != ft_config_vocab_rows(b) ||
+        (a->vocab_map && memcmp(a->vocab_map, b->vocab_map, (size_t)a->vocab_size * sizeof(int32_t)) != 0))
+        return 0;
+    const int64_t heads = ft_config_total_heads(a);
+    int sign_match = 0;
+    for (int64_t h = 0; h < heads; h++) {
+        const int ma = a->head_attention ? a->head_attention[h] : FT_ATTN_EXACT;
+        const int mb = b->head_attention ? b->head_attention[h] : FT_ATTN_EXACT;
+        if (ma != mb) return 0;
+        sign_match |= ma == FT_ATTN_SIGN_MATCH;
+    }
+    return !sign_match || a->sign_match_keys == b->sign_match_keys;
+}
+
+/* the encoder's own copies of a compressed model's arrays (always present, so the layer loop reads
+ * them without a NULL test); the config points at them */
+static ft_status copy_structure(ft_encoder *e, const ft_bert_config *c) {
+    const int64_t L = c->num_layers, heads = ft_config_total_heads(c);
+    e->layer_heads = malloc((size_t)(L + 1) * sizeof(int64_t));
+    e->layer_intermediate = malloc((size_t)(L + 1) * sizeof(int64_t));
+    e->head_first = malloc((size_t)(L + 1) * sizeof(int64_t));
+    e->head_attention = malloc((size_t)heads + 1);
+    if (!e->layer_heads || !e->layer_intermediate || !e->head_first || !e->head_attention)
+        return ft_error(FT_ERR_NOMEM, "out of memory");
+    int64_t h = 0;
+    for (int64_t l = 0; l < L; l++) {
+        e->layer_heads[l] = ft_config_layer_heads(c, l);
+        e->layer_intermediate[l] = ft_config_layer_intermediate(c, l);
+        e->head_first[l] = h;
+        h += e->layer_heads[l];
+    }
+    e->head_first[L] = h;
+    int sign_match = 0;
+    for (int64_t k = 0; k < heads; k++) {
+        e->head_attention[k] = c->head_attention ? c->head_attention[k] : FT_ATTN_EXACT;
+        sign_match |= e->head_attention[k] == FT_ATTN_SIGN_MATCH;
+    }
+    e->cfg.layer_heads = e->layer_heads;
+    e->cfg.layer_intermediate = e->layer_intermediate;
+    e->cfg.head_attention = e->head_attention;
+    e->cfg.sign_match_keys = sign_match ? c->sign_match_keys : 0;
+    e->cfg.vocab_map = NULL;
+    e->cfg.vocab_rows = 0;
+    if (c->vocab_map) {
+        if (!(e->vocab_map = malloc((size_t)c->vocab_size * sizeof(int32_t))))
+            return ft_error(FT_ERR_NOMEM, "out of memory");
+        memcpy(e->vocab_map, c->vocab_map, (size_t)c->vocab_size * sizeof(int32_t));
+        e->cfg.vocab_map = e->vocab_map;
+        e->cfg.vocab_rows = c->vocab_rows;
+    }
     return FT_OK;
 }
 
@@ -123,6 +229,7 @@ ft_status ft_encoder_create(const ft_bert_config *cfg, ft_device device, ft_dtyp
     ft_status st = FT_OK;
     if (device.kind == FT_DEVICE_CPU) e->be = ft_backend_cpu();
     else st = ft_backend_cuda_open(device.index, &e->be);
+    if (st == FT_OK) st = copy_structure(e, cfg);
     if (st == FT_OK) st = build_layout(e);
     if (st == FT_OK) {
         e->host_params = calloc(e->n_params, sizeof(float));
@@ -150,6 +257,11 @@ void ft_encoder_free(ft_encoder *e) {
     free(e->host_ws);
     free(e->views);
     free(e->layers);
+    free(e->layer_heads);
+    free(e->layer_intermediate);
+    free(e->head_first);
+    free(e->head_attention);
+    free(e->vocab_map);
     pthread_mutex_destroy(&e->lock);
     free(e);
 }
@@ -200,7 +312,7 @@ ft_status ft_encoder_copy_weights(ft_encoder *dst, const ft_encoder *src) {
     if (dst->int8 || src->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "copy_weights: an int8 encoder's weights are int8 (no float32 masters) and "
                         "run on the CPU only; quantize a float32 copy instead");
-    if (memcmp(&dst->cfg, &src->cfg, sizeof dst->cfg) != 0 || dst->n_params != src->n_params)
+    if (!ft_bert_config_equal(&dst->cfg, &src->cfg) || dst->n_params != src->n_params)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "copy_weights: the two encoders have different configs");
     memcpy(dst->host_params, src->host_params, src->n_params * sizeof(float));
     dst->has_pooler = src->has_pooler;
@@ -258,11 +370,16 @@ static ft_status detect_prefix(const ft_st_file *f, char *prefix, size_t len) {
 }
 
 ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const char *prefix_in) {
+    return ft_encoder_load_safetensors_expect(e, path, prefix_in, -1, -1);
+}
+
+ft_status ft_encoder_load_safetensors_expect(ft_encoder *e, const char *path, const char *prefix_in,
+                                             int64_t expect_bytes, int64_t expect_crc32c) {
     if (e->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "%s: this encoder is int8; load float weights into a float32 encoder, then "
                         "quantize it", path);
     ft_st_file f;
-    FT_TRY(ft_st_open(path, &f));
+    FT_TRY(ft_st_open_expect(path, expect_bytes, expect_crc32c, &f));
     char prefix[128];
     ft_status st = FT_OK;
     if (prefix_in) snprintf(prefix, sizeof prefix, "%s", prefix_in);
@@ -312,6 +429,11 @@ ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const cha
 }
 
 ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_dtype dtype) {
+    return ft_encoder_save_safetensors_record(e, path, dtype, NULL, NULL);
+}
+
+ft_status ft_encoder_save_safetensors_record(const ft_encoder *e, const char *path, ft_dtype dtype, uint64_t *bytes,
+                                             uint32_t *crc32c) {
     if (e->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "%s: an int8 encoder has no float32 weights to write in Hugging Face's "
                         "layout; its int8 weights and scales are named tensors (ft_encoder_tensor_int8)", path);
@@ -337,7 +459,7 @@ ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_
                                      : (const void *)((const uint16_t *)conv + v->offset);
     }
     const ft_st_meta meta = {"format", "pt"};
-    ft_status st = ft_safetensors_write(path, ts, n, &meta, 1, NULL, NULL);
+    ft_status st = ft_safetensors_write(path, ts, n, &meta, 1, bytes, crc32c);
     free(conv);
     free(ts);
     return st;
@@ -350,6 +472,12 @@ ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_
  * int8 ones where the linear layers run in reduced precision (e->lowp); an int8 encoder whose
  * backend gains nothing from int8 products (no VNNI / AMX-INT8) packs its weights dequantized
  * into float32 panels. Offsets in floats, each copy 64-byte aligned. */
+void ft_encoder_layer_shapes(const ft_encoder *e, int64_t l, int64_t shapes[4][2]) {
+    const int64_t C = e->cfg.hidden_size, A = e->layer_heads[l] * (C / e->cfg.num_heads), I = e->layer_intermediate[l];
+    const int64_t s[4][2] = {{3 * A, C}, {C, A}, {I, C}, {C, I}};
+    memcpy(shapes, s, sizeof s);
+}
+
 static size_t packed_floats_of(const ft_encoder *e, int64_t N, int64_t K) {
     ft_backend *be = e->be;
     const size_t bytes = e->lowp ? be->packed_weight_lp_bytes(be, e->wtype, N, K) : be->packed_weight_bytes(be, N, K);
@@ -379,14 +507,12 @@ static ft_status pack_one(ft_encoder *e, float *dst, int64_t l, int k, int64_t N
 static ft_status ensure_packed(ft_encoder *e) {
     if (e->packed_ok) return FT_OK;
     ft_backend *be = e->be;
-    const int64_t C = e->cfg.hidden_size, I = e->cfg.intermediate_size;
-    const int64_t shapes[4][2] = {{3 * C, C}, {C, C}, {I, C}, {C, I}};
-    size_t per_layer = 0, sizes[4];
-    for (int k = 0; k < 4; k++) {
-        sizes[k] = packed_floats_of(e, shapes[k][0], shapes[k][1]);
-        per_layer += sizes[k];
+    size_t total = 0;
+    for (int64_t l = 0; l < e->cfg.num_layers; l++) {
+        int64_t shapes[4][2];   /* a pruned layer's are smaller */
+        ft_encoder_layer_shapes(e, l, shapes);
+        for (int k = 0; k < 4; k++) total += packed_floats_of(e, shapes[k][0], shapes[k][1]);
     }
-    const size_t total = per_layer * (size_t)e->cfg.num_layers;
     if (total > e->packed_floats) {
         if (e->packed) be->free(be, e->packed);
         e->packed = NULL;
@@ -394,14 +520,17 @@ static ft_status ensure_packed(ft_encoder *e) {
         FT_TRY(be->alloc(be, total * sizeof(float), (void **)&e->packed));
         e->packed_floats = total;
     }
+    size_t off = 0;
     for (int64_t l = 0; l < e->cfg.num_layers; l++) {
+        int64_t shapes[4][2];
+        ft_encoder_layer_shapes(e, l, shapes);
         ft_layer_offsets *o = &e->layers[l];
         size_t *dst[4] = {&o->pqkv, &o->po, &o->p1, &o->p2};
-        size_t off = per_layer * (size_t)l;
         for (int k = 0; k < 4; k++) {
+            const size_t size = packed_floats_of(e, shapes[k][0], shapes[k][1]);
             *dst[k] = off;
-            if (sizes[k]) FT_TRY(pack_one(e, e->packed + off, l, k, shapes[k][0], shapes[k][1]));
-            off += sizes[k];
+            if (size) FT_TRY(pack_one(e, e->packed + off, l, k, shapes[k][0], shapes[k][1]));
+            off += size;
         }
     }
     e->packed_ok = 1;
@@ -455,8 +584,14 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* Grow the workspaces to fit (B, T); never shrinks, so steady-state batches allocate nothing. */
 static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffers *w, fwd_plan *h) {
-    const int64_t C = e->cfg.hidden_size, I = e->cfg.intermediate_size, N = B * T;
-    const int64_t wide = I > 3 * C ? I : 3 * C;   /* qkv (N, 3C) and ffn (N, I) share a buffer */
+    const int64_t C = e->cfg.hidden_size, N = B * T, hs = C / e->cfg.num_heads;
+    int64_t wide = 0;   /* qkv (N, 3A) and ffn (N, I) share a buffer: its widest layer */
+    for (int64_t l = 0; l < e->cfg.num_layers; l++) {
+        const int64_t A = e->layer_heads[l] * hs, I = e->layer_intermediate[l];
+        wide = I > wide ? I : wide;
+        wide = 3 * A > wide ? 3 * A : wide;
+    }
+    if (wide < C) wide = C;
     const int host_mem = e->be->device.kind == FT_DEVICE_CPU;
     const size_t es = e->esz;
     enum { NW = 14 };
@@ -568,7 +703,7 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
                     if (m != 0.0f || !(with_pad || (cls_pad && t == 0))) continue;
                     if (t == 0) h->pool_first[b] = (int32_t)r;   /* a padded CLS row */
                 }
-                h->ids[r] = (int32_t)id;
+                h->ids[r] = c->vocab_map ? c->vocab_map[id] : (int32_t)id;   /* a pruned vocabulary's row */
                 h->types[r] = (int32_t)ty;
                 h->positions[r] = (int32_t)t;
                 h->src[r] = (int32_t)(b * T + t);
@@ -589,13 +724,63 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
     return FT_OK;
 }
 
+/* the masks' own consistency with the model (sizes come from the model; the arrays' lengths are the
+ * caller's to get right: the binding checks them against its arrays) */
+static ft_status check_masks(const ft_encoder *e, const ft_forward_masks *m) {
+    if (m && (m->start_layer < 0 || m->start_layer > e->cfg.num_layers))
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "start_layer %lld is not a layer of this %lld-layer encoder",
+                        (long long)m->start_layer, (long long)e->cfg.num_layers);
+    if (m && m->start_layer > 0 && !m->start_hidden)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "start_layer %lld needs its hidden states", (long long)m->start_layer);
+    if (m && m->start_layer > 0 && e->dtype != FT_F32)
+        return ft_error(FT_ERR_UNSUPPORTED, "a forward from a layer's hidden states runs in float32 only");
+    if (!m || !m->ffn_keep) return FT_OK;
+    if (m->ffn_group < 1)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "FFN masks need a group size >= 1, got %lld", (long long)m->ffn_group);
+    for (int64_t l = 0; l < e->cfg.num_layers; l++)
+        if (e->layer_intermediate[l] % m->ffn_group)
+            return ft_error(FT_ERR_INVALID_ARGUMENT, "FFN group size %lld does not divide layer %lld's intermediate "
+                            "size %lld", (long long)m->ffn_group, (long long)l, (long long)e->layer_intermediate[l]);
+    return FT_OK;
+}
+
+/* layer l's attention heads (modes: a NH buffer): the model's mode per head, or off where masked.
+ * Returns 1 when any head is not exact (attention_heads_forward), 0 when attention_forward does. */
+static int head_modes(const ft_encoder *e, int64_t l, const ft_forward_masks *m, uint8_t *modes) {
+    int other = 0;
+    for (int64_t h = 0; h < e->layer_heads[l]; h++) {
+        const int64_t k = e->head_first[l] + h;
+        modes[h] = m && m->head_keep && !m->head_keep[k] ? FT_ATTN_OFF : e->head_attention[k];
+        other |= modes[h] != FT_ATTN_EXACT;
+    }
+    return other;
+}
+
+/* big (N, I): the FFN groups masked in layer l set to zero, adjacent ones in one call */
+static ft_status mask_ffn(ft_encoder *e, int64_t l, const ft_forward_masks *m, void *big, int64_t N) {
+    if (!m || !m->ffn_keep) return FT_OK;
+    const int64_t I = e->layer_intermediate[l], G = I / m->ffn_group;
+    int64_t first = 0;
+    for (int64_t k = 0; k < l; k++) first += e->layer_intermediate[k] / m->ffn_group;
+    const uint8_t *keep = m->ffn_keep + first;
+    for (int64_t g = 0; g < G;) {
+        if (keep[g]) { g++; continue; }
+        int64_t end = g;
+        while (end < G && !keep[end]) end++;
+        FT_TRY(e->be->zero_columns(e->be, e->dtype, big, N, I, g * m->ffn_group, (end - g) * m->ffn_group));
+        g = end;
+    }
+    return FT_OK;
+}
+
 static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_index2d *ids,
                                 const ft_index2d *mask, const ft_index2d *types,
                                 float *const *hidden_out, float *const *pooled_out, ft_pooling pooling,
-                                int on_device, ft_cancel_fn cancel, void *cancel_arg) {
+                                int on_device, const ft_forward_masks *masks, ft_cancel_fn cancel, void *cancel_arg) {
     const ft_bert_config *c = &e->cfg;
     ft_backend *be = e->be;
-    const int64_t C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads, L = c->num_layers;
+    const int64_t C = c->hidden_size, NH = c->num_heads, L = c->num_layers, hs = C / NH;
+    uint8_t modes[NH];
     if (B < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "empty batch: batch size must be >= 1");
     if (T < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "empty sequences: sequence length must be >= 1");
     if (T > c->max_position_embeddings)
@@ -605,6 +790,7 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
                                            (long long)B, (long long)T);
     if (!ids || !ids->data) return ft_error(FT_ERR_INVALID_ARGUMENT, "input_ids is required");
     if (pooling < FT_POOL_NONE || pooling > FT_POOL_MEAN) return ft_error(FT_ERR_INVALID_ARGUMENT, "unknown pooling %d", (int)pooling);
+    FT_TRY(check_masks(e, masks));
     int want_hidden = 0, want_pooled = 0;
     int64_t last = -1;   /* the deepest layer asked for: the layers above it are not run */
     for (int64_t l = 0; l <= L; l++) {
@@ -612,6 +798,11 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
         if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) want_pooled = 1, last = l;
     }
     if (last < 0) last = L;   /* nothing asked for: run the whole encoder, as a timing call would expect */
+    const int64_t start = masks ? masks->start_layer : 0;
+    for (int64_t l = 0; l < start; l++)
+        if ((hidden_out && hidden_out[l]) || (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE))
+            return ft_error(FT_ERR_INVALID_ARGUMENT, "output of layer %lld asked for, below start_layer %lld",
+                            (long long)l, (long long)start);
     fwd_buffers w;
     fwd_plan h;
     FT_TRY(ensure_workspace(e, B, T, &w, &h));
@@ -631,25 +822,44 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     const ft_dtype dt = e->dtype;
     const char *Pb = e->params;
 #define P(off) ((const void *)(Pb + (off) * e->esz))
-    if (N > 0 && e->int8 && e->int8->word)   /* int8 word embeddings (per-row scales) */
+    if (N > 0 && start == 0 && e->int8 && e->int8->word)   /* int8 word embeddings (per-row scales) */
         FT_TRY(be->embed_i8_ln_forward(be, w.x, w.ids, w.types, w.positions, e->int8->data + e->int8->word_q,
                                        e->int8->scale + e->int8->word_s, P(e->pos), P(e->type), P(e->emb_ln_g),
                                        P(e->emb_ln_b), N, C, c->layer_norm_eps));
-    else if (N > 0)
+    else if (N > 0 && start == 0)
         FT_TRY(be->embed_ln_forward(be, dt, w.x, w.ids, w.types, w.positions, P(e->word), P(e->pos), P(e->type),
                                     P(e->emb_ln_g), P(e->emb_ln_b), N, C, c->layer_norm_eps));
-    for (int64_t l = 0; l <= last; l++) {
-        if (l > 0 && N > 0) {
+    if (N > 0 && start > 0) {   /* x = the given layer's rows, gathered into the packed order */
+        float *rows = host_mem ? (float *)w.x : malloc((size_t)N * (size_t)C * sizeof(float));
+        if (!rows) return ft_error(FT_ERR_NOMEM, "out of memory staging start_hidden");
+        for (int64_t r = 0; r < N; r++)
+            memcpy(rows + r * C, masks->start_hidden + (int64_t)h.src[r] * C, (size_t)C * sizeof(float));
+        ft_status st = host_mem ? FT_OK : be->upload(be, w.x, rows, (size_t)N * (size_t)C * sizeof(float));
+        if (!host_mem) {
+            if (st == FT_OK) st = be->synchronize(be);
+            free(rows);
+        }
+        FT_TRY(st);
+    }
+    for (int64_t l = start; l <= last; l++) {
+        if (l > start && N > 0 && !(masks && masks->skip_layers && masks->skip_layers[l - 1])) {
             if (cancel && cancel(cancel_arg)) return ft_error(FT_ERR_INTERRUPTED, "forward interrupted");
             const ft_layer_offsets *o = &e->layers[l - 1];
-            /* qkv (N, 3C) = x Wqkv^T + bqkv: one GEMM for Q, K and V */
-            FT_TRY(linear(e, w.big, w.x, o->wqkv, o->pqkv, P(o->bqkv), N, C, 3 * C, -1));
-            FT_TRY(be->attention_forward(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, C, NH, w.scratch));
+            /* A = this layer's heads x head size, I its FFN width (smaller when pruned) */
+            const int64_t nh = e->layer_heads[l - 1], A = nh * hs, I = e->layer_intermediate[l - 1];
+            /* qkv (N, 3A) = x Wqkv^T + bqkv: one GEMM for Q, K and V */
+            FT_TRY(linear(e, w.big, w.x, o->wqkv, o->pqkv, P(o->bqkv), N, C, 3 * A, -1));
+            if (head_modes(e, l - 1, masks, modes))
+                FT_TRY(be->attention_heads_forward(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, A, nh, modes,
+                                                   c->sign_match_keys, w.scratch));
+            else
+                FT_TRY(be->attention_forward(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, A, nh, w.scratch));
             /* t = LN(x + ctx Wo^T + bo) */
-            FT_TRY(linear_residual_ln(e, w.t, w.ctx, o->wo, o->po, P(o->bo), w.x, P(o->ln1_g), P(o->ln1_b), N, C, C,
+            FT_TRY(linear_residual_ln(e, w.t, w.ctx, o->wo, o->po, P(o->bo), w.x, P(o->ln1_g), P(o->ln1_b), N, A, C,
                                       c->layer_norm_eps));
             /* big (N, I) = act(t W1^T + b1) */
             FT_TRY(linear(e, w.big, w.t, o->w1, o->p1, P(o->b1), N, C, I, c->activation));
+            FT_TRY(mask_ffn(e, l - 1, masks, w.big, N));
             /* x = LN(t + big W2^T + b2) */
             FT_TRY(linear_residual_ln(e, w.x, w.big, o->w2, o->p2, P(o->b2), w.t, P(o->ln2_g), P(o->ln2_b), N, I, C,
                                       c->layer_norm_eps));
@@ -678,9 +888,17 @@ ft_status ft_encoder_forward(ft_encoder *e, int64_t B, int64_t T, const ft_index
                              const ft_index2d *mask, const ft_index2d *types,
                              float *const *hidden_out, float *const *pooled_out, ft_pooling pooling,
                              int outputs_on_device, ft_cancel_fn cancel, void *cancel_arg) {
+    return ft_encoder_forward_masked(e, B, T, ids, mask, types, hidden_out, pooled_out, pooling, outputs_on_device,
+                                     NULL, cancel, cancel_arg);
+}
+
+ft_status ft_encoder_forward_masked(ft_encoder *e, int64_t B, int64_t T, const ft_index2d *ids,
+                                    const ft_index2d *mask, const ft_index2d *types, float *const *hidden_out,
+                                    float *const *pooled_out, ft_pooling pooling, int outputs_on_device,
+                                    const ft_forward_masks *masks, ft_cancel_fn cancel, void *cancel_arg) {
     pthread_mutex_lock(&e->lock);
     ft_status st = forward_locked(e, B, T, ids, mask, types, hidden_out, pooled_out, pooling, outputs_on_device != 0,
-                                  cancel, cancel_arg);
+                                  masks, cancel, cancel_arg);
     pthread_mutex_unlock(&e->lock);
     return st;
 }

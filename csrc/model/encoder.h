@@ -56,6 +56,11 @@ struct ft_encoder {
     size_t n_views;
     size_t word, pos, type, emb_ln_g, emb_ln_b, pooler_w, pooler_b;
     ft_layer_offsets *layers;
+    /* the structure of a compressed model: per layer its heads and FFN width, per head its
+     * attention mode (the config's arrays point here); head_first[l] = the layer's first head */
+    int64_t *layer_heads, *layer_intermediate, *head_first;
+    uint8_t *head_attention;
+    int32_t *vocab_map;       /* a pruned vocabulary's id -> row map (vocab_size), or NULL */
     int has_pooler;
     /* the backend's packed copies of the layer weights (pack_weight), made on the first
      * forward after the weights change; NULL when the backend packs nothing */
@@ -71,6 +76,10 @@ struct ft_encoder {
 };
 
 void ft_encoder_int8_free(ft_encoder_int8 *q);
+
+/* the (rows, columns) of layer l's four projection weights -- Wqkv (3A, C), Wo (C, A), W1 (I, C),
+ * W2 (C, I) with A its heads x head size and I its FFN width -- at the layer's own (pruned) shape */
+void ft_encoder_layer_shapes(const ft_encoder *e, int64_t l, int64_t shapes[4][2]);
 
 /* host_params changed: refresh the backend's copy (in dtype) and drop the packed copies */
 ft_status ft_encoder_sync_params(ft_encoder *e);

@@ -33,21 +33,23 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
         return ft_error(FT_ERR_INVALID_ARGUMENT, "quantize a float32 encoder (this one is %s)",
                         ft_dtype_name(ft_encoder_dtype(e)));
     ft_backend *be = e->be;
-    const int64_t L = e->cfg.num_layers, C = e->cfg.hidden_size, I = e->cfg.intermediate_size, V = e->cfg.vocab_size;
-    const int64_t shapes[4][2] = {{3 * C, C}, {C, C}, {I, C}, {C, I}};
+    const int64_t L = e->cfg.num_layers, C = e->cfg.hidden_size, V = ft_config_vocab_rows(&e->cfg);
+    int64_t shapes[4][2];   /* each layer's own (a pruned layer's are smaller): ft_encoder_layer_shapes */
     ft_encoder_int8 *q = calloc(1, sizeof *q);
     if (!q || !(q->layer = calloc(L ? (size_t)L : 1, sizeof *q->layer))) {
         ft_encoder_int8_free(q);
         return ft_error(FT_ERR_NOMEM, "out of memory");
     }
     size_t qb = 0, sc = 0;
-    for (int64_t l = 0; l < L; l++)
+    for (int64_t l = 0; l < L; l++) {
+        ft_encoder_layer_shapes(e, l, shapes);
         for (int k = 0; k < 4; k++) {
             q->layer[l][k].q = qb;
             q->layer[l][k].s = sc;
             qb += (size_t)(shapes[k][0] * shapes[k][1]);
             sc += (size_t)shapes[k][0];
         }
+    }
     q->word = embeddings != 0;
     if (q->word) {
         q->word_q = qb;
@@ -79,6 +81,7 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     for (int64_t l = 0; l < L && st == FT_OK; l++) {
         const ft_layer_offsets *o = &e->layers[l];
         const size_t src[4] = {o->wqkv, o->wo, o->w1, o->w2};
+        ft_encoder_layer_shapes(e, l, shapes);
         for (int k = 0; k < 4 && st == FT_OK; k++)
             st = be->quantize_weight(be, q->data + q->layer[l][k].q, q->scale + q->layer[l][k].s,
                                      e->host_params + src[k], shapes[k][0], shapes[k][1]);
@@ -100,6 +103,7 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
         for (int64_t l = 0; l < L && !is_q[k]; l++) {
             const ft_layer_offsets *o = &e->layers[l];
             const size_t src[4] = {o->wqkv, o->wo, o->w1, o->w2};
+            ft_encoder_layer_shapes(e, l, shapes);
             for (int m = 0; m < 4; m++) {
                 const size_t end = src[m] + (size_t)(shapes[m][0] * shapes[m][1]);
                 if (v->ndim == 2 && v->offset >= src[m] && v->offset < end) {   /* Q, K, V: rows of the QKV block */

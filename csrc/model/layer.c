@@ -46,15 +46,16 @@ static uint64_t site_key(const ft_layer_batch *bt, int64_t layer, int site) {
     return ft_dropout_key(bt->seed, bt->step, 16 + (uint64_t)layer * SITES + (uint64_t)site) + base;
 }
 
-void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, int64_t N, int64_t P,
-                         size_t sizes[FT_LAYER_ACT_KINDS]) {
-    const size_t C = (size_t)cfg->hidden_size, I = (size_t)cfg->intermediate_size, n = (size_t)N, f = sizeof(float);
+void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, const ft_layer_shape *sh, int64_t N,
+                         int64_t P, size_t sizes[FT_LAYER_ACT_KINDS]) {
+    const size_t C = (size_t)cfg->hidden_size, A = (size_t)sh->attn, I = (size_t)sh->inter, n = (size_t)N,
+                 f = sizeof(float), probs = (size_t)P * (size_t)sh->heads;
     memset(sizes, 0, FT_LAYER_ACT_KINDS * sizeof(size_t));
-    sizes[ACT_QKV] = n * 3 * C * f;
+    sizes[ACT_QKV] = n * 3 * A * f;
     /* the probabilities, or (recomputed in the backward) each row's softmax statistics: 2 floats per row and head */
-    sizes[ACT_PROBS] = opt->recompute_attention_probs ? n * (size_t)cfg->num_heads * 2 * f : (size_t)P * f;
-    sizes[ACT_ATTN_MASK] = !opt->recompute_attention_dropout && opt->attention_dropout > 0.0f ? (size_t)P : 0;
-    sizes[ACT_CTX] = n * C * f;
+    sizes[ACT_PROBS] = opt->recompute_attention_probs ? n * (size_t)sh->heads * 2 * f : probs * f;
+    sizes[ACT_ATTN_MASK] = !opt->recompute_attention_dropout && opt->attention_dropout > 0.0f ? probs : 0;
+    sizes[ACT_CTX] = n * A * f;
     sizes[ACT_LN_IN] = opt->inplace_layernorm ? 0 : 2 * n * C * f;
     sizes[ACT_LN_STATS] = 2 * n * 2 * f;
     sizes[ACT_LN_OUT] = 2 * n * C * f;   /* h1 and out (the next layer's input) */
@@ -63,20 +64,20 @@ void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt,
     sizes[ACT_GELU_OUT] = n * I * f;
 }
 
-ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
-                                 ft_layer_acts *a, const ft_layer_work *wk) {
+ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
+                                 const ft_layer_weights *w, ft_layer_acts *a, const ft_layer_work *wk) {
     const ft_bert_config *c = bt->cfg;
     const ft_layer_options *o = bt->opt;
-    const int64_t N = bt->N, C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads;
+    const int64_t N = bt->N, C = c->hidden_size, A = sh->attn, I = sh->inter, NH = sh->heads;
     const float eps = c->layer_norm_eps;
-    /* qkv (N, 3C) = x Wqkv^T + bqkv */
-    FT_TRY(be->broadcast_rows(be, a->qkv, w->bqkv, N, 3 * C));
-    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, 3 * C, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * C));
+    /* qkv (N, 3A) = x Wqkv^T + bqkv */
+    FT_TRY(be->broadcast_rows(be, a->qkv, w->bqkv, N, 3 * A));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, 3 * A, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * A));
     FT_TRY(be->attention_train_forward(be, o->matmul_precision, a->ctx, a->probs, a->attn_stats, a->attn_mask, a->qkv,
-                                       bt->seqs, bt->B, C, NH, o->attention_dropout,
+                                       bt->seqs, bt->B, A, NH, o->attention_dropout,
                                        site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
     /* h1 = LN(x + dropout(ctx Wo^T + bo)) */
-    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, C, C, 1.0f, a->ctx, C, w->wo, C, 0.0f, wk->tmp, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, C, A, 1.0f, a->ctx, A, w->wo, A, 0.0f, wk->tmp, C));
     FT_TRY(be->residual_ln_train_forward(be, a->h1, a->ln1_in, a->ln1_stats, a->x, wk->tmp, w->bo, w->ln1_g, w->ln1_b,
                                          N, C, eps, o->hidden_dropout, site_key(bt, layer, SITE_ATTN_OUT)));
     /* act = GELU(h1 W1^T + b1), in place over the GEMM output */
@@ -101,12 +102,17 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
  *                                                                                    -> dbqkv, dWqkv = dbig^T x
  *   g    += dbig Wqkv                d x (its residual path and the attention; skipped when nothing
  *                                    below needs it) */
-ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
-                            const ft_layer_acts *a, const ft_layer_work *wk, const ft_layer_weights *gw, int want_dx) {
+ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
+                            const ft_layer_weights *w, const ft_layer_acts *a, const ft_layer_work *wk,
+                            const ft_layer_weights *gw, int want_dx, const ft_layer_significance *sig) {
     const ft_bert_config *c = bt->cfg;
     const ft_layer_options *o = bt->opt;
-    const int64_t N = bt->N, C = c->hidden_size, I = c->intermediate_size, NH = c->num_heads;
+    const int64_t N = bt->N, C = c->hidden_size, A = sh->attn, I = sh->inter, NH = sh->heads;
     const int ln_out = o->inplace_layernorm;
+    if (sig) {   /* the layer's residual branch: dL/dout . out - dL/dout . x, per row */
+        FT_TRY(be->group_dot(be, sig->sig + sig->layer_col, sig->ld, wk->g, C, a->out, C, N, C, C));
+        FT_TRY(be->group_dot(be, sig->sig + sig->layer_col + 1, sig->ld, wk->g, C, a->x, C, N, C, C));
+    }
     FT_TRY(be->layernorm_backward(be, wk->g, gw->ln2_g, gw->ln2_b, wk->g, ln_out ? a->out : a->ln2_in, a->ln2_stats,
                                   w->ln2_g, w->ln2_b, N, C, ln_out));
     const float *dy = wk->g;
@@ -117,6 +123,8 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->sum_axis(be, gw->b2, dy, N, C, 0));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, I, N, 1.0f, dy, C, a->ffn_act, I, 0.0f, gw->w2, I));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, I, C, 1.0f, dy, C, w->w2, I, 0.0f, wk->dbig, I));
+    if (sig)   /* FFN groups: dL/dact . act */
+        FT_TRY(be->group_dot(be, sig->sig + sig->ffn_col, sig->ld, wk->dbig, I, a->ffn_act, I, N, I, sig->ffn_group));
     FT_TRY(be->bias_act_backward(be, wk->dbig, wk->dbig, o->inplace_gelu ? a->ffn_act : a->ffn_pre,
                                  o->inplace_gelu ? a->gelu_bits : NULL, a->h1, w->w1, w->b1, N, I, C, c->activation));
     FT_TRY(be->sum_axis(be, gw->b1, wk->dbig, N, I, 0));
@@ -130,15 +138,17 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
         da = wk->tmp;
     }
     FT_TRY(be->sum_axis(be, gw->bo, da, N, C, 0));
-    FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, C, N, 1.0f, da, C, a->ctx, C, 0.0f, gw->wo, C));
-    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, C, 1.0f, da, C, w->wo, C, 0.0f, wk->dctx, C));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, A, N, 1.0f, da, C, a->ctx, A, 0.0f, gw->wo, A));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, A, C, 1.0f, da, C, w->wo, A, 0.0f, wk->dctx, A));
+    if (sig)   /* heads: dL/dctx_h . ctx_h */
+        FT_TRY(be->group_dot(be, sig->sig + sig->head_col, sig->ld, wk->dctx, A, a->ctx, A, N, A, A / NH));
     FT_TRY(be->attention_backward(be, o->matmul_precision, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_stats,
-                                  a->attn_mask, bt->seqs, bt->B, C, NH, o->attention_dropout,
+                                  a->attn_mask, bt->seqs, bt->B, A, NH, o->attention_dropout,
                                   site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
-    FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * C, 0));
-    FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, 3 * C, C, N, 1.0f, wk->dbig, 3 * C, a->x, C, 0.0f, gw->wqkv, C));
+    FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * A, 0));
+    FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, 3 * A, C, N, 1.0f, wk->dbig, 3 * A, a->x, C, 0.0f, gw->wqkv, C));
     if (!want_dx) return FT_OK;   /* the bottom trained layer: nothing below needs d x */
-    return be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, 3 * C, 1.0f, wk->dbig, 3 * C, w->wqkv, C, 1.0f, wk->g, C);
+    return be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, 3 * A, 1.0f, wk->dbig, 3 * A, w->wqkv, C, 1.0f, wk->g, C);
 }
 
 /* ---- the stack ------------------------------------------------------------------------------ */
@@ -155,9 +165,19 @@ struct ft_layer_stack {
     ft_bert_config cfg;
     ft_layer_options opt;
     int64_t first, count;
-    size_t layer_floats, n_params;
+    ft_layer_shape *shape;              /* per layer of the stack */
+    size_t *layer_start, n_params;      /* per layer: its first float in params / grads; count + 1 entries */
+    int64_t *layer_heads, *layer_inter; /* the config's per-layer arrays (all L layers), owned here */
+    uint8_t *head_attention;
+    int32_t *vocab_map;
     size_t extra;                       /* floats after the layers in params and grads: the caller's */
-    float *params, *grads;              /* count * layer_floats each, backend memory */
+    float *params, *grads;              /* n_params + extra each, backend memory */
+    /* first-order significance (ft_layer_stack_set_significance): per row of the last batch, every
+     * head's, FFN group's and layer's gradient x activation (layers: two columns, out and x) */
+    int64_t sig_group, sig_ld;
+    float *sig;                         /* backend memory, grown with the batch */
+    size_t sig_bytes;
+    int sig_valid;                      /* sig holds the last backward's */
     stack_view *views;
     size_t n_views;
     ft_layer_weights *w, *gw;           /* per layer */
@@ -173,9 +193,9 @@ struct ft_layer_stack {
 };
 
 /* the offsets (floats, from the layer's start) of the 12 tensors, in the encoder's order */
-static void layer_offsets(const ft_bert_config *c, size_t off[12], size_t *total) {
-    const size_t C = (size_t)c->hidden_size, I = (size_t)c->intermediate_size;
-    const size_t sizes[12] = {3 * C * C, 3 * C, C * C, C, C, C, I * C, I, C * I, C, C, C};
+static void layer_offsets(const ft_bert_config *c, const ft_layer_shape *sh, size_t off[12], size_t *total) {
+    const size_t C = (size_t)c->hidden_size, A = (size_t)sh->attn, I = (size_t)sh->inter;
+    const size_t sizes[12] = {3 * A * C, 3 * A, C * A, C, C, C, I * C, I, C * I, C, C, C};
     size_t o = 0;
     for (int k = 0; k < 12; k++) { off[k] = o; o += sizes[k]; }
     *total = o;
@@ -188,7 +208,7 @@ static void bind_weights(ft_layer_weights *w, float *base, const size_t off[12])
 }
 
 static size_t stack_bytes_now(const ft_layer_stack *s) {
-    return 2 * (s->n_params + s->extra) * sizeof(float) + s->arena_bytes + s->ws_bytes;
+    return 2 * (s->n_params + s->extra) * sizeof(float) + s->arena_bytes + s->ws_bytes + s->sig_bytes;
 }
 
 void ft_layer_stack_free(ft_layer_stack *s) {
@@ -205,7 +225,51 @@ void ft_layer_stack_free(ft_layer_stack *s) {
     free(s->acts);
     free(s->seqs);
     free(s->pool_host);
+    free(s->shape);
+    free(s->layer_start);
+    free(s->layer_heads);
+    free(s->layer_inter);
+    free(s->head_attention);
+    free(s->vocab_map);
     free(s);
+}
+
+/* the stack's own copy of the encoder's per-layer structure (the config points at it), and the
+ * shapes and parameter offsets of its layers */
+static ft_status copy_structure(ft_layer_stack *s, const ft_encoder *e) {
+    const int64_t L = e->cfg.num_layers, heads = ft_config_total_heads(&e->cfg), hs = e->cfg.hidden_size / e->cfg.num_heads;
+    s->layer_heads = malloc((size_t)(L + 1) * sizeof(int64_t));
+    s->layer_inter = malloc((size_t)(L + 1) * sizeof(int64_t));
+    s->head_attention = malloc((size_t)heads + 1);
+    s->shape = calloc((size_t)s->count, sizeof *s->shape);
+    s->layer_start = calloc((size_t)s->count + 1, sizeof *s->layer_start);
+    if (!s->layer_heads || !s->layer_inter || !s->head_attention || !s->shape || !s->layer_start)
+        return ft_error(FT_ERR_NOMEM, "out of memory");
+    memcpy(s->layer_heads, e->layer_heads, (size_t)L * sizeof(int64_t));
+    memcpy(s->layer_inter, e->layer_intermediate, (size_t)L * sizeof(int64_t));
+    memcpy(s->head_attention, e->head_attention, (size_t)heads);
+    s->cfg.layer_heads = s->layer_heads;
+    s->cfg.layer_intermediate = s->layer_inter;
+    s->cfg.head_attention = s->head_attention;
+    if (e->vocab_map) {   /* (only compared: the stack holds no embeddings) */
+        if (!(s->vocab_map = malloc((size_t)e->cfg.vocab_size * sizeof(int32_t)))) return ft_error(FT_ERR_NOMEM, "out of memory");
+        memcpy(s->vocab_map, e->vocab_map, (size_t)e->cfg.vocab_size * sizeof(int32_t));
+        s->cfg.vocab_map = s->vocab_map;
+    }
+    for (int64_t i = 0; i < s->count; i++) {
+        const int64_t l = s->first + i;
+        for (int64_t h = e->head_first[l]; h < e->head_first[l + 1]; h++)
+            if (e->head_attention[h] == FT_ATTN_SIGN_MATCH)
+                return ft_error(FT_ERR_UNSUPPORTED, "layer %lld has sign-matching attention heads, which cannot be "
+                                "trained (their backward would be exact attention's); train these layers before "
+                                "applying sign matching, or train fewer top layers", (long long)l);
+        s->shape[i] = (ft_layer_shape){e->layer_heads[l], e->layer_heads[l] * hs, e->layer_intermediate[l]};
+        size_t off[12], floats;
+        layer_offsets(&s->cfg, &s->shape[i], off, &floats);
+        s->layer_start[i + 1] = s->layer_start[i] + floats;
+    }
+    s->n_params = s->layer_start[s->count];
+    return FT_OK;
 }
 
 ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t count, ft_device dev,
@@ -236,9 +300,7 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     s->first = first;
     s->count = count;
     ft_status st = ft_backend_for(dev, &s->be);
-    size_t off[12];
-    layer_offsets(&s->cfg, off, &s->layer_floats);
-    s->n_params = s->layer_floats * (size_t)count;
+    if (st == FT_OK) st = copy_structure(s, e);
     if (st == FT_OK && opt->inplace_layernorm) {
         /* the backward divides by gamma: a zero would lose the normalised input */
         for (int64_t l = first; l < first + count && st == FT_OK; l++)
@@ -269,17 +331,19 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
         v->ndim = e->views[k].ndim;
         v->shape[0] = e->views[k].shape[0];
         v->shape[1] = e->views[k].shape[1];
-        v->offset = (size_t)(l - first) * s->layer_floats + (e->views[k].offset - e->layers[l].wqkv);
+        v->offset = s->layer_start[l - first] + (e->views[k].offset - e->layers[l].wqkv);
     }
     s->extra = extra_floats;
     if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->params);
     if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->grads);
     for (int64_t l = 0; st == FT_OK && l < count; l++) {
         /* the encoder's layer block is contiguous in the same order (model/encoder.c's layout) */
-        st = s->be->upload(s->be, s->params + (size_t)l * s->layer_floats, e->host_params + e->layers[first + l].wqkv,
-                           s->layer_floats * sizeof(float));
-        bind_weights(&s->w[l], s->params + (size_t)l * s->layer_floats, off);
-        bind_weights(&s->gw[l], s->grads + (size_t)l * s->layer_floats, off);
+        size_t off[12], floats;
+        layer_offsets(&s->cfg, &s->shape[l], off, &floats);
+        st = s->be->upload(s->be, s->params + s->layer_start[l], e->host_params + e->layers[first + l].wqkv,
+                           floats * sizeof(float));
+        bind_weights(&s->w[l], s->params + s->layer_start[l], off);
+        bind_weights(&s->gw[l], s->grads + s->layer_start[l], off);
     }
     if (st == FT_OK) st = s->be->synchronize(s->be);
     if (st != FT_OK) { ft_layer_stack_free(s); return st; }
@@ -292,8 +356,8 @@ size_t ft_layer_stack_param_count(const ft_layer_stack *s) { return s->n_params;
 int64_t ft_layer_stack_count(const ft_layer_stack *s) { return s->count; }
 size_t ft_layer_stack_extra_floats(const ft_layer_stack *s) { return s->extra; }
 void ft_layer_stack_layer_range(const ft_layer_stack *s, int64_t l, size_t *offset, size_t *floats) {
-    *offset = (size_t)l * s->layer_floats;
-    *floats = s->layer_floats;
+    *offset = s->layer_start[l];
+    *floats = s->layer_start[l + 1] - s->layer_start[l];
 }
 size_t ft_layer_stack_num_tensors(const ft_layer_stack *s) { return s->n_views; }
 float *ft_layer_stack_params(ft_layer_stack *s) { return s->params; }
@@ -312,10 +376,17 @@ ft_status ft_layer_stack_tensor_info(const ft_layer_stack *s, size_t i, const ch
 
 /* per-step buffers for N rows of sequences of at most T rows */
 static size_t work_layout(const ft_layer_stack *s, int64_t B, int64_t N, int64_t T, ft_layer_work *wk, char *base) {
-    const size_t C = (size_t)s->cfg.hidden_size, I = (size_t)s->cfg.intermediate_size, n = (size_t)N;
-    const size_t wide = I > 3 * C ? I : 3 * C;
+    const size_t C = (size_t)s->cfg.hidden_size, n = (size_t)N;
+    size_t wide = 0;   /* the widest layer's FFN or QKV */
+    int64_t NH = 1;
+    for (int64_t l = 0; l < s->count; l++) {
+        const size_t I = (size_t)s->shape[l].inter, A3 = 3 * (size_t)s->shape[l].attn;
+        wide = I > wide ? I : wide;
+        wide = A3 > wide ? A3 : wide;
+        NH = s->shape[l].heads > NH ? s->shape[l].heads : NH;
+    }
     const size_t sizes[6] = {align64(n * C * 4), align64(n * C * 4), align64(n * C * 4), align64(n * wide * 4),
-                             align64(s->be->attention_train_scratch_bytes(s->be, B, T, s->cfg.num_heads)),
+                             align64(s->be->attention_train_scratch_bytes(s->be, B, T, NH)),
                              align64((size_t)B * 2 * 4)};
     float **slots[5] = {&wk->tmp, &wk->g, &wk->dctx, &wk->dbig, &wk->attn_scratch};
     if (wk) wk->attn_scratch_bytes = sizes[4];
@@ -331,7 +402,6 @@ static size_t work_layout(const ft_layer_stack *s, int64_t B, int64_t N, int64_t
 /* saved activations of every layer for N rows and P probabilities */
 static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, char *base) {
     size_t sizes[FT_LAYER_ACT_KINDS];
-    ft_layer_acts_sizes(&s->cfg, &s->opt, N, P, sizes);
     const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4;
     size_t o = 0;
 #define TAKE(ptr, type, bytes)                                              \
@@ -342,6 +412,7 @@ static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, char *
     } while (0)
     for (int64_t l = 0; l < s->count; l++) {
         ft_layer_acts *a = &s->acts[l];
+        ft_layer_acts_sizes(&s->cfg, &s->opt, &s->shape[l], N, P, sizes);
         TAKE(a->qkv, float *, sizes[ACT_QKV]);
         if (s->opt.recompute_attention_probs) {
             if (base) a->probs = NULL;
@@ -381,7 +452,7 @@ static ft_status grow(ft_layer_stack *s, void **buf, size_t *have, size_t need) 
 ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_t *lengths, int64_t B, float *out,
                                  int training, uint64_t seed, uint64_t step, uint64_t row_base, uint64_t sq_base) {
     if (B < 1 || !x || !out || !lengths) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack forward: empty batch");
-    const int64_t NH = s->cfg.num_heads, C = s->cfg.hidden_size;
+    const int64_t C = s->cfg.hidden_size;
     if (B > s->seqs_cap) {
         int32_t *ns = realloc(s->seqs, (size_t)B * 3 * sizeof *ns);
         if (ns) s->seqs = ns;
@@ -400,10 +471,11 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
         s->seqs[3 * b] = (int32_t)N;
         s->seqs[3 * b + 1] = s->seqs[3 * b + 2] = (int32_t)n;
         N += n;
-        P += NH * n * n;
+        P += n * n;
         T = n > T ? n : T;
     }
     s->ready = 0;
+    s->sig_valid = 0;
     FT_TRY(grow(s, &s->arena, &s->arena_bytes, arena_layout(s, N, P, NULL)));
     FT_TRY(grow(s, &s->ws, &s->ws_bytes, work_layout(s, B, N, T, NULL, NULL)));
     arena_layout(s, N, P, s->arena);
@@ -413,9 +485,12 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     s->batch = (ft_layer_batch){&s->cfg, training ? &s->opt : NULL, N, B, P, s->seqs, seed, step, row_base, sq_base};
     ft_layer_batch bt = s->batch;
     bt.opt = training ? &s->opt : &inference;
+    if (training && s->sig_group) {   /* per-row significance of this batch, filled by the backward */
+        FT_TRY(grow(s, (void **)&s->sig, &s->sig_bytes, (size_t)N * (size_t)s->sig_ld * sizeof(float)));
+    }
     for (int64_t l = 0; l < s->count; l++) {
         s->acts[l].x = l ? s->acts[l - 1].out : x;
-        FT_TRY(ft_layer_forward_train(s->be, &bt, s->first + l, &s->w[l], &s->acts[l], &s->work));
+        FT_TRY(ft_layer_forward_train(s->be, &bt, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work));
     }
     FT_TRY(s->be->copy(s->be, out, s->acts[s->count - 1].out, (size_t)N * (size_t)C * sizeof(float)));
     FT_TRY(s->be->synchronize(s->be));
@@ -432,20 +507,35 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
     const int64_t N = s->batch.N, C = s->cfg.hidden_size;
     FT_TRY(s->be->copy(s->be, s->work.g, dout, (size_t)N * (size_t)C * sizeof(float)));
     if (loss_scale != 1.0f) FT_TRY(s->be->scale(s->be, s->work.g, N * C, loss_scale));
+    /* significance columns: the stack's heads, then its FFN groups, then two per layer */
+    int64_t head_col = 0, ffn_col = 0;
+    for (int64_t l = 0; l < s->count; l++) ffn_col += s->shape[l].heads;
+    const int64_t layer_col0 = s->sig_ld - 2 * s->count;
+    for (int64_t l = 0; l < s->count; l++) {   /* each layer's first columns */
+        if (l == s->count - 1) break;
+        head_col += s->shape[l].heads;
+        ffn_col += s->sig_group ? s->shape[l].inter / s->sig_group : 0;
+    }
     for (int64_t l = s->count - 1; l >= 0; l--) {
-        FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->w[l], &s->acts[l], &s->work, &s->gw[l],
-                                 l > 0 || dx != NULL));
+        ft_layer_significance sg = {s->sig, s->sig_ld, head_col, ffn_col, layer_col0 + 2 * l, s->sig_group};
+        FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work,
+                                 &s->gw[l], l > 0 || dx != NULL, s->sig_group ? &sg : NULL));
         if (loss_scale != 1.0f)
-            FT_TRY(s->be->scale(s->be, s->grads + (size_t)l * s->layer_floats, (int64_t)s->layer_floats,
+            FT_TRY(s->be->scale(s->be, s->grads + s->layer_start[l], (int64_t)(s->layer_start[l + 1] - s->layer_start[l]),
                                 1.0f / loss_scale));
         if (done) {   /* its gradients are final: complete them in memory and hand them over */
             FT_TRY(s->be->synchronize(s->be));
             done(arg, l);
         }
+        if (l > 0) {
+            head_col -= s->shape[l - 1].heads;
+            ffn_col -= s->sig_group ? s->shape[l - 1].inter / s->sig_group : 0;
+        }
     }
     if (loss_scale != 1.0f && dx) FT_TRY(s->be->scale(s->be, s->work.g, N * C, 1.0f / loss_scale));
     if (dx) FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
     s->ready = 0;
+    s->sig_valid = s->sig_group != 0;
     return s->be->synchronize(s->be);
 }
 
@@ -491,10 +581,12 @@ ft_status ft_layer_stack_memory(const ft_layer_stack *s, const ft_layer_options 
     if (opt->inplace_gelu && !inplace_act_ok(s->cfg.activation))
         return ft_error(FT_ERR_UNSUPPORTED, "in-place activation needs GELU or ReLU");
     memset(m, 0, sizeof *m);
-    const int64_t N = B * T, P = B * s->cfg.num_heads * T * T;
+    const int64_t N = B * T, P = B * T * T;
     size_t sizes[FT_LAYER_ACT_KINDS];
-    ft_layer_acts_sizes(&s->cfg, opt, N, P, sizes);
-    for (int k = 0; k < FT_LAYER_ACT_KINDS; k++) m->activations[k] = sizes[k] * (size_t)s->count;
+    for (int64_t l = 0; l < s->count; l++) {
+        ft_layer_acts_sizes(&s->cfg, opt, &s->shape[l], N, P, sizes);
+        for (int k = 0; k < FT_LAYER_ACT_KINDS; k++) m->activations[k] += sizes[k];
+    }
     m->activations[ACT_INPUT] = (size_t)N * (size_t)s->cfg.hidden_size * sizeof(float);
     m->weights = m->gradients = s->n_params * sizeof(float);
     ft_layer_work wk;
@@ -510,12 +602,58 @@ void ft_layer_stack_allocated(const ft_layer_stack *s, size_t *now, size_t *peak
 }
 
 ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *e) {
-    if (memcmp(&e->cfg, &s->cfg, sizeof e->cfg) != 0)
+    if (!ft_bert_config_equal(&e->cfg, &s->cfg))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "export: the encoder has another configuration");
     if (e->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "export: the encoder is int8; export into a float32 encoder, then quantize it");
     for (int64_t l = 0; l < s->count; l++)
-        FT_TRY(s->be->download(s->be, e->host_params + e->layers[s->first + l].wqkv,
-                               s->params + (size_t)l * s->layer_floats, s->layer_floats * sizeof(float)));
+        FT_TRY(s->be->download(s->be, e->host_params + e->layers[s->first + l].wqkv, s->params + s->layer_start[l],
+                               (s->layer_start[l + 1] - s->layer_start[l]) * sizeof(float)));
     return ft_encoder_sync_params(e);   /* device copy; packed copies remade on the next forward */
+}
+
+void ft_layer_stack_layer_shape(const ft_layer_stack *s, int64_t i, int64_t *heads, int64_t *intermediate) {
+    *heads = s->shape[i].heads;
+    *intermediate = s->shape[i].inter;
+}
+
+ft_status ft_layer_stack_set_significance(ft_layer_stack *s, int64_t ffn_group) {
+    if (ffn_group < 0) return ft_error(FT_ERR_INVALID_ARGUMENT, "significance: FFN group size %lld", (long long)ffn_group);
+    int64_t cols = 2 * s->count;
+    for (int64_t l = 0; l < s->count; l++) {
+        if (ffn_group && s->shape[l].inter % ffn_group)
+            return ft_error(FT_ERR_INVALID_ARGUMENT, "significance: FFN group size %lld does not divide layer %lld's "
+                            "intermediate size %lld", (long long)ffn_group, (long long)(s->first + l),
+                            (long long)s->shape[l].inter);
+        cols += s->shape[l].heads + (ffn_group ? s->shape[l].inter / ffn_group : 0);
+    }
+    s->sig_group = ffn_group;
+    s->sig_ld = ffn_group ? cols : 0;
+    s->ready = s->sig_valid = 0;   /* a forward made before this has no significance buffer: forward again */
+    return FT_OK;
+}
+
+ft_status ft_layer_stack_significance(ft_layer_stack *s, float *heads, float *ffn, float *layers) {
+    if (!s->sig_group) return ft_error(FT_ERR_INVALID_ARGUMENT, "significance: not recorded (set_significance first)");
+    const int64_t B = s->batch.B, N = s->batch.N, ld = s->sig_ld;
+    if (B < 1 || !s->sig_valid)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "significance: no backward since the last training forward");
+    float *rows = malloc((size_t)N * (size_t)ld * sizeof(float) + 1);
+    if (!rows) return ft_error(FT_ERR_NOMEM, "out of memory");
+    ft_status st = s->be->download(s->be, rows, s->sig, (size_t)N * (size_t)ld * sizeof(float));
+    int64_t nh = 0, ng = 0;
+    for (int64_t l = 0; l < s->count; l++) nh += s->shape[l].heads, ng += s->shape[l].inter / s->sig_group;
+    for (int64_t b = 0; st == FT_OK && b < B; b++) {
+        const int64_t first = s->seqs[3 * b], n = s->seqs[3 * b + 1];
+        for (int64_t j = 0; j < ld; j++) {   /* each column summed over the sequence's rows, in row order */
+            double acc = 0.0;
+            for (int64_t r = first; r < first + n; r++) acc += rows[r * ld + j];
+            if (j < nh) { if (heads) heads[b * nh + j] = (float)acc; }
+            else if (j < nh + ng) { if (ffn) ffn[b * ng + j - nh] = (float)acc; }
+            else if (layers && (j - nh - ng) % 2 == 0) layers[b * s->count + (j - nh - ng) / 2] = (float)acc;
+            else if (layers) layers[b * s->count + (j - nh - ng) / 2] -= (float)acc;
+        }
+    }
+    free(rows);
+    return st;
 }

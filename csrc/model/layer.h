@@ -8,6 +8,12 @@
 #define FT_MODEL_LAYER_H
 #include "backend.h"
 
+/* a layer's shape: its attention heads, their width (heads x head size: C unless heads were pruned)
+ * and its FFN width (compressed models have them per layer) */
+typedef struct {
+    int64_t heads, attn, inter;
+} ft_layer_shape;
+
 /* a layer's parameters, or their gradients: views into one flat buffer, in the encoder's order */
 typedef struct {
     float *wqkv, *bqkv, *wo, *bo, *ln1_g, *ln1_b, *w1, *b1, *w2, *b2, *ln2_g, *ln2_b;
@@ -38,7 +44,7 @@ typedef struct {
     float *tmp;          /* (N, C)   projection outputs before their LayerNorm; dropout gradients */
     float *g;            /* (N, C)   the running gradient of the layer output / input */
     float *dctx;         /* (N, C) */
-    float *dbig;         /* (N, max(I, 3C))  GELU / QKV gradients */
+    float *dbig;         /* (N, max(I, 3A))  GELU / QKV gradients */
     float *attn_scratch; /* attention_train_scratch_bytes */
     size_t attn_scratch_bytes;
     int32_t *pool_index; /* (2, B)   pooling's first rows and row counts (ft_layer_stack_pool) */
@@ -47,21 +53,31 @@ typedef struct {
 typedef struct {
     const ft_bert_config *cfg;
     const ft_layer_options *opt;
-    int64_t N, B, P;     /* rows, sequences, attention probabilities */
+    int64_t N, B, P;     /* rows, sequences, attention probabilities per head (sum over b of n_b^2) */
     const int32_t *seqs; /* HOST (B, 3): first row, n, n */
     uint64_t seed, step; /* dropout keys: (seed, step, layer, site) */
     uint64_t row_base, sq_base;   /* rows, and sum of n^2, of the global batch's sequences before it */
 } ft_layer_batch;
 
-/* bytes of each saved activation kind for one layer (index: ft_layer_memory's order) */
-void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, int64_t N, int64_t P,
-                         size_t sizes[FT_LAYER_ACT_KINDS]);
+/* bytes of each saved activation kind for one layer of shape sh (index: ft_layer_memory's order);
+ * P = sum over sequences of n_b^2 */
+void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, const ft_layer_shape *sh, int64_t N,
+                         int64_t P, size_t sizes[FT_LAYER_ACT_KINDS]);
+
+/* First-order significance recorded by a backward (ft_layer_stack_set_significance): per row, the
+ * gradient x activation of each head, FFN group and the layer's residual branch, into sig (N rows
+ * of ld floats) at these columns */
+typedef struct {
+    float *sig;
+    int64_t ld, head_col, ffn_col, layer_col, ffn_group;
+} ft_layer_significance;
 
 /* out = layer(x): keeps what the backward needs in `acts` (x is acts->x) */
-ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
-                                 ft_layer_acts *acts, const ft_layer_work *work);
-/* work->g holds d out on entry and d x on exit (want_dx; else partial); grads overwritten */
-ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_weights *w,
-                            const ft_layer_acts *acts, const ft_layer_work *work, const ft_layer_weights *grads,
-                            int want_dx);
+ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
+                                 const ft_layer_weights *w, ft_layer_acts *acts, const ft_layer_work *work);
+/* work->g holds d out on entry and d x on exit (want_dx; else partial); grads overwritten; sig: NULL,
+ * or where the significance of this layer's components goes */
+ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
+                            const ft_layer_weights *w, const ft_layer_acts *acts, const ft_layer_work *work,
+                            const ft_layer_weights *grads, int want_dx, const ft_layer_significance *sig);
 #endif

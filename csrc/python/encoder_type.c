@@ -38,40 +38,116 @@ static ft_dtype float_dtype_named(const char *name) {
     return FT_DTYPE_COUNT;
 }
 
+/* a sequence of n integers in [lo, hi] into out (n); what names it in errors */
+static int int_list(PyObject *seq, const char *what, int64_t n, long long lo, long long hi, int64_t *out) {
+    PyObject *fast = PySequence_Fast(seq, "");
+    if (!fast) {
+        PyErr_Clear();
+        ft_py_fail(ft_errors.input_type, "%s must be a sequence of integers, got %s", what, Py_TYPE(seq)->tp_name);
+        return 0;
+    }
+    int ok = 1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        ft_py_fail(ft_errors.input, "%s has %zd entries; the model needs %lld", what, PySequence_Fast_GET_SIZE(fast),
+                   (long long)n);
+        ok = 0;
+    }
+    for (int64_t i = 0; ok && i < n; i++) {
+        PyObject *v = PySequence_Fast_GET_ITEM(fast, i);
+        long long x = PyLong_Check(v) && !PyBool_Check(v) ? PyLong_AsLongLong(v) : (PyErr_Clear(), lo - 1);
+        if (x == -1 && PyErr_Occurred()) { PyErr_Clear(); x = lo - 1; }
+        if (x < lo || x > hi) {
+            ft_py_fail(ft_errors.input, "%s[%lld] must be an integer in [%lld, %lld]", what, (long long)i, lo, hi);
+            ok = 0;
+        }
+        out[i] = x;
+    }
+    Py_DECREF(fast);
+    return ok;
+}
+
 static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                              "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "activation",
-                             "pad_token_id", "device_index", "dtype", NULL};
+                             "pad_token_id", "device_index", "dtype", "layer_heads", "layer_intermediate",
+                             "head_attention", "sign_match_keys", "vocab_map", "vocab_rows", NULL};
     ft_bert_config c;
     int act = 0, device_index = -1;
     const char *dtype = "float32";
+    PyObject *heads_o = Py_None, *inter_o = Py_None, *attn_o = Py_None, *vmap_o = Py_None;
+    long long sign_keys = 0, vocab_rows = 0;
     memset(&c, 0, sizeof c);
-    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|is", kwlist, &c.vocab_size, &c.hidden_size,
+    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|isOOOLOL", kwlist, &c.vocab_size, &c.hidden_size,
                                      &c.num_layers, &c.num_heads, &c.intermediate_size,
                                      &c.max_position_embeddings, &c.type_vocab_size, &c.layer_norm_eps, &act,
-                                     &c.pad_token_id, &device_index, &dtype))
+                                     &c.pad_token_id, &device_index, &dtype, &heads_o, &inter_o, &attn_o, &sign_keys,
+                                     &vmap_o, &vocab_rows))
         return -1;
+    if (vmap_o != Py_None) {   /* a pruned vocabulary: one int32 row per token id (checked for sense in C) */
+        PyArrayObject *a = (PyArrayObject *)vmap_o;
+        if (!PyArray_Check(vmap_o) || PyArray_TYPE(a) != NPY_INT32 || PyArray_NDIM(a) != 1 ||
+            !PyArray_IS_C_CONTIGUOUS(a) || PyArray_SIZE(a) != c.vocab_size) {
+            ft_py_fail(ft_errors.input, "vocab_map must be a contiguous int32 array of vocab_size = %lld rows",
+                       (long long)c.vocab_size);
+            return -1;
+        }
+        c.vocab_map = PyArray_DATA(a);
+        c.vocab_rows = vocab_rows;
+    }
+    /* a compressed model's structure (fasttran.compress): checked for type and length here, for sense in C */
+    int64_t *heads = NULL, *inter = NULL, *modes64 = NULL;
+    uint8_t *modes = NULL;
+    const int64_t L = c.num_layers >= 0 && c.num_layers <= 1024 ? c.num_layers : 0;
+    int ok = 1;
+    if (heads_o != Py_None) {
+        ok = (heads = PyMem_Calloc((size_t)L + 1, sizeof *heads)) != NULL &&
+             int_list(heads_o, "layer_heads", L, 1, c.num_heads, heads);
+        c.layer_heads = heads;
+    }
+    if (ok && inter_o != Py_None) {
+        ok = (inter = PyMem_Calloc((size_t)L + 1, sizeof *inter)) != NULL &&
+             int_list(inter_o, "layer_intermediate", L, 1, 1 << 20, inter);
+        c.layer_intermediate = inter;
+    }
+    if (ok && attn_o != Py_None) {
+        int64_t total = 0;
+        for (int64_t l = 0; l < L; l++) total += heads ? heads[l] : c.num_heads;
+        ok = (modes64 = PyMem_Calloc((size_t)total + 1, sizeof *modes64)) != NULL &&
+             (modes = PyMem_Calloc((size_t)total + 1, 1)) != NULL &&
+             int_list(attn_o, "head_attention", total, FT_ATTN_EXACT, FT_ATTN_SIGN_MATCH, modes64);
+        for (int64_t k = 0; ok && k < total; k++) modes[k] = (uint8_t)modes64[k];
+        c.head_attention = modes;
+    }
+    c.sign_match_keys = sign_keys;
+    if (!ok && !PyErr_Occurred()) PyErr_NoMemory();
+    if (ok) ok = self->enc == NULL || (ft_py_fail(ft_errors.base, "EncoderCore is already initialised"), 0);
+    if (!ok) {
+        PyMem_Free(heads);
+        PyMem_Free(inter);
+        PyMem_Free(modes64);
+        PyMem_Free(modes);
+        return -1;
+    }
     const ft_dtype dt = float_dtype_named(dtype);
+    ft_status st = FT_OK;
+    ft_encoder *e = NULL;
     if (dt == FT_DTYPE_COUNT) {
         ft_py_fail(ft_errors.input, "dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
-        return -1;
-    }
-    if (act < FT_ACT_GELU_ERF || act > FT_ACT_TANH) {
+    } else if (act < FT_ACT_GELU_ERF || act > FT_ACT_TANH) {
         ft_py_fail(ft_errors.input, "activation code %d is not one of _C.ACTIVATIONS", act);
-        return -1;
+    } else {
+        c.activation = (ft_activation)act;
+        ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
+        Py_BEGIN_ALLOW_THREADS
+        st = ft_encoder_create(&c, dev, dt, &e);   /* copies the structure arrays */
+        Py_END_ALLOW_THREADS
+        if (st != FT_OK) ft_py_raise(st);
     }
-    c.activation = (ft_activation)act;
-    if (self->enc) {
-        ft_py_fail(ft_errors.base, "EncoderCore is already initialised");
-        return -1;
-    }
-    ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
-    ft_status st;
-    ft_encoder *e = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    st = ft_encoder_create(&c, dev, dt, &e);
-    Py_END_ALLOW_THREADS
-    if (st != FT_OK) { ft_py_raise(st); return -1; }
+    PyMem_Free(heads);
+    PyMem_Free(inter);
+    PyMem_Free(modes64);
+    PyMem_Free(modes);
+    if (!e) return -1;
     self->enc = e;
     return 0;
 }
@@ -82,12 +158,13 @@ static int ready(EncoderCore *self) {
 }
 
 static PyObject *EncoderCore_load(EncoderCore *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"path", "prefix", NULL};
+    static char *kwlist[] = {"path", "prefix", "expect_bytes", "expect_crc32c", NULL};
     const char *path, *prefix = NULL;
-    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|z", kwlist, &path, &prefix)) return NULL;
+    long long eb = -1, ec = -1;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|zLL", kwlist, &path, &prefix, &eb, &ec)) return NULL;
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_encoder_load_safetensors(self->enc, path, prefix);
+    st = ft_encoder_load_safetensors_expect(self->enc, path, prefix, eb, ec);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     Py_RETURN_NONE;
@@ -101,11 +178,13 @@ static PyObject *EncoderCore_save(EncoderCore *self, PyObject *args, PyObject *k
     if (dt == FT_DTYPE_COUNT)
         return ft_py_fail(ft_errors.input_type, "save dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
     ft_status st;
+    uint64_t bytes = 0;
+    uint32_t crc = 0;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_encoder_save_safetensors(self->enc, path, dt);
+    st = ft_encoder_save_safetensors_record(self->enc, path, dt, &bytes, &crc);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
-    Py_RETURN_NONE;
+    return Py_BuildValue("(KI)", (unsigned long long)bytes, (unsigned int)crc);
 }
 
 static PyObject *EncoderCore_copy_weights_from(EncoderCore *self, PyObject *arg) {
@@ -205,18 +284,64 @@ static PyObject *new_output(EncoderCore *self, int on_device, int nd, const npy_
 /* forward(*, input_ids, attention_mask, token_type_ids, layers, pooling, want_hidden, on_device=False)
  *   -> (hidden list | None, pooled list | None); arrays are NumPy, or fasttran.Tensor in the
  *   encoder's device memory with on_device. pooling: a value of _C.POOLINGS. */
+/* a forward mask: None, or a 1-d uint8 / bool NumPy array of n entries (0 or 1) */
+static int mask_array(PyObject *o, const char *what, int64_t n, const char *per, const uint8_t **out) {
+    *out = NULL;
+    if (o == Py_None) return 1;
+    if (!PyArray_Check(o) || (PyArray_TYPE((PyArrayObject *)o) != NPY_UINT8 && PyArray_TYPE((PyArrayObject *)o) != NPY_BOOL) ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o)) {
+        ft_py_fail(ft_errors.input_type, "%s must be a contiguous uint8 or bool NumPy array", what);
+        return 0;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (PyArray_NDIM(a) != 1 || PyArray_SIZE(a) != n) {
+        ft_py_fail(ft_errors.input, "%s has shape %s%zd%s; this model needs (%lld,): %s", what,
+                   PyArray_NDIM(a) == 1 ? "(" : "a ", PyArray_NDIM(a) == 1 ? (Py_ssize_t)PyArray_SIZE(a) : (Py_ssize_t)PyArray_NDIM(a),
+                   PyArray_NDIM(a) == 1 ? ",)" : "-d array", (long long)n, per);
+        return 0;
+    }
+    const uint8_t *d = PyArray_DATA(a);
+    for (int64_t i = 0; i < n; i++)
+        if (d[i] > 1) { ft_py_fail(ft_errors.input, "%s[%lld] = %d; masks hold 0 or 1", what, (long long)i, (int)d[i]); return 0; }
+    *out = d;
+    return 1;
+}
+
 static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"input_ids", "attention_mask", "token_type_ids", "layers", "pooling", "want_hidden",
-                             "on_device", NULL};
-    PyObject *ids_obj, *mask_obj, *types_obj, *layers;
+                             "on_device", "skip_layers", "head_keep", "ffn_keep", "ffn_group", "start_layer",
+                             "start_hidden", NULL};
+    PyObject *ids_obj, *mask_obj, *types_obj, *layers, *skip_o = Py_None, *heads_o = Py_None, *ffn_o = Py_None,
+             *start_o = Py_None;
     int pooling, want_hidden, on_device = 0;
+    long long ffn_group = 0, start_layer = 0;
     if (!ready(self) || !ft_py_keywords_only(args, "EncoderCore.forward()") ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OOOO!ip|p", kwlist, &ids_obj, &mask_obj, &types_obj, &PyTuple_Type,
-                                     &layers, &pooling, &want_hidden, &on_device))
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOOO!ip|pOOOLLO", kwlist, &ids_obj, &mask_obj, &types_obj, &PyTuple_Type,
+                                     &layers, &pooling, &want_hidden, &on_device, &skip_o, &heads_o, &ffn_o, &ffn_group,
+                                     &start_layer, &start_o))
         return NULL;
     const ft_bert_config *cfg = ft_encoder_config(self->enc);
     const int64_t L = cfg->num_layers, C = cfg->hidden_size;
     if (pooling < FT_POOL_NONE || pooling > FT_POOL_MEAN) return ft_py_fail(ft_errors.input, "bad pooling code %d", pooling);
+    ft_forward_masks masks = {NULL, NULL, NULL, ffn_group};
+    if (!mask_array(skip_o, "skip_layers", L, "one entry per layer", &masks.skip_layers) ||
+        !mask_array(heads_o, "head_keep", ft_config_total_heads(cfg), "one entry per attention head, layer after layer",
+                    &masks.head_keep))
+        return NULL;
+    if (ffn_o != Py_None) {
+        int64_t groups = 0;
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t width = ft_config_layer_intermediate(cfg, l);
+            if (ffn_group < 1 || width % ffn_group)
+                return ft_py_fail(ft_errors.input, "ffn_group %lld does not divide layer %lld's intermediate size %lld",
+                                  ffn_group, (long long)l, (long long)width);
+            groups += width / ffn_group;
+        }
+        if (!mask_array(ffn_o, "ffn_keep", groups, "one entry per FFN group, layer after layer", &masks.ffn_keep))
+            return NULL;
+    }
+    masks.start_layer = start_layer;
+    const int masked = masks.skip_layers || masks.head_keep || masks.ffn_keep || start_layer != 0;
     ft_index2d ids, mask, types;
     PyArrayObject *k_ids = NULL, *k_mask = NULL, *k_types = NULL;
     PyObject *hidden = NULL, *pooled = NULL, *result = NULL;
@@ -225,6 +350,18 @@ static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args, PyObject
     npy_intp shape[3] = {PyArray_DIM(k_ids, 0), PyArray_DIM(k_ids, 1), (npy_intp)C};
     if (mask_obj != Py_None && !index_view(mask_obj, "attention_mask", shape, &mask, &k_mask)) goto done;
     if (types_obj != Py_None && !index_view(types_obj, "token_type_ids", shape, &types, &k_types)) goto done;
+    if (start_layer != 0) {   /* the hidden states of start_layer, as forward returned them */
+        PyArrayObject *a = (PyArrayObject *)start_o;
+        if (!PyArray_Check(start_o) || PyArray_TYPE(a) != NPY_FLOAT32 || !PyArray_IS_C_CONTIGUOUS(a) ||
+            PyArray_NDIM(a) != 3 || PyArray_DIM(a, 0) != shape[0] || PyArray_DIM(a, 1) != shape[1] ||
+            PyArray_DIM(a, 2) != shape[2]) {
+            ft_py_fail(ft_errors.input, "start_hidden must be a C-contiguous float32 array of shape (%zd, %zd, %zd): "
+                       "layer %lld's hidden states for these inputs", (Py_ssize_t)shape[0], (Py_ssize_t)shape[1],
+                       (Py_ssize_t)shape[2], start_layer);
+            goto done;
+        }
+        masks.start_hidden = PyArray_DATA(a);
+    }
 
     Py_ssize_t nl = PyTuple_GET_SIZE(layers);
     hptr = PyMem_Calloc((size_t)L + 1, sizeof *hptr);
@@ -254,9 +391,9 @@ static PyObject *EncoderCore_forward(EncoderCore *self, PyObject *args, PyObject
         ft_status st;
         ft_py_cancel cs;
         ft_py_cancel_begin(&cs);
-        st = ft_encoder_forward(self->enc, shape[0], shape[1], &ids, k_mask ? &mask : NULL,
-                                k_types ? &types : NULL, hptr, pptr, (ft_pooling)pooling, on_device,
-                                ft_py_cancel_check, &cs);
+        st = ft_encoder_forward_masked(self->enc, shape[0], shape[1], &ids, k_mask ? &mask : NULL,
+                                       k_types ? &types : NULL, hptr, pptr, (ft_pooling)pooling, on_device,
+                                       masked ? &masks : NULL, ft_py_cancel_check, &cs);
         ft_py_cancel_end(&cs);
         if (st != FT_OK) { ft_py_raise(st); goto done; }
     }
@@ -270,6 +407,49 @@ done:
     Py_XDECREF(k_mask);
     Py_XDECREF(k_types);
     return result;
+}
+
+/* compressed(keep_layers=None, keep_heads=None, keep_neurons=None, head_attention=None, sign_match_keys=0)
+ * -> a new EncoderCore: the kept parts of this one (ft_encoder_compress); arrays are 1-d uint8 */
+static PyObject *EncoderCore_compressed(EncoderCore *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"keep_layers", "keep_heads", "keep_neurons", "head_attention", "sign_match_keys",
+                             "keep_tokens", "unknown_token", NULL};
+    PyObject *lo = Py_None, *ho = Py_None, *no = Py_None, *ao = Py_None, *to = Py_None;
+    long long keys = 0, unk = -1;
+    if (!ready(self) || !ft_py_keywords_only(args, "EncoderCore.compressed()") ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "|OOOOLOL", kwlist, &lo, &ho, &no, &ao, &keys, &to, &unk))
+        return NULL;
+    const ft_bert_config *cfg = ft_encoder_config(self->enc);
+    int64_t neurons = 0;
+    for (int64_t l = 0; l < cfg->num_layers; l++) neurons += ft_config_layer_intermediate(cfg, l);
+    ft_compress_spec spec = {NULL, NULL, NULL, NULL, keys, NULL, unk};
+    if (!mask_array(to, "keep_tokens", cfg->vocab_size, "one entry per token id", &spec.keep_tokens) ||
+        !mask_array(lo, "keep_layers", cfg->num_layers, "one entry per layer", &spec.keep_layers) ||
+        !mask_array(ho, "keep_heads", ft_config_total_heads(cfg), "one entry per attention head, layer after layer",
+                    &spec.keep_heads) ||
+        !mask_array(no, "keep_neurons", neurons, "one entry per FFN neuron, layer after layer", &spec.keep_neurons))
+        return NULL;
+    if (ao != Py_None) {
+        if (!PyArray_Check(ao) || PyArray_TYPE((PyArrayObject *)ao) != NPY_UINT8 ||
+            !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)ao) || PyArray_NDIM((PyArrayObject *)ao) != 1 ||
+            PyArray_SIZE((PyArrayObject *)ao) != ft_config_total_heads(cfg))
+            return ft_py_fail(ft_errors.input, "head_attention must be a contiguous uint8 array with one mode per head "
+                              "(%lld)", (long long)ft_config_total_heads(cfg));
+        spec.head_attention = PyArray_DATA((PyArrayObject *)ao);
+    }
+    ft_encoder *e = NULL;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_encoder_compress(self->enc, &spec, &e);
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) return ft_py_raise(st);
+    EncoderCore *core = (EncoderCore *)PyType_GenericAlloc(Py_TYPE(self), 0);
+    if (!core) {
+        ft_encoder_free(e);
+        return NULL;
+    }
+    core->enc = e;   /* (the allocation took the heap type's reference that dealloc drops) */
+    return (PyObject *)core;
 }
 
 /* tensors() -> [(name, shape)] in parameter-table order */
@@ -453,6 +633,30 @@ static PyObject *EncoderCore_get_num_parameters(EncoderCore *self, void *c) {
     if (!ready(self)) return NULL;
     return PyLong_FromSize_t(ft_encoder_param_count(self->enc));
 }
+/* {"layer_heads": [...], "layer_intermediate": [...], "head_attention": [...], "sign_match_keys": n} */
+static PyObject *EncoderCore_get_structure(EncoderCore *self, void *unused) {
+    (void)unused;
+    if (!ready(self)) return NULL;
+    const ft_bert_config *c = ft_encoder_config(self->enc);
+    const int64_t L = c->num_layers, total = ft_config_total_heads(c);
+    PyObject *heads = PyList_New(L), *inter = PyList_New(L), *modes = PyList_New(total);
+    for (int64_t l = 0; heads && inter && l < L; l++) {
+        PyList_SET_ITEM(heads, l, PyLong_FromLongLong(ft_config_layer_heads(c, l)));
+        PyList_SET_ITEM(inter, l, PyLong_FromLongLong(ft_config_layer_intermediate(c, l)));
+    }
+    for (int64_t k = 0; modes && k < total; k++)
+        PyList_SET_ITEM(modes, k, PyLong_FromLong(c->head_attention ? c->head_attention[k] : FT_ATTN_EXACT));
+    if (!heads || !inter || !modes) {
+        Py_XDECREF(heads);
+        Py_XDECREF(inter);
+        Py_XDECREF(modes);
+        return NULL;
+    }
+    return Py_BuildValue("{sNsNsNsLsL}", "layer_heads", heads, "layer_intermediate", inter, "head_attention", modes,
+                         "sign_match_keys", (long long)c->sign_match_keys, "vocab_rows",
+                         (long long)ft_config_vocab_rows(c));
+}
+
 static PyObject *EncoderCore_get_device(EncoderCore *self, void *c) {
     (void)c;
     if (!ready(self)) return NULL;
@@ -468,13 +672,18 @@ static PyObject *EncoderCore_get_workspace_bytes(EncoderCore *self, void *c) {
 
 static PyMethodDef EncoderCore_methods[] = {
     {"load", (PyCFunction)(void (*)(void))EncoderCore_load, METH_VARARGS | METH_KEYWORDS,
-     "load(path, prefix=None): read a safetensors file."},
+     "load(path, prefix=None, expect_bytes=-1, expect_crc32c=-1): read a safetensors file (its size and CRC-32C "
+     "checked first when given)."},
     {"save", (PyCFunction)(void (*)(void))EncoderCore_save, METH_VARARGS | METH_KEYWORDS,
-     "save(path, dtype='float32'): write safetensors atomically."},
+     "save(path, dtype='float32') -> (bytes, crc32c): write safetensors atomically."},
     {"forward", (PyCFunction)(void (*)(void))EncoderCore_forward, METH_VARARGS | METH_KEYWORDS,
-     "forward(*, input_ids, attention_mask, token_type_ids, layers, pooling, want_hidden, on_device=False)"
-     " -> (hidden, pooled)."},
+     "forward(*, input_ids, attention_mask, token_type_ids, layers, pooling, want_hidden, on_device=False, "
+     "skip_layers=None, head_keep=None, ffn_keep=None, ffn_group=0) -> (hidden, pooled)."},
     {"copy_weights_from", (PyCFunction)EncoderCore_copy_weights_from, METH_O, "copy all weights of another core."},
+    {"compressed", (PyCFunction)(void (*)(void))EncoderCore_compressed, METH_VARARGS | METH_KEYWORDS,
+     "compressed(keep_layers=None, keep_heads=None, keep_neurons=None, head_attention=None, sign_match_keys=0, "
+     "keep_tokens=None, unknown_token=-1) -> a new EncoderCore holding the kept layers, heads, FFN neurons and "
+     "word-embedding rows."},
     {"tensors", (PyCFunction)EncoderCore_tensors, METH_NOARGS, "[(name, shape)] of the parameter table."},
     {"set_tf32", (PyCFunction)EncoderCore_set_tf32, METH_O, "set_tf32(on): fp32 products on TF32 tensor cores (CUDA)."},
     {"memory_report", (PyCFunction)EncoderCore_memory_report, METH_NOARGS,
@@ -497,6 +706,8 @@ static PyGetSetDef EncoderCore_getset[] = {
     {"int8_embeddings", (getter)EncoderCore_get_int8_embeddings, NULL, "whether the word embeddings are int8", NULL},
     {"num_parameters", (getter)EncoderCore_get_num_parameters, NULL, "float parameters in the table", NULL},
     {"device", (getter)EncoderCore_get_device, NULL, "'cpu' or 'cuda:N'", NULL},
+    {"structure", (getter)EncoderCore_get_structure, NULL,
+     "a compressed model's structure: heads and FFN width per layer, attention mode per head", NULL},
     {"workspace_bytes", (getter)EncoderCore_get_workspace_bytes, NULL, "bytes in the activation workspace", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 

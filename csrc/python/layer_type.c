@@ -7,6 +7,7 @@ typedef struct {
     PyObject_HEAD
     ft_layer_stack *stack;
     ft_device device;
+    long long sig_group;   /* significance's FFN group size (0: not recorded) */
 } LayerStack;
 
 static PyTypeObject *layer_stack_type;
@@ -278,7 +279,68 @@ static PyObject *LayerStack_last_batch(LayerStack *self, PyObject *unused) {
     return Py_BuildValue("(LL)", (long long)B, (long long)N);
 }
 
+/* set_significance(ffn_group): later backwards record first-order significance (0: stop) */
+static PyObject *LayerStack_set_significance(LayerStack *self, PyObject *arg) {
+    if (!ready(self)) return NULL;
+    const long long g = PyLong_AsLongLong(arg);
+    if (g == -1 && PyErr_Occurred()) return NULL;
+    ft_status st = ft_layer_stack_set_significance(self->stack, g);
+    if (st != FT_OK) return ft_py_raise(st);
+    self->sig_group = g;
+    Py_RETURN_NONE;
+}
+
+/* layer_shapes() -> [(heads, intermediate)] per layer of the stack */
+static PyObject *LayerStack_layer_shapes(LayerStack *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self)) return NULL;
+    const Py_ssize_t count = (Py_ssize_t)ft_layer_stack_count(self->stack);
+    PyObject *shapes = PyList_New(count);
+    for (Py_ssize_t l = 0; shapes && l < count; l++) {
+        int64_t nh, width;
+        ft_layer_stack_layer_shape(self->stack, l, &nh, &width);
+        PyObject *t = Py_BuildValue("(LL)", (long long)nh, (long long)width);
+        if (!t) { Py_CLEAR(shapes); break; }
+        PyList_SET_ITEM(shapes, l, t);
+    }
+    return shapes;
+}
+
+/* significance() -> (heads (B, H), ffn (B, G), layers (B, count)) float32, of the last backward */
+static PyObject *LayerStack_significance(LayerStack *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self)) return NULL;
+    if (self->sig_group < 1) return ft_py_fail(ft_errors.input, "significance is not recorded: set_significance(group) first");
+    int64_t B, N;
+    ft_layer_stack_last_batch(self->stack, &B, &N);
+    const int64_t count = ft_layer_stack_count(self->stack);
+    int64_t H = 0, G = 0;
+    for (int64_t l = 0; l < count; l++) {
+        int64_t nh, width;
+        ft_layer_stack_layer_shape(self->stack, l, &nh, &width);
+        H += nh;
+        G += width / self->sig_group;
+    }
+    npy_intp dh[2] = {(npy_intp)B, (npy_intp)H}, dg[2] = {(npy_intp)B, (npy_intp)G}, dl[2] = {(npy_intp)B, (npy_intp)count};
+    PyObject *h = PyArray_SimpleNew(2, dh, NPY_FLOAT32), *g = PyArray_SimpleNew(2, dg, NPY_FLOAT32),
+             *l = PyArray_SimpleNew(2, dl, NPY_FLOAT32);
+    if (!h || !g || !l) { Py_XDECREF(h); Py_XDECREF(g); Py_XDECREF(l); return NULL; }
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_layer_stack_significance(self->stack, PyArray_DATA((PyArrayObject *)h), PyArray_DATA((PyArrayObject *)g),
+                                     PyArray_DATA((PyArrayObject *)l));
+    Py_END_ALLOW_THREADS
+    if (st != FT_OK) { Py_DECREF(h); Py_DECREF(g); Py_DECREF(l); return ft_py_raise(st); }
+    return Py_BuildValue("(NNN)", h, g, l);
+}
+
 static PyMethodDef LayerStack_methods[] = {
+    {"set_significance", (PyCFunction)LayerStack_set_significance, METH_O,
+     "set_significance(ffn_group): later backwards record each head's, FFN group's and layer's gradient x "
+     "activation per sequence (0: stop)."},
+    {"significance", (PyCFunction)LayerStack_significance, METH_NOARGS,
+     "significance() -> (heads (B, H), ffn (B, G), layers (B, count)) of the last backward."},
+    {"layer_shapes", (PyCFunction)LayerStack_layer_shapes, METH_NOARGS, "[(heads, intermediate)] per layer."},
     {"last_batch", (PyCFunction)LayerStack_last_batch, METH_NOARGS, "(sequences, rows) of the last forward."},
     {"pool", (PyCFunction)(void (*)(void))LayerStack_pool, METH_VARARGS | METH_KEYWORDS,
      "pool(h, pooled, cls=False): pooled (B, C) = mean (or first) rows of each sequence of the last forward."},
