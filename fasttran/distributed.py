@@ -166,6 +166,7 @@ def init(backend=None, timeout=None):
                 torch.cuda.set_device(dev)
                 kw["device_id"] = dev
             from datetime import timedelta
+            kw.update(_attempt_store(dist, timedelta(seconds=timeout)))
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kw)
             created = True
         _group = _TorchGroup(torch, dist, timeout, created)
@@ -173,6 +174,18 @@ def init(backend=None, timeout=None):
 
 
 get_group = init
+
+
+def _attempt_store(dist, timeout):
+    """torchrun's static rendezvous (its default; --max-restarts) keeps one key-value store for
+    every attempt of a job: a restarted rank could read the address a rank of the failed attempt
+    published and wait on a process that is gone. Each attempt gets keys of its own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), _env_int("WORLD_SIZE"),
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"fasttran/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store),
+            "rank": _env_int("RANK"), "world_size": _env_int("WORLD_SIZE")}
 
 
 def shutdown():
@@ -533,6 +546,10 @@ class _TorchGroup(Group):
         if isinstance(x, np.ndarray):
             return torch.from_numpy(x)   # the same memory: the result lands in x
         if not isinstance(x, torch.Tensor):
+            if x.__dlpack_device__()[0] != 1 and not torch.cuda.is_available():
+                raise NoGPUError("the data to reduce is in GPU memory, but this PyTorch has no CUDA: install a CUDA "
+                                 "build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128), "
+                                 "or train on the CPU (device='cpu')")
             x = torch.from_dlpack(x)     # fasttran.Tensor: the same memory (host or device)
         if not x.is_contiguous():
             raise InputError("all_reduce_ needs a contiguous tensor")

@@ -225,7 +225,7 @@ def test_torchrun_train_command_equals_one_process(minilm_dir, tmp_path):
     import sys
     from distributed_util import free_port
     from fasttran.data import sst2_path
-    m = ["--model", minilm_dir]
+    m = ["--model", minilm_dir, "--device", "cpu"]   # (gloo: host memory; also where the CUDA emulator is on)
     env = dict(os.environ, FASTTRAN_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
