@@ -1,11 +1,11 @@
 """Data-parallel training on one machine (issue 30's speed points): MiniLM's top 2 layers + a head
-on real SST-2 sentences, one epoch at global batch 32, as
+on real SST-2 sentences, one epoch at global batch 32 (or --batch-size), as
   1 process x 1 thread, 1 process x 2 threads, and 2 processes x 1 thread (gloo, DataParallel),
 in one run on one machine: examples per second of each, the 2-process run against twice the first
 and against the second, and each rank's time in the reduction (the step's checked collective, the
 gradient buckets' sums past the backward, the loss) as a share of its step.
 
-    python benchmarks/distributed_speed.py [--n 2000] [--k 2] [--epochs 1]
+    python benchmarks/distributed_speed.py [--n 2000] [--k 2] [--epochs 1] [--batch-size 32]
 
 Writes benchmarks/last_distributed_speed.json. The cache (layer 4, every token) is built once, on
 disk, before any timing; each configuration runs in a fresh process."""
@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 
-def job(rank, world, n, k, epochs, cache_dir, threads=1):
+def job(rank, world, n, k, epochs, cache_dir, threads=1, batch=32):
     """one configuration's training: examples per second over the epoch(s), this rank's seconds in its
     steps and in the reduction by part"""
     import numpy as np
@@ -40,7 +40,7 @@ def job(rank, world, n, k, epochs, cache_dir, threads=1):
         red = DataParallel()
 
     def trainer():
-        return fasttran.Trainer("classification", optimizer="adamw", lr=1e-4, epochs=epochs, batch_size=32, seed=0,
+        return fasttran.Trainer("classification", optimizer="adamw", lr=1e-4, epochs=epochs, batch_size=batch, seed=0,
                                 train_layers=k, show_progress=False, reduction=red)
     trainer().fit(cache, y, stop_at_step=2)   # warm-up: buffers, the cache's pages
     if red is not None:
@@ -63,9 +63,9 @@ def job(rank, world, n, k, epochs, cache_dir, threads=1):
             "reduction_s": dict(red.seconds) if red is not None else None}
 
 
-def run_one(n, k, epochs, cache_dir, threads):
+def run_one(n, k, epochs, cache_dir, threads, batch):
     code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import distributed_speed as d; "
-            f"print(json.dumps(d.job(0, 1, {n}, {k}, {epochs}, {cache_dir!r}, {threads})))")
+            f"print(json.dumps(d.job(0, 1, {n}, {k}, {epochs}, {cache_dir!r}, {threads}, {batch})))")
     env = dict(os.environ, FASTTRAN_NUM_THREADS=str(threads))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -76,6 +76,7 @@ def main():
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=32, help="the global batch")
     ap.add_argument("--out", default=os.path.join(HERE, "last_distributed_speed.json"))
     args = ap.parse_args()
     import fasttran
@@ -90,17 +91,17 @@ def main():
         fasttran.ActivationCache.build(enc, *enc.tokenize(s[:args.n]), layer=enc.num_layers - args.k, positions="all",
                                        disk_dir=cache_dir, show_progress=False)
         load0 = os.getloadavg()
-        one1 = run_one(args.n, args.k, args.epochs, cache_dir, 1)
-        one2 = run_one(args.n, args.k, args.epochs, cache_dir, 2)
+        one1 = run_one(args.n, args.k, args.epochs, cache_dir, 1, args.batch_size)
+        one2 = run_one(args.n, args.k, args.epochs, cache_dir, 2, args.batch_size)
         import distributed_speed   # (a module the ranks import by name, not __main__)
-        two = run_ranks(distributed_speed.job, 2, args.n, args.k, args.epochs, cache_dir, 1, timeout=3600,
+        two = run_ranks(distributed_speed.job, 2, args.n, args.k, args.epochs, cache_dir, 1, args.batch_size, timeout=3600,
                         env={"PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")})
         load1 = os.getloadavg()
     thr2 = args.n * args.epochs / max(r["wall_s"] for r in two)
     comm = [r["reduction_s"] for r in two]
     share = [(c["begin"] + c["ready"] + c["finish"]) / r["step_s"] for c, r in zip(comm, two)]
     res = {"meta": {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(), "n": args.n, "k": args.k, "epochs": args.epochs, "global_batch": 32,
+                    "cores": os.cpu_count(), "n": args.n, "k": args.k, "epochs": args.epochs, "global_batch": args.batch_size,
                     "torch": torch.__version__, "load_avg": [load0, load1], "command": " ".join(sys.argv)},
            "one_process_1_thread": one1, "one_process_2_threads": one2, "two_processes_1_thread": two,
            "two_processes_examples_per_s": thr2,
