@@ -99,8 +99,9 @@ def test_token_head_loads_in_automodel_for_token_classification(enc, sents, tmp_
 def test_qa_head_loads_in_automodel_for_question_answering(enc, sents, tmp_path, k):
     s, _ = sents
     ids, mask, types = enc.tokenize(s[0:30:2], s[1:30:2])
-    first = np.argmax(types == 1, axis=1)
-    spans = (first + 1, first + 2)
+    first = np.argmax(types == 1, axis=1)                       # the context's first token
+    last = mask.sum(axis=1) - 2                                  # its last (before the final [SEP])
+    spans = (np.minimum(first + 1, last), np.minimum(first + 2, last))
     tr, cache = _fit(enc, "qa", k, (ids, mask, types), spans, lr=1e-3)
     tr.export(tmp_path / "m")
     ours = tr._outputs(cache)
