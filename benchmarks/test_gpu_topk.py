@@ -71,12 +71,12 @@ def fasttran_setup(path, k, batches_of, tempo=None, batch=B, seq=T, precision="f
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 20000, (batches_of * batch, seq))
     cache = tr.cache_for(enc, ids, np.ones_like(ids), show_progress=False)
-    y = tr._prepare(cache, rng.integers(0, 2, len(cache)))
-    _, total, warm, grads, gviews = tr._loop_setup(len(cache))
-    tr._cuda.push()
-    tr._cuda.ensure(batch, 1)
-    batches = list(cache.batches(batch, shuffle=False, ragged=True, output="device", device="cuda"))
-    return enc, tr, cache, y, batches, (grads, gviews, total, warm)
+    y = rng.integers(0, 2, len(cache))
+    prep = tr._prepare(cache, y)
+    _, total, warm = tr._loop_setup(cache)
+    order = np.arange(len(cache))   # shuffle=False's order
+    batches = [(i, b, w) for i, b, w in tr._batches(cache, batch_size=batch, shuffle=False)]   # device batches
+    return enc, tr, cache, y, batches, (prep, order, total, warm)
 
 
 def torch_layers(path, k):
@@ -133,12 +133,12 @@ CASES = [("minilm", 1), ("minilm", 6), ("bert-base", 1), ("bert-base", 4)]
 @pytest.mark.parametrize("arch,k", CASES, ids=[f"{a}-k{k}" for a, k in CASES])
 def test_topk_step_on_the_gpu(arch, k, tmp_path):
     path = model_dir(str(tmp_path / arch), arch)
-    enc, tr, cache, y, batches, (grads, gviews, total, warm) = fasttran_setup(path, k, batches_of=2)
+    enc, tr, cache, y, batches, loop = fasttran_setup(path, k, batches_of=2)
     layers, lin, drop, topt, params = torch_layers(path, k)
     with torch.no_grad():   # the same head weights
         lin.weight.copy_(torch.from_numpy(tr.head.tensors["classifier.weight"]))
         lin.bias.copy_(torch.from_numpy(tr.head.tensors["classifier.bias"]))
-    ids0, (x0, off0) = batches[0]
+    ids0, (x0, off0), _ = batches[0]
     xt = torch.from_numpy(x0.numpy().reshape(B, T, -1)).to(TDEV)
     yt = torch.from_numpy(y[cache.index_of(ids0)].astype(np.int64)).to(TDEV)
     # correctness first: the layers' eval-mode outputs agree
@@ -157,15 +157,15 @@ def test_topk_step_on_the_gpu(arch, k, tmp_path):
     assert err_bf16 <= 3e-2, err_bf16
 
     def stepper(t, c, yy, bs, loop):
-        g, gv, tot, wm = loop
+        prep, order, tot, wm = loop
 
         def run():
             for s in range(STEPS):
-                i, b = bs[s % len(bs)]
-                t._step(c, yy, i, b, g, gv, tot, wm)
-            t._cuda.params.numpy()   # waits for the last optimizer step
+                i, b, w = bs[s % len(bs)]
+                t._step(c, prep, order, i, b, w, tot, wm)
+            t.model.pull()   # waits for the last optimizer step (the head's parameters to the host)
         return run
-    ours = stepper(tr, cache, y, batches, (grads, gviews, total, warm))
+    ours = stepper(tr, cache, y, batches, loop)
     ours_bf16 = stepper(tb, cb, yb, bb, loop_b)
 
     def theirs(amp):
@@ -216,10 +216,9 @@ def test_largest_batch_at_seq_512(tmp_path):
                ("fasttran, Tempo off", dict(inplace_gelu=False, inplace_layernorm=False,
                                             recompute_attention_dropout=False)))
     for name, tempo in configs:
-        enc, tr, cache, y, batches, (grads, gviews, total, warm) = fasttran_setup(path, k, 1, tempo, batch=2,
-                                                                                   seq=seq)
-        i, b = batches[0]
-        tr._step(cache, y, i, b, grads, gviews, total, warm)
+        enc, tr, cache, y, batches, (prep, order, total, warm) = fasttran_setup(path, k, 1, tempo, batch=2, seq=seq)
+        i, b, w = batches[0]
+        tr._step(cache, prep, order, i, b, w, total, warm)
         now, peak = tr.top.allocated()
         rep = tr.memory_report(batch_size=2, seq_len=seq, budget_bytes=budget)
         held = rep["weights"] + rep["gradients"] + rep["workspace"] + sum(
