@@ -32,7 +32,7 @@ BASE_DEPS = ["numpy>=2.0", "scipy-openblas32>=0.3.27", "tqdm"]
 
 
 def c_sources():
-    dirs = ["core", "io", "cpu", "model", "cache", "train", "python"]
+    dirs = ["core", "io", "cpu", "model", "cache", "train", "dist", "python"]
     return sorted(f for d in dirs for f in glob.glob(os.path.join(CSRC, d, "*.c")))
 
 

@@ -14,7 +14,8 @@ Engines:
   ORT int8       onnxruntime.quantization.quantize_dynamic of that optimized model (its defaults:
                  int8 weights per tensor, uint8 activations quantized per tensor at run time;
                  the fused attention becomes QAttention, the projections MatMulInteger / DynamicQuantizeMatMul)
-ORT sessions: intra_op_num_threads = threads, spinning off (as fasttran's idle workers sleep).
+ORT sessions: intra_op_num_threads = threads, ONNX Runtime's defaults otherwise (its workers spin
+while they wait, the way it is fastest on an idle machine; fasttran's spin briefly, then sleep).
 Workloads: 1 x 128 and 32 x 128 tokens of random ids (every token real); the 872 SST-2 dev
 sentences one at a time (the first 128) and in length-sorted batches of 32. Rounds are interleaved
 (each round runs every engine once, in a rotating order); the median round is reported.
@@ -85,7 +86,6 @@ def engines(model_dir, tmp):
             so = ort.SessionOptions()
             so.intra_op_num_threads = THREADS
             so.inter_op_num_threads = 1
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
             fns[name] = (lambda s: lambda ids, mask, types: s.run(None, {"input_ids": ids, "attention_mask": mask,
                                                                          "token_type_ids": types})[0])(sess)

@@ -45,14 +45,17 @@ if _elsewhere is not None:
 
 from . import errors  # first: the C module looks its exception classes up here
 
-# The CPU backend's OpenMP workers wait passively (sleep at once instead of spinning), so a
-# machine shared with a busy process gives its cores to the thread that still has work. OpenMP
-# reads this once, when its runtime loads with our module, so it is set just for that moment
-# (and left alone when the user chose a policy): torch or others imported later keep their
-# own defaults.
-_set_wait = "OMP_WAIT_POLICY" not in _os.environ
+# The CPU backend's OpenMP workers spin briefly, then sleep: GOMP_SPINCOUNT=1000 (libgomp's
+# default is 300,000; OMP_WAIT_POLICY=passive is 0). A batch-1 forward is dozens of short
+# parallel regions, and waking a sleeping worker for each costs more than the region (2 threads,
+# MiniLM int8, one SST-2 sentence: 2.9 ms passive, 1.3 ms with the short spin); a spin this short
+# wastes little on a machine shared with a busy process (batches of 32 there: as fast as passive,
+# benchmarks/RESULTS.md "Steady under load"). OpenMP reads this once, when its runtime loads with
+# our module, so it is set just for that moment (and left alone when the user chose a policy or
+# a spin count): torch or others imported later keep their own defaults.
+_set_wait = "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ
 if _set_wait:
-    _os.environ["OMP_WAIT_POLICY"] = "passive"
+    _os.environ["GOMP_SPINCOUNT"] = "1000"
 try:
     from . import _C
 except ImportError as _e:  # pragma: no cover - depends on how Python was started
@@ -66,7 +69,7 @@ except ImportError as _e:  # pragma: no cover - depends on how Python was starte
     raise
 finally:
     if _set_wait:
-        del _os.environ["OMP_WAIT_POLICY"]
+        del _os.environ["GOMP_SPINCOUNT"]
 from ._info import build_info, cuda_available, get_num_threads, set_num_threads
 from .cache import ActivationCache
 from .encoder import Encoder

@@ -388,6 +388,7 @@ class _TorchGroup(Group):
         dist.all_gather_object(hosts, (socket.gethostname(), sorted(os.sched_getaffinity(0)), _C.cpu_count()),
                                group=self._ctrl)
         same = [r for r, h in enumerate(hosts) if h[0] == hosts[self.rank][0]]
+        self._hosts = [h[0] for h in hosts]
         lr, lw = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
         self.local_rank = lr if lr is not None else same.index(self.rank)
         self.local_world_size = lw if lw is not None else len(same)
@@ -656,6 +657,37 @@ class _TorchGroup(Group):
             raise CollectiveError("; ".join(f"rank {r} failed during {what!r}: {p}" for r, p in bad))
         return [p for _, _, p in values]
 
+    def _check_peers(self, what, beats, now):
+        """While this rank waits for the others outside a collective of the group (the shared-memory
+        gradient sums): an error when one exited, failed, moved on to a later collective, or its
+        heartbeat stopped for the group's timeout. `beats` {rank: (count, since)} persists between calls."""
+        seq = self._last[0]
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            ex, st, fail = (self._get(f"{k}/{r}") for k in ("exit", "state", "fail"))
+            if ex is not None:
+                s, op, w = _text(ex).split("\t")[:3]
+                raise CollectiveError(f"rank {r} exited (its last collective: #{s} {op} {w!r}) while rank {self.rank} "
+                                      f"waited for it in {what}")
+            if fail is not None:
+                s, op, w = _text(fail).split("\t")[:3]
+                raise CollectiveError(f"rank {r} failed at #{s} {op} {w!r} while rank {self.rank} waited for it in {what}")
+            if st is not None:
+                s, op, w = _text(st).split("\t")[:3]
+                if int(s) > seq:
+                    raise CollectiveError(f"the ranks diverged: rank {r} went on to #{s} {op} {w!r} while rank "
+                                          f"{self.rank} waits in {what} (after #{seq}); look for ranks with other "
+                                          "numbers of batches, or a collective only some ranks call")
+            b = self._beats(r)
+            last = beats.get(r)
+            if last is None or b != last[0]:
+                beats[r] = (b, now)
+            elif now - last[1] > max(self.timeout, 5 * _HEARTBEAT):
+                raise CollectiveTimeoutError(
+                    f"rank {r} stopped responding (no heartbeat for {now - last[1]:.0f} s: its process died or is frozen) "
+                    f"while rank {self.rank} waited for it in {what}")
+
     def _look_for_trouble(self, seq, what, keys, beats, now):
         for r, k in enumerate(keys):
             if r == self.rank or self._store.check([k]):
@@ -686,30 +718,58 @@ class DataParallel:
     DataParallel())`` on every rank (torchrun, accelerate, Ray Train, Slurm + torchrun).
 
     Every rank reads the same epoch order and takes its slice of every global batch (the
-    Trainer's `batch_size` is the global batch); its step computes its slice's share of the
-    global batch's loss (the sum over its examples divided by the global batch's count of loss
-    terms), with the dropout masks the global batch draws at its place. As the C backward finishes
-    each gradient bucket -- the head, then the top layer down to the bottom one -- the model hands
-    it here and its sum over the ranks starts at once (asynchronous, zero-copy views of the flat
-    gradient table) while the layers below run without the GIL; finish() waits for them. So every
-    rank ends the step with the same summed gradients, and clipping, LAMB's trust ratios and
-    float16 loss-scale decisions, which come after, are the same everywhere: the ranks take the
-    same step, and the run equals one process at the same global batch up to the order of the sums.
+    Trainer's `batch_size` is the global batch; the slices are contiguous and balanced by their
+    examples' cost, not their count, so no rank waits for a longer slice); its step computes its
+    slice's share of the global batch's loss (the sum over its examples divided by the global
+    batch's count of loss terms), with the dropout masks the global batch draws at its place. As
+    the C backward finishes each gradient bucket -- the head, then the top layer down to the
+    bottom one -- the model hands it here, and finish() makes every rank's gradient table the sum
+    over the ranks. So every rank ends the step with the same summed gradients, and clipping,
+    LAMB's trust ratios and float16 loss-scale decisions, which come after, are the same
+    everywhere: the ranks take the same step, and the run equals one process at the same global
+    batch up to the order of the sums.
+
+    How the sums travel (`transport`):
+      * "shared_memory" -- ranks on one machine training on the CPU: the gradient tables live in
+        shared memory and each rank sums its part of every bucket over all the tables, in rank
+        order, in place (no copies, no sockets: each rank reads and writes its table's size once
+        per step). The default where it applies.
+      * "group" -- the process group's all_reduce (gloo over TCP, NCCL for GPU memory), started
+        per bucket as the backward hands it over (asynchronous, zero-copy views of the flat
+        gradient table) while the layers below run without the GIL. Ranks on several machines,
+        models in GPU memory, and where shared memory cannot be had.
+      * "auto" (default) -- the first that applies; `transport_used` says which, and
+        `why_not_shared` why not shared memory.
+    DataParallel() must be made before the Trainer's model is (it decides where gradient tables
+    are made); a model made earlier sums through the group.
+
     A step starts with a checked collective (the step's number), so ranks that diverged -- other
     numbers of batches, a rank in another phase -- fail there with CollectiveError naming what each
-    did, instead of pairing the wrong reductions."""
+    did, instead of pairing the wrong reductions; a rank that dies or stops mid-step is found by
+    the others within the group's timeout (its exit, its failure or its heartbeat in the store)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, transport="auto"):
+        if transport not in ("auto", "shared_memory", "group"):
+            raise InputError(f"transport must be 'auto', 'shared_memory' or 'group', got {transport!r}")
         self.group = group if group is not None else init()
         self.rank, self.world_size = self.group.rank, self.group.world_size
+        self.transport = transport
         self._views, self._works = [], []
+        self._host, self._host_step = None, 0
+        self.transport_used, self.why_not_shared = None, None
+        hosts = getattr(self.group, "_hosts", None)
+        self._one_machine = self.world_size > 1 and hosts is not None and len(set(hosts)) == 1
+        if transport != "group" and self._one_machine:
+            from . import _C
+            _C.shared_grads(True)   # gradient tables made from now on can be summed in place
         #: seconds this rank spent in the reduction, by part: "begin" (the step's checked collective:
-        #: waiting for the other ranks to arrive), "ready" (starting the buckets' sums, inside the
-        #: backward), "finish" (waiting for them and summing the loss); "steps" counts them
+        #: waiting for the other ranks to arrive), "ready" (handing over the buckets, inside the
+        #: backward), "finish" (the sums past the backward, and the loss); "steps" counts them
         self.seconds = {"begin": 0.0, "ready": 0.0, "finish": 0.0, "steps": 0}
 
     def __repr__(self):
-        return f"DataParallel(rank {self.rank} of {self.world_size}, {self.group.backend or 'one process'})"
+        how = self.transport_used or self.transport
+        return f"DataParallel(rank {self.rank} of {self.world_size}, {self.group.backend or 'one process'}, {how})"
 
     def start(self, model, run):
         """Once per fit: the gradient buckets of `model`; `run` (what must be the same on every rank:
@@ -723,31 +783,114 @@ class DataParallel:
                                       + "; ".join(f"{k}: {run.get(k)!r} here, {other.get(k)!r} there" for k in diff)
                                       + ". Every rank must train the same model on the same data with the same "
                                         "settings")
+        self._host, self._host_step = None, 0
+        if self.world_size > 1 and self.transport != "group":
+            self._host, self.why_not_shared = self._connect(model)
+            if self._host is None and self.transport == "shared_memory":
+                raise InputError(f"transport='shared_memory' cannot be used: {self.why_not_shared}; use "
+                                 "transport='auto' or 'group'")
+        self.transport_used = "shared_memory" if self._host is not None else (self.group.backend or "one process")
+
+    def _connect(self, model):
+        """The shared-memory sums among the ranks (all of them on this machine), or (None, why not):
+        every rank agrees (two gathers, even where this rank already knows it cannot)."""
+        from . import _C
+        from .errors import FastTranError
+        why, host, mine = None, None, None
+        if not self._one_machine:
+            why = "the ranks are not all on one machine"
+        elif model.grads.device != "cpu":
+            why = "the gradients are in GPU memory"
+        else:
+            try:
+                buckets = [(int(o), int(n)) for o, n in model._core.buckets()]
+                host = _C.HostSum(self.rank, self.world_size, model.grads.data_ptr,
+                                  model.grads.nbytes // 4, buckets, int.from_bytes(os.urandom(8), "little"))
+                mine = host.endpoint
+            except FastTranError as e:
+                why, host = str(e), None
+        ends = self.group.all_gather_object((mine, why), what="fit: shared-memory gradient sums")
+        if why is None:
+            missing = [(r, w) for r, (m, w) in enumerate(ends) if m is None]
+            if missing:
+                why = f"rank {missing[0][0]}: {missing[0][1]}"
+            else:
+                try:
+                    host.connect(*[list(col) for col in zip(*[m for m, _ in ends])])
+                except FastTranError as e:
+                    why = str(e)
+        oks = self.group.all_gather_object(why, what="fit: shared-memory gradient sums connected")
+        bad = [(r, w) for r, w in enumerate(oks) if w is not None]
+        if bad:
+            return None, f"rank {bad[0][0]}: {bad[0][1]}"
+        return host, None
 
     def begin(self, step):
-        """Before a step's model step: the ranks check they are at the same step."""
+        """Before a step's model step: the ranks check they are at the same step -- a checked
+        collective through the group; with shared memory the sums themselves are numbered and
+        checked (a rank that meets another step's sums, or a rank gone on to another collective,
+        fails the step), so nothing is exchanged here."""
         t0 = time.perf_counter()
-        self.group.barrier(what=f"training step {int(step)}")
+        if self._host is not None:
+            self._host_step += 1
+        else:
+            self.group.barrier(what=f"training step {int(step)}")
         self.seconds["begin"] += time.perf_counter() - t0
 
     def ready(self, bucket):
-        """The model hands over gradient bucket `bucket` (final in memory): its sum starts now."""
+        """The model hands over gradient bucket `bucket` (final in memory): its sum starts now (the
+        group) or at finish (shared memory: the other ranks see it is ready)."""
         t0 = time.perf_counter()
-        self._works.append(self.group.all_reduce_(self._views[bucket], async_op=True, what="gradient bucket",
-                                                  check=False))
+        if self._host is not None:
+            from .errors import FastTranError
+            try:
+                self._host.post(bucket, self._host_step)
+            except FastTranError as e:
+                raise CollectiveError(f"rank {self.rank}: {e}") from None
+        else:
+            self._works.append(self.group.all_reduce_(self._views[bucket], async_op=True, what="gradient bucket",
+                                                      check=False))
         self.seconds["ready"] += time.perf_counter() - t0
 
     def finish(self, loss):
         """After the step's backward: the buckets' sums are complete; returns the global loss."""
         t0 = time.perf_counter()
-        works, self._works = self._works, []
-        for w in works:
-            w.wait()
-        buf = np.array([loss], np.float64)
-        self.group.all_reduce_(buf, what="loss", check=False)
+        if self._host is not None:
+            total = self._finish_host(float(loss))
+        else:
+            works, self._works = self._works, []
+            for w in works:
+                w.wait()
+            buf = np.array([loss], np.float64)
+            self.group.all_reduce_(buf, what="loss", check=False)
+            total = float(buf[0])
         self.seconds["finish"] += time.perf_counter() - t0
         self.seconds["steps"] += 1
-        return float(buf[0])
+        return total
+
+    def _finish_host(self, loss):
+        from .errors import FastTranError
+        what, step = f"the gradient sums of training step {self._host_step} (shared memory)", self._host_step
+        start = time.monotonic()
+        beats = {}
+        while True:
+            try:
+                total = self._host.finish(step, loss, 0.5)
+            except FastTranError as e:
+                raise CollectiveError(f"rank {self.rank}: {e}") from None
+            if total is not None:
+                return total
+            now = time.monotonic()
+            check = getattr(self.group, "_check_peers", None)
+            if check is not None:
+                check(what, beats, now)
+            if now - start > self.group.timeout:
+                lines = self.group._whereabouts(wait_for_beats=False) if hasattr(self.group, "_whereabouts") else []
+                raise CollectiveTimeoutError("\n".join(
+                    [f"rank {self.rank}: {what} did not complete within {self.group.timeout:g} s: a rank did not reach "
+                     "them. Where the other ranks are:", *lines,
+                     "every rank must take the same steps; look for a rank with another number of batches, or one "
+                     "that hangs (its log)"]))
 
     def sum(self, values):
         """Per-epoch counters summed over the ranks (float64)"""

@@ -496,7 +496,7 @@ class Trainer:
         steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
         total = steps_per_epoch * self.epochs
         warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
-        local = -(-self.batch_size // self.reduction.world_size)   # this process's slice, at most
+        local = -(-self.batch_size // self.reduction.world_size)   # a slice's share (a longer one grows the buffers)
         rows = np.sort(rows_of_lengths(cache))[::-1][:local]
         self.model.reserve(min(local, N), int(rows.sum()))
         return steps_per_epoch, total, warm

@@ -275,12 +275,15 @@ def test_slices_of_global_batches_make_the_global_batches(tiny_cache, kw):
             got = [p[s] for p in parts]
             assert np.array_equal(np.concatenate([g[0] for g in got]), ex)
             sizes = [len(g[0]) for g in got]
-            assert max(sizes) - min(sizes) <= 1
             rows = L[c.index_of(ex)]
+            cost = np.concatenate([[0], np.cumsum(rows * (6 * c.hidden + rows))])   # the reader's balance
             for r, (ids, b, where) in enumerate(got):
                 assert type(where).__name__ == "GlobalBatch"
                 assert where.step == s + kw.get("start", 0) and where.size == len(ex)
-                assert where.offset == sum(sizes[:r]) == len(ex) * r // world
+                assert where.offset == sum(sizes[:r])
+                # the slice starts where the costs before it are nearest r / world of the batch's (ties: earlier)
+                miss = np.abs(cost * world - cost[-1] * r)
+                assert where.offset == int(np.argmin(miss))
                 assert where.rows == rows.sum() and where.longest == rows.max()
                 assert where.row_offset == rows[:where.offset].sum()
                 values = b[0]
@@ -290,6 +293,9 @@ def test_slices_of_global_batches_make_the_global_batches(tiny_cache, kw):
                 else:   # padded to the slice's own longest: the same values on the real tokens
                     T = values.shape[1]
                     assert np.array_equal(values, batch[0][where.offset:where.offset + len(ids), :T])
+            # so each slice's cost is within one example's of its share
+            share = [cost[sum(sizes[:r + 1])] - cost[sum(sizes[:r])] for r in range(world)]
+            assert max(abs(x * world - cost[-1]) for x in share) <= world * (cost[1:] - cost[:-1]).max()
     with pytest.raises(fasttran.InputError, match="rank < world_size"):
         c.batches(8, rank=2, world_size=2)
     with pytest.raises(fasttran.InputError, match="go together"):

@@ -38,13 +38,14 @@ def _trainer(reduction, head, batch_size, **kw):
     return fasttran.Trainer(head, **args)
 
 
-def train_and_record(rank, world, tiny_dir, head, batch_size, steps=None, ckpt=None, resume=False, **kw):
+def train_and_record(rank, world, tiny_dir, head, batch_size, steps=None, ckpt=None, resume=False, transport="auto",
+                     **kw):
     """fit on this rank (world 1: one process, no reduction); the flat parameter table after every
     step (its sha256, and the arrays of the first and last steps)"""
     import fasttran
     from fasttran.distributed import DataParallel
     enc, ids, mask, y = _data(tiny_dir)
-    red = DataParallel() if world > 1 else None
+    red = DataParallel(transport=transport) if world > 1 else None
     tr = _trainer(red, head, batch_size, **kw)
     cache = tr.cache_for(enc, ids, mask, show_progress=False)
     targets = y
@@ -68,6 +69,7 @@ def train_and_record(rank, world, tiny_dir, head, batch_size, steps=None, ckpt=N
     record["loss_curve"] = [l for _, l in tr.loss_curve]
     record["history"] = hist
     record["step"] = tr.global_step
+    record["transport"] = red.transport_used if red is not None else None
     return record
 
 
@@ -78,11 +80,13 @@ def tiny_dir(tmp_path_factory):
                            intermediate_size=48, num_hidden_layers=3, max_position_embeddings=64)
 
 
+@pytest.mark.parametrize("transport", ["shared_memory", "group"])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("head", ["classification", "token-classification"])
-def test_ranks_equal_one_process_and_each_other(tiny_dir, world, head):
+def test_ranks_equal_one_process_and_each_other(tiny_dir, world, head, transport):
     one = train_and_record(0, 1, tiny_dir, head, 8)
-    ranks = run_ranks(train_and_record, world, tiny_dir, head, 8, timeout=300)
+    ranks = run_ranks(train_and_record, world, tiny_dir, head, 8, transport=transport, timeout=300)
+    assert [r["transport"] for r in ranks] == [transport if transport == "shared_memory" else "gloo"] * world
     for r in ranks[1:]:   # every rank's weights are rank 0's, bit for bit, after every step
         assert r["hashes"] == ranks[0]["hashes"]
         assert r["loss_curve"] == ranks[0]["loss_curve"]
@@ -134,8 +138,9 @@ def diverge(rank, world, tiny_dir):
     tr.fit(tr.cache_for(enc, ids[:n], mask[:n], show_progress=False), y[:n])
 
 
-def skip_a_step(rank, world, tiny_dir):
-    """rank 1 skips the reduction of its second step's gradients: a missing collective"""
+def skip_a_step(rank, world, tiny_dir, transport="auto"):
+    """rank 1 skips the start of its second step: a missing collective (the group), a step's sums
+    handed over twice (shared memory)"""
     from fasttran.distributed import DataParallel
     enc, ids, mask, y = _data(tiny_dir)
 
@@ -144,16 +149,18 @@ def skip_a_step(rank, world, tiny_dir):
             if self.rank == 1 and step == 1:
                 return
             super().begin(step)
-    tr = _trainer(Skipping(), "classification", 8)
+    tr = _trainer(Skipping(transport=transport), "classification", 8)
     tr.fit(tr.cache_for(enc, ids, mask, show_progress=False), y)
 
 
-@pytest.mark.parametrize("fn,says", [(diverge, "start different runs: examples: 29 here, 28 there"),
-                                     (skip_a_step, "barrier 'training step 1' did not complete within 20 s")])
-def test_ranks_that_diverge_fail_within_the_timeout_naming_it(tiny_dir, fn, says):
+@pytest.mark.parametrize("fn,args,says", [
+    (diverge, (), "start different runs: examples: 29 here, 28 there"),
+    (skip_a_step, ("group",), "barrier 'training step 1' did not complete within 20 s"),
+    (skip_a_step, ("shared_memory",), "rank 1: gradient bucket 0 is handed over for step 1, whose sums were already made")])
+def test_ranks_that_diverge_fail_within_the_timeout_naming_it(tiny_dir, fn, args, says):
     import time
     t0 = time.monotonic()
-    out = run_ranks(fn, 2, tiny_dir, check=False, timeout=120, env={"FASTTRAN_DIST_TIMEOUT": "20"})
+    out = run_ranks(fn, 2, tiny_dir, *args, check=False, timeout=120, env={"FASTTRAN_DIST_TIMEOUT": "20"})
     assert time.monotonic() - t0 < 90
     assert not any(o.ok for o in out), out
     assert any(says in (o.message or "") for o in out), [o.message for o in out]

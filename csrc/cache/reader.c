@@ -164,22 +164,58 @@ static void shuffle_steps(ft_cache_reader *r, int64_t last_step) {
     shuffle_to(r->perm, r->perm_n, r->perm_key, &r->perm_done, to);
 }
 
+/* Where slice p of `parts` of a global batch begins: the position k in [0, gn] whose prefix of
+ * the examples' costs (pre[k]; pre[gn] the whole batch's) is nearest p/parts of the total, ties
+ * to the smaller k; 0 for p = 0 and gn for p = parts. Nondecreasing in p; with equal costs it is
+ * gn p / parts rounded to the nearest (down at .5). */
+static int64_t slice_start(const int64_t *pre, int64_t gn, int64_t p, int64_t parts) {
+    if (p <= 0) return 0;
+    if (p >= parts) return gn;
+    const int64_t target = pre[gn] * p;   /* compared against pre[k] * parts: exact integers */
+    int64_t k = 0;
+    while (k < gn && pre[k + 1] * parts <= target) k++;   /* the last k with pre[k] <= total p / parts */
+    if (k < gn && pre[k + 1] * parts - target < target - pre[k] * parts) k++;
+    return k;
+}
+
 /* One step into b (buffers grown as needed); the status and message stay with the batch.
  * A step is a batch of the order (the global batch); with parts > 1 only slice `part` of it is
- * read: its positions [gn part / parts, gn (part + 1) / parts), possibly none. */
+ * read: a contiguous run of its positions, possibly none, chosen so that the slices' costs are
+ * balanced -- an example of n rows costs n (6 hidden + n), its dense layers' products per row
+ * and its attention's per pair of rows -- because every rank waits for the slowest at the
+ * gradient sums: equal example counts of ragged sentences leave one rank idle for the length
+ * difference. With rows all equal (one per example) the slices' sizes are within one. */
 static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
     const int64_t a = step * r->batch_size, gn = r->n - a < r->batch_size ? r->n - a : r->batch_size;
-    const int64_t lo = gn * r->part / r->parts, nb = gn * (r->part + 1) / r->parts - lo;
-    const int64_t *idx = r->order + a + lo;
-    int64_t g_rows = 0, g_before = 0, g_longest = 0;   /* the global batch's rows, those before the slice */
+    int64_t g_rows = 0, g_longest = 0;   /* the global batch's rows and longest example */
+    int64_t lo = 0, nb = gn;
+    ft_status st = FT_OK;
+    if (r->parts > 1) {
+        int64_t *pre = malloc((size_t)(gn + 1) * sizeof *pre);   /* the costs' prefix sums */
+        if (!pre) {
+            st = ft_error(FT_ERR_NOMEM, "out of memory");
+            nb = 0;
+        } else {
+            pre[0] = 0;
+            for (int64_t k = 0; k < gn; k++) {
+                const int64_t rk = ft_cache_example_rows(r->cache, r->order[a + k]);
+                pre[k + 1] = pre[k] + rk * (6 * r->hidden + rk);
+            }
+            lo = slice_start(pre, gn, r->part, r->parts);
+            nb = slice_start(pre, gn, r->part + 1, r->parts) - lo;
+            free(pre);
+        }
+    }
     for (int64_t k = 0; k < gn; k++) {
         const int64_t rk = ft_cache_example_rows(r->cache, r->order[a + k]);
         g_rows += rk;
-        if (k < lo) g_before += rk;
         if (rk > g_longest) g_longest = rk;
     }
+    const int64_t *idx = r->order + a + lo;
+    int64_t g_before = 0;                /* rows before the slice */
+    for (int64_t k = 0; k < lo; k++) g_before += ft_cache_example_rows(r->cache, r->order[a + k]);
     ft_cache_batch_info info;
-    ft_status st = ft_cache_batch_info_get(r->cache, idx, nb, r->layout, r->enc, &info);
+    if (st == FT_OK) st = ft_cache_batch_info_get(r->cache, idx, nb, r->layout, r->enc, &info);
     size_t need = st == FT_OK ? (size_t)info.rows * (size_t)r->hidden : 0;
     if (need < 16) need = 16;
     if (st == FT_OK && need > b->capacity) {

@@ -8,6 +8,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "cpu_ops.h"
+#include "dist/shared.h"
 
 ft_status cpu_alloc(ft_backend *be, size_t bytes, void **out) {
     (void)be;
@@ -19,7 +20,11 @@ ft_status cpu_alloc(ft_backend *be, size_t bytes, void **out) {
     return FT_OK;
 }
 
-void cpu_free(ft_backend *be, void *p) { (void)be; free(p); }
+/* host memory: aligned_alloc's, or a gradient table in shared memory (dist/shared.h) */
+void cpu_free(ft_backend *be, void *p) {
+    (void)be;
+    if (!ft_shared_free(p)) free(p);
+}
 
 ft_status cpu_copy(ft_backend *be, void *dst, const void *src, size_t bytes) {
     (void)be;

@@ -18,6 +18,7 @@
 
 #include "core/rng.h"
 #include "core/status.h"
+#include "dist/shared.h"
 #include "model/encoder.h"
 
 enum { SITE_ATTN_PROBS = 0, SITE_ATTN_OUT = 1, SITE_FFN_OUT = 2, SITES = 3 };
@@ -335,7 +336,7 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     }
     s->extra = extra_floats;
     if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->params);
-    if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->grads);
+    if (st == FT_OK) st = ft_backend_alloc_grads(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->grads);
     for (int64_t l = 0; st == FT_OK && l < count; l++) {
         /* the encoder's layer block is contiguous in the same order (model/encoder.c's layout) */
         size_t off[12], floats;

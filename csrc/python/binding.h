@@ -59,6 +59,7 @@ int ft_py_add_io_functions(PyObject *module);
 int ft_py_add_train_functions(PyObject *module);
 int ft_py_add_layer_type(PyObject *module);
 int ft_py_add_model_type(PyObject *module);
+int ft_py_add_host_sum(PyObject *module);
 /* st = expr with the GIL released (expr must not touch Python objects) */
 #define FT_PY_NOGIL(st, expr) \
     do {                      \

@@ -354,7 +354,7 @@ PyMODINIT_FUNC PyInit__C(void) {
         PyModule_AddIntConstant(m, "cuda_emulated", ft_cuda_emulated()) < 0 ||
         ft_py_add_encoder_type(m) < 0 || ft_py_add_tensor_type(m) < 0 ||
         add_enums(m) < 0 || ft_py_add_cache_functions(m) < 0 || ft_py_add_io_functions(m) < 0 ||
-        ft_py_add_train_functions(m) < 0 || ft_py_add_layer_type(m) < 0 || ft_py_add_model_type(m) < 0 || ft_py_add_profile_functions(m) < 0 ||
+        ft_py_add_train_functions(m) < 0 || ft_py_add_layer_type(m) < 0 || ft_py_add_model_type(m) < 0 || ft_py_add_host_sum(m) < 0 || ft_py_add_profile_functions(m) < 0 ||
         ft_py_add_optimizer_type(m) < 0) {
         Py_DECREF(m);
         return NULL;

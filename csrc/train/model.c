@@ -17,6 +17,7 @@
 
 #include "backend.h"
 #include "core/status.h"
+#include "dist/shared.h"
 
 struct ft_model {
     ft_backend *be;
@@ -73,7 +74,7 @@ ft_status ft_model_create(ft_device dev, const ft_head_config *head, ft_layer_st
     } else if (st == FT_OK) {
         m->own = 1;
         st = m->be->alloc(m->be, nh * sizeof(float), (void **)&m->params);
-        if (st == FT_OK) st = m->be->alloc(m->be, nh * sizeof(float), (void **)&m->grads);
+        if (st == FT_OK) st = ft_backend_alloc_grads(m->be, nh * sizeof(float), (void **)&m->grads);
     }
     m->n_params = m->n_layers + nh;
     if (st == FT_OK) {   /* the head's parameters start at zero */

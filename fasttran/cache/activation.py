@@ -483,9 +483,10 @@ class ActivationCache:
 
         Data parallelism: with `rank` and `world_size` (or `rank=` a fasttran.distributed group),
         `batch_size` is the *global* batch: every rank reads the same epoch order (same `seed`)
-        and takes, from each global batch of g examples, its contiguous slice of positions
-        [g rank // world_size, g (rank + 1) // world_size) -- sizes within one of each other,
-        together the global batch in order. It yields (example_ids, batch, where) for *every*
+        and takes, from each global batch, its contiguous slice of positions -- balanced by cost,
+        an example of n rows costing n (6 hidden + n), so each slice's cost is within one
+        example's of its share (sizes within one of each other when every example is one row) --
+        the slices together the global batch in order. It yields (example_ids, batch, where) for *every*
         global batch, so all ranks take the same number of steps: a slice may be empty (an
         uneven last batch smaller than world_size; its batch has 0 examples), and `where` (a
         GlobalBatch) says what a step needs to equal one process: `step` (the global batch's
