@@ -2,7 +2,7 @@
 compressed, per task and seed -- dev metric (flips against the fine-tuned model counted pairwise),
 CPU latency at batch 1 and batch 32 (2 threads) and size -- for: the fine-tuned model; pruned at
 several levels (significance order, re-fine-tuned); int8, pruned + int8 and those with the
-vocabulary pruned to the training data's tokens; sign matching on the least significant heads; the search under a 0.5-point budget; and ONNX
+vocabulary pruned to the tokens of the task's whole training split; sign matching on the least significant heads; the search under a 0.5-point budget; and ONNX
 Runtime's dynamic int8 quantization of the same fine-tuned model (and its float32), measured in the
 same run. Then "train big, then compress": the 6-layer model fine-tuned and compressed to the cost of
 3 layers against the 3-layer truncation fine-tuned directly for the same number of steps.
@@ -139,7 +139,7 @@ def layer_bytes(model):
 
 
 def run_seed(task, seed, args, data, log):
-    train, select, dev, model_dir = data
+    train, select, dev, model_dir, vocab_data = data
     base_enc = fasttran.Encoder.from_pretrained(model_dir)
     lr, epochs = 1e-4, args.epochs[task]
     say = lambda m: (log.append(m), print(f"[{task} seed {seed}] {m}", flush=True))   # noqa: E731
@@ -167,9 +167,10 @@ def run_seed(task, seed, args, data, log):
         say(f"pruned {level:.0%} of the layers' weights: {res.model}")
 
     # int8 weights: the layers' projections and the word embeddings; pruned + int8; and with the
-    # vocabulary pruned to the training data's tokens (dev-only tokens then read [UNK])
-    voc = compress.vocabulary(ft, train)
-    out["vocabulary"] = {"kept": len(voc["keep"]), "of": ft.encoder.config["vocab_size"]}
+    # vocabulary pruned to the tokens of the task's whole training split (dev-only tokens then read [UNK])
+    voc = compress.vocabulary(ft, vocab_data)
+    out["vocabulary"] = {"kept": len(voc["keep"]), "of": ft.encoder.config["vocab_size"],
+                         "from_examples": len(vocab_data)}
     models["int8"] = compress.quantize(ft)
     models["vocabulary + int8"] = compress.apply(ft, {"vocabulary": voc, "weights": "int8"})
     for level in args.levels:
@@ -363,13 +364,15 @@ def main():
     for task in args.tasks:
         a, b, y = load_task(task, "train", DATA, args.train_limit)
         full = tokenize(model_dir, a, b, y, 128)
+        va, vb, vy = load_task(task, "train", DATA)   # the whole training split: the vocabulary's tokens
+        vocab_data = tokenize(model_dir, va, vb, vy, 128)
         da, db, dy = load_task(task, "dev", DATA)
         dev = tokenize(model_dir, da, db, dy, 128)
         results[task] = {}
         for seed in args.seeds:
             select, train = full.split(args.select, seed=seed)
             log = []
-            results[task][seed] = run_seed(task, seed, args, (train, select, dev, model_dir), log)
+            results[task][seed] = run_seed(task, seed, args, (train, select, dev, model_dir, vocab_data), log)
             results[task][seed]["log"] = log
             meta["load_end"] = load_avg()
             rows = summarize(results)

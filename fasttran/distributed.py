@@ -657,59 +657,56 @@ class _TorchGroup(Group):
             raise CollectiveError("; ".join(f"rank {r} failed during {what!r}: {p}" for r, p in bad))
         return [p for _, _, p in values]
 
+    def _peer_trouble(self, r, where, beats, now, moved_on, failed=True):
+        """Rank r, awaited by this rank `where`: an error when it exited, failed in a collective (with
+        `failed`), went elsewhere (moved_on(seq, op, what) of its last published collective: the message,
+        or None when not), or its heartbeat stopped for the group's timeout. `beats` {rank: (count,
+        since)} persists between calls."""
+        ex, st = self._get(f"exit/{r}"), self._get(f"state/{r}")
+        fail = self._get(f"fail/{r}") if failed else None
+        if ex is not None:
+            s, op, w = _text(ex).split("\t")[:3]
+            raise CollectiveError(f"rank {r} exited (its last collective: #{s} {op} {w!r}) while rank {self.rank} "
+                                  f"waited for it {where}")
+        if fail is not None:
+            s, op, w = _text(fail).split("\t")[:3]
+            raise CollectiveError(f"rank {r} failed at #{s} {op} {w!r} while rank {self.rank} waited for it {where}")
+        if st is not None:
+            s, op, w = _text(st).split("\t")[:3]
+            said = moved_on(int(s), op, w)
+            if said:
+                raise CollectiveError(said)
+        b = self._beats(r)
+        last = beats.get(r)
+        if last is None or b != last[0]:
+            beats[r] = (b, now)
+        elif now - last[1] > max(self.timeout, 5 * _HEARTBEAT):
+            raise CollectiveTimeoutError(
+                f"rank {r} stopped responding (no heartbeat for {now - last[1]:.0f} s: its process died or is frozen) "
+                f"while rank {self.rank} waited for it {where}")
+
     def _check_peers(self, what, beats, now):
         """While this rank waits for the others outside a collective of the group (the shared-memory
-        gradient sums): an error when one exited, failed, moved on to a later collective, or its
-        heartbeat stopped for the group's timeout. `beats` {rank: (count, since)} persists between calls."""
+        gradient sums): an error when one exited, failed, went on to a later collective, or stopped."""
         seq = self._last[0]
+
+        def moved_on(s, op, w):
+            if s > seq:
+                return (f"the ranks diverged: rank {r} went on to #{s} {op} {w!r} while rank {self.rank} waits in "
+                        f"{what} (after #{seq}); look for ranks with other numbers of batches, or a collective only "
+                        "some ranks call")
         for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            ex, st, fail = (self._get(f"{k}/{r}") for k in ("exit", "state", "fail"))
-            if ex is not None:
-                s, op, w = _text(ex).split("\t")[:3]
-                raise CollectiveError(f"rank {r} exited (its last collective: #{s} {op} {w!r}) while rank {self.rank} "
-                                      f"waited for it in {what}")
-            if fail is not None:
-                s, op, w = _text(fail).split("\t")[:3]
-                raise CollectiveError(f"rank {r} failed at #{s} {op} {w!r} while rank {self.rank} waited for it in {what}")
-            if st is not None:
-                s, op, w = _text(st).split("\t")[:3]
-                if int(s) > seq:
-                    raise CollectiveError(f"the ranks diverged: rank {r} went on to #{s} {op} {w!r} while rank "
-                                          f"{self.rank} waits in {what} (after #{seq}); look for ranks with other "
-                                          "numbers of batches, or a collective only some ranks call")
-            b = self._beats(r)
-            last = beats.get(r)
-            if last is None or b != last[0]:
-                beats[r] = (b, now)
-            elif now - last[1] > max(self.timeout, 5 * _HEARTBEAT):
-                raise CollectiveTimeoutError(
-                    f"rank {r} stopped responding (no heartbeat for {now - last[1]:.0f} s: its process died or is frozen) "
-                    f"while rank {self.rank} waited for it in {what}")
+            if r != self.rank:
+                self._peer_trouble(r, f"in {what}", beats, now, moved_on)
 
     def _look_for_trouble(self, seq, what, keys, beats, now):
+        def moved_on(s, op, w):
+            if s > seq or (s == seq and (op, w) != ("wait_all", what)):
+                return (f"the ranks called different collectives at fasttran collective #{seq}: rank {self.rank} "
+                        f"wait_all {what!r}, rank {r} #{s} {op} {w!r}")
         for r, k in enumerate(keys):
-            if r == self.rank or self._store.check([k]):
-                continue
-            ex, st = self._get(f"exit/{r}"), self._get(f"state/{r}")
-            if ex is not None:
-                s, op, w = _text(ex).split("\t")[:3]
-                raise CollectiveError(f"rank {r} exited (its last collective: #{s} {op} {w!r}) while rank {self.rank} "
-                                      f"waited for it at #{seq} wait_all {what!r}")
-            if st is not None:
-                s, op, w = _text(st).split("\t")[:3]
-                if int(s) > seq or (int(s) == seq and (op, w) != ("wait_all", what)):
-                    raise CollectiveError(f"the ranks called different collectives at fasttran collective #{seq}: "
-                                          f"rank {self.rank} wait_all {what!r}, rank {r} #{s} {op} {w!r}")
-            b = self._beats(r)
-            last = beats.get(r)
-            if last is None or b != last[0]:
-                beats[r] = (b, now)
-            elif now - last[1] > max(self.timeout, 5 * _HEARTBEAT):
-                raise CollectiveTimeoutError(
-                    f"rank {r} stopped responding (no heartbeat for {now - last[1]:.0f} s: its process died or is frozen) "
-                    f"while rank {self.rank} waited for it at #{seq} wait_all {what!r}")
+            if r != self.rank and not self._store.check([k]):
+                self._peer_trouble(r, f"at #{seq} wait_all {what!r}", beats, now, moved_on, failed=False)
 
 
 # ---- data-parallel training ------------------------------------------------------------------------

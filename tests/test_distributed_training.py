@@ -103,6 +103,33 @@ def test_ranks_equal_one_process_and_each_other(tiny_dir, world, head, transport
     assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-3)
 
 
+def unshared_table(rank, world, tiny_dir, transport):
+    """a model whose gradient table is made outside shared memory (gradient tables are shared only
+    once a DataParallel of several ranks exists): `transport` "auto" sums through the group;
+    "shared_memory" refuses, saying why"""
+    import fasttran
+    from fasttran.distributed import DataParallel
+    enc, ids, mask, y = _data(tiny_dir)
+    red = DataParallel(transport=transport)
+    fasttran._C.shared_grads(False)
+    tr = _trainer(red, "classification", 8, epochs=1)
+    try:
+        tr.fit(tr.cache_for(enc, ids, mask, show_progress=False), y)
+    except fasttran.InputError as e:
+        return "refused: " + str(e)
+    return red.transport_used, red.why_not_shared, repr(red)
+
+
+def test_shared_memory_falls_back_to_the_group_or_says_why_not(tiny_dir):
+    auto = run_ranks(unshared_table, 2, tiny_dir, "auto", timeout=300)
+    for used, why, rep in auto:
+        assert used == "gloo" and "not in shared memory" in why and rep.endswith(", gloo, gloo)"), (used, why, rep)
+    forced = run_ranks(unshared_table, 2, tiny_dir, "shared_memory", timeout=300)
+    for said in forced:
+        assert said.startswith("refused: transport='shared_memory' cannot be used: rank 0: the gradient table is not "
+                               "in shared memory"), said
+
+
 def test_empty_slices_of_an_uneven_last_batch_do_not_hang(tiny_dir):
     """batch 7 over 29 examples: the last global batch holds 1 example, so 2 of 3 ranks hold none"""
     one = train_and_record(0, 1, tiny_dir, "classification", 7, epochs=1)
