@@ -293,6 +293,25 @@ def summarize(results):
     return rows
 
 
+NAMES = {"sst2": "SST-2", "mrpc": "MRPC", "cola": "CoLA"}
+
+
+def markdown(rows):
+    """RESULTS.md's table of `rows` (summarize's)"""
+    base = {r["task"]: r for r in rows if r["model"] == "fine-tuned"}
+    out = ["| task | model | dev acc % | drop | lost / gained | batch 1 ms | x | batch 32 ms | x | MB | x |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        b = base[r["task"]]
+        lg = "-" if r["model"] == "fine-tuned" else f"{r['lost']:.1f} / {r['gained']:.1f}"
+        out.append(f"| {NAMES.get(r['task'], r['task'])} | {r['model']} | {100 * r['accuracy']:.2f} +- "
+                   f"{100 * r['accuracy_sd']:.2f} | {r['drop_points']:.2f} | {lg} | {r['latency_b1_ms']:.2f} | "
+                   f"{b['latency_b1_ms'] / r['latency_b1_ms']:.2f} | {r['latency_b32_ms']:.1f} | "
+                   f"{b['latency_b32_ms'] / r['latency_b32_ms']:.2f} | {r['size_mb']:.1f} | "
+                   f"{b['size_mb'] / r['size_mb']:.2f} |")
+    return "\n".join(out)
+
+
 def print_table(rows, results):
     base = {r["task"]: r for r in rows if r["model"] == "fine-tuned"}
     print(f"\n{'task':<6}{'model':<38}{'dev acc':>14}{'drop':>7}{'lost/gained':>13}{'b1 ms':>8}{'x':>6}"
@@ -336,7 +355,17 @@ def main():
     p.add_argument("--latency-examples", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="small data, one level: a smoke run")
     p.add_argument("--out", default=OUT)
+    p.add_argument("--markdown", nargs="+", metavar="JSON",
+                   help="only print RESULTS.md's table from these runs' files (a task's seeds from the last file "
+                        "that has it)")
     args = p.parse_args()
+    if args.markdown:
+        results = {}
+        for path in args.markdown:
+            with open(path) as f:
+                results.update(json.load(f)["results"])
+        print(markdown(summarize(results)))
+        return
     args.epochs = {"sst2": 1, "mrpc": 3, "cola": 2}
     if args.quick:
         args.train_limit, args.select, args.levels, args.latency_examples = 1200, 100, [0.5], 64
