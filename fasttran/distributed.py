@@ -839,11 +839,7 @@ class DataParallel:
         group) or at finish (shared memory: the other ranks see it is ready)."""
         t0 = time.perf_counter()
         if self._host is not None:
-            from .errors import FastTranError
-            try:
-                self._host.post(bucket, self._host_step)
-            except FastTranError as e:
-                raise CollectiveError(f"rank {self.rank}: {e}") from None
+            self._host_call("post", bucket, self._host_step)
         else:
             self._works.append(self.group.all_reduce_(self._views[bucket], async_op=True, what="gradient bucket",
                                                       check=False))
@@ -865,16 +861,20 @@ class DataParallel:
         self.seconds["steps"] += 1
         return total
 
-    def _finish_host(self, loss):
+    def _host_call(self, method, *args):
+        """HostSum.<method>(*args); its failure (the ranks' steps disagree) as this rank's CollectiveError"""
         from .errors import FastTranError
+        try:
+            return getattr(self._host, method)(*args)
+        except FastTranError as e:
+            raise CollectiveError(f"rank {self.rank}: {e}") from None
+
+    def _finish_host(self, loss):
         what, step = f"the gradient sums of training step {self._host_step} (shared memory)", self._host_step
         start = time.monotonic()
         beats = {}
         while True:
-            try:
-                total = self._host.finish(step, loss, 0.5)
-            except FastTranError as e:
-                raise CollectiveError(f"rank {self.rank}: {e}") from None
+            total = self._host_call("finish", step, loss, 0.5)
             if total is not None:
                 return total
             now = time.monotonic()
@@ -886,10 +886,7 @@ class DataParallel:
                     # a rank may have finished these sums and gone on (to the next collective, or out)
                     # between our last look at the counters and this look at the store: it set its
                     # counter before it went, so a last look at the counters tells which it was
-                    try:
-                        total = self._host.finish(step, loss, 0.0)
-                    except FastTranError as e:
-                        raise CollectiveError(f"rank {self.rank}: {e}") from None
+                    total = self._host_call("finish", step, loss, 0.0)
                     if total is not None:
                         return total
                     raise

@@ -190,26 +190,23 @@ static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
     int64_t g_rows = 0, g_longest = 0;   /* the global batch's rows and longest example */
     int64_t lo = 0, nb = gn;
     ft_status st = FT_OK;
-    if (r->parts > 1) {
-        int64_t *pre = malloc((size_t)(gn + 1) * sizeof *pre);   /* the costs' prefix sums */
-        if (!pre) {
-            st = ft_error(FT_ERR_NOMEM, "out of memory");
-            nb = 0;
-        } else {
-            pre[0] = 0;
-            for (int64_t k = 0; k < gn; k++) {
-                const int64_t rk = ft_cache_example_rows(r->cache, r->order[a + k]);
-                pre[k + 1] = pre[k] + rk * (6 * r->hidden + rk);
-            }
-            lo = slice_start(pre, gn, r->part, r->parts);
-            nb = slice_start(pre, gn, r->part + 1, r->parts) - lo;
-            free(pre);
-        }
+    /* the costs' prefix sums, for a slice (one pass over the rows with the totals) */
+    int64_t *pre = r->parts > 1 ? malloc((size_t)(gn + 1) * sizeof *pre) : NULL;
+    if (r->parts > 1 && !pre) {
+        st = ft_error(FT_ERR_NOMEM, "out of memory");
+        nb = 0;
     }
+    if (pre) pre[0] = 0;
     for (int64_t k = 0; k < gn; k++) {
         const int64_t rk = ft_cache_example_rows(r->cache, r->order[a + k]);
         g_rows += rk;
         if (rk > g_longest) g_longest = rk;
+        if (pre) pre[k + 1] = pre[k] + rk * (6 * r->hidden + rk);
+    }
+    if (pre) {
+        lo = slice_start(pre, gn, r->part, r->parts);
+        nb = slice_start(pre, gn, r->part + 1, r->parts) - lo;
+        free(pre);
     }
     const int64_t *idx = r->order + a + lo;
     int64_t g_before = 0;                /* rows before the slice */
