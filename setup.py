@@ -176,14 +176,19 @@ class FastTranBuildExt(build_ext):
         lowest = min(cu["archs"], key=lambda a: int("".join(c for c in a if c.isdigit())))
         gencode += ["-gencode", f"arch=compute_{lowest},code=compute_{lowest}"]   # PTX for newer GPUs
         sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
-        for src in sources:
+
+        def compile_one(src):
             obj = os.path.join(tmp, os.path.basename(src) + ".o")
             cmd = [cu["nvcc"], "-c", src, "-o", obj, "-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden",
                    "-I" + os.path.join(CSRC), "-I" + os.path.join(CSRC, "include"), "-I" + cu["cublas_include"],
                    *gencode]
             print(" ".join(cmd))
             subprocess.run(cmd, check=True)
-            objs.append(obj)
+            return obj
+
+        import concurrent.futures   # one nvcc per source at once: the sources are independent
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            objs = list(pool.map(compile_one, sources))
         target = os.path.join(out_dir, "libfasttran_cuda.so")
         cudart_static = os.path.join(cu["home"], "lib64", "libcudart_static.a")
         if not os.path.exists(cudart_static):

@@ -17,6 +17,8 @@
 #   bash .ci/gpu_session.sh table1     # benchmarks/gpu_table1.py: FastTran's Table 1 (SQuAD, 3,433
 #                                      # features, 5 epochs), then --accuracy (MiniLM, CUDA vs CPU EM/F1)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
+#   bash .ci/gpu_session.sh lease      # one call within LEASE_S (540) seconds: build, test, bench base,
+#                                      # optim, cache, memcheck; logs packed in $OUT/gpu-logs.tgz
 #
 # Carry: .whl (the scipy-openblas32 wheel for python 3.12, see the device README) and, for the real
 # MiniLM case, .minilm-bf16 (config.json + model.safetensors in bf16 + tokenizer files:
@@ -31,6 +33,10 @@ if [ -d .whl ]; then
         >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site:$PWD
+# where cuBLAS comes from an nvidia-cublas wheel, an in-place build's library cannot reach it by
+# its $ORIGIN rpath: put the wheel's folder on the loader's path
+CUBLAS_WHEEL_LIB=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.path.dirname(p) for s in site.getsitepackages() for p in glob.glob(s + '/nvidia/**/libcublasLt.so*', recursive=True)})))" 2>/dev/null)
+[ -n "$CUBLAS_WHEEL_LIB" ] && export LD_LIBRARY_PATH=$CUBLAS_WHEEL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 [ -d .minilm-bf16 ] && export FASTTRAN_MINILM_BF16=$PWD/.minilm-bf16
 CUDA_TESTS="tests/test_backend_ops.py tests/test_cuda.py tests/test_layer_training.py tests/test_cuda_training.py"
 
@@ -38,8 +44,9 @@ phase_build() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
     python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" \
         | tee -a "$OUT/device.txt"
-    python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; return 1; }
+    python3 setup.py build_ext --inplace -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; return 1; }
     python3 -c "import fasttran, json; print(json.dumps(fasttran.build_info()['cuda']))" | tee "$OUT/build_info.json"
+    python3 -c "import fasttran, sys; sys.exit(0 if fasttran.cuda_available() else 'no usable CUDA device after the build')"
 }
 
 phase_test() {
@@ -92,6 +99,36 @@ phase_table1() {
         --json "$OUT/table1_accuracy.json" 2>&1 | tee "$OUT/table1_accuracy.log" | tail -20
 }
 
+# One lease in one call (a lent machine now gives 15 minutes in all, start included): build, the
+# CUDA tests, BERT-base against SDPA and torch.compile, the optimizers, the cache tiers, then
+# compute-sanitizer's leak check, each step cut to the time left before LEASE_S seconds. Logs and
+# JSON are packed into $OUT/gpu-logs.tgz after every step, so a call stopped at its limit still
+# brings back what finished.
+phase_lease() {
+    local end=$((SECONDS + ${LEASE_S:-540})) logs=/tmp/gpu-logs
+    mkdir -p $logs
+    export OUT CUDA_TESTS
+    export -f phase_build phase_test phase_bench
+    pack() { cp "$OUT"/*.log "$OUT"/*.json "$OUT"/*.xml "$OUT"/*.txt benchmarks/last_gpu_*.json $logs/ 2>/dev/null
+             rm -f "$OUT"/*.log "$OUT"/*.xml; tar czf "$OUT/gpu-logs.tgz" -C $logs . ; }
+    step() {   # name, most seconds, command...
+        local name=$1 most=$2 left=$((end - SECONDS)); shift 2
+        [ $left -lt $most ] && most=$left
+        if [ $most -lt 25 ]; then echo "== $name: skipped, ${left}s left"; return 0; fi
+        echo "== $name (at most ${most}s, started at ${SECONDS}s)"
+        timeout -k 5 $most bash -c "$*"; local rc=$?
+        echo "== $name: exit $rc after ${SECONDS}s"; pack; return $rc
+    }
+    step build 170 phase_build || { pack; return 1; }
+    step test 170 phase_test
+    export FASTTRAN_BENCH_ROUNDS=${FASTTRAN_BENCH_ROUNDS:-3}
+    step bench-base 180 phase_bench base
+    step optim 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -15'
+    step cache 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_cache.py 2>&1 | tee "$OUT/gpu-cache.log" | tail -12'
+    step memcheck 120 'compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py -k "half or too_large or trainer or device_tier" >"$OUT/sanitize-memcheck.log" 2>&1; echo "memcheck exit $?"; grep -m5 "ERROR SUMMARY\|LEAK SUMMARY\|passed\|failed" "$OUT/sanitize-memcheck.log"'
+    pack
+}
+
 case "${1:-all}" in
     build) phase_build ;;
     test) phase_test ;;
@@ -114,6 +151,7 @@ case "${1:-all}" in
           done
           cp benchmarks/last_train_attention.json "$OUT/" 2>/dev/null || true ;;
     table1) phase_table1 ;;
+    lease) phase_lease ;;
     all) phase_build && phase_test && phase_sanitize ;;
     *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|all" >&2; exit 2 ;;
 esac
