@@ -99,19 +99,20 @@ phase_table1() {
         --json "$OUT/table1_accuracy.json" 2>&1 | tee "$OUT/table1_accuracy.log" | tail -20
 }
 
-# One lease in one call (a lent machine now gives 15 minutes in all, start included): build, the
-# CUDA tests, BERT-base against SDPA and torch.compile, the optimizers, the cache tiers, then
-# compute-sanitizer's leak check, each step cut to the time left before LEASE_S seconds. Logs and
-# JSON are packed into $OUT/gpu-logs.tgz after every step, so a call stopped at its limit still
-# brings back what finished.
+# One lease in one call (a lent machine now gives 15 minutes in all, start included): the steps of
+# LEASE_STEPS in order, each cut to the time left before LEASE_S seconds (a step with under 25 s
+# left is skipped and says so). Logs and JSON are packed into $OUT/gpu-logs.tgz after every step, so
+# a call stopped at its limit still brings back what finished. Steps: build, test, profile
+# (benchmarks/gpu_profile.py), sanitize (memcheck with the leak check, racecheck, synccheck,
+# initcheck on subsets), topk, cache, base, large (the encoder benchmark), optim.
 phase_lease() {
     local end=$((SECONDS + ${LEASE_S:-540})) logs=/tmp/gpu-logs
     mkdir -p $logs
-    export OUT CUDA_TESTS
-    export -f phase_build phase_test phase_bench
+    export OUT CUDA_TESTS FASTTRAN_BENCH_ROUNDS=${FASTTRAN_BENCH_ROUNDS:-3}
+    export -f phase_build phase_test phase_bench phase_sanitize_short
     pack() { cp "$OUT"/*.log "$OUT"/*.json "$OUT"/*.xml "$OUT"/*.txt benchmarks/last_gpu_*.json $logs/ 2>/dev/null
              rm -f "$OUT"/*.log "$OUT"/*.xml; tar czf "$OUT/gpu-logs.tgz" -C $logs . ; }
-    step() {   # name, most seconds, command...
+    step() {   # name, most seconds, command
         local name=$1 most=$2 left=$((end - SECONDS)); shift 2
         [ $left -lt $most ] && most=$left
         if [ $most -lt 25 ]; then echo "== $name: skipped, ${left}s left"; return 0; fi
@@ -119,14 +120,53 @@ phase_lease() {
         timeout -k 5 $most bash -c "$*"; local rc=$?
         echo "== $name: exit $rc after ${SECONDS}s"; pack; return $rc
     }
-    step build 170 phase_build || { pack; return 1; }
-    step test 170 phase_test
-    export FASTTRAN_BENCH_ROUNDS=${FASTTRAN_BENCH_ROUNDS:-3}
-    step bench-base 180 phase_bench base
-    step optim 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -15'
-    step cache 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_cache.py 2>&1 | tee "$OUT/gpu-cache.log" | tail -12'
-    step memcheck 120 'compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py -k "half or too_large or trainer or device_tier" >"$OUT/sanitize-memcheck.log" 2>&1; echo "memcheck exit $?"; grep -m5 "ERROR SUMMARY\|LEAK SUMMARY\|passed\|failed" "$OUT/sanitize-memcheck.log"'
+    local t
+    for t in ${LEASE_STEPS:-build test profile sanitize topk cache base large}; do
+        case $t in
+            build) step build 170 phase_build || { pack; return 1; } ;;
+            test) step test 150 phase_test ;;
+            profile) step profile 90 'python3 benchmarks/gpu_profile.py --json "$OUT/gpu_profile.json" 2>&1 | tee "$OUT/gpu-profile.log" | grep -v Warning' ;;
+            sanitize) step sanitize 150 phase_sanitize_short ;;
+            topk) step topk 170 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py 2>&1 | tee "$OUT/gpu-topk.log" | tail -30' ;;
+            cache) step cache 120 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_cache.py 2>&1 | tee "$OUT/gpu-cache.log" | tail -14' ;;
+            base|large) step "bench-$t" 180 phase_bench $t ;;
+            optim) step optim 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -15' ;;
+            *) echo "unknown lease step $t" ;;
+        esac
+    done
     pack
+}
+
+# the sanitizers on short subsets (a lease's step): each tool's leaks or errors counted, and for the
+# leak check only the allocations made by fasttran's own libraries (torch's caching allocator and
+# cuBLAS keep theirs for the process)
+phase_sanitize_short() {
+    local cs=compute-sanitizer
+    command -v $cs >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
+    timeout 75 $cs --tool memcheck --leak-check full --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_cuda.py tests/test_cuda_training.py -k "half_precision_outputs or too_large or device_tier_frees or \
+        classification-adamw or classification-2-mean-adamw-tempo4 or bf16_topk_trainer" >"$OUT/sanitize-memcheck.log" 2>&1
+    echo "memcheck: exit $?; $(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitize-memcheck.log" | tail -1)"
+    python3 - "$OUT/sanitize-memcheck.log" <<'PY'
+import re, sys
+t = open(sys.argv[1], errors="replace").read()
+ours = other = 0
+for b in t.split("========= Leaked")[1:]:
+    size = int(b.split(" bytes")[0].strip().replace(",", ""))
+    frames = b.split("=========     Saved")[1].split("\n")[1:8] if "Saved" in b else []
+    mine = any("fasttran" in f or "_C.cpython" in f for f in frames)
+    ours, other = (ours + size, other) if mine else (ours, other + size)
+print(f"memcheck leaks: fasttran {ours} bytes, others (torch, cuBLAS, cuDNN) {other} bytes;",
+      re.findall(r"ERROR SUMMARY: \d+ errors?", t)[-1:] or "no summary")
+PY
+    for t in racecheck synccheck; do
+        timeout 60 $cs --tool $t --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x tests/test_backend_ops.py \
+            -k "cuda and (attention_train or attention_backward) and bfloat16" >"$OUT/sanitize-$t.log" 2>&1
+        echo "$t: exit $?; $(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitize-$t.log" | tail -1); $(grep -m1 'ERROR SUMMARY' "$OUT/sanitize-$t.log")"
+    done
+    timeout 40 $cs --tool initcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py \
+        -k "half_precision_outputs or awkward_fp32" >"$OUT/sanitize-initcheck.log" 2>&1
+    echo "initcheck: exit $?; $(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitize-initcheck.log" | tail -1); $(grep -m1 'ERROR SUMMARY' "$OUT/sanitize-initcheck.log")"
 }
 
 case "${1:-all}" in

@@ -76,11 +76,19 @@ def test_cpu_and_cuda_agree_and_to(tmp_path):
 
 def test_profiler_times_the_cuda_ops_with_events(tmp_path):
     """fasttran.profile on a CUDA encoder: the ops' CUDA-event times (host clock on the emulator)
-    account for the wall time of the forward within 5%, split by kind, and say where they came from."""
+    account for the wall time of the forward within 5%, split by kind, and say where they came from.
+    On a GPU the forward must keep the device busy for that to hold (the tiny model's kernels take
+    microseconds, and launching them is most of its 1 ms: 82% attributed on an H100): there a
+    BERT-base-wide model at 32 x 128."""
     import time
-    path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
+    if EMULATED:
+        path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
+        ids, mask, types = batch(np.random.default_rng(3), 4, 33, pad_frac=0.3)
+    else:
+        path = make_checkpoint(str(tmp_path / "m"), **dict(AWKWARD, hidden_size=768, num_attention_heads=12,
+                                                             intermediate_size=3072, num_hidden_layers=3))
+        ids, mask, types = batch(np.random.default_rng(3), 32, 128, pad_frac=0.1)
     enc = fasttran.Encoder.from_pretrained(path, device="cuda")
-    ids, mask, types = batch(np.random.default_rng(3), 4, 33, pad_frac=0.3)
     enc.forward(ids, mask, types, pooling="mean")   # warm-up (workspace)
     t0 = time.perf_counter()
     p = fasttran.profile(enc.forward, ids, mask, types, pooling="mean", repeat=2)
@@ -324,7 +332,11 @@ def test_half_precision_outputs_padding_device_and_weights(tmp_path):
     ids, mask, types = batch(np.random.default_rng(5), 5, 40, pad_frac=0.6)
     full = enc.forward(ids, mask, types)
     ref64 = hf_hidden_states(path, ids, mask, types, double=True)[-1]
-    assert _rel(full, ref64, np.ones(mask.shape, bool)) <= 1e-2          # padded positions too
+    # padded positions too: within 1e-2 of float64, or no further than transformers' own bf16 (an
+    # H100's kernels gave 1.03e-2 here)
+    everywhere = np.ones(mask.shape, bool)
+    bound = max(1e-2, _rel(_hf_bf16(path, ids, mask, types)[-1], ref64, everywhere))
+    assert _rel(full, ref64, everywhere) <= bound
     t = enc.forward(ids, mask, types, output="device")
     assert t.dtype == "float32" and np.array_equal(t.numpy(), full)
     alone = enc.forward(ids[2:3], mask[2:3], types[2:3])
@@ -349,16 +361,19 @@ def test_half_precision_outputs_padding_device_and_weights(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_batch_too_large_is_refused_with_what_fits_and_the_encoder_stays_usable(tmp_path, dtype):
-    """60000 x 512 tokens fit on no device: MemoryError naming the largest batch that fits; the
-    next forward works (no stale CUDA error, no half-grown workspace); memory_report adds up."""
+    """60000 x 512 tokens of a BERT-base-wide layer (about 0.9 TB of activations) fit on no device:
+    MemoryError naming the largest batch that fits; the next forward works (no stale CUDA error, no
+    half-grown workspace); memory_report adds up. (With the tiny model's 72 wide layers they fit
+    on an 80 GB H100 in bf16.)"""
     import re
-    path = make_checkpoint(str(tmp_path / "m"), **AWKWARD)
+    path = make_checkpoint(str(tmp_path / "m"), **dict(AWKWARD, hidden_size=768, num_attention_heads=12,
+                                                         intermediate_size=3072, num_hidden_layers=1))
     enc = fasttran.Encoder.from_pretrained(path, device="cuda", dtype=dtype)
     ids, mask, types = batch(np.random.default_rng(4), 4, 33, pad_frac=0.3)
     ref = enc.forward(ids, mask, types)
     big = np.ones((60000, 512), np.int32)
     with pytest.raises(MemoryError, match="the largest batch of 512-token sequences that fits is about") as info:
-        enc.forward(big, big, np.zeros_like(big))
+        enc.forward(big, big, np.zeros_like(big), pooling="mean")   # a small host output: the device refuses
     fits = int(re.search(r"fits is about (\d+)", str(info.value)).group(1))
     assert 0 < fits < 60000, str(info.value)
     assert np.array_equal(enc.forward(ids, mask, types), ref)

@@ -102,7 +102,8 @@ ft_status cuda_memory_info(ft_backend *be, size_t *free_bytes, size_t *total_byt
     cuda_ctx *c = ctx_of(be);
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     CU(cudaMemGetInfo(free_bytes, total_bytes), "cudaMemGetInfo");
-    *own_bytes = cuda_optim_device_bytes(c) + c->train_ws_bytes + (c->lt_ws ? ftcuda::LT_WORKSPACE : 0);
+    *own_bytes = cuda_optim_device_bytes(c) + c->train_ws_bytes + c->round_ws_bytes +
+                 (c->lt_ws ? ftcuda::LT_WORKSPACE : 0);
     return FT_OK;
 }
 
@@ -116,6 +117,7 @@ void cuda_destroy(ft_backend *be) {
     cudaSetDevice(c->device);
     cuda_optim_release(c);
     if (c->train_ws) cudaFree(c->train_ws);
+    if (c->round_ws) cudaFree(c->round_ws);
     lt_release(c);
     blas_release(c->blas);
     cudaStreamDestroy(c->stream);
@@ -136,21 +138,82 @@ ft_status cuda_gemm(ft_backend *be, int ta, int tb, int64_t M, int64_t N, int64_
     return FT_OK;
 }
 
-// float32 operands, half-precision products on tensor cores (cuBLAS converts A and B as it reads
-// them), float32 sums: mixed-precision training's GEMMs
+// float32 operands rounded to bf16 / fp16 (nearest even: round_operands), products on tensor cores,
+// float32 sums: mixed-precision training's GEMMs
 ft_status cuda_gemm_prec(ft_backend *be, ft_dtype prec, int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha,
                          const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (prec == FT_F32) return cuda_gemm(be, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     if (prec != FT_BF16 && prec != FT_F16) return dtype_error(prec, "gemm_prec");
-    blas_use blas(ctx_of(be));
+    cuda_ctx *c = ctx_of(be);
+    blas_use blas(c);
     FT_TRY(blas.status);
+    // stored shapes: A is (M, K), or (K, M) when transposed; B (K, N), or (N, K)
+    const int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    void *ha, *hb;
+    FT_TRY(round_operands(c, prec, A, ar, ac, lda, B, br, bc, ldb, &ha, &hb));
     cublasStatus_t st = cublasGemmEx(blas.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N,
-                                     (int)M, (int)K, &alpha, B, CUDA_R_32F, (int)ldb, A, CUDA_R_32F, (int)lda, &beta, C,
-                                     CUDA_R_32F, (int)ldc,
-                                     prec == FT_BF16 ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_16F,
-                                     CUBLAS_GEMM_DEFAULT);
+                                     (int)M, (int)K, &alpha, hb, half_type(prec), (int)(bc > 1 ? bc : 1), ha,
+                                     half_type(prec), (int)(ac > 1 ? ac : 1), &beta, C, CUDA_R_32F, (int)ldc,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (st != CUBLAS_STATUS_SUCCESS) return blas_fail(st, "cublasGemmEx");
     return FT_OK;
+}
+
+namespace {
+template <typename H> __device__ inline H round_half(float x);
+template <> __device__ inline __nv_bfloat16 round_half<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ inline __half round_half<__half>(float x) { return __float2half_rn(x); }
+
+// dst (rows, cols) packed = src (rows, cols) with leading dimension ld, rounded to nearest even
+template <typename H>
+__global__ void round_block_kernel(H *dst, const float *src, int64_t rows, int64_t cols, int64_t ld) {
+    const int64_t n = rows * cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / cols, col = i - r * cols;
+        dst[i] = round_half<H>(src[r * ld + col]);
+    }
+}
+
+ft_status round_block(cuda_ctx *c, ft_dtype prec, void *dst, const float *src, int64_t rows, int64_t cols,
+                      int64_t ld) {
+    const int64_t n = rows * cols;
+    if (n <= 0) return FT_OK;
+    const unsigned grid = (unsigned)((n + 255) / 256 < 65535 ? (n + 255) / 256 : 65535);
+    if (prec == FT_BF16)
+        FT_LAUNCH(round_block_kernel<__nv_bfloat16>, grid, 256, 0, c->stream)(
+            static_cast<__nv_bfloat16 *>(dst), src, rows, cols, ld);
+    else
+        FT_LAUNCH(round_block_kernel<__half>, grid, 256, 0, c->stream)(static_cast<__half *>(dst), src, rows, cols, ld);
+    FT_CU(cudaGetLastError(), "rounding to half precision");
+    return FT_OK;
+}
+}  // namespace
+
+ft_status ftcuda::round_operands(cuda_ctx *c, ft_dtype prec, const float *a, int64_t a_rows, int64_t a_cols, int64_t lda,
+                         const float *b, int64_t b_rows, int64_t b_cols, int64_t ldb, void **ha, void **hb) {
+    const size_t na = (size_t)(a_rows * a_cols), nb = (size_t)(b_rows * b_cols);
+    const size_t a_bytes = (na * 2 + 255) & ~(size_t)255, bytes = a_bytes + nb * 2 + 2;
+    if (c->round_ws_bytes < bytes) {
+        // the stream may still be reading the old copies
+        FT_CU(cudaStreamSynchronize(c->stream), "rounding workspace");
+        if (c->round_ws) cudaFree(c->round_ws);
+        c->round_ws = nullptr;
+        c->round_ws_bytes = 0;
+        const size_t want = bytes + bytes / 4;   // some room: the next batch is often a little longer
+        cudaError_t e = cudaMalloc(&c->round_ws, want);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            c->round_ws = nullptr;
+            return g_host->error(e == cudaErrorMemoryAllocation ? FT_ERR_NOMEM : FT_ERR_DEVICE,
+                                 "cannot allocate %zu bytes on %s for the half-precision copies of a product's "
+                                 "operands: %s", want, c->name, cudaGetErrorString(e));
+        }
+        c->round_ws_bytes = want;
+    }
+    *ha = c->round_ws;
+    *hb = static_cast<char *>(c->round_ws) + a_bytes;
+    FT_TRY(round_block(c, prec, *ha, a, a_rows, a_cols, lda));
+    return round_block(c, prec, *hb, b, b_rows, b_cols, ldb);
 }
 
 // device-to-device copy on the backend's stream (outputs kept on the device)

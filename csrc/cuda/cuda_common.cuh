@@ -51,6 +51,8 @@ struct cuda_ctx {
     void *opt_plan;        // optimizer tables kept between steps, host images, workspace (optim.cu)
     void *train_ws;        // partial sums of the training ops (train_layer.cu), grown as needed
     size_t train_ws_bytes;
+    void *round_ws;        // gemm_prec's operands rounded to bf16 / fp16 (backend_cuda.cu), grown as needed
+    size_t round_ws_bytes;
 };
 
 inline cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
@@ -68,6 +70,17 @@ struct blas_use {
   private:
     device_blas *d;
 };
+// Mixed-precision products: float32 operands rounded to bf16 / fp16 (nearest even, as the CPU's
+// gemm_prec and PyTorch's .to() round) into the context's rounding workspace, then multiplied on
+// tensor cores with float32 sums. cuBLAS's own FAST_16BF / FAST_16F modes are not used for this:
+// on an H100 (cuBLAS 13.0) they neither round to nearest (bf16 off by up to 0.08 at K = 17) nor
+// always round at all (fp16 gradients of 1e-9 kept, not flushed), so the arithmetic would depend on
+// the kernel cuBLAS picks. round_operands: the spans of two operands (n_a, n_b floats from a and
+// b, each a rows x cols block with leading dimension ld, row-major, or flat when rows = 1) into one
+// workspace; *ha, *hb: the rounded copies, packed (leading dimension = cols).
+ft_status round_operands(cuda_ctx *c, ft_dtype prec, const float *a, int64_t a_rows, int64_t a_cols, int64_t lda,
+                         const float *b, int64_t b_rows, int64_t b_cols, int64_t ldb, void **ha, void **hb);
+inline cudaDataType_t half_type(ft_dtype prec) { return prec == FT_BF16 ? CUDA_R_16BF : CUDA_R_16F; }
 // frees what cuda_optim_step keeps in the context (optim.cu)
 void cuda_optim_release(cuda_ctx *c);
 // device bytes it keeps there (memory_info)

@@ -56,8 +56,11 @@ __global__ void layernorm_backward_rows_kernel(float *dx, const float *dy, const
     __shared__ float sh[32];
     const int64_t r = blockIdx.x;
     float s1 = 0.0f, s2 = 0.0f;
+    // g is rounded once (__fmul_rn: no fused multiply-add) and used the same way in both loops, so
+    // g - mean(g) is exactly 0 where every g is equal (C = 1): rstd (up to 1/sqrt(eps)) would
+    // magnify a contracted product's rounding error
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        const float g = dy[r * C + c] * gamma[c], xh = ln_xhat(saved, stats, gamma, beta, r, c, C, from_output);
+        const float g = __fmul_rn(dy[r * C + c], gamma[c]), xh = ln_xhat(saved, stats, gamma, beta, r, c, C, from_output);
         s1 += g;
         s2 += g * xh;
     }
@@ -65,8 +68,8 @@ __global__ void layernorm_backward_rows_kernel(float *dx, const float *dy, const
     s2 = block_sum(s2, sh) / (float)C;
     const float rstd = stats[2 * r + 1];
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        const float g = dy[r * C + c] * gamma[c], xh = ln_xhat(saved, stats, gamma, beta, r, c, C, from_output);
-        dx[r * C + c] = rstd * (g - s1 - xh * s2);
+        const float g = __fmul_rn(dy[r * C + c], gamma[c]), xh = ln_xhat(saved, stats, gamma, beta, r, c, C, from_output);
+        dx[r * C + c] = rstd * (__fsub_rn(g, s1) - xh * s2);
     }
 }
 
