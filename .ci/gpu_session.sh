@@ -130,11 +130,35 @@ phase_lease() {
             topk) step topk 170 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py 2>&1 | tee "$OUT/gpu-topk.log" | tail -30' ;;
             cache) step cache 120 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_cache.py 2>&1 | tee "$OUT/gpu-cache.log" | tail -14' ;;
             base|large) step "bench-$t" 180 phase_bench $t ;;
+            diag) step diag 80 phase_diag ;;
             optim) step optim 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -15' ;;
             *) echo "unknown lease step $t" ;;
         esac
     done
     pack
+}
+
+# two questions the sanitizers left: does initcheck see what cuBLASLt's Hopper kernels write (torch's
+# bf16 matmul, then a kernel reading its output: a report there is the tool's, not ours), and does
+# the memcheck subset's process end cleanly without the sanitizer (exit code, faulthandler)
+phase_diag() {
+    local cs=compute-sanitizer
+    command -v $cs >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
+    cat >/tmp/lt_read.py <<'PY'
+import torch
+a = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(768, 2304, device="cuda", dtype=torch.bfloat16)
+c = a @ b                       # cuBLASLt (nvjet) writes c
+print("sum", float(c.float().sum()))   # a torch kernel reads it
+PY
+    timeout 40 $cs --tool initcheck python3 /tmp/lt_read.py >"$OUT/diag-initcheck-torch.log" 2>&1
+    echo "initcheck on torch's bf16 matmul output: $(grep -c 'Uninitialized' "$OUT/diag-initcheck-torch.log") reports; $(grep -m1 'ERROR SUMMARY' "$OUT/diag-initcheck-torch.log")"
+    grep -m3 "at .*kernel\|at void\|Uninitialized" "$OUT/diag-initcheck-torch.log" | cut -c1-160
+    timeout 60 python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_training.py \
+        -k "half_precision_outputs or too_large or device_tier_frees or classification-adamw or classification-2-mean-adamw-tempo4 or bf16_topk_trainer" \
+        >"$OUT/diag-exit.log" 2>&1
+    echo "the memcheck subset without the sanitizer: exit $?; $(grep -E '[0-9]+ (passed|failed)' "$OUT/diag-exit.log" | tail -1)"
+    tail -5 "$OUT/diag-exit.log" | cut -c1-200
 }
 
 # the sanitizers on short subsets (a lease's step): each tool's leaks or errors counted, and for the

@@ -117,9 +117,10 @@ __global__ void bias_act_train_kernel(float *f, float *pre, uint8_t *bits, const
     }
 }
 
+// one thread per element: dh = df act'(x), x recovered from the saved output where that is
+// accurate; elements in Tempo's flat GELU band are left (dh may be df itself) to bias_act_flat_kernel
 __global__ void bias_act_backward_kernel(float *dh, const float *df, const float *saved, const uint8_t *bits,
-                                         const float *in, const float *w, const float *bias, int64_t total, int64_t K,
-                                         int64_t C, int act) {
+                                         int64_t total, int act) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
         double x = saved[i];
         if (bits) {   // saved is the output: recover the input on its side of the minimum
@@ -127,16 +128,38 @@ __global__ void bias_act_backward_kernel(float *dh, const float *df, const float
                 x = saved[i] > 0.0f ? 1.0 : -1.0;
             } else if (act == FT_ACT_TANH) {
                 x = atanh(fmin(fmax((double)saved[i], -1.0 + 1e-16), 1.0 - 1e-16));
-            } else if (ft_gelu_flat(saved[i], act)) {   // too flat to invert: recompute the GEMM's element
-                const float *a = in + (i / K) * C, *b = w + (i % K) * C;
-                float s = 0.0f;
-                for (int64_t c = 0; c < C; c++) s += a[c] * b[c];
-                x = s + bias[i % K];
+            } else if (ft_gelu_flat(saved[i], act)) {   // too flat to invert: the GEMM's element, next pass
+                continue;
             } else {
                 x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, act);
             }
         }
         dh[i] = (float)((double)df[i] * ft_act_grad(x, act));
+    }
+}
+
+// a warp per row of dh (N, K): the flat band's elements' inputs recomputed from the GEMM, x = in[r] .
+// w[k] + bias[k] (the warp's lanes split the C products, then a fixed shuffle tree: the row of
+// `in` stays in L1 across the row's marked elements), dh = df act'(x)
+__global__ void bias_act_flat_kernel(float *dh, const float *df, const float *saved, const float *in, const float *w,
+                                     const float *bias, int64_t N, int64_t K, int64_t C, int act) {
+    const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (r >= N) return;
+    const float *a = in + r * C;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const int64_t k = k0 + lane;
+        const bool mine = k < K && ft_gelu_flat(saved[r * K + k], act);
+        unsigned todo = __ballot_sync(0xffffffffu, mine);
+        while (todo) {
+            const int j = __ffs(todo) - 1;
+            todo &= todo - 1;
+            const float *b = w + (k0 + j) * C;
+            float s = 0.0f;
+            for (int64_t c = lane; c < C; c += 32) s += a[c] * b[c];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == j) dh[r * K + k] = (float)((double)df[r * K + k] * ft_act_grad((double)(s + bias[k]), act));
+        }
     }
 }
 
@@ -212,8 +235,11 @@ ft_status cuda_bias_act_backward(ft_backend *be, float *dh, const float *df, con
                                  ft_activation act) {
     const int64_t total = N * K;
     if (total == 0) return FT_OK;
-    FT_LAUNCH(bias_act_backward_kernel, grid_of(total, 256), 256, 0, ctx_of(be)->stream)(dh, df, saved, bits, in, w, bias,
-                                                                                          total, K, C, (int)act);
+    cudaStream_t st = ctx_of(be)->stream;
+    FT_LAUNCH(bias_act_backward_kernel, grid_of(total, 256), 256, 0, st)(dh, df, saved, bits, total, (int)act);
+    if (bits && (act == FT_ACT_GELU_ERF || act == FT_ACT_GELU_TANH))   // Tempo's GELU: the flat band's elements
+        FT_LAUNCH(bias_act_flat_kernel, (unsigned)((N + 7) / 8), 256, 0, st)(dh, df, saved, in, w, bias, N, K, C,
+                                                                                    (int)act);
     return launched("bias_act_backward");
 }
 

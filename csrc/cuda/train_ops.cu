@@ -107,11 +107,23 @@ __global__ void bce_logits_loss_kernel(float *loss, float *dlogits, const float 
 }
 
 // axis 0: one thread per column, rows in order (deterministic); axis 1: one block per row
+// out (K) = column sums of x (N, K): a block of 32 x SUM_ROWS threads per 32 columns, thread row
+// ty summing rows ty, ty + SUM_ROWS, ... (32 lanes read a row's 32 columns at once), then the
+// SUM_ROWS partial sums in a fixed order: deterministic. (A thread per column looping over all N
+// rows left 24 blocks for BERT-base's 768 columns and took 0.33 ms at N = 4096 on an H200.)
+constexpr int SUM_ROWS = 16;
 __global__ void sum_rows_kernel(float *out, const float *x, int64_t N, int64_t K) {
-    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < K; k += (int64_t)gridDim.x * blockDim.x) {
-        float s = 0.0f;
-        for (int64_t r = 0; r < N; r++) s += x[r * K + k];
-        out[k] = s;
+    __shared__ float part[SUM_ROWS][33];
+    const int64_t k = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.0f;
+    if (k < K)
+        for (int64_t r = threadIdx.y; r < N; r += SUM_ROWS) s += x[r * K + k];
+    part[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && k < K) {
+        float t = part[0][threadIdx.x];
+        for (int j = 1; j < SUM_ROWS; j++) t += part[j][threadIdx.x];
+        out[k] = t;
     }
 }
 
@@ -179,7 +191,8 @@ ft_status cuda_bce_logits_loss(ft_backend *be, float *loss, float *dlogits, cons
 
 ft_status cuda_sum_axis(ft_backend *be, float *out, const float *x, int64_t N, int64_t K, int axis) {
     if (axis == 1 && N == 0) return FT_OK;
-    if (axis == 0) FT_LAUNCH(sum_rows_kernel, grid_of(K, 128), 128, 0, ctx_of(be)->stream)(out, x, N, K);
+    if (axis == 0)
+        FT_LAUNCH(sum_rows_kernel, (unsigned)((K + 31) / 32), dim3(32, SUM_ROWS), 0, ctx_of(be)->stream)(out, x, N, K);
     else FT_LAUNCH(sum_cols_kernel, (unsigned)N, 256, 0, ctx_of(be)->stream)(out, x, K);
     return launched("sum_axis");
 }
