@@ -99,9 +99,10 @@ typedef struct {
              const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,      \
              int64_t ldc), (be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))                                                                         \
     /* gemm with the products' inputs at precision `prec`: FT_F32 = gemm; FT_BF16 / FT_F16: A and \
-     * B rounded to that type (nearest even; fp16 overflows to inf) as tensor cores read them,    \
-     * products exact, sums in float32 (cuBLAS's CUBLAS_COMPUTE_32F_FAST_16BF / _16F). Mixed-     \
-     * precision training: float32 storage and master weights, half-precision products. */        \
+     * B rounded to that type (nearest even; fp16 overflows to inf), products exact, sums in       \
+     * float32 (CUDA: rounded copies, then cuBLAS on 16-bit inputs; cuBLAS's FAST_16BF / _16F      \
+     * modes do not round to nearest on an H100). Mixed-precision training: float32 storage and  \
+     * master weights, half-precision products. */                                                 \
     X(gemm_prec, (ft_backend *be, ft_dtype prec, int trans_a, int trans_b, int64_t M, int64_t N,   \
                   int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb, \
                   float beta, float *C, int64_t ldc), (be, prec, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) \

@@ -56,8 +56,9 @@ class TopLayers:
         matmul_precision: the products, forward and backward, of the projections and of attention
         (Q K^T, P V and their four backward products): 'float32', or mixed precision, 'bfloat16' /
         'float16' (float32 storage, master weights and sums; products on half-precision tensor
-        cores -- cuBLAS's FAST_16BF / FAST_16F for the projections, the fused attention kernels'
-        WMMA -- each product's inputs rounded to 8 / 11 significant bits; softmax, its statistics,
+        cores -- the projections' inputs rounded to copies, then cuBLAS on 16-bit inputs, the fused
+        attention kernels' WMMA -- each product's inputs rounded to nearest with 8 / 11 significant
+        bits; softmax, its statistics,
         dropout and the kept probabilities stay float32, as in FlashAttention). On the CPU the
         half-precision modes are a slow reference of the GPU's arithmetic, for tests.
         extra: floats of room after the layers in the parameter and gradient buffers, for a task head
