@@ -177,6 +177,17 @@ def run_seed(task, seed, args, data, log):
         name = f"pruned {int(100 * level)}%"
         models[name + " + int8"] = compress.quantize(models[name])
         models[name + " + vocabulary + int8"] = compress.apply(models[name], {"vocabulary": voc, "weights": "int8"})
+        # the vocabulary filled up (the pre-training's most used tokens after the task's) to the most
+        # rows that keep the model 6x smaller than the fine-tuned one: fewer unknown words, same goal
+        row = ft.encoder.hidden_size + 4   # an int8 row and its scale
+        fill = int((ft.size_bytes / 6 - compress.int8_size(models[name], vocab_rows=0)) // row)
+        if fill > len(voc["keep"]):
+            vfill = compress.vocabulary(ft, vocab_data, size=fill)
+            models[name + " + vocabulary to 6x + int8"] = compress.apply(models[name], {"vocabulary": vfill,
+                                                                                       "weights": "int8"})
+            out.setdefault("vocabulary_to_6x", {})[name] = len(vfill["keep"])
+    if args.core:
+        return finish_seed(task, ft, models, dev, ref, args, out, say)
 
     # sign matching on the least significant quarter / half of the heads, no re-fine-tuning
     heads = sig.order("mask", "head")
@@ -195,7 +206,34 @@ def run_seed(task, seed, args, data, log):
     out["search"] = {"met": res.met, "reason": res.reason, "plan": res.plan, "points": res.points, "log": res.log}
     say(f"search: met={res.met}; {res.model}")
 
-    # the peer: ONNX Runtime, dynamic int8 quantization of the same fine-tuned model (and its float32)
+    finish_seed(task, ft, models, dev, ref, args, out, say)
+
+    # train big, then compress: 6 layers fine-tuned and compressed to 3 layers' cost, against the
+    # 3-layer truncation fine-tuned directly with the same number of steps
+    three = compress.apply(compress.TaskModel(base_enc, fasttran.ClassificationHead(base_enc.hidden_size,
+                                                                                      int(train.labels.max()) + 1)),
+                           {"layers": {"3": "prune", "4": "prune", "5": "prune"}})
+    big = compress.search(ft, train, select, target_size_mb=three.size_bytes / 1e6 + 1e-3, significance=sig,
+                          retrain_epochs=args.retrain_epochs, sign_match=False, int8=False, prune_vocabulary=False,
+                          seed=seed, latency_examples=64, show_progress=False, **retrain)
+    small, small_info = finetune(three.encoder, train, epochs + args.retrain_epochs, seed, lr)
+    bm, sm_ = metric(big.model, dev, task), metric(small, dev, task)
+    per_epoch = -(-len(train) // 32)   # the Trainer's batch of 32
+    out["train_big"] = {"compressed": {"accuracy": bm["accuracy"], "f1": bm["f1"], "size_bytes": big.model.size_bytes,
+                                       "structure": big.model.structure,
+                                       "steps": ft_info["steps"] + per_epoch * args.retrain_epochs * len(
+                                           big.model.info.get("retrained", []))},
+                        "truncated": {"accuracy": sm_["accuracy"], "f1": sm_["f1"], "size_bytes": small.size_bytes,
+                                      "steps": small_info["steps"]},
+                        "epochs": {"big": [epochs, args.retrain_epochs], "small": epochs + args.retrain_epochs}}
+    say(f"train big then compress: {100 * bm['accuracy']:.2f}% vs the 3-layer truncation {100 * sm_['accuracy']:.2f}%")
+    out["load"].append(load_avg())
+    return out
+
+
+def finish_seed(task, ft, models, dev, ref, args, out, say):
+    """The peer (ONNX Runtime's dynamic int8 of the same fine-tuned model, and its float32), then every
+    model's dev metric, flips against the fine-tuned model, latency and size into out["variants"]."""
     with tempfile.TemporaryDirectory() as d:
         from onnxruntime.quantization import QuantType, quantize_dynamic
         f32 = compress.export_onnx(ft, os.path.join(d, "model.onnx"))
@@ -218,27 +256,6 @@ def run_seed(task, seed, args, data, log):
                                      "latency_b1_ms": lat[name][0], "latency_b32_ms": lat[name][1],
                                      "size_bytes": int(m.size_bytes),
                                      "structure": m.structure if isinstance(m, compress.TaskModel) else None}
-
-    # train big, then compress: 6 layers fine-tuned and compressed to 3 layers' cost, against the
-    # 3-layer truncation fine-tuned directly with the same number of steps
-    three = compress.apply(compress.TaskModel(base_enc, fasttran.ClassificationHead(base_enc.hidden_size,
-                                                                                      int(train.labels.max()) + 1)),
-                           {"layers": {"3": "prune", "4": "prune", "5": "prune"}})
-    big = compress.search(ft, train, select, target_size_mb=three.size_bytes / 1e6 + 1e-3, significance=sig,
-                          retrain_epochs=args.retrain_epochs, sign_match=False, int8=False, prune_vocabulary=False,
-                          seed=seed, latency_examples=64, show_progress=False, **retrain)
-    small, small_info = finetune(three.encoder, train, epochs + args.retrain_epochs, seed, lr)
-    bm, sm_ = metric(big.model, dev, task), metric(small, dev, task)
-    per_epoch = -(-len(train) // 32)   # the Trainer's batch of 32
-    out["train_big"] = {"compressed": {"accuracy": bm["accuracy"], "f1": bm["f1"], "size_bytes": big.model.size_bytes,
-                                       "structure": big.model.structure,
-                                       "steps": ft_info["steps"] + per_epoch * args.retrain_epochs * len(
-                                           big.model.info.get("retrained", []))},
-                        "truncated": {"accuracy": sm_["accuracy"], "f1": sm_["f1"], "size_bytes": small.size_bytes,
-                                      "steps": small_info["steps"]},
-                        "epochs": {"big": [epochs, args.retrain_epochs], "small": epochs + args.retrain_epochs}}
-    say(f"train big then compress: {100 * bm['accuracy']:.2f}% vs the 3-layer truncation {100 * sm_['accuracy']:.2f}%")
-    out["load"].append(load_avg())
     return out
 
 
@@ -278,12 +295,13 @@ def sign_match_cost(model_dir, threads, keys=(16, 32), lengths=(32, 64, 128, 256
 def summarize(results):
     rows = []
     for task, seeds in results.items():
-        names = list(next(iter(seeds.values()))["variants"])
+        names = list(dict.fromkeys(n for s in seeds.values() for n in s["variants"]))
         for name in names:
-            acc = [s["variants"][name]["accuracy"] for s in seeds.values()]
-            f1 = [s["variants"][name]["f1"] for s in seeds.values()]
-            base = [s["variants"]["fine-tuned"]["accuracy"] for s in seeds.values()]
-            v0 = [s["variants"][name] for s in seeds.values()]
+            have = [s for s in seeds.values() if name in s["variants"]]   # a row some seeds lack: theirs only
+            acc = [s["variants"][name]["accuracy"] for s in have]
+            f1 = [s["variants"][name]["f1"] for s in have]
+            base = [s["variants"]["fine-tuned"]["accuracy"] for s in have]
+            v0 = [s["variants"][name] for s in have]
             rows.append({"task": task, "model": name, "accuracy": float(np.mean(acc)), "accuracy_sd": float(np.std(acc)),
                          "f1": float(np.mean(f1)), "drop_points": float(100 * (np.mean(base) - np.mean(acc))),
                          "lost": float(np.mean([v["lost"] for v in v0])), "gained": float(np.mean([v["gained"] for v in v0])),
@@ -354,6 +372,9 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--latency-examples", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="small data, one level: a smoke run")
+    p.add_argument("--core", action="store_true",
+                   help="only the rows the goals name (fine-tuned, pruned, int8, pruned + int8 with and without the "
+                        "vocabulary, ONNX Runtime): no sign matching, search or train-big rows")
     p.add_argument("--out", default=OUT)
     p.add_argument("--markdown", nargs="+", metavar="JSON",
                    help="only print RESULTS.md's table from these runs' files (a task's seeds from the last file "

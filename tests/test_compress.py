@@ -664,3 +664,28 @@ def test_pruned_vocabulary_keeps_the_tokens_used_and_reads_unknown_for_the_rest(
         compress.apply(small, {"vocabulary": {"keep": [1, gone], "unknown": 1}})
     again = compress.apply(small, {"vocabulary": {"keep": sorted(used - {gone} | {1})[:5], "unknown": 1}})
     assert again.structure["vocab_rows"] == 5
+
+
+def test_vocabulary_filled_up_to_a_size_with_the_most_used_tokens(small_path, minilm_dir):
+    """vocabulary(size=n): the data's tokens first, then the lowest other ids (WordPiece lists its tokens
+    about in the pre-training corpus's order of use) up to n; placeholder tokens skipped; a bad size
+    refused; never fewer than the data's own tokens."""
+    model = task_model(small_path)
+    data = task_data(15)
+    used = set(np.unique(data.ids[np.arange(data.ids.shape[1])[None, :] < data.lengths[:, None]]).tolist()) | {1}
+    voc = compress.vocabulary(model, data, unknown=1, size=len(used) + 7)
+    assert len(voc["keep"]) == len(used) + 7 and used <= set(voc["keep"]) and voc["unknown"] == 1
+    assert set(voc["keep"]) - used == set(sorted(set(range(99)) - used)[:7])
+    assert compress.vocabulary(model, data, unknown=1, size=3)["keep"] == sorted(used)   # the data's come first
+    for bad in (0, 100, 2.5, True):
+        with pytest.raises(InputError, match="a token count in"):
+            compress.vocabulary(model, data, unknown=1, size=bad)
+    # BERT's vocabulary: [unused...] placeholders are not "most used"; "the" (1996) is
+    enc = fasttran.Encoder.from_pretrained(minilm_dir)
+    real = compress.TaskModel(enc, fasttran.ClassificationHead(enc.hidden_size, 2))
+    ids = np.array([[101, 7592, 102]])
+    d = compress.TaskData(ids, np.ones_like(ids), np.zeros_like(ids), np.array([0]))
+    v = compress.vocabulary(real, d, size=2000)
+    names = [enc.tokenizer.id_to_token(i) for i in v["keep"]]
+    assert len(v["keep"]) == 2000 and not any(n.startswith("[unused") for n in names) and "the" in names
+    assert {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello"} <= set(names)

@@ -589,7 +589,7 @@ ft_status ft_layer_stack_memory(const ft_layer_stack *s, const ft_layer_options 
         for (int k = 0; k < FT_LAYER_ACT_KINDS; k++) m->activations[k] += sizes[k];
     }
     m->activations[ACT_INPUT] = (size_t)N * (size_t)s->cfg.hidden_size * sizeof(float);
-    m->weights = m->gradients = s->n_params * sizeof(float);
+    m->weights = m->gradients = (s->n_params + s->extra) * sizeof(float);   /* the head's floats after the layers too */
     ft_layer_work wk;
     m->workspace = work_layout(s, B, N, T, &wk, NULL);
     return FT_OK;

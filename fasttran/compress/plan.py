@@ -12,6 +12,8 @@ the kept rows and columns copied into smaller matrices); `masks(model, plan)` th
 give the same outputs without changing the model (what significance analysis evaluates)."""
 import copy
 
+import re
+
 import numpy as np
 
 from ..encoder import ATTENTION_MODES, Encoder
@@ -247,11 +249,17 @@ def in_original_numbering(model):
     return out
 
 
-def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"), unknown=None):
+def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"), unknown=None, size=None):
     """A plan's 'vocabulary' entry keeping the token ids `data` (TaskData) uses and the tokenizer's special
     tokens; every other id reads the unknown token's row (the tokenizer's [UNK], or `unknown`). Build it
     from the training data only: ids that appear only in evaluation data then read [UNK], as they would
-    in serving."""
+    in serving.
+
+    `size`: keep this many tokens (when the data's are fewer), filling up with the tokens the
+    pre-training corpus used most. WordPiece and BPE vocabularies list their tokens about in that
+    order (BERT's: "the", "of", "and", "in", "to" from id 1996 on), so these are the kept ids'
+    lowest others, placeholder tokens ("[unused...]", "<unused...>") skipped. Each kept token costs
+    one embedding row (hidden size bytes in int8); fewer unknown words at serving time."""
     tok = model.encoder.tokenizer
     ids = set()
     for d in data:
@@ -263,4 +271,18 @@ def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK
     if unknown is None:
         raise InputError("vocabulary(): the model has no tokenizer to name its unknown token: pass unknown=<id>")
     ids.add(int(unknown))
+    V = int(model.encoder.config["vocab_size"])
+    if size is not None:
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or not 0 < size <= V:
+            raise InputError(f"vocabulary(size={size!r}): a token count in [1, {V}]")
+        placeholder = re.compile(r"^(\[unused\d+\]|<unused\d+>)$")
+        for i in range(V):
+            if len(ids) >= size:
+                break
+            if i in ids:
+                continue
+            name = tok.id_to_token(i) if tok is not None else None
+            if name is not None and placeholder.match(name):
+                continue
+            ids.add(i)
     return {"keep": sorted(int(i) for i in ids), "unknown": int(unknown)}
