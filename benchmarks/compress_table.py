@@ -180,7 +180,7 @@ def run_seed(task, seed, args, data, log):
         # the vocabulary filled up (the pre-training's most used tokens after the task's) to the most
         # rows that keep the model 6x smaller than the fine-tuned one: fewer unknown words, same goal
         row = ft.encoder.hidden_size + 4   # an int8 row and its scale
-        fill = int((ft.size_bytes / 6 - compress.int8_size(models[name], vocab_rows=0)) // row)
+        fill = int((ft.size_bytes / 6 - compress.model.int8_size(models[name], vocab_rows=0)) // row)
         if fill > len(voc["keep"]):
             vfill = compress.vocabulary(ft, vocab_data, size=fill)
             models[name + " + vocabulary to 6x + int8"] = compress.apply(models[name], {"vocabulary": vfill,
@@ -343,6 +343,8 @@ def print_table(rows, results):
     runs = [(task, seed, s) for task, seeds in results.items() for seed, s in seeds.items()]
     print("\ntrain big, then compress (dev accuracy; the same number of training steps):")
     for task, seed, s in runs:
+        if "train_big" not in s:   # --core
+            continue
         t = s["train_big"]
         win = "compressed 6-layer" if t["compressed"]["accuracy"] > t["truncated"]["accuracy"] else (
             "3-layer truncation" if t["compressed"]["accuracy"] < t["truncated"]["accuracy"] else "tie")

@@ -186,7 +186,8 @@ class TopLayers:
     def memory_report(self, batch_size, seq_len, optimizer_states=2, **options):
         """Bytes a training step over `batch_size` sequences of `seq_len` tokens holds, by category:
         weights, gradients, optimizer state (`optimizer_states` floats per parameter: 2 for Adam
-        and LAMB), saved activations by kind, workspace, and the total. `options` (any of
+        and LAMB; the `extra` floats after the layers, a Trainer's head, counted with them), saved
+        activations by kind, workspace, and the total. `options` (any of
         MEMORY_OPTIONS = True / False) report another configuration of these layers instead of this
         one (nothing is allocated), e.g. memory_report(32, 512, recompute_attention_probs=True)."""
         unknown = sorted(set(options) - set(MEMORY_OPTIONS))
