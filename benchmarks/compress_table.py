@@ -144,7 +144,8 @@ def run_seed(task, seed, args, data, log):
     lr, epochs = 1e-4, args.epochs[task]
     say = lambda m: (log.append(m), print(f"[{task} seed {seed}] {m}", flush=True))   # noqa: E731
     ft, ft_info = finetune(base_enc, train, epochs, seed, lr)
-    retrain = {"retrain_optimizer": "adamw", "retrain_lr": lr}   # re-fine-tuning as the fine-tuning
+    retrain = {"retrain_optimizer": "adamw", "retrain_lr": lr,   # re-fine-tuning as the fine-tuning
+               "retrain_targets": args.retrain_targets}
     say(f"fine-tuned in {ft_info['seconds']:.0f} s ({ft_info['steps']} steps)")
     ref = metric(ft, dev, task)
     out = {"fine_tune": ft_info, "variants": {}, "load": [load_avg()]}
@@ -368,6 +369,9 @@ def main():
     p.add_argument("--levels", nargs="+", type=float, default=[0.25, 0.5, 0.75],
                    help="fractions of the layers' weights pruned")
     p.add_argument("--retrain-epochs", type=int, default=1)
+    p.add_argument("--retrain-targets", choices=["labels", "teacher"], default="labels",
+                   help="what re-fine-tuning after pruning learns: the labels, or the fine-tuned model's logits "
+                        "(distillation)")
     p.add_argument("--max-drop", type=float, default=0.5)
     p.add_argument("--sign-match-keys", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)

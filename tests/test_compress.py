@@ -528,6 +528,29 @@ def test_search_meets_a_budget_or_says_it_cannot(small_path):
         compress.search(model, train, select, max_drop=-1)
 
 
+def test_retraining_on_the_teacher_logits_distils_them(small_path):
+    """retrain_targets='teacher': the pruned model's layers and classifier learn the fine-tuned model's
+    logits (mean squared error), not the labels; the result is a classifier again, closer to the
+    teacher's logits than the pruned model was; another value is refused."""
+    from fasttran.compress.search import _retrain
+    model = task_model(small_path)
+    train = task_data(10, n=64)
+    pruned = compress.apply(model, PLAN)
+    teacher = model.logits(train)
+    before = float(np.mean((pruned.logits(train) - teacher) ** 2))
+    tuned = _retrain(pruned, train, 3, None, 1e-3, 16, 0, False, "adamw", teacher)
+    after = float(np.mean((tuned.logits(train) - teacher) ** 2))
+    assert type(tuned.head) is ClassificationHead and tuned.head.num_labels == 2
+    assert tuned.info["retrained"][-1]["targets"] == "teacher logits"
+    assert after < 0.5 * before, (before, after)
+    select = task_data(11, n=24)
+    res = compress.search(model, train, select, max_drop=100.0, steps=4, ffn_group_size_=16, latency_examples=8,
+                          latency_batch=4, retrain_targets="teacher", show_progress=False)
+    assert res.met and res.model.info["retrained"][-1]["targets"] == "teacher logits"
+    with pytest.raises(InputError, match="retrain_targets must be"):
+        compress.search(model, train, select, max_drop=1.0, retrain_targets="soft")
+
+
 # ---- the command line ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_finetuned(tmp_path_factory, minilm_dir):

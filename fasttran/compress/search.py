@@ -19,6 +19,7 @@ A budget that cannot be met returns the best model found with `met = False` and 
 model that silently breaks it. Decisions use the selection set (held out of the training data); the
 dev set only reports."""
 import copy
+import json
 import os
 import tempfile
 import time
@@ -65,21 +66,37 @@ def _plan_of(model, parts, group, keys, sign_match=()):
     return plan
 
 
-def _retrain(model, train, epochs, layers, lr, batch_size, seed, show_progress, optimizer="lamb"):
+def _retrain(model, train, epochs, layers, lr, batch_size, seed, show_progress, optimizer="lamb", teacher=None):
     """The model fine-tuned again: its top `layers` (default: all) and head, `epochs` over `train`,
-    through the public Trainer (cache of layer L - layers, export, load)."""
-    from ..heads import _Head
+    through the public Trainer (cache of layer L - layers, export, load). `teacher`: (examples,
+    classes) logits of the unpruned model on `train`: the layers and the classifier learn to give
+    them (mean squared error on the logits, a regression head over the same weights; knowledge
+    distillation) instead of the labels."""
+    from ..heads import RegressionHead, _Head
     from ..trainer import Trainer
     head = _Head.from_config(model.head.config())
     head.load_state_dict(model.head.state_dict())
+    targets = train.labels
+    if teacher is not None:
+        cls = head
+        head = RegressionHead(cls.hidden_size, cls.num_labels, pooler=cls.pooler, dropout=cls.dropout,
+                              pooling=cls.pooling)
+        head.load_state_dict(cls.state_dict())
+        targets = np.asarray(teacher, np.float32)
     k = min(layers or model.num_layers, model.num_layers)
     tr = Trainer(head, optimizer=optimizer, train_layers=k, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
                  pooling=model.pooling, show_progress=show_progress)
     ids, mask, types = train.padded()
     cache = tr.cache_for(model.encoder, ids, mask, types, show_progress=show_progress)
-    tr.fit(cache, train.labels)
+    tr.fit(cache, targets)
     with tempfile.TemporaryDirectory(prefix="fasttran-retrain-") as d:
         tr.export(d)
+        if teacher is not None:   # the classifier again, over the weights the distillation gave (same names)
+            with open(os.path.join(d, "head.json")) as f:
+                head_json = json.load(f)
+            head_json["head"] = model.head.config()
+            with open(os.path.join(d, "head.json"), "w") as f:
+                json.dump(head_json, f)
         out = TaskModel.load(d)
     out.encoder.path = None
     out.encoder.tokenizer = model.encoder.tokenizer
@@ -87,7 +104,8 @@ def _retrain(model, train, epochs, layers, lr, batch_size, seed, show_progress, 
     out.origin = copy.deepcopy(model.origin)
     out.info = copy.deepcopy(model.info)
     out.info.setdefault("retrained", []).append({"epochs": epochs, "layers": k, "examples": len(train),
-                                                  "lr": tr.lr, "history": tr.history})
+                                                  "lr": tr.lr, "history": tr.history,
+                                                  "targets": "teacher logits" if teacher is not None else "labels"})
     return out
 
 
@@ -135,6 +153,7 @@ class SearchResult:
 def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=None, latency_batch=32,
            target_size_mb=None, significance=None, ffn_group_size_=None, steps=24, retrain_epochs=1,
            retrain_layers=None, retrain_lr=None, retrain_batch_size=32, retrain_optimizer="lamb", max_retrains=2,
+           retrain_targets="labels",
            sign_match=True,
            sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, prune_vocabulary=True, int8=True, threads=2, latency_examples=128,
            order_by=None, seed=0, show_progress=True):
@@ -143,7 +162,11 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
     `train` (TaskData) re-fine-tunes after pruning, `select` (TaskData, held out of train) decides,
     `dev` (optional) reports. `order_by`: 'mask' or 'gradient' significance (default: mask when the
     significance has it). `prune_vocabulary`: keep only the training data's tokens' embedding rows;
-    `int8`: try int8 weights last. Returns a SearchResult; an unreachable budget gives met=False and why."""
+    `int8`: try int8 weights last. `retrain_targets`: what the re-fine-tuning after pruning learns,
+    "labels" or "teacher" (the fine-tuned model's logits on `train`: knowledge distillation).
+    Returns a SearchResult; an unreachable budget gives met=False and why."""
+    if retrain_targets not in ("labels", "teacher"):
+        raise InputError(f"retrain_targets must be 'labels' or 'teacher', got {retrain_targets!r}")
     if max_drop is None and target_latency_ms is None and target_size_mb is None:
         raise InputError("search needs a budget: max_drop (accuracy points), target_latency_ms or target_size_mb")
     for name, v in (("max_drop", max_drop), ("target_latency_ms", target_latency_ms), ("target_size_mb", target_size_mb)):
@@ -249,13 +272,15 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
         say("the pruning order is exhausted before the latency / size target was met")
 
     # ---- 3. re-fine-tune after pruning ------------------------------------------------------------
-    parts, retrains = accepted, 0
+    parts, retrains, teacher = accepted, 0, None
     while parts:
         pruned = current if parts is accepted else apply(model, _plan_of(model, parts, group, sign_match_keys))
         say(f"re-fine-tuning the model with {len(parts)} parts pruned ({retrain_epochs} epoch(s) over {len(train)} "
             "examples)")
+        if retrain_targets == "teacher" and teacher is None:
+            teacher = model.logits(train)   # the unpruned model's, once
         tuned = _retrain(pruned, train, retrain_epochs, retrain_layers, retrain_lr, retrain_batch_size,
-                         seed + retrains, show_progress, retrain_optimizer)
+                         seed + retrains, show_progress, retrain_optimizer, teacher)
         acc = tuned.evaluate(select)["accuracy"]
         lat = latency(tuned, select, latency_batch, threads, latency_examples)
         points.append({"stage": "re-fine-tuned", "accuracy": acc, "latency_ms": lat, "size_bytes": tuned.size_bytes,
