@@ -17,8 +17,9 @@
 #   bash .ci/gpu_session.sh table1     # benchmarks/gpu_table1.py: FastTran's Table 1 (SQuAD, 3,433
 #                                      # features, 5 epochs), then --accuracy (MiniLM, CUDA vs CPU EM/F1)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
-#   bash .ci/gpu_session.sh lease      # one call within LEASE_S (540) seconds: build, test, bench base,
-#                                      # optim, cache, memcheck; logs packed in $OUT/gpu-logs.tgz
+#   bash .ci/gpu_session.sh lease      # one call within LEASE_S (540) seconds: the steps of LEASE_STEPS
+#                                      # (default: build test profile sanitize topk cache base large);
+#                                      # logs packed in $OUT/gpu-logs.tgz
 #
 # Carry: .whl (the scipy-openblas32 wheel for python 3.12, see the device README) and, for the real
 # MiniLM case, .minilm-bf16 (config.json + model.safetensors in bf16 + tokenizer files:
@@ -104,7 +105,7 @@ phase_table1() {
 # left is skipped and says so). Logs and JSON are packed into $OUT/gpu-logs.tgz after every step, so
 # a call stopped at its limit still brings back what finished. Steps: build, test, profile
 # (benchmarks/gpu_profile.py), sanitize (memcheck with the leak check, racecheck, synccheck,
-# initcheck on subsets), topk, cache, base, large (the encoder benchmark), optim.
+# initcheck on subsets), topk, cache, base, large (the encoder benchmark), optim, diag.
 phase_lease() {
     local end=$((SECONDS + ${LEASE_S:-540})) logs=/tmp/gpu-logs
     mkdir -p $logs
@@ -217,5 +218,5 @@ case "${1:-all}" in
     table1) phase_table1 ;;
     lease) phase_lease ;;
     all) phase_build && phase_test && phase_sanitize ;;
-    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|all" >&2; exit 2 ;;
+    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|lease|all" >&2; exit 2 ;;
 esac

@@ -144,13 +144,12 @@ ft_status cuda_gemm_prec(ft_backend *be, ft_dtype prec, int ta, int tb, int64_t 
                          const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (prec == FT_F32) return cuda_gemm(be, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     if (prec != FT_BF16 && prec != FT_F16) return dtype_error(prec, "gemm_prec");
-    cuda_ctx *c = ctx_of(be);
-    blas_use blas(c);
+    blas_use blas(ctx_of(be));
     FT_TRY(blas.status);
     // stored shapes: A is (M, K), or (K, M) when transposed; B (K, N), or (N, K)
     const int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
     void *ha, *hb;
-    FT_TRY(round_operands(c, prec, A, ar, ac, lda, B, br, bc, ldb, &ha, &hb));
+    FT_TRY(round_operands(be, prec, A, ar, ac, lda, B, br, bc, ldb, &ha, &hb));
     cublasStatus_t st = cublasGemmEx(blas.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N,
                                      (int)M, (int)K, &alpha, hb, half_type(prec), (int)(bc > 1 ? bc : 1), ha,
                                      half_type(prec), (int)(ac > 1 ? ac : 1), &beta, C, CUDA_R_32F, (int)ldc,
@@ -178,36 +177,30 @@ ft_status round_block(cuda_ctx *c, ft_dtype prec, void *dst, const float *src, i
                       int64_t ld) {
     const int64_t n = rows * cols;
     if (n <= 0) return FT_OK;
-    const unsigned grid = (unsigned)((n + 255) / 256 < 65535 ? (n + 255) / 256 : 65535);
     if (prec == FT_BF16)
-        FT_LAUNCH(round_block_kernel<__nv_bfloat16>, grid, 256, 0, c->stream)(
+        FT_LAUNCH(round_block_kernel<__nv_bfloat16>, grid_of(n, 256), 256, 0, c->stream)(
             static_cast<__nv_bfloat16 *>(dst), src, rows, cols, ld);
     else
-        FT_LAUNCH(round_block_kernel<__half>, grid, 256, 0, c->stream)(static_cast<__half *>(dst), src, rows, cols, ld);
-    FT_CU(cudaGetLastError(), "rounding to half precision");
-    return FT_OK;
+        FT_LAUNCH(round_block_kernel<__half>, grid_of(n, 256), 256, 0, c->stream)(static_cast<__half *>(dst), src, rows,
+                                                                                   cols, ld);
+    return launched("rounding to half precision");
 }
 }  // namespace
 
-ft_status ftcuda::round_operands(cuda_ctx *c, ft_dtype prec, const float *a, int64_t a_rows, int64_t a_cols, int64_t lda,
-                         const float *b, int64_t b_rows, int64_t b_cols, int64_t ldb, void **ha, void **hb) {
+ft_status ftcuda::round_operands(ft_backend *be, ft_dtype prec, const float *a, int64_t a_rows, int64_t a_cols,
+                                 int64_t lda, const float *b, int64_t b_rows, int64_t b_cols, int64_t ldb, void **ha,
+                                 void **hb) {
+    cuda_ctx *c = ctx_of(be);
     const size_t na = (size_t)(a_rows * a_cols), nb = (size_t)(b_rows * b_cols);
     const size_t a_bytes = (na * 2 + 255) & ~(size_t)255, bytes = a_bytes + nb * 2 + 2;
     if (c->round_ws_bytes < bytes) {
         // the stream may still be reading the old copies
         FT_CU(cudaStreamSynchronize(c->stream), "rounding workspace");
-        if (c->round_ws) cudaFree(c->round_ws);
+        if (c->round_ws) cuda_free(be, c->round_ws);
         c->round_ws = nullptr;
         c->round_ws_bytes = 0;
         const size_t want = bytes + bytes / 4;   // some room: the next batch is often a little longer
-        cudaError_t e = cudaMalloc(&c->round_ws, want);
-        if (e != cudaSuccess) {
-            cudaGetLastError();
-            c->round_ws = nullptr;
-            return g_host->error(e == cudaErrorMemoryAllocation ? FT_ERR_NOMEM : FT_ERR_DEVICE,
-                                 "cannot allocate %zu bytes on %s for the half-precision copies of a product's "
-                                 "operands: %s", want, c->name, cudaGetErrorString(e));
-        }
+        FT_TRY(cuda_alloc(be, want, &c->round_ws));
         c->round_ws_bytes = want;
     }
     *ha = c->round_ws;

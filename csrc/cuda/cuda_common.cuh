@@ -78,7 +78,7 @@ struct blas_use {
 // the kernel cuBLAS picks. round_operands: the spans of two operands (n_a, n_b floats from a and
 // b, each a rows x cols block with leading dimension ld, row-major, or flat when rows = 1) into one
 // workspace; *ha, *hb: the rounded copies, packed (leading dimension = cols).
-ft_status round_operands(cuda_ctx *c, ft_dtype prec, const float *a, int64_t a_rows, int64_t a_cols, int64_t lda,
+ft_status round_operands(ft_backend *be, ft_dtype prec, const float *a, int64_t a_rows, int64_t a_cols, int64_t lda,
                          const float *b, int64_t b_rows, int64_t b_cols, int64_t ldb, void **ha, void **hb);
 inline cudaDataType_t half_type(ft_dtype prec) { return prec == FT_BF16 ? CUDA_R_16BF : CUDA_R_16F; }
 // frees what cuda_optim_step keeps in the context (optim.cu)

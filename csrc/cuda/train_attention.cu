@@ -518,8 +518,8 @@ size_t per_sequence_scratch_bytes(int64_t T, int64_t NH) { return 2 * (size_t)NH
 // strided-batched C = alpha op(A) op(B) + beta C over float32 matrices (column-major, cuBLAS's
 // view); below float32 the spans A and B cover are rounded to prec first (round_operands: nearest
 // even, as the CPU rounds) and multiplied on tensor cores with float32 sums
-ft_status gemm_batched(cuda_ctx *c, cublasHandle_t h, ft_dtype prec, cublasOperation_t ta, cublasOperation_t tb, int m,
-                       int n, int k, const float *alpha, const float *A, int lda, long long sa, const float *B, int ldb,
+ft_status gemm_batched(ft_backend *be, cublasHandle_t h, ft_dtype prec, cublasOperation_t ta, cublasOperation_t tb,
+                       int m, int n, int k, const float *alpha, const float *A, int lda, long long sa, const float *B, int ldb,
                        long long sb, const float *beta, float *C, int ldc, long long sc, int batch, const char *what) {
     cublasStatus_t st;
     if (prec == FT_F32) {
@@ -533,7 +533,7 @@ ft_status gemm_batched(cuda_ctx *c, cublasHandle_t h, ft_dtype prec, cublasOpera
         const int64_t na = ta == CUBLAS_OP_N ? span(m, k, lda, sa) : span(k, m, lda, sa);
         const int64_t nb = tb == CUBLAS_OP_N ? span(k, n, ldb, sb) : span(n, k, ldb, sb);
         void *ha, *hb;
-        FT_TRY(round_operands(c, prec, A, 1, na, na, B, 1, nb, nb, &ha, &hb));
+        FT_TRY(round_operands(be, prec, A, 1, na, na, B, 1, nb, nb, &ha, &hb));
         st = cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, ha, half_type(prec), lda, sa, hb, half_type(prec),
                                         ldb, sb, beta, C, CUDA_R_32F, ldc, sc, batch, CUBLAS_COMPUTE_32F,
                                         CUBLAS_GEMM_DEFAULT);
@@ -559,8 +559,8 @@ ft_status forward_per_sequence(ft_backend *be, ft_dtype prec, float *ctx, float 
         const float *q = qkv + first * ld, *k = q + C, *v = q + 2 * C;
         float *P = probs + base;
         // row-major P_h (n, n) = Q_h K_h^T scale: column-major P_h^T = K_h Q_h^T
-        FT_TRY(gemm_batched(c, blas.h, prec, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &scale, k, (int)ld,
-                                            hs, q, (int)ld, hs, &zero, P, (int)n, n * n, (int)NH, "attention scores"));
+        FT_TRY(gemm_batched(be, blas.h, prec, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &scale, k, (int)ld, hs,
+                            q, (int)ld, hs, &zero, P, (int)n, n * n, (int)NH, "attention scores"));
         const int64_t rows = NH * n;
         FT_LAUNCH(softmax_rows_kernel, (unsigned)((rows + 7) / 8), 256, 0, c->stream)(P, rows, n);
         const float *Pd = P;
@@ -571,8 +571,8 @@ ft_status forward_per_sequence(ft_backend *be, ft_dtype prec, float *ctx, float 
         }
         FT_TRY(launched("attention_train_forward"));
         // row-major ctx_h (n, hs) = Pd_h (n, n) V_h (n, hs): column-major ctx_h^T = V_h^T Pd_h^T
-        FT_TRY(gemm_batched(c, blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &one, v, (int)ld,
-                                            hs, Pd, (int)n, n * n, &zero, ctx + first * C, (int)C, hs, (int)NH, "attention output"));
+        FT_TRY(gemm_batched(be, blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &one, v, (int)ld, hs,
+                            Pd, (int)n, n * n, &zero, ctx + first * C, (int)C, hs, (int)NH, "attention output"));
         base += NH * n * n;
     }
     return FT_OK;
@@ -607,20 +607,20 @@ ft_status backward_per_sequence(ft_backend *be, ft_dtype prec, float *dqkv, cons
             FT_TRY(launched("attention_backward"));
         }
         // dV_h (n, hs) = Pd_h^T dctx_h: column-major dV_h^T = dctx_h^T Pd_h
-        FT_TRY(gemm_batched(c, blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &one, dout, (int)C,
-                                            hs, pd, (int)n, n * n, &zero, dv, (int)ld, hs, (int)NH, "attention dV"));
+        FT_TRY(gemm_batched(be, blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &one, dout, (int)C, hs,
+                            pd, (int)n, n * n, &zero, dv, (int)ld, hs, (int)NH, "attention dV"));
         // dPd_h (n, n) = dctx_h V_h^T: column-major dPd_h^T = V_h dctx_h^T
-        FT_TRY(gemm_batched(c, blas.h, prec, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &one, v, (int)ld,
-                                            hs, dout, (int)C, hs, &zero, dS, (int)n, n * n, (int)NH, "attention dP"));
+        FT_TRY(gemm_batched(be, blas.h, prec, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)n, (int)hs, &one, v, (int)ld, hs,
+                            dout, (int)C, hs, &zero, dS, (int)n, n * n, (int)NH, "attention dP"));
         FT_LAUNCH(softmax_dropout_backward_kernel, (unsigned)((rows + 7) / 8), 256, 0, c->stream)(
             dS, P, dmask ? dmask + base : nullptr, rows, n, base, thr, keep_scale, key);
         FT_TRY(launched("attention_backward"));
         // dQ_h (n, hs) = dS_h K_h scale: column-major dQ_h^T = K_h^T dS_h^T
-        FT_TRY(gemm_batched(c, blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &scale, k, (int)ld,
-                                            hs, dS, (int)n, n * n, &zero, dq, (int)ld, hs, (int)NH, "attention dQ"));
+        FT_TRY(gemm_batched(be, blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_N, (int)hs, (int)n, (int)n, &scale, k, (int)ld, hs,
+                            dS, (int)n, n * n, &zero, dq, (int)ld, hs, (int)NH, "attention dQ"));
         // dK_h (n, hs) = dS_h^T Q_h scale: column-major dK_h^T = Q_h^T dS_h
-        FT_TRY(gemm_batched(c, blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &scale, q, (int)ld,
-                                            hs, dS, (int)n, n * n, &zero, dk, (int)ld, hs, (int)NH, "attention dK"));
+        FT_TRY(gemm_batched(be, blas.h, prec, CUBLAS_OP_N, CUBLAS_OP_T, (int)hs, (int)n, (int)n, &scale, q, (int)ld, hs,
+                            dS, (int)n, n * n, &zero, dk, (int)ld, hs, (int)NH, "attention dK"));
         base += NH * n * n;
     }
     return FT_OK;

@@ -239,7 +239,7 @@ ft_status cuda_bias_act_backward(ft_backend *be, float *dh, const float *df, con
     FT_LAUNCH(bias_act_backward_kernel, grid_of(total, 256), 256, 0, st)(dh, df, saved, bits, total, (int)act);
     if (bits && (act == FT_ACT_GELU_ERF || act == FT_ACT_GELU_TANH))   // Tempo's GELU: the flat band's elements
         FT_LAUNCH(bias_act_flat_kernel, (unsigned)((N + 7) / 8), 256, 0, st)(dh, df, saved, in, w, bias, N, K, C,
-                                                                                    (int)act);
+                                                                             (int)act);
     return launched("bias_act_backward");
 }
 

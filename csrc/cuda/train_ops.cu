@@ -106,8 +106,8 @@ __global__ void bce_logits_loss_kernel(float *loss, float *dlogits, const float 
     }
 }
 
-// axis 0: one thread per column, rows in order (deterministic); axis 1: one block per row
-// out (K) = column sums of x (N, K): a block of 32 x SUM_ROWS threads per 32 columns, thread row
+// sum_axis. axis 1: one block per row (sum_cols_kernel). axis 0, out (K) = column sums of x (N, K):
+// a block of 32 x SUM_ROWS threads per 32 columns, thread row
 // ty summing rows ty, ty + SUM_ROWS, ... (32 lanes read a row's 32 columns at once), then the
 // SUM_ROWS partial sums in a fixed order: deterministic. (A thread per column looping over all N
 // rows left 24 blocks for BERT-base's 768 columns and took 0.33 ms at N = 4096 on an H200.)

@@ -11,7 +11,6 @@ Indices are those of the model the plan is applied to (0-based layers, heads, FF
 the kept rows and columns copied into smaller matrices); `masks(model, plan)` the forward masks that
 give the same outputs without changing the model (what significance analysis evaluates)."""
 import copy
-
 import re
 
 import numpy as np
