@@ -17,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import pickle
 import platform
 import subprocess
 import sys
@@ -143,7 +144,20 @@ def run_seed(task, seed, args, data, log):
     base_enc = fasttran.Encoder.from_pretrained(model_dir)
     lr, epochs = 1e-4, args.epochs[task]
     say = lambda m: (log.append(m), print(f"[{task} seed {seed}] {m}", flush=True))   # noqa: E731
-    ft, ft_info = finetune(base_enc, train, epochs, seed, lr)
+    cached = None
+    if args.cache:   # fine-tuning and significance are deterministic: reuse them across runs of this script
+        cached = os.path.join(args.cache, f"{task}-seed{seed}-train{len(train)}-select{len(select)}-epochs{epochs}")
+    if cached and os.path.exists(os.path.join(cached, "significance.pickle")):
+        ft = compress.TaskModel.load(os.path.join(cached, "model"))
+        ft.encoder.path = None
+        ft.encoder.tokenizer = base_enc.tokenizer
+        ft.encoder._tokenizer_dir = getattr(base_enc, "_tokenizer_dir", None)
+        with open(os.path.join(cached, "significance.pickle"), "rb") as f:
+            ft_info, sig = pickle.load(f)
+        say(f"fine-tuned model and significance from {cached}")
+    else:
+        ft, ft_info = finetune(base_enc, train, epochs, seed, lr)
+        sig = None
     retrain = {"retrain_optimizer": "adamw", "retrain_lr": lr,   # re-fine-tuning as the fine-tuning
                "retrain_targets": args.retrain_targets}
     say(f"fine-tuned in {ft_info['seconds']:.0f} s ({ft_info['steps']} steps)")
@@ -152,7 +166,12 @@ def run_seed(task, seed, args, data, log):
     models = {"fine-tuned": ft}
 
     # significance on the selection set (held out of train)
-    sig = compress.significance(ft, select, seed=seed, show_progress=False)
+    if sig is None:
+        sig = compress.significance(ft, select, seed=seed, show_progress=False)
+        if cached:
+            ft.save(os.path.join(cached, "model"))
+            with open(os.path.join(cached, "significance.pickle"), "wb") as f:
+                pickle.dump((ft_info, sig), f)
     out["significance"] = {"seconds": sig.seconds, "spearman": sig.agreement(), "control": sig.control,
                            "rows": sig.rows}
     say(f"significance: mask {sig.seconds['mask']:.0f} s, gradient {sig.seconds['gradient']:.1f} s, Spearman "
@@ -174,19 +193,37 @@ def run_seed(task, seed, args, data, log):
                          "from_examples": len(vocab_data)}
     models["int8"] = compress.quantize(ft)
     models["vocabulary + int8"] = compress.apply(ft, {"vocabulary": voc, "weights": "int8"})
+    row = ft.encoder.hidden_size + 4   # an int8 embedding row and its scale
     for level in args.levels:
         name = f"pruned {int(100 * level)}%"
         models[name + " + int8"] = compress.quantize(models[name])
         models[name + " + vocabulary + int8"] = compress.apply(models[name], {"vocabulary": voc, "weights": "int8"})
         # the vocabulary filled up (the pre-training's most used tokens after the task's) to the most
         # rows that keep the model 6x smaller than the fine-tuned one: fewer unknown words, same goal
-        row = ft.encoder.hidden_size + 4   # an int8 row and its scale
         fill = int((ft.size_bytes / 6 - compress.model.int8_size(models[name], vocab_rows=0)) // row)
         if fill > len(voc["keep"]):
             vfill = compress.vocabulary(ft, vocab_data, size=fill)
             models[name + " + vocabulary to 6x + int8"] = compress.apply(models[name], {"vocabulary": vfill,
                                                                                        "weights": "int8"})
             out.setdefault("vocabulary_to_6x", {})[name] = len(vfill["keep"])
+    # no structural pruning, the vocabulary cut to the training split's most used tokens to 6x smaller
+    rows6 = int((ft.size_bytes / 6 - compress.model.int8_size(ft, vocab_rows=0)) // row)
+    v6 = compress.vocabulary(ft, vocab_data, size=rows6)
+    models["vocabulary to 6x (most used) + int8"] = compress.apply(ft, {"vocabulary": v6, "weights": "int8"})
+    out["vocabulary_most_used_to_6x"] = len(v6["keep"])
+
+    # the pruned + int8 goal's row: the search's size target at 6x smaller than the fine-tuned model,
+    # pruning heads and FFN groups only (never a whole layer), then the vocabulary (the training split's
+    # tokens seen at least twice) and int8
+    v2 = compress.vocabulary(ft, vocab_data, min_count=2)
+    out["vocabulary_min_count_2"] = len(v2["keep"])
+    res = compress.search(ft, train, select, target_size_mb=ft.size_bytes / 6 / 1e6, prune=("head", "ffn"),
+                          significance=sig, retrain_epochs=args.retrain_epochs, sign_match=False,
+                          prune_vocabulary=v2, seed=seed, latency_examples=64, show_progress=False, **retrain)
+    name = "pruned to 6x (heads, FFN) + vocabulary (seen twice) + int8"
+    models[name] = res.model
+    out.setdefault("searches", {})[name] = {"met": res.met, "reason": res.reason, "plan": res.plan, "log": res.log}
+    say(f"{name}: met={res.met}; {res.model}")
     if args.core:
         return finish_seed(task, ft, models, dev, ref, args, out, say)
 
@@ -366,8 +403,8 @@ def main():
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--train-limit", type=int, default=20000, help="training examples per task (SST-2 has 67,349)")
     p.add_argument("--select", type=int, default=400, help="selection examples held out of train")
-    p.add_argument("--levels", nargs="+", type=float, default=[0.25, 0.5, 0.75],
-                   help="fractions of the layers' weights pruned")
+    p.add_argument("--levels", nargs="*", type=float, default=[0.25, 0.5, 0.75],
+                   help="fractions of the layers' weights pruned (none: no such rows)")
     p.add_argument("--retrain-epochs", type=int, default=1)
     p.add_argument("--retrain-targets", choices=["labels", "teacher"], default="labels",
                    help="what re-fine-tuning after pruning learns: the labels, or the fine-tuned model's logits "
@@ -380,7 +417,10 @@ def main():
     p.add_argument("--quick", action="store_true", help="small data, one level: a smoke run")
     p.add_argument("--core", action="store_true",
                    help="only the rows the goals name (fine-tuned, pruned, int8, pruned + int8 with and without the "
-                        "vocabulary, ONNX Runtime): no sign matching, search or train-big rows")
+                        "vocabulary, ONNX Runtime): no sign matching (nor its cost), search or train-big rows")
+    p.add_argument("--cache", metavar="DIR",
+                   help="keep each seed's fine-tuned model and significance here and reuse them on the next run "
+                        "with the same task, seed, sizes and epochs (both are deterministic)")
     p.add_argument("--out", default=OUT)
     p.add_argument("--markdown", nargs="+", metavar="JSON",
                    help="only print RESULTS.md's table from these runs' files (a task's seeds from the last file "
@@ -415,8 +455,10 @@ def main():
         except ImportError:
             meta[mod] = None
     results = {}
-    print("sign matching where sequences are long (every head of all-MiniLM-L6-v2, forward, 2 threads):")
-    sm_rows = sign_match_cost(model_dir, args.threads, lengths=(32, 128) if args.quick else (32, 64, 128, 256, 512))
+    sm_rows = None
+    if not args.core:
+        print("sign matching where sequences are long (every head of all-MiniLM-L6-v2, forward, 2 threads):")
+        sm_rows = sign_match_cost(model_dir, args.threads, lengths=(32, 128) if args.quick else (32, 64, 128, 256, 512))
     for task in args.tasks:
         a, b, y = load_task(task, "train", DATA, args.train_limit)
         full = tokenize(model_dir, a, b, y, 128)

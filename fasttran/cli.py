@@ -444,7 +444,7 @@ def cmd_compress(args):
     res = compress.search(model, train, select, dev, max_drop=args.max_drop, target_latency_ms=args.target_latency,
                           latency_batch=args.latency_batch, target_size_mb=args.target_size, significance=sig,
                           retrain_epochs=args.retrain_epochs, retrain_layers=args.retrain_layers,
-                          sign_match=args.sign_match, sign_match_keys=args.sign_match_keys, int8=args.int8,
+                          retrain_targets=args.retrain_targets, prune=tuple(args.prune), sign_match=args.sign_match, sign_match_keys=args.sign_match_keys, int8=args.int8,
                           threads=args.threads or 2, seed=args.seed)
     print("\ntrade-off (selection set; * = Pareto-optimal in accuracy, latency and size):")
     front = set(compress.pareto(res.points))
@@ -489,6 +489,12 @@ def _compress_parser(sub):
     k.add_argument("--ffn-group-size", type=int, default=None, help="FFN neurons per group (default intermediate/16)")
     k.add_argument("--retrain-epochs", type=int, default=1, help="re-fine-tuning after pruning")
     k.add_argument("--retrain-layers", type=int, default=None, help="top layers re-fine-tuned (default: all)")
+    k.add_argument("--retrain-targets", default="labels", choices=["labels", "teacher"],
+                   help="what the re-fine-tuning learns: the labels, or the fine-tuned model's logits (distillation)")
+    k.add_argument("--prune", nargs="*", default=["layer", "head", "ffn"], choices=["layer", "head", "ffn"],
+                   metavar="KIND", help="kinds of part the pruning may remove: layer, head, ffn (FFN neuron groups); "
+                                        "'head ffn' never removes a whole layer (pair tasks lose less that way); "
+                                        "none: no pruning")
     k.add_argument("--sign-match", action=argparse.BooleanOptionalAction, default=True,
                    help="try sign-matching attention on the least significant heads")
     k.add_argument("--sign-match-keys", type=int, default=16, help="keys a sign-matching head attends to")

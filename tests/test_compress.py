@@ -528,6 +528,32 @@ def test_search_meets_a_budget_or_says_it_cannot(small_path):
         compress.search(model, train, select, max_drop=-1)
 
 
+def test_search_prunes_only_the_kinds_it_is_given(small_path):
+    """prune=("head", "ffn") never removes a whole layer, even when the size target needs more than any
+    head or group; prune=() removes nothing; a kind that does not exist is refused by name."""
+    model = task_model(small_path)
+    train, select = task_data(10, n=48), task_data(11, n=24)
+    target = 0.8 * model.size_bytes / 1e6
+    res = compress.search(model, train, select, target_size_mb=target, prune=("head", "ffn"), steps=4,
+                          ffn_group_size_=16, latency_examples=8, latency_batch=4, int8=False, sign_match=False,
+                          prune_vocabulary=False, show_progress=False)
+    assert res.model.num_layers == model.num_layers
+    assert res.model.size_bytes < model.size_bytes
+    s = res.model.structure
+    assert s["layer_heads"] != model.structure["layer_heads"] or \
+        s["layer_intermediate"] != model.structure["layer_intermediate"]
+    none = compress.search(model, train, select, target_size_mb=target, prune=(), steps=4, ffn_group_size_=16,
+                           latency_examples=8, latency_batch=4, int8=False, sign_match=False,
+                           significance=res.significance, show_progress=False)
+    assert none.model.structure == model.structure
+    assert not none.met and "size" in none.reason
+    for bad in ("layer", ("layers",), ("head", "head")):
+        with pytest.raises(InputError, match="prune must name kinds"):
+            compress.search(model, train, select, max_drop=1.0, prune=bad)
+    with pytest.raises(InputError, match="prune_vocabulary must be"):
+        compress.search(model, train, select, max_drop=1.0, prune_vocabulary="yes")
+
+
 def test_retraining_on_the_teacher_logits_distils_them(small_path):
     """retrain_targets='teacher': the pruned model's layers and classifier learn the fine-tuned model's
     logits (mean squared error), not the labels; the result is a classifier again, closer to the
@@ -592,8 +618,34 @@ def test_cli_compress_prints_the_table_and_the_trade_off(tiny_finetuned, tmp_pat
     assert os.path.getsize(plot) > 0
     model = compress.TaskModel.load(out)
     assert model.info["search"]["met"] and os.path.exists(out / "search.json")
-    rc = main(argv + ["--max-drop", "0", "--target-size", "0.0001"])
-    assert rc == 3 and "CANNOT MEET" in capsys.readouterr().out
+    rc = main(argv + ["--max-drop", "0", "--target-size", "0.0001", "--prune", "head", "ffn", "--retrain-targets",
+                      "teacher"])
+    text = capsys.readouterr().out
+    assert rc == 3 and "CANNOT MEET" in text
+    plan = json.loads(text.split("plan (original numbering):", 1)[1].splitlines()[0])
+    assert not (plan or {}).get("layers_removed"), plan   # heads and FFN groups only
+
+
+def test_search_keeps_the_vocabulary_of_the_data_it_is_given(tiny_finetuned):
+    """prune_vocabulary=<TaskData>: the embedding rows kept are that data's tokens (a task's whole training
+    split, say), not only those of the examples re-fine-tuned on"""
+    from fasttran.compress.tasks import load_task
+    model = compress.TaskModel.load(tiny_finetuned)
+    texts, _, labels = load_task("sst2", "train", None, limit=120)
+    data = compress.TaskData.from_texts(model, texts, labels, max_length=64)
+    train, select, wider = data.subset(np.arange(40)), data.subset(np.arange(40, 80)), data
+    res = compress.search(model, train, select, target_size_mb=1e4, prune=(), int8=False, sign_match=False,
+                          prune_vocabulary=wider, ffn_group_size_=16, latency_examples=8, latency_batch=4,
+                          show_progress=False)
+    kept = compress.vocabulary(model, wider)["keep"]
+    assert res.met and res.model.structure["vocab_rows"] == len(kept)
+    assert len(kept) > len(compress.vocabulary(model, train)["keep"])
+    assert np.array_equal(res.model.logits(wider), model.logits(wider))   # every token it reads is kept
+    voc = compress.vocabulary(model, wider, min_count=2)
+    res = compress.search(model, train, select, target_size_mb=1e4, prune=(), int8=False, sign_match=False,
+                          prune_vocabulary=voc, ffn_group_size_=16, latency_examples=8, latency_batch=4,
+                          show_progress=False)
+    assert res.model.structure["vocab_rows"] == len(voc["keep"]) < len(kept)
 
 
 # ---- int8 (the kernels' int8 encoder on compressed models) ------------------------------------------------
@@ -692,14 +744,24 @@ def test_pruned_vocabulary_keeps_the_tokens_used_and_reads_unknown_for_the_rest(
 def test_vocabulary_filled_up_to_a_size_with_the_most_used_tokens(small_path, minilm_dir):
     """vocabulary(size=n): the data's tokens first, then the lowest other ids (WordPiece lists its tokens
     about in the pre-training corpus's order of use) up to n; placeholder tokens skipped; a bad size
-    refused; never fewer than the data's own tokens."""
+    refused; fewer than the data's tokens: its most used ones, the unknown token always kept;
+    min_count: only tokens used that often."""
     model = task_model(small_path)
     data = task_data(15)
     used = set(np.unique(data.ids[np.arange(data.ids.shape[1])[None, :] < data.lengths[:, None]]).tolist()) | {1}
     voc = compress.vocabulary(model, data, unknown=1, size=len(used) + 7)
     assert len(voc["keep"]) == len(used) + 7 and used <= set(voc["keep"]) and voc["unknown"] == 1
     assert set(voc["keep"]) - used == set(sorted(set(range(99)) - used)[:7])
-    assert compress.vocabulary(model, data, unknown=1, size=3)["keep"] == sorted(used)   # the data's come first
+    ids = data.ids[np.arange(data.ids.shape[1])[None, :] < data.lengths[:, None]]
+    counts = np.bincount(ids, minlength=99)
+    by_use = sorted((i for i in range(99) if counts[i] and i != 1), key=lambda i: (-counts[i], i))
+    assert compress.vocabulary(model, data, unknown=1, size=4)["keep"] == sorted({1} | set(by_use[:3]))
+    assert counts[by_use[0]] > counts[by_use[-1]]   # the order means something on this data
+    twice = compress.vocabulary(model, data, unknown=1, min_count=2)["keep"]
+    assert twice == sorted({1} | {i for i in range(99) if counts[i] >= 2}) and len(twice) < len(used)
+    for bad in (0, 1.5, True):
+        with pytest.raises(InputError, match="min_count"):
+            compress.vocabulary(model, data, unknown=1, min_count=bad)
     for bad in (0, 100, 2.5, True):
         with pytest.raises(InputError, match="a token count in"):
             compress.vocabulary(model, data, unknown=1, size=bad)

@@ -248,32 +248,48 @@ def in_original_numbering(model):
     return out
 
 
-def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"), unknown=None, size=None):
+def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"), unknown=None, size=None,
+               min_count=1):
     """A plan's 'vocabulary' entry keeping the token ids `data` (TaskData) uses and the tokenizer's special
     tokens; every other id reads the unknown token's row (the tokenizer's [UNK], or `unknown`). Build it
     from the training data only: ids that appear only in evaluation data then read [UNK], as they would
     in serving.
 
-    `size`: keep this many tokens (when the data's are fewer), filling up with the tokens the
-    pre-training corpus used most. WordPiece and BPE vocabularies list their tokens about in that
-    order (BERT's: "the", "of", "and", "in", "to" from id 1996 on), so these are the kept ids'
-    lowest others, placeholder tokens ("[unused...]", "<unused...>") skipped. Each kept token costs
-    one embedding row (hidden size bytes in int8); fewer unknown words at serving time."""
+    `min_count`: keep only the tokens the data uses at least this often (2: not the words seen once,
+    which fine-tuning barely learned and serving rarely meets).
+
+    `size`: keep this many tokens. When the data's are more, the data's most used ones (ties: the
+    lower id); when they are fewer, fill up with the tokens the pre-training corpus used most.
+    WordPiece and BPE vocabularies list their tokens about in that order (BERT's: "the", "of",
+    "and", "in", "to" from id 1996 on), so these are the kept ids' lowest others, placeholder
+    tokens ("[unused...]", "<unused...>") skipped. Each kept token costs one embedding row (hidden
+    size bytes in int8); fewer unknown words at serving time. The special tokens and the unknown
+    token are always kept, beyond `size` if need be."""
     tok = model.encoder.tokenizer
-    ids = set()
+    V = int(model.encoder.config["vocab_size"])
+    if size is not None and (not isinstance(size, (int, np.integer)) or isinstance(size, bool) or not 0 < size <= V):
+        raise InputError(f"vocabulary(size={size!r}): a token count in [1, {V}]")
+    if not isinstance(min_count, (int, np.integer)) or isinstance(min_count, bool) or min_count < 1:
+        raise InputError(f"vocabulary(min_count={min_count!r}): a count >= 1")
+    counts = np.zeros(V, np.int64)
     for d in data:
-        ids.update(np.unique(d.ids[np.arange(d.ids.shape[1])[None, :] < d.lengths[:, None]]).tolist())
+        used = d.ids[np.arange(d.ids.shape[1])[None, :] < d.lengths[:, None]]
+        if used.size and (used.min() < 0 or used.max() >= V):
+            raise InputError(f"vocabulary(): the data has token ids outside [0, {V})")
+        counts += np.bincount(used.ravel(), minlength=V)
+    always = set()
     if tok is not None:
-        ids.update(i for i in (tok.token_to_id(t) for t in special) if i is not None)
+        always.update(i for i in (tok.token_to_id(t) for t in special) if i is not None)
         if unknown is None:
             unknown = tok.token_to_id("[UNK]")
     if unknown is None:
         raise InputError("vocabulary(): the model has no tokenizer to name its unknown token: pass unknown=<id>")
-    ids.add(int(unknown))
-    V = int(model.encoder.config["vocab_size"])
+    always.add(int(unknown))
+    used = np.array([i for i in np.flatnonzero(counts >= min_count) if i not in always], np.int64)
+    if size is not None and len(used) + len(always) > size:   # the data's most used tokens
+        used = used[np.lexsort((used, -counts[used]))][:max(0, size - len(always))]
+    ids = always | set(used.tolist())
     if size is not None:
-        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or not 0 < size <= V:
-            raise InputError(f"vocabulary(size={size!r}): a token count in [1, {V}]")
         placeholder = re.compile(r"^(\[unused\d+\]|<unused\d+>)$")
         for i in range(V):
             if len(ids) >= size:

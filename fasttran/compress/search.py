@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import InputError
 from .measure import latency, pareto, plot_tradeoff
-from .model import TaskModel, int8_size, quantize
+from .model import TaskData, TaskModel, int8_size, quantize
 from .plan import DEFAULT_SIGN_MATCH_KEYS, apply, ffn_group_size, vocabulary
 from .significance import significance as _significance
 
@@ -153,7 +153,7 @@ class SearchResult:
 def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=None, latency_batch=32,
            target_size_mb=None, significance=None, ffn_group_size_=None, steps=24, retrain_epochs=1,
            retrain_layers=None, retrain_lr=None, retrain_batch_size=32, retrain_optimizer="lamb", max_retrains=2,
-           retrain_targets="labels",
+           retrain_targets="labels", prune=("layer", "head", "ffn"),
            sign_match=True,
            sign_match_keys=DEFAULT_SIGN_MATCH_KEYS, prune_vocabulary=True, int8=True, threads=2, latency_examples=128,
            order_by=None, seed=0, show_progress=True):
@@ -161,10 +161,21 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
     0.5), `target_latency_ms` (per batch of `latency_batch`, `threads` threads) and/or `target_size_mb`.
     `train` (TaskData) re-fine-tunes after pruning, `select` (TaskData, held out of train) decides,
     `dev` (optional) reports. `order_by`: 'mask' or 'gradient' significance (default: mask when the
-    significance has it). `prune_vocabulary`: keep only the training data's tokens' embedding rows;
-    `int8`: try int8 weights last. `retrain_targets`: what the re-fine-tuning after pruning learns,
+    significance has it). `prune`: the kinds of part pruning may remove, of "layer", "head" and "ffn"
+    (FFN neuron groups); ("head", "ffn") never takes a whole layer, which pair tasks need (section 8
+    of benchmarks/RESULTS.md); () prunes nothing. `prune_vocabulary`: keep only the embedding rows of
+    the tokens `train` uses (True), of the tokens a TaskData given here uses (a task's whole training
+    split, say), those of a `compress.vocabulary(...)` entry (its `min_count` or `size`), or every
+    row (False); `int8`: try int8 weights last. `retrain_targets`: what the re-fine-tuning after pruning learns,
     "labels" or "teacher" (the fine-tuned model's logits on `train`: knowledge distillation).
     Returns a SearchResult; an unreachable budget gives met=False and why."""
+    kinds = ("layer", "head", "ffn")
+    if isinstance(prune, str) or not all(k in kinds for k in prune) or len(set(prune)) != len(tuple(prune)):
+        raise InputError(f"prune must name kinds of part among {kinds} (a tuple, each at most once), got {prune!r}")
+    if not (isinstance(prune_vocabulary, (bool, TaskData)) or
+            (isinstance(prune_vocabulary, dict) and {"keep", "unknown"} <= set(prune_vocabulary))):
+        raise InputError("prune_vocabulary must be True, False, the TaskData whose tokens to keep or a "
+                         f"compress.vocabulary(...) entry, got {type(prune_vocabulary).__name__}")
     if retrain_targets not in ("labels", "teacher"):
         raise InputError(f"retrain_targets must be 'labels' or 'teacher', got {retrain_targets!r}")
     if max_drop is None and target_latency_ms is None and target_size_mb is None:
@@ -210,8 +221,10 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
     # the vocabulary to keep: the training data's tokens (ids only the selection or dev data use then read
     # [UNK], as they would in serving)
     voc = None
-    if prune_vocabulary and model.encoder.tokenizer is not None and "fasttran_vocab_kept" not in model.encoder.config:
-        voc = vocabulary(model, train)
+    if prune_vocabulary is not False and (isinstance(prune_vocabulary, dict) or model.encoder.tokenizer is not None) \
+            and "fasttran_vocab_kept" not in model.encoder.config:
+        voc = prune_vocabulary if isinstance(prune_vocabulary, dict) else \
+            vocabulary(model, train if prune_vocabulary is True else prune_vocabulary)
     # with int8 and the vocabulary to come last, pruning stops at the target the final model will meet:
     # its size is exact (int8_size), its latency the float32 one times the int8 / float32 ratio measured here
     lat_ratio = 1.0
@@ -233,7 +246,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
         significance = _significance(model, select, ffn_group_size_=group, show_progress=show_progress)
     elif significance.group != group:
         raise InputError(f"the significance given was measured with FFN groups of {significance.group}, not {group}")
-    order = significance.order(order_by)   # default: masking when measured, else gradient x activation
+    order = [c for c in significance.order(order_by) if c[0] in prune]   # default: masking, else gradient
     points = [{"stage": "fine-tuned", "accuracy": base_acc, "latency_ms": base["latency_ms"],
                "size_bytes": base["size_bytes"], "plan": None}]
 
