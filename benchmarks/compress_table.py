@@ -2,13 +2,16 @@
 compressed, per task and seed -- dev metric (flips against the fine-tuned model counted pairwise),
 CPU latency at batch 1 and batch 32 (2 threads) and size -- for: the fine-tuned model; pruned at
 several levels (significance order, re-fine-tuned); int8, pruned + int8 and those with the
-vocabulary pruned to the tokens of the task's whole training split; sign matching on the least significant heads; the search under a 0.5-point budget; and ONNX
+vocabulary pruned to the tokens of the task's whole training split; the pruned + int8 goal's rows at 6x
+smaller (the vocabulary cut to the split's most used tokens; heads and FFN groups pruned by the search, with
+the tokens seen twice); sign matching on the least significant heads; the search under a 0.5-point budget; and ONNX
 Runtime's dynamic int8 quantization of the same fine-tuned model (and its float32), measured in the
 same run. Then "train big, then compress": the 6-layer model fine-tuned and compressed to the cost of
 3 layers against the 3-layer truncation fine-tuned directly for the same number of steps.
 
     python benchmarks/compress_table.py                        # SST-2 and MRPC, seeds 0 1 2
     python benchmarks/compress_table.py --tasks sst2 --seeds 0 --quick   # a smoke run (minutes)
+    python benchmarks/compress_table.py --core --tasks mrpc --levels --cache DIR   # the goals' rows only
 
 Writes benchmarks/last_compress_table.json and prints the table. Reads $FASTTRAN_DATA (or
 ../shared/data): sst2/{train,dev}.tsv, glue/MRPC/{train,dev}.tsv. Pair tasks are tokenized with
