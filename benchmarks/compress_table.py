@@ -31,6 +31,7 @@ import numpy as np
 
 import fasttran
 from fasttran import compress
+from fasttran.compress.model import _with_tokenizer_of
 from fasttran.compress.tasks import load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,10 +64,7 @@ def finetune(encoder, train, epochs, seed, lr, layers=None, head=None):
     secs = time.perf_counter() - t
     with tempfile.TemporaryDirectory() as d:
         tr.export(d)
-        model = compress.TaskModel.load(d)
-    model.encoder.path = None
-    model.encoder.tokenizer = encoder.tokenizer
-    model.encoder._tokenizer_dir = getattr(encoder, "_tokenizer_dir", None)
+        model = _with_tokenizer_of(compress.TaskModel.load(d), encoder)
     steps = tr.global_step
     return model, {"seconds": secs, "steps": steps, "epochs": epochs, "layers": k}
 
@@ -151,10 +149,7 @@ def run_seed(task, seed, args, data, log):
     if args.cache:   # fine-tuning and significance are deterministic: reuse them across runs of this script
         cached = os.path.join(args.cache, f"{task}-seed{seed}-train{len(train)}-select{len(select)}-epochs{epochs}")
     if cached and os.path.exists(os.path.join(cached, "significance.pickle")):
-        ft = compress.TaskModel.load(os.path.join(cached, "model"))
-        ft.encoder.path = None
-        ft.encoder.tokenizer = base_enc.tokenizer
-        ft.encoder._tokenizer_dir = getattr(base_enc, "_tokenizer_dir", None)
+        ft = _with_tokenizer_of(compress.TaskModel.load(os.path.join(cached, "model")), base_enc)
         with open(os.path.join(cached, "significance.pickle"), "rb") as f:
             ft_info, sig = pickle.load(f)
         say(f"fine-tuned model and significance from {cached}")

@@ -444,7 +444,8 @@ def cmd_compress(args):
     res = compress.search(model, train, select, dev, max_drop=args.max_drop, target_latency_ms=args.target_latency,
                           latency_batch=args.latency_batch, target_size_mb=args.target_size, significance=sig,
                           retrain_epochs=args.retrain_epochs, retrain_layers=args.retrain_layers,
-                          retrain_targets=args.retrain_targets, prune=tuple(args.prune), sign_match=args.sign_match, sign_match_keys=args.sign_match_keys, int8=args.int8,
+                          retrain_targets=args.retrain_targets, prune=tuple(args.prune), sign_match=args.sign_match,
+                          sign_match_keys=args.sign_match_keys, int8=args.int8,
                           threads=args.threads or 2, seed=args.seed)
     print("\ntrade-off (selection set; * = Pareto-optimal in accuracy, latency and size):")
     front = set(compress.pareto(res.points))

@@ -332,6 +332,15 @@ def _jsonable(x):
     return x
 
 
+def _with_tokenizer_of(model, encoder):
+    """`model` (a TaskModel loaded from a temporary export) tokenizing as `encoder` does, with no path of
+    its own (the export is gone)"""
+    model.encoder.path = None
+    model.encoder.tokenizer = encoder.tokenizer
+    model.encoder._tokenizer_dir = getattr(encoder, "_tokenizer_dir", None)
+    return model
+
+
 def _write_json(path, obj):
     data = json.dumps(_jsonable(obj), indent=1, sort_keys=True).encode()
     size, crc = _C.atomic_write(path, [data])

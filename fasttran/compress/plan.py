@@ -273,10 +273,10 @@ def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK
         raise InputError(f"vocabulary(min_count={min_count!r}): a count >= 1")
     counts = np.zeros(V, np.int64)
     for d in data:
-        used = d.ids[np.arange(d.ids.shape[1])[None, :] < d.lengths[:, None]]
-        if used.size and (used.min() < 0 or used.max() >= V):
+        tokens = d.ids[np.arange(d.ids.shape[1])[None, :] < d.lengths[:, None]]
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= V):
             raise InputError(f"vocabulary(): the data has token ids outside [0, {V})")
-        counts += np.bincount(used.ravel(), minlength=V)
+        counts += np.bincount(tokens.ravel(), minlength=V)
     always = set()
     if tok is not None:
         always.update(i for i in (tok.token_to_id(t) for t in special) if i is not None)
@@ -285,7 +285,7 @@ def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK
     if unknown is None:
         raise InputError("vocabulary(): the model has no tokenizer to name its unknown token: pass unknown=<id>")
     always.add(int(unknown))
-    used = np.array([i for i in np.flatnonzero(counts >= min_count) if i not in always], np.int64)
+    used = np.setdiff1d(np.flatnonzero(counts >= min_count), np.fromiter(always, np.int64))
     if size is not None and len(used) + len(always) > size:   # the data's most used tokens
         used = used[np.lexsort((used, -counts[used]))][:max(0, size - len(always))]
     ids = always | set(used.tolist())

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import InputError
 from .measure import latency, pareto, plot_tradeoff
-from .model import TaskData, TaskModel, int8_size, quantize
+from .model import TaskData, TaskModel, _with_tokenizer_of, _write_json, int8_size, quantize
 from .plan import DEFAULT_SIGN_MATCH_KEYS, apply, ffn_group_size, vocabulary
 from .significance import significance as _significance
 
@@ -95,12 +95,8 @@ def _retrain(model, train, epochs, layers, lr, batch_size, seed, show_progress, 
             with open(os.path.join(d, "head.json")) as f:
                 head_json = json.load(f)
             head_json["head"] = model.head.config()
-            with open(os.path.join(d, "head.json"), "w") as f:
-                json.dump(head_json, f)
-        out = TaskModel.load(d)
-    out.encoder.path = None
-    out.encoder.tokenizer = model.encoder.tokenizer
-    out.encoder._tokenizer_dir = getattr(model.encoder, "_tokenizer_dir", None)
+            _write_json(os.path.join(d, "head.json"), head_json)
+        out = _with_tokenizer_of(TaskModel.load(d), model.encoder)
     out.origin = copy.deepcopy(model.origin)
     out.info = copy.deepcopy(model.info)
     out.info.setdefault("retrained", []).append({"epochs": epochs, "layers": k, "examples": len(train),
