@@ -69,9 +69,12 @@ def read_examples(path, text_field=None, label_field="label", limit=None):
 
 
 #: --task -> (fasttran.readers task, Trainer task)
-_TASKS = {"classification": ("classification", "classification"), "pair": ("classification", "classification"),
-          "regression": ("regression", "regression"), "multi-label": ("multilabel", "multi-label"),
-          "token": ("tokens", "token-classification")}
+def _cli_tasks():
+    from .heads import REGISTRY   # each head class names its --task values (Head.cli_tasks)
+    return {name: (reader, cls.task) for cls in REGISTRY for name, reader in cls.cli_tasks.items()}
+
+
+_TASKS = _cli_tasks()
 
 
 def _read_data(args, path, task, label_names=None, labelled=True):
@@ -541,7 +544,7 @@ def build_parser():
         sp.add_argument("--limit", type=int, default=None, metavar="N", help="use the first N examples (QA: questions)")
         sp.add_argument("--batch-size", type=int, default=batch, help="examples per batch")
 
-    tasks = ["classification", "pair", "regression", "multi-label", "token"]
+    tasks = list(_TASKS)
     e = sub.add_parser("encode", help="embed texts with a frozen encoder into .npy or .safetensors", formatter_class=_Fmt)
     common(e)
     e.add_argument("--output", required=True, help="OUT.npy or OUT.safetensors")

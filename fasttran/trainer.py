@@ -29,40 +29,25 @@ from ._progress import progress
 from .cache import ActivationCache
 from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, NoGPUError, UnsupportedError)
 from .finetune import MEMORY_OPTIONS
-from .heads import TASKS, Head, make_head
+from .heads import REGISTRY, TASKS, Head, head_class, make_head
+from .heads import default_lr as _default_lr
 from .model import Model, rows_of
 from .optim import SCHEDULES, flat_state, load_flat_state, make_optimizer, schedule_factor
 from .safetensors_io import read_safetensors, write_safetensors
 
-#: The learning rate a Trainer uses when none is given, per (optimizer, head kind). Chosen by the
-#: sweep in benchmarks/sweep_defaults.py (frozen all-MiniLM-L6-v2; classification heads on all
-#: 67,349 SST-2 train sentences and on the 4,000-sentence sample the demo ships, QA on a SQuAD
-#: v1.1 subset; tables in benchmarks/defaults_sweep.md): the grid value with the best mean dev
-#: score over seeds and training-set sizes (a diverged run scores 0), every other
-#: hyper-parameter at its default. LAMB scales each step by the weight norm, so its rates are
-#: far above AdamW's. Regression, multi-label and token heads are a linear (or pooler) layer like
-#: the classifier and take its rates.
-DEFAULT_LR = {
-    ("lamb", "linear"): 0.02, ("lamb", "pooler"): 0.01, ("lamb", "qa"): 0.1,
-    ("adamw", "linear"): 0.01, ("adamw", "pooler"): 1e-3, ("adamw", "qa"): 0.01,
-}
-_LR_KIND = {"linear": "linear", "pooler": "pooler", "qa": "qa", "token": "linear"}
+#: The learning rate a Trainer uses when none is given, per (optimizer, head kind): each head class
+#: declares its own (fasttran.heads: Head.default_lrs, chosen by benchmarks/sweep_defaults.py);
+#: this is their union, for reading.
+DEFAULT_LR = {k: v for cls in REGISTRY for k, v in cls.default_lrs.items()}
 
 
 def default_lr(optimizer, head="classification"):
     """The default learning rate for an optimizer ('lamb'/'adamw') and a head (a task name or a head
-    object): see DEFAULT_LR."""
-    if isinstance(head, Head):
-        kind = _LR_KIND[head.kind]
-    elif head in TASKS:
-        cls, kw = TASKS[head]
-        kind = "pooler" if kw.get("pooler") else _LR_KIND[cls.kind or "linear"]
-    else:
-        kind = None
-    key = (str(optimizer).lower(), kind)
-    if key not in DEFAULT_LR:
+    object): the head class's `default_lrs`."""
+    lr = _default_lr(optimizer, head) if (isinstance(head, Head) or head in TASKS) else None
+    if lr is None:
         raise InputError(f"no default learning rate for optimizer {optimizer!r} and head {head!r}")
-    return DEFAULT_LR[key]
+    return lr
 
 
 #: Top-layer fine-tuning (train_layers > 0): one learning rate for the layers and the head, the

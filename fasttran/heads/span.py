@@ -28,6 +28,9 @@ class QAHead(Head):
     context tokens only (`valid`); cross-entropy averaged over start and end."""
     kind = "qa"
     task = "qa"
+    tasks = {"qa": {}}
+    #: measured by benchmarks/sweep_defaults.py on a SQuAD v1.1 subset (see CLASSIFIER_LRS)
+    default_lrs = {("lamb", "qa"): 0.1, ("adamw", "qa"): 0.01}
     takes_tokens = True
     main_metric = "exact_match"
 
@@ -38,8 +41,20 @@ class QAHead(Head):
     def _from_config(cls, cfg):
         return cls(cfg["hidden_size"], dropout=cfg.get("dropout", 0.0))
 
+    @classmethod
+    def for_task(cls, hidden_size, targets=None, num_labels=None, dropout=None, seed=0, pooling="mean", pooler=None,
+                 label_names=None, examples=None, **task_kw):
+        return cls(hidden_size, seed=seed, **({} if dropout is None else {"dropout": dropout}), **task_kw)
+
+    def export_layout(self):
+        return ("question-answering", "BertForQuestionAnswering", {"num_labels": 2},
+                {"qa_outputs.weight": "qa_outputs.weight", "qa_outputs.bias": "qa_outputs.bias"})
+
     def check_features(self, cache):
         super().check_features(cache)
+
+    def _repr_extra(self):
+        return ""
 
     def prepare(self, cache, targets):
         ctx = context_rows(cache)

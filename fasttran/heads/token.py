@@ -21,6 +21,9 @@ class TokenClassificationHead(Head):
     label_names (e.g. ['O', 'B-PER', 'I-PER', ...]) let evaluate() score entities."""
     kind = "token"
     task = "token-classification"
+    tasks = {"token-classification": {}}
+    cli_tasks = {"token": "tokens"}
+    lr_kind = "linear"   # a linear layer like the classifier: its rates
     takes_tokens = True
     main_metric = "f1"
 
@@ -44,6 +47,11 @@ class TokenClassificationHead(Head):
 
     def config(self):
         return dict(super().config(), task=self.task)
+
+    def export_layout(self):
+        return ("token-classification", "BertForTokenClassification",
+                dict(self.label_config(), num_labels=self.num_labels),
+                {"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"})
 
     def check_features(self, cache):
         super().check_features(cache)
