@@ -264,7 +264,7 @@ class Trainer:
         pooling = cache.positions if cache.positions in ("mean", "cls") else self.pooling
         self.head = make_head(self._head_name, cache.hidden, targets, num_labels=self.num_labels,
                               dropout=self.dropout, seed=self.seed, pooling=pooling, pooler=self.pooler,
-                              label_names=self.label_names)
+                              label_names=self.label_names, examples=len(cache))
 
     def _make_top(self, encoder):
         """The trained top layers, from the encoder (train_layers > 0), with room for the head."""
@@ -389,6 +389,16 @@ class Trainer:
         self._encoder = self._encoder or cache.encoder
         return prep
 
+    @property
+    def _group(self):
+        """examples the head scores together (multiple choice: a question's choices), 1 before it exists"""
+        return self.head.group_size if self.head is not None else 1
+
+    @property
+    def _batch_examples(self):
+        """cache examples in a global batch: `batch_size` items of the head's group size"""
+        return self.batch_size * self._group
+
     # ---- one step ---------------------------------------------------------------------------------
     def _batches(self, cache, sliced=True, **kw):
         """the cache's batches as the model reads them: on its device, ragged when per token; sliced:
@@ -401,7 +411,7 @@ class Trainer:
         """One training step on this process's slice of a global batch (`where`: its place; `order`:
         the epoch's order, whose global batch gives the loss's denominator and the dropout masks'
         place): (examples, global loss, (right, counted) or None)."""
-        g0 = where.step * self.batch_size
+        g0 = where.step * self._batch_examples
         glob = order[g0:g0 + where.size]   # the global batch's examples
         gt, _ = self.head.batch(prep, glob, None)
         lengths_all = np.asarray(cache.lengths, np.int64) if cache.positions == "all" else None
@@ -477,11 +487,11 @@ class Trainer:
         steps, warmup steps)."""
         self._make_optimizer()
         self._gviews = [g for _, g in self.model.named_gradients()]
-        N = len(cache)
-        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
+        N, bs = len(cache), self._batch_examples
+        steps_per_epoch = (N + bs - 1) // bs
         total = steps_per_epoch * self.epochs
         warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
-        local = -(-self.batch_size // self.reduction.world_size)   # a slice's share (a longer one grows the buffers)
+        local = -(-bs // self.reduction.world_size)   # a slice's share (a longer one grows the buffers)
         rows = np.sort(rows_of_lengths(cache))[::-1][:local]
         self.model.reserve(min(local, N), int(rows.sum()))
         return steps_per_epoch, total, warm
@@ -538,9 +548,9 @@ class Trainer:
             for epoch in range(first_epoch, self.epochs):
                 t0 = time.perf_counter()
                 start = first_batch if epoch == first_epoch else 0
-                order = cache.epoch_order(_epoch_seed(self.seed, epoch))   # the reader's: every rank's
-                it = self._batches(cache, batch_size=self.batch_size, shuffle=True,
-                                   seed=_epoch_seed(self.seed, epoch), start=start)
+                order = cache.epoch_order(_epoch_seed(self.seed, epoch), group=self._group)   # every rank's
+                it = self._batches(cache, batch_size=self._batch_examples, shuffle=True,
+                                   seed=_epoch_seed(self.seed, epoch), start=start, group=self._group)
                 stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 bar = stack.enter_context(progress(total=steps_per_epoch, initial=start, unit="step",
                                                    desc=f"epoch {epoch + 1}/{self.epochs}",
@@ -634,11 +644,13 @@ class Trainer:
         self._ready_for(cache, "evaluate or predict on this cache")
         prep = prep if prep is not None else self.head.prepare_eval(cache, None)
         chunks = []
+        batch_size = max(1, batch_size // self._group) * self._group   # whole groups
         steps = (len(cache) + batch_size - 1) // batch_size
         # a bar appears when the pass is slow (an uncached source runs the encoder)
         with progress(total=steps, desc="evaluate", unit="batch", leave=False, delay=1.0,
                       disable=not self.show_progress) as bar:
-            for ids, batch in self._batches(cache, sliced=False, batch_size=batch_size, shuffle=False):
+            for ids, batch in self._batches(cache, sliced=False, batch_size=batch_size, shuffle=False,
+                                            group=self._group):
                 x, lengths = rows_of(batch)
                 _, valid = self.head.batch(prep, cache.index_of(ids), lengths)
                 chunks.append(self.head.outputs(self.model.forward(x, lengths, valid), lengths, valid))
@@ -699,8 +711,9 @@ class Trainer:
                 theirs[...] = np.asarray(mine)
         N = len(cache)
         spe, total, warm = scratch._loop_setup(cache)
-        order = cache.epoch_order(_epoch_seed(scratch.seed, 0))
-        batches = [order[a:a + scratch.batch_size] for a in range(0, N, scratch.batch_size)]
+        order = cache.epoch_order(_epoch_seed(scratch.seed, 0), group=scratch._group)
+        bs = scratch._batch_examples
+        batches = [order[a:a + bs] for a in range(0, N, bs)]
         rows = lambda k: cache.example_ids[batches[k % len(batches)]]
         ragged = cache.positions == "all"
 
