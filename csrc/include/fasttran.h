@@ -546,7 +546,8 @@ ft_status ft_optim_table_step(ft_optim_table *table, const ft_optim_config *cfg,
     X(LINEAR, 0, "linear", ft_head_linear)                \
     X(POOLER, 1, "pooler", ft_head_pooler)                \
     X(QA, 2, "qa", ft_head_span)                          \
-    X(TOKEN, 3, "token", ft_head_token)
+    X(TOKEN, 3, "token", ft_head_token)                   \
+    X(CHOICE, 4, "choice", ft_head_choice)
 #define FT_HEAD_ENUM_(NAME, code, name, desc) FT_HEAD_##NAME = code,
 typedef enum { FT_HEAD_KINDS(FT_HEAD_ENUM_) FT_HEAD_KIND_END_ } ft_head_kind;
 #undef FT_HEAD_ENUM_
