@@ -230,10 +230,11 @@ def _join_group(args):
     """The process group when this process is one of several ranks (else None); a rank on a
     GPU machine computes on its own GPU unless --device says otherwise."""
     from . import distributed
+    from .device import parse_device
     if not distributed.launched():
         return None
     group = distributed.init()
-    if args.device is None and group.device != "cpu":
+    if args.device is None and parse_device(group.device).is_cuda:
         args.device = group.device
     return group
 

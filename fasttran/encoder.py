@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _C
 from . import tokens as _tokens
+from .device import CPU, parse_device
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -212,7 +213,7 @@ def _find_checkpoint(path):
     return weights, config, tok_dir, max_len
 
 
-def _as_index_array(x, name, device="cpu"):
+def _as_index_array(x, name, device=CPU):
     """NumPy arrays pass through; a CPU DLPack producer (a torch tensor) is viewed without a
     copy; a CUDA DLPack tensor on the encoder's device is read to the host on a stream the
     producer is asked to synchronise with (ids are validated on the host: B x T ints, small
@@ -230,7 +231,7 @@ def _as_index_array(x, name, device="cpu"):
         kind, index = int(dev[0]), int(dev[1])
         if kind == 2:   # kDLCUDA
             where = f"cuda:{index}"
-            if device == "cpu":
+            if not device.is_cuda:
                 raise UnsupportedError(
                     f"{name} is on {where} but this encoder runs on the CPU; pass a CPU tensor "
                     f"(.cpu()) or create the encoder with device={where!r}")
@@ -296,11 +297,11 @@ class Encoder:
 
     @property
     def device(self):
-        """'cpu' or 'cuda:N'."""
-        return self._core.device
+        """'cpu' or 'cuda:N' (a fasttran.device.Device)."""
+        return parse_device(self._core.device)
 
     def _make_core(self, device):
-        if device != "cpu":
+        if device.is_cuda:
             if self.dtype == "int8":
                 raise UnsupportedError("dtype='int8' runs on the CPU backend only (int8 products on VNNI / AMX); use "
                                        "device='cpu', or dtype='bfloat16' / 'float16' on CUDA")
@@ -313,7 +314,7 @@ class Encoder:
                                    "(on CPUs with AVX512_BF16) or int8. Use device='cuda', or dtype='float32', "
                                    "'bfloat16' or 'int8' on the CPU")
         c = self.config
-        if device != "cpu" and self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
+        if device.is_cuda and self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
             raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
                                    "half-precision attention takes head sizes up to 128. Use dtype='float32'")
         modes = c.get("fasttran_head_attention")
@@ -323,7 +324,7 @@ class Encoder:
             num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
             max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
             layer_norm_eps=float(c["layer_norm_eps"]), activation=_ACTIVATIONS[c["hidden_act"]],
-            pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]),
+            pad_token_id=int(c["pad_token_id"]), device_index=device.index,
             dtype="float32" if self.dtype == "int8" else self.dtype, layer_heads=c.get("fasttran_layer_heads"),
             layer_intermediate=c.get("fasttran_layer_intermediate"),
             head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
@@ -355,16 +356,7 @@ class Encoder:
 
     @staticmethod
     def _parse_device(device):
-        if not isinstance(device, str):
-            raise InputTypeError(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
-        d = device.strip().lower()
-        if d == "cpu":
-            return "cpu"
-        if d == "cuda":
-            return "cuda:0"
-        if d.startswith("cuda:") and d[5:].isdigit():
-            return d
-        raise InputError(f"unknown device {device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+        return parse_device(device)
 
     # ---- loading and saving ---------------------------------------------------------------
     @classmethod
@@ -535,14 +527,14 @@ class Encoder:
         all-MiniLM-L6-v2: benchmarks/RESULTS.md, "Compression: reduced-precision kernels"."""
         if self.dtype != "float32":
             raise UnsupportedError(f"quantize() takes a float32 encoder; this one is {self.dtype}")
-        if self.device != "cpu":
+        if self.device.is_cuda:
             raise UnsupportedError("int8 encoders run on the CPU backend: enc.to('cpu').quantize()")
         target = self
         if not inplace:
             target = Encoder.__new__(Encoder)
             target.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_core", "_ft_fingerprint")})
             target.config = dict(self.config)
-            target._core = target._make_core("cpu")   # float32 (dtype still says so)
+            target._core = target._make_core(CPU)   # float32 (dtype still says so)
             target._core.copy_weights_from(self._core)
         target._core.quantize(embeddings=bool(embeddings))
         target.dtype = "int8"
@@ -759,7 +751,7 @@ class Encoder:
         ``total_device`` (the sum on the device), and ``device_free`` / ``device_total`` (the
         device's memory now; on the CPU, the machine's)."""
         r = dict(self._core.memory_report())
-        on_device = ("parameters", "workspace", "backend") if self.device != "cpu" else ()
+        on_device = ("parameters", "workspace", "backend") if self.device.is_cuda else ()
         r["total_device"] = sum(r[k] for k in on_device)
         r["device"], r["dtype"] = self.device, self.dtype
         r["weights"] = self._weights_note()
@@ -767,8 +759,8 @@ class Encoder:
 
     def _weights_note(self):
         """What the linear layers' weights are and which kernels multiply them."""
-        if self.device != "cpu" or self.dtype == "float32":
-            return f"{self.dtype} ({_C.cpu_isa() if self.device == 'cpu' else 'CUDA'} kernels)"
+        if self.device.is_cuda or self.dtype == "float32":
+            return f"{self.dtype} ({'CUDA' if self.device.is_cuda else _C.cpu_isa()} kernels)"
         if self.dtype == "bfloat16":
             return f"bfloat16, packed once; bf16 products ({_C.cpu_lowp_kernels()[2]} kernels), float32 sums"
         kernel, _used, _ = _C.cpu_lowp_kernels()

@@ -27,6 +27,7 @@ import numpy as np
 from . import _C
 from ._progress import progress
 from .cache import ActivationCache
+from .device import parse_device
 from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, NoGPUError, UnsupportedError)
 from .finetune import MEMORY_OPTIONS
 from .heads import REGISTRY, TASKS, Head, head_class, make_head
@@ -67,13 +68,6 @@ def _cpu_isa():
     return _C.cpu_isa()
 
 
-def _cuda_device(device):
-    """'cuda' / 'cuda:N' -> 'cuda:N'; None for 'cpu'; anything else an InputError."""
-    if device == "cpu":
-        return None
-    if isinstance(device, str) and (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-        return f"cuda:{int(device[5:] or 0)}"
-    raise InputError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 class Reduction:
@@ -196,26 +190,25 @@ class Trainer:
                 raise InputError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(warmup, (int, float)) or warmup < 0:
             raise InputError(f"warmup must be a fraction in [0, 1) or a step count, got {warmup!r}")
+        device = parse_device(device)
         if precision not in ("float32", "bfloat16", "float16"):
             raise InputError(f"precision must be 'float32', 'bfloat16' or 'float16', got {precision!r}")
         if precision != "float32":
             if not train_layers:
                 raise InputError(f"precision={precision!r} (mixed precision: the trained encoder layers' products "
                                  "in half precision) needs train_layers >= 1: a head alone trains in float32")
-            if not _cuda_device(device) and (precision != "bfloat16" or not _C.cpu_features()[0]["avx512_bf16"]):
+            if not device.is_cuda and (precision != "bfloat16" or not _C.cpu_features()[0]["avx512_bf16"]):
                 raise InputError(f"precision={precision!r} on the CPU needs bfloat16 and a CPU with bf16 dot products "
                                  f"(avx512_bf16: Intel Cooper Lake, Sapphire Rapids (AMX) or later, AMD Zen 4 or later; "
                                  f"this one runs the {_cpu_isa()!r} kernels without it): elsewhere half-precision "
                                  "products are no faster than float32. Train in float32 here, or on device='cuda'")
-        cuda = _cuda_device(device)
-        if cuda:
+        if device.is_cuda:
             from ._info import no_gpu_reason
             reason = no_gpu_reason()
             if reason:
                 raise NoGPUError(f"Trainer(device={device!r}): there is no usable GPU: {reason}. Use device='cpu' "
                                  "(the default; a checkpoint trained on CUDA loads with Trainer.load(path, "
                                  "device='cpu'))")
-            device = cuda
         if reduction is not None and not all(hasattr(reduction, a) for a in ("ready", "start", "begin", "finish", "sum",
                                                                              "rank", "world_size")):
             raise InputTypeError("reduction must be a fasttran.trainer.Reduction (rank, world_size, start, begin, ready, "
@@ -886,7 +879,7 @@ class Trainer:
         """A Trainer restored from save(): head, optimizer state, step, position and history."""
         state = cls._read_state(path)
         cfg = dict(state["config"], **overrides)
-        if (not _cuda_device(cfg.get("device", "cpu")) and "precision" not in overrides
+        if (not parse_device(cfg.get("device", "cpu")).is_cuda and "precision" not in overrides
                 and not (cfg.get("precision") == "bfloat16" and _C.cpu_features()[0]["avx512_bf16"])):
             cfg["precision"] = "float32"   # what this CPU cannot run in half precision continues in float32
         self = cls(Head.from_config(state["head"]), **cfg)
@@ -948,7 +941,7 @@ class Trainer:
                 f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step}"
                 + (f", train_layers={self.train_layers}" if self.train_layers else "")
                 + (f", precision={self.precision!r}" if self.precision != "float32" else "")
-                + (f", device={self.device!r}" if self.device != "cpu" else "") + ")")
+                + (f", device={str(self.device)!r}" if self.device.is_cuda else "") + ")")
 
     def _repr_html_(self):
         rows = "".join("<tr>" + "".join(f"<td>{html.escape(f'{v:.4g}' if isinstance(v, float) else str(v))}</td>"

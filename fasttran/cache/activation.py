@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from .. import _C
+from ..device import CPU, parse_device
 from ..errors import CacheCorruptError, CacheMismatchError, FastTranIOError, InputError, UnsupportedError
 from . import persist
 from .layout import (CODECS, POSITIONS, Plan, codec_code, input_fingerprints, model_fingerprint, parse_inputs, row_bytes,
@@ -43,7 +44,7 @@ def _check_bytes(name, v):
 
 
 def _check_device_tier(encoder, device_bytes):
-    if device_bytes and (encoder is None or encoder.device == "cpu"):
+    if device_bytes and (encoder is None or not encoder.device.is_cuda):
         where = "no encoder was given" if encoder is None else "this one runs on the CPU"
         raise InputError(f"device_bytes needs an encoder on a CUDA device ({where}): create it with "
                          "Encoder.from_pretrained(..., device='cuda'), or keep the features in host_bytes / disk_dir")
@@ -51,11 +52,7 @@ def _check_device_tier(encoder, device_bytes):
 
 def _device_index(device, what):
     """'cuda' / 'cuda:N' -> N, 'cpu' -> -1"""
-    if device == "cpu":
-        return -1
-    if isinstance(device, str) and (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-        return int(device[5:] or 0)
-    raise InputError(f"{what} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return parse_device(device, what).index
 
 
 def add_error(acc, err):
@@ -107,7 +104,7 @@ class ActivationCache:
         self.host_bytes = host_bytes
         self.device_bytes = device_bytes
         # the CUDA device of the encoder: the device tier's, and where output="device" batches go
-        self.device = encoder.device if encoder is not None and encoder.device != "cpu" else "cpu"
+        self.device = encoder.device if encoder is not None else CPU
         self.example_ids = example_ids
         self._tokens, self._types, self._offsets = tokens, types, offsets
         self._lengths = np.diff(offsets)
@@ -121,7 +118,7 @@ class ActivationCache:
                                     hidden=self.hidden, codec=codec_code(dtype), all_tokens=positions == "all",
                                     layer=self.layer, pooling=_C.POOLINGS["none" if positions == "all" else positions],
                                     recompute_batch=self.batch_size)
-        self._tiers = Tiers(self._store, host_bytes, device_bytes, None if self.device == "cpu" else self.device)
+        self._tiers = Tiers(self._store, host_bytes, device_bytes, self.device if self.device.is_cuda else None)
 
     @classmethod
     def build(cls, encoder, input_ids, attention_mask=None, token_type_ids=None, example_ids=None, layer=-1,
