@@ -348,9 +348,8 @@ def cmd_train(args):
               weight_decay=args.weight_decay, schedule=args.schedule, warmup=args.warmup,
               train_layers=args.train_layers, precision=args.precision, tempo=_tempo(args.tempo),
               pooling=args.pooling, device=enc.device)
-    if head not in ("qa", "token-classification"):
-        kw["pooler"] = args.pooler or None
-    if names is not None and head != "qa":
+    kw["pooler"] = args.pooler or None   # (heads without a pooler variant ignore it)
+    if names is not None:
         kw["label_names"] = names
     if group is not None:   # several ranks: --batch-size is the global batch, each rank takes its slice
         from .distributed import DataParallel
@@ -386,12 +385,13 @@ def cmd_evaluate(args):
     cache, targets, ex = _labelled_source(args, enc, args.cache, args.input, task, tr.head.label_names, "--cache",
                                           labelled=None)
     if args.predictions:
-        pred = tr.predict(cache)
         if task == "token":   # per word, by the first sub-token of each
-            from .tokens import words_from_tokens
             tok = enc.tokenize_words(ex.words, max_length=_task_settings(args.cache).get("max_length"))
-            pred = words_from_tokens([np.pad(p, (0, tok.input_ids.shape[1] - len(p))) for p in pred], tok)
-            pred = np.asarray([np.asarray(p) for p in pred], dtype=object)
+            pred = tr.predict(cache, words=tok, output="labels")
+            ids = {n: i for i, n in enumerate(tr.head.label_names or [])}
+            pred = np.asarray([np.asarray([ids.get(w, w) for w in p]) for p in pred], dtype=object)
+        else:
+            pred = tr.predict(cache)
         np.save(args.predictions, pred, allow_pickle=task == "token")
     if ex.labels is None:
         print("no labels in the input: wrote predictions only" if args.predictions else "no labels in the input")

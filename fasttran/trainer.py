@@ -179,8 +179,9 @@ class Trainer:
         if unknown:
             raise InputError(f"unknown tempo option(s) {sorted(unknown)}; known: {list(_TEMPO)}")
         if lr is None:
-            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else default_lr(
-                optimizer, "classification-pooler" if pooler and isinstance(head, str) else head)
+            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else (
+                head_class(head).class_default_lr(optimizer, pooler=bool(pooler or TASKS[head][1].get("pooler")))
+                if isinstance(head, str) else head.default_lr(optimizer))
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
             raise InputError(f"lr must be a finite number > 0 (or None for the default), got {lr!r}")
         if schedule not in SCHEDULES:
@@ -651,12 +652,28 @@ class Trainer:
                 bar.update(1)
         return self.head.collect(chunks)
 
-    def predict(self, cache, squad=None):
-        """The head's predictions in the cache's example order: class ids (classification), scores
-        (regression), 0/1 columns (multi-label), per-example token label ids (token
-        classification); QA: with `squad` (the SquadFeatures the cache was built from) the answer
-        text per question id, without it the per-example (start, end) logits."""
-        return self.head.predict(self._outputs(cache), squad)
+    def predict(self, cache, squad=None, output="labels", words=None):
+        """The head's predictions in the cache's example order.
+
+        output="labels": class ids (classification, multiple choice), scores (regression), 0/1
+        columns (multi-label), token label ids (token classification: (examples, longest), -100
+        past each example's tokens); QA: with `squad` (the SquadFeatures the cache was built from)
+        the answer text per question id, without it the per-example (start, end) logits.
+        output="logits": the scores -- (examples, classes); token heads (examples, longest,
+        labels), NaN past the tokens; QA (start_logits, end_logits), -inf outside the context.
+        output="probabilities": softmax (classification, multiple choice, each token, QA's spans) or
+        each label's sigmoid (multi-label); regression has none.
+        words: a token head's predictions per word instead of per token -- the WordTokens the cache
+        was built from (Encoder.tokenize_words); with output="labels" the label names where the head
+        has them."""
+        kinds = {"labels": lambda o: self.head.predict(o, squad), "logits": self.head.logits,
+                 "probabilities": self.head.probabilities} if self.head is not None else {}
+        if output not in ("labels", "logits", "probabilities"):
+            raise InputError(f"output must be 'labels', 'logits' or 'probabilities', got {output!r}")
+        if not kinds:
+            return self.head.predict(self._outputs(cache), squad)   # (the untrained trainer's error)
+        res = kinds[output](self._outputs(cache))
+        return res if words is None else self.head.per_word(res, words, output)
 
     def evaluate(self, cache, targets):
         """The head's metrics against targets (see the head's evaluate: classification accuracy /

@@ -220,6 +220,19 @@ class Head:
     def predict(self, outputs, targets=None):
         raise NotImplementedError
 
+    def logits(self, outputs):
+        """the raw scores of every example (Trainer.predict(output='logits'))"""
+        return outputs
+
+    def probabilities(self, outputs):
+        """what the loss reads the scores as (Trainer.predict(output='probabilities'))"""
+        from ..errors import UnsupportedError
+        raise UnsupportedError(f"a {self.task} head gives scores, not probabilities: use output='logits'")
+
+    def per_word(self, predictions, words, output):
+        """token predictions back to words (Trainer.predict(words=...)); only token heads have them"""
+        raise InputError(f"words= is for token heads: a {self.task} head predicts per example")
+
     def check_features(self, cache):
         """Refuse features this head cannot read (an InputError saying which it needs)."""
         if self.takes_tokens and cache.positions != "all":

@@ -13,6 +13,7 @@ import numpy as np
 from .. import metrics as M
 from ..errors import InputError, InputTypeError
 from .base import Head, Prepared
+from .sequence import softmax
 
 
 class MultipleChoiceHead(Head):
@@ -108,6 +109,10 @@ class MultipleChoiceHead(Head):
     def predict(self, outputs, targets=None):
         """the chosen position per question"""
         return outputs.argmax(1)
+
+    def probabilities(self, outputs):
+        """(questions, num_choices): each question's softmax over its choices"""
+        return softmax(outputs)
 
     def evaluate(self, outputs, targets, prep=None):
         """accuracy and the loss over the questions"""

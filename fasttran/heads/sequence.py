@@ -102,6 +102,13 @@ def _numbers(values, what, want, fix=""):
     return y
 
 
+def softmax(z, axis=-1):
+    """float32 softmax of float scores along `axis` (-inf: probability 0), computed in float64"""
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max(axis, keepdims=True))
+    return (e / e.sum(axis, keepdims=True)).astype(np.float32)
+
+
 def _where(example_ids, i):
     return f"of example {int(example_ids[i])}" if example_ids is not None else f"at position {int(i)}"
 
@@ -155,6 +162,10 @@ class ClassificationHead(_SequenceHead):
 
     def predict(self, outputs, targets=None):
         return outputs.argmax(1)
+
+    def probabilities(self, outputs):
+        """(examples, classes) softmax"""
+        return softmax(outputs)
 
     def evaluate(self, outputs, targets, prep=None):
         """accuracy, F1 (binary: of class 1; else macro), Matthews correlation and the loss"""
@@ -302,6 +313,10 @@ class MultiLabelHead(_SequenceHead):
     def predict(self, outputs, targets=None):
         """(examples, labels) 0/1"""
         return (1.0 / (1.0 + np.exp(-outputs)) > self.threshold).astype(np.int8)
+
+    def probabilities(self, outputs):
+        """(examples, labels): each label's sigmoid"""
+        return (1.0 / (1.0 + np.exp(-outputs.astype(np.float64)))).astype(np.float32)
 
     def evaluate(self, outputs, targets, prep=None):
         """micro / macro F1 and precision / recall at the head's threshold, subset accuracy, loss"""

@@ -106,6 +106,20 @@ class QAHead(Head):
         """per example (start, end) logits, or with the SquadFeatures the answer text per question id"""
         return outputs if targets is None else targets.postprocess(outputs)
 
+    def logits(self, outputs):
+        """(start_logits, end_logits), each (examples, longest) as transformers' QA models give them:
+        -inf outside an example's context and past its tokens"""
+        T = max((o.shape[1] for o in outputs), default=0)
+        out = np.full((2, len(outputs), T), -np.inf, np.float32)
+        for i, o in enumerate(outputs):
+            out[:, i, :o.shape[1]] = o
+        return out[0], out[1]
+
+    def probabilities(self, outputs):
+        """(start, end) probabilities over each example's context tokens, (examples, longest) each"""
+        from .sequence import softmax
+        return tuple(softmax(z) for z in self.logits(outputs))
+
     def evaluate(self, outputs, targets, prep=None):
         """SQuAD exact match and F1 (official normalisation, best over every reference answer);
         `targets`: the SquadFeatures the cache was built from"""
