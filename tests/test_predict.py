@@ -48,6 +48,9 @@ def test_sequence_heads(pooled, sst):
     ml = _fit("multi-label", pooled, np.stack([y, 1 - y], 1))
     z, _ = ml.head.step(x)
     assert np.abs(ml.predict(pooled, output="probabilities") - 1 / (1 + np.exp(-z.astype(np.float64)))).max() <= 1e-6
+    pooler = _fit("classification-pooler", pooled, y)   # the task's pooler, and an explicit pooler= over it
+    assert pooler.head.pooler and not _fit("classification-pooler", pooled, y, pooler=False).head.pooler
+    assert pooler.predict(pooled, output="logits").shape == (len(y), 2)
     reg = _fit("regression", pooled, y * 2.0)
     assert reg.predict(pooled, output="logits").shape == (len(y), 1)
     with pytest.raises(UnsupportedError, match="output='logits'"):
