@@ -51,7 +51,8 @@ def make_head(task, hidden_size, targets=None, num_labels=None, dropout=None, se
     class decides: Head.for_task)."""
     cls = head_class(task)
     kw = dict(TASKS[task][1])
-    pooler = kw.pop("pooler", None) if pooler is None else pooler   # an explicit pooler= wins over the task's
+    own = kw.pop("pooler", None)
+    pooler = own if pooler is None else pooler   # an explicit pooler= wins over the task's
     return cls.for_task(hidden_size, targets, num_labels=num_labels, dropout=dropout, seed=seed, pooling=pooling,
                         pooler=pooler, label_names=label_names, examples=examples, **kw)
 
