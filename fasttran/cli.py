@@ -409,7 +409,7 @@ def cmd_export(args):
     print(f"wrote {layout_of(tr.head)} model to {args.output}")
 
 
-# ---- compress (issue 31) --------------------------------------------------------------------------------
+# ---- compress -------------------------------------------------------------------------------------------
 def cmd_compress(args):
     """Significance table, then the search under the budget; the trade-off and the result."""
     from . import compress

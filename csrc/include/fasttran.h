@@ -166,7 +166,7 @@ ft_status ft_encoder_tensor_info(const ft_encoder *enc, size_t i, const char **n
 /* Write view i (float32, shape as tensor_info says); the packed copies are remade on the next forward. */
 ft_status ft_encoder_set_tensor(ft_encoder *enc, size_t i, const float *data);
 
-/* ---- int8 encoders (issue 31) ---------------------------------------------------------------
+/* ---- int8 encoders --------------------------------------------------------------------------
  * ft_encoder_quantize turns a float32 CPU encoder into an int8 one, in place: each layer's four
  * projection matrices (Q, K, V, attention output, FFN in and out) and, with embeddings != 0, the
  * word embeddings become int8 q (rows x cols) with one float32 scale per row (output channel):

@@ -44,7 +44,7 @@ struct ft_encoder {
     ft_backend *be;
     ft_dtype dtype;           /* storage type of params and activations: F32, or F16/BF16 on CUDA */
     size_t esz;               /* its size in bytes */
-    /* the linear layers' weights on the CPU (issue 31): FT_F32, FT_BF16 (packed bf16 copies of the
+    /* the linear layers' weights on the CPU: FT_F32, FT_BF16 (packed bf16 copies of the
      * float32 masters) or FT_I8 (int8 + scales in `int8`, no float32 masters) */
     ft_dtype wtype;
     int lowp;                 /* the linear layers run on the backend's linear_lp_* (it pays for wtype) */
