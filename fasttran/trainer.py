@@ -101,6 +101,19 @@ class Reduction:
         return np.asarray(values, np.float64)
 
 
+def _auto_reduction():
+    """DataParallel() when this process is one of several ranks, else None (one process)"""
+    from . import distributed
+    if not distributed.launched():
+        return None
+    dp = distributed.DataParallel()
+    if dp.rank == 0:
+        print(f"fasttran: rank 0 of {dp.world_size}: training data-parallel (each rank takes its slice of every "
+              "global batch of batch_size examples); Trainer(..., reduction=None) trains each rank alone",
+              file=sys.stderr, flush=True)
+    return dp
+
+
 def _epoch_seed(seed, epoch):
     return (int(seed) * 1_000_003 + epoch * 7919) % (2 ** 63)
 
@@ -151,13 +164,15 @@ class Trainer:
     gradient times `loss_scale[0]` (from 2**16), an overflowing step is skipped and halves it, 2000
     clean steps double it (PyTorch's GradScaler rule; `skipped_steps` counts the skips).
     `reduction`: the gradient reduction hook (see Reduction; fasttran.distributed's for several
-    processes).
+    processes). "auto" (the default): data-parallel (fasttran.distributed.DataParallel()) when this
+    process is one of several ranks (torchrun, accelerate, Slurm + torchrun: WORLD_SIZE > 1), with
+    one line from rank 0 saying so, else one process; None: this process alone, whatever launched it.
     """
 
     def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
                  warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
-                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction=None):
+                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction="auto"):
         if isinstance(head, str):
             if head not in TASKS:
                 raise InputError(f"unknown head {head!r}; choose one of {sorted(TASKS)} or pass a head object")
@@ -210,6 +225,8 @@ class Trainer:
                 raise NoGPUError(f"Trainer(device={device!r}): there is no usable GPU: {reason}. Use device='cpu' "
                                  "(the default; a checkpoint trained on CUDA loads with Trainer.load(path, "
                                  "device='cpu'))")
+        if isinstance(reduction, str) and reduction == "auto":
+            reduction = _auto_reduction()
         if reduction is not None and not all(hasattr(reduction, a) for a in ("ready", "start", "begin", "finish", "sum",
                                                                              "rank", "world_size")):
             raise InputTypeError("reduction must be a fasttran.trainer.Reduction (rank, world_size, start, begin, ready, "
@@ -580,9 +597,12 @@ class Trainer:
                           file=sys.stderr)
                     break
                 self._pos = (epoch + 1, 0)
+                mine = int(seen)   # this process's examples (a rank's slices)
                 loss_sum, right, counted, seen = self.reduction.sum([loss_sum, right, counted, seen])   # all ranks'
                 rec = {"epoch": epoch + 1, "steps": self.global_step, "train_loss": loss_sum / max(seen, 1),
-                       "seconds": time.perf_counter() - t0, "lr": self.optimizer.lr}
+                       "seconds": time.perf_counter() - t0, "lr": self.optimizer.lr, "examples": int(seen)}
+                if self.reduction.world_size > 1:
+                    rec["examples_this_rank"] = mine
                 if counted:
                     rec["train_accuracy"] = right / counted
                 self._pull()
@@ -714,7 +734,7 @@ class Trainer:
             head.params[...] = self.head.params
         else:
             head = self._head_name
-        scratch = Trainer(head, **cfg)
+        scratch = Trainer(head, **cfg, reduction=None)   # (a copy on this process alone)
         prep = scratch._prepare(cache, targets)
         if self.top is not None:   # the trained layers too (host copies of a CUDA trainer's)
             for (_, mine), (_, theirs) in zip(self.top.named_parameters(), scratch.top.named_parameters()):
