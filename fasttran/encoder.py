@@ -430,19 +430,6 @@ class Encoder:
         _C.atomic_write(os.path.join(path, "config.json"), [json.dumps(out, indent=2, sort_keys=True).encode()])
         return path
 
-    @classmethod
-    def _wrap(cls, core, raw_config, like):
-        """An Encoder over `core` (an EncoderCore made in C, e.g. a compressed copy) whose config is
-        raw_config, with `like`'s device settings and tokenizer."""
-        enc = cls.__new__(cls)
-        enc.config = parse_bert_config(raw_config, "compressed config")
-        enc._raw_config = dict(raw_config)
-        enc.dtype, enc.allow_tf32 = like.dtype, like.allow_tf32
-        enc._core = core
-        enc.path, enc.tokenizer, enc.max_seq_length = None, like.tokenizer, like.max_seq_length
-        enc._tokenizer_dir = getattr(like, "_tokenizer_dir", None)
-        return enc
-
     @property
     def compressed(self):
         """True when the model's structure differs from its config's uniform one (fasttran.compress)."""
@@ -613,6 +600,156 @@ class Encoder:
         return out[0] if single else out
 
     __call__ = forward
+
+    # ---- structure, masks and files (what fasttran.compress builds on) ---------------------------------
+    @property
+    def structure(self):
+        """The per-layer structure the core runs: {"layer_heads": [per layer], "layer_intermediate": [per
+        layer], "head_attention": [per head: 0 exact, 1 sign matching], "sign_match_keys": n,
+        "vocab_rows": word-embedding rows}. Uniform for a model as pretrained; fasttran.compress
+        makes it smaller (see :meth:`compressed_copy`)."""
+        return self._core.structure
+
+    @property
+    def raw_config(self):
+        """A copy of the config dict this encoder was made from (config.json's keys, as given)."""
+        return dict(self._raw_config)
+
+    @property
+    def int8_embeddings(self):
+        """True when the word embeddings are int8 (:meth:`quantize` with ``embeddings=True``)."""
+        return bool(self._core.int8_embeddings)
+
+    @property
+    def weight_bytes(self):
+        """Bytes of the weights as stored: 4 per float32 value; an int8 tensor 1 per value and 4 per
+        row for its scales (the pooler only when the encoder has one)."""
+        n = 0
+        for i, (name, shape) in enumerate(self._core.tensors()):
+            if name.startswith("pooler.") and not self._core.has_pooler:
+                continue
+            values = int(np.prod(shape))
+            n += values + 4 * int(shape[0]) if self._core.tensor_scale(i) is not None else 4 * values
+        return n
+
+    def parameter_shapes(self):
+        """[(Hugging Face name, shape)] of every parameter, in the core's order (the pooler's only
+        when the encoder has one)."""
+        return [(n, tuple(shape)) for n, shape in self._core.tensors()
+                if self._core.has_pooler or not n.startswith("pooler.")]
+
+    @property
+    def tokenizer_dir(self):
+        """The directory the tokenizer was loaded from (its files travel with a saved model), or None."""
+        return getattr(self, "_tokenizer_dir", None)
+
+    def load_tokenizer(self, directory):
+        """Load ``directory``/tokenizer.json as this encoder's tokenizer (truncating to
+        ``max_seq_length``; nothing happens without the ``tokenizers`` package). Returns self."""
+        self._load_tokenizer(os.fspath(directory))
+        return self
+
+    def use_tokenizer_of(self, other):
+        """Tokenize as encoder ``other`` does (its tokenizer object and directory). Returns self."""
+        if not isinstance(other, Encoder):
+            raise InputTypeError(f"use_tokenizer_of takes an Encoder, got {type(other).__name__}")
+        self.tokenizer, self._tokenizer_dir = other.tokenizer, other.tokenizer_dir
+        return self
+
+    def save_weights(self, path):
+        """Write the float32 weights alone to the safetensors file ``path`` (Hugging Face names),
+        atomically; returns {"bytes": size, "crc32c": CRC-32C} of the file, for a record. (An int8
+        encoder's weights: :meth:`state_dict`.)"""
+        if self.dtype == "int8":
+            raise UnsupportedError("save_weights writes float weights and an int8 encoder has none; write its "
+                                   "state_dict() (int8 tensors with their '<name>_scale')")
+        size, crc = self._core.save(os.fspath(path))
+        return {"bytes": int(size), "crc32c": int(crc)}
+
+    def load_weights(self, path, expect=None):
+        """Read the weights from the safetensors file ``path`` (as :meth:`save_weights` or
+        ``save_pretrained`` wrote it); with ``expect`` ({"bytes", "crc32c"}) the file must match that
+        record, checked before anything is read. Returns self."""
+        eb, ec = -1, -1
+        if expect:
+            try:
+                eb, ec = int(expect["bytes"]), int(expect["crc32c"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"the record of {path} ({expect!r}) is not {{'bytes': int, 'crc32c': int}}") from None
+        self._core.load(os.fspath(path), expect_bytes=eb, expect_crc32c=ec)
+        self.__dict__.pop("_ft_fingerprint", None)
+        return self
+
+    def forward_masked(self, input_ids, attention_mask, token_type_ids=None, layer=-1, pooling=None, skip_layers=None,
+                       head_keep=None, ffn_keep=None, ffn_group=0, start_layer=0, start_hidden=None):
+        """One layer's output with parts of the encoder switched off for this call only (significance
+        analysis). ``skip_layers`` (num_layers,) 1 = the layer passes its input through;
+        ``head_keep`` (all layers' heads) 0 = the head's attention output is zero; ``ffn_keep`` (all
+        layers' FFN groups of ``ffn_group`` neurons) 0 = the group's activations are zero;
+        ``start_layer`` > 0 starts from that layer's hidden states ``start_hidden`` (batch, seq, hidden)
+        instead of the embeddings (float32 only). Arrays are uint8 0 / 1. ``layer``: the output layer
+        (as ``forward``'s output_layers, one int). Returns (batch, seq, hidden) hidden states, or
+        (batch, hidden) with ``pooling`` 'cls' / 'mean'; NumPy float32."""
+        if pooling not in _POOLING:
+            raise InputError(f"pooling must be None, 'cls' or 'mean', got {pooling!r}")
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise InputTypeError(f"layer must be one int, got {layer!r}")
+        _, (l,) = self._layer_list(layer)
+        masks = {"skip_layers": skip_layers, "head_keep": head_keep, "ffn_keep": ffn_keep}
+        extra = {k: np.ascontiguousarray(v, np.uint8) for k, v in masks.items() if v is not None}
+        if ffn_keep is not None:
+            extra["ffn_group"] = int(ffn_group)
+        if start_layer:
+            extra["start_layer"], extra["start_hidden"] = int(start_layer), start_hidden
+        dev = self.device
+        hidden, pooled = self._core.forward(
+            input_ids=_as_index_array(input_ids, "input_ids", dev),
+            attention_mask=_as_index_array(attention_mask, "attention_mask", dev),
+            token_type_ids=_as_index_array(token_type_ids, "token_type_ids", dev), layers=(l,),
+            pooling=_POOLING[pooling], want_hidden=pooling is None, **extra)
+        return (hidden if pooling is None else pooled)[0]
+
+    def compressed_copy(self, keep_layers=None, keep_heads=None, keep_neurons=None, head_attention=None,
+                        sign_match_keys=0, keep_tokens=None, unknown_token=None):
+        """A new, smaller Encoder holding the kept parts of this one (float32; this one unchanged):
+        ``keep_layers`` (num_layers,), ``keep_heads`` (all layers' heads), ``keep_neurons`` (all layers'
+        FFN neurons), ``keep_tokens`` (vocab_size,) uint8 1 = kept (None: all); ``head_attention``
+        (this encoder's heads) the mode of each kept head, 0 exact / 1 sign matching, with
+        ``sign_match_keys`` its keys (0: this encoder's); ``unknown_token``: the id a removed token
+        reads as. Its config records the new structure (config.json's fasttran_* keys), so
+        ``save_pretrained`` and ``from_pretrained`` keep it; tokenizer and device settings are this
+        encoder's. A layer left without heads or neurons, no layer left, or an int8 encoder is refused."""
+        arrays = {"keep_layers": keep_layers, "keep_heads": keep_heads, "keep_neurons": keep_neurons,
+                  "head_attention": head_attention, "keep_tokens": keep_tokens}
+        kw = {k: np.ascontiguousarray(v, np.uint8) for k, v in arrays.items() if v is not None}
+        if keep_tokens is not None:
+            kw["unknown_token"] = -1 if unknown_token is None else int(unknown_token)
+        core = self._core.compressed(sign_match_keys=int(sign_match_keys), **kw)
+        st = core.structure
+        raw = dict(self._raw_config)
+        if keep_tokens is not None:
+            raw["fasttran_vocab_kept"] = np.flatnonzero(kw["keep_tokens"]).tolist()
+            raw["fasttran_vocab_unknown"] = kw["unknown_token"]
+        raw["num_hidden_layers"] = len(st["layer_heads"])
+        raw["fasttran_layer_heads"] = st["layer_heads"]
+        raw["fasttran_layer_intermediate"] = st["layer_intermediate"]
+        per_layer, k = [], 0
+        for n in st["layer_heads"]:
+            per_layer.append([ATTENTION_MODES[m] for m in st["head_attention"][k:k + n]])
+            k += n
+        raw["fasttran_head_attention"] = per_layer
+        if 1 in st["head_attention"]:
+            raw["fasttran_sign_match_keys"] = st["sign_match_keys"]
+        else:
+            raw.pop("fasttran_sign_match_keys", None)
+        enc = Encoder.__new__(Encoder)
+        enc.config = parse_bert_config(raw, "compressed config")
+        enc._raw_config = raw
+        enc.dtype, enc.allow_tf32 = self.dtype, self.allow_tf32
+        enc._core = core
+        enc.path, enc.tokenizer, enc.max_seq_length = None, self.tokenizer, self.max_seq_length
+        enc._tokenizer_dir = self.tokenizer_dir
+        return enc
 
     # ---- text ------------------------------------------------------------------------------------
     def _need_tokenizer(self):

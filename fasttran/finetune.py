@@ -167,6 +167,17 @@ class TopLayers:
         self._saved_x = None   # the stack is done with it
         return dx
 
+    def record_significance(self, ffn_group):
+        """From the next training forward on, each backward also records first-order significance
+        (fasttran.compress): per sequence, the gradient x activation of every head, FFN group of
+        `ffn_group` neurons and layer's residual branch (0: stop recording)."""
+        self._stack.set_significance(int(ffn_group))
+
+    def significance(self):
+        """After a backward that recorded it: (heads (B, heads), ffn (B, groups), layers (B, k)) float32
+        NumPy arrays, per sequence of the batch, the layers' parts in order (see record_significance)."""
+        return self._stack.significance()
+
     def memory_report(self, batch_size, seq_len, optimizer_states=2, **options):
         """Bytes a training step over `batch_size` sequences of `seq_len` tokens holds, by category:
         weights, gradients, optimizer state (`optimizer_states` floats per parameter: 2 for Adam
