@@ -74,7 +74,7 @@ def _kernels(cache):
     """What computes this rank's rows: the CPU kernel set, or the CUDA devices. Ranks that differ
     write correct shards whose last bits differ from one another's."""
     from .. import _C
-    if cache.encoder is None or cache.encoder.device == "cpu":
+    if cache.encoder is None or not cache.encoder.device.is_cuda:
         return f"cpu {_C.cpu_isa()}"
     return f"{cache.encoder.device} {_C.cuda_probe()[1]}"
 
