@@ -189,8 +189,19 @@ def test_cudnn_forward_and_backward_against_transformers(tmp_path, monkeypatch):
     print(r.stdout)
 
 
-def _device_check():
-    """Run in a child with FASTTRAN_CUDA_ATTENTION=cudnn (read once per process by the backend)."""
+@pytest.mark.skipif(not EMULATED, reason="the harness's rehearsal on the emulator (FASTTRAN_CUDA_EMU=1)")
+def test_the_device_check_runs_on_the_emulator_against_fasttrans_kernels():
+    """The device check's own code, on the emulator, where the same ops run fasttran's kernels: the
+    harness, the reference and the bounds are exercised before a GPU sees them."""
+    if not _info.cuda_available():
+        pytest.skip("no emulated CUDA backend in this build")
+    pytest.importorskip("torch")
+    _device_check(expect_cudnn=False)
+
+
+def _device_check(expect_cudnn=True):
+    """Run in a child with FASTTRAN_CUDA_ATTENTION=cudnn (read once per process by the backend);
+    expect_cudnn False: the rehearsal on the emulator (the calls go to fasttran's kernels)."""
     import torch
     from test_backend_ops import Backend, Host, In, Out, Scratch, ScratchSize, run_case, DTYPE_CODES
 
@@ -246,5 +257,8 @@ def _device_check():
     print("backward bf16 max abs error / max", np.abs(d - ref_d).max() / scale)
     assert np.isfinite(d).all() and np.abs(d - ref_d).max() <= 3e-2 * scale
     after = _info.cuda_attention(0)["cudnn_calls"]
+    if not expect_cudnn:
+        assert after == before, (before, after)
+        return
     assert after["forward"] > before["forward"] and after["forward_stats"] > before["forward_stats"]
     assert after["backward"] >= before["backward"] + 2, (before, after)
