@@ -244,15 +244,21 @@ ft_status grow_workspace(ft_backend *be, size_t bytes) {
 
 // One call's plan: the sequence tables (host copy, then device), the end of the packed rows.
 struct call_tables {
-    std::vector<unsigned char> host;   // q_len, kv_len, first (B int32 each), then 3 x (B + 1) int64
+    std::vector<unsigned char> host;   // q_len, kv_len, first (B int32 each), then 3 x (B + 1) int64, each 256-aligned
     size_t bytes = 0;
     int64_t end = 0, longest = 0;
     std::vector<int32_t> q_len, kv_len;
 };
 
+// every table starts on a 256-byte boundary (cuDNN's tensors want 16 at least): in 4-byte units
+// for the int32 tables, 8-byte for the int64 ones
+int64_t i32_stride(int64_t B) { return (int64_t)(align256((size_t)B * 4) / 4); }
+int64_t i64_stride(int64_t B) { return (int64_t)(align256(((size_t)B + 1) * 8) / 8); }
+
 // the tables from the ops' (B, 3) host table: first row, key rows, query rows (train: rows for
 // both, key_col == query_col); false when a sequence is empty or has keys past its queries (our
 // kernels take that batch)
+
 bool make_tables(call_tables &t, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, int key_col, int query_col) {
     t.q_len.resize(B);
     t.kv_len.resize(B);
@@ -265,19 +271,19 @@ bool make_tables(call_tables &t, const int32_t *seqs, int64_t B, int64_t C, int6
         t.end = first[b] + t.q_len[b] > t.end ? first[b] + t.q_len[b] : t.end;
         t.longest = t.q_len[b] > t.longest ? t.q_len[b] : t.longest;
     }
-    const size_t ints = align256(3 * (size_t)B * 4), offs = 3 * ((size_t)B + 1) * 8;
-    t.bytes = align256(ints + offs);
+    const int64_t s32 = i32_stride(B), s64 = i64_stride(B);
+    t.bytes = (size_t)(3 * s32 * 4 + 3 * s64 * 8);
     t.host.assign(t.bytes, 0);
     int32_t *i32 = reinterpret_cast<int32_t *>(t.host.data());
     memcpy(i32, t.q_len.data(), B * 4);
-    memcpy(i32 + B, t.kv_len.data(), B * 4);
-    memcpy(i32 + 2 * B, first.data(), B * 4);
-    int64_t *o = reinterpret_cast<int64_t *>(t.host.data() + ints);
+    memcpy(i32 + s32, t.kv_len.data(), B * 4);
+    memcpy(i32 + 2 * s32, first.data(), B * 4);
+    int64_t *o = reinterpret_cast<int64_t *>(t.host.data() + 3 * s32 * 4);
     for (int64_t b = 0; b <= B; b++) {
         const int64_t row = b < B ? first[b] : t.end;
-        o[b] = row * 3 * C;                     // qkv rows
-        o[(B + 1) + b] = row * C;               // o rows
-        o[2 * (B + 1) + b] = row * NH;          // statistics rows
+        o[b] = row * 3 * C;          // qkv rows
+        o[s64 + b] = row * C;        // o rows
+        o[2 * s64 + b] = row * NH;   // statistics rows
     }
     return true;
 }
@@ -289,17 +295,17 @@ struct device_tables {
 
 device_tables place_tables(const call_tables &t, void *dev, int64_t B) {
     device_tables d;
+    const int64_t s32 = i32_stride(B), s64 = i64_stride(B);
     const int32_t *i32 = static_cast<const int32_t *>(dev);
     d.q_len = i32;
-    d.kv_len = i32 + B;
-    d.first = i32 + 2 * B;
-    const int64_t *o = reinterpret_cast<const int64_t *>(static_cast<const unsigned char *>(dev) +
-                                                         align256(3 * (size_t)B * 4));
+    d.kv_len = i32 + s32;
+    d.first = i32 + 2 * s32;
+    const int64_t *o = reinterpret_cast<const int64_t *>(static_cast<const unsigned char *>(dev) + 3 * s32 * 4);
     d.seqs.q_len = d.q_len;
     d.seqs.kv_len = d.kv_len;
     d.seqs.qkv_off = o;
-    d.seqs.o_off = o + (B + 1);
-    d.seqs.stats_off = o + 2 * (B + 1);
+    d.seqs.o_off = o + s64;
+    d.seqs.stats_off = o + 2 * s64;
     d.seqs.host_q_len = t.q_len.data();
     d.seqs.host_kv_len = t.kv_len.data();
     return d;
