@@ -3,6 +3,7 @@
 #include "binding.h"
 
 #include "backend.h"
+#include "core/profile.h"
 
 ft_py_errors ft_errors;
 
@@ -209,6 +210,24 @@ static PyObject *py_cuda_probe(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(isO)", count, desc, Py_None);
 }
 
+/* cuda_attention_info(device) -> the CUDA backend's attention state (attention_cudnn.cu:
+ * ft_cuda_attention_info; fields separated by 0x1f), or None when the CUDA library does not load.
+ * device >= 0 also makes that device's cuDNN handle, so the state says whether cuDNN runs there. */
+static PyObject *py_cuda_attention_info(PyObject *self, PyObject *arg) {
+    (void)self;
+    int device = (int)PyLong_AsLong(arg);
+    if (device == -1 && PyErr_Occurred()) return NULL;
+    typedef int (*info_fn)(int, char *, size_t);
+    info_fn fn = (info_fn)ft_cuda_symbol("ft_cuda_attention_info");
+    ft_clear_error();
+    if (!fn) Py_RETURN_NONE;
+    char buf[2048] = "";
+    Py_BEGIN_ALLOW_THREADS
+    fn(device, buf, sizeof buf);
+    Py_END_ALLOW_THREADS
+    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+}
+
 /* device_stream(index) -> the cudaStream_t (as int) that host reads of CUDA tensors use */
 static PyObject *py_device_stream(PyObject *self, PyObject *arg) {
     (void)self;
@@ -289,6 +308,7 @@ static PyMethodDef module_methods[] = {
     {"num_threads", py_num_threads, METH_NOARGS, "Threads used by OpenMP and BLAS."},
     {"set_num_threads", py_set_num_threads, METH_O, "Set the threads used by OpenMP and BLAS."},
     {"cuda_probe", py_cuda_probe, METH_NOARGS, "(device_count, description, error) of the CUDA backend."},
+    {"cuda_attention_info", py_cuda_attention_info, METH_O, "The CUDA backend's attention state (cuDNN or ours, and why)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fasttran._C",
