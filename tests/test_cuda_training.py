@@ -266,7 +266,10 @@ def test_cuda_multiple_choice_matches_the_cpu(features):
         assert close(t, cpu.head.tensors[name]), (name, np.abs(t - cpu.head.tensors[name]).max())
     for (s1, l1), (s2, l2) in zip(gpu.loss_curve, cpu.loss_curve):
         assert s1 == s2 and abs(l1 - l2) <= 1e-4 * max(1.0, abs(l2))
-    assert np.abs(gpu.predict(cache, output="logits") - cpu.predict(cache, output="logits")).max() <= 1e-4
+    # the shared bias follows each backend's rounding noise (see above): the choices' scores agree up to it
+    d = gpu.predict(cache, output="logits") - cpu.predict(cache, output="logits")
+    assert np.abs(d - d.mean()).max() <= 1e-5, np.abs(d - d.mean()).max()
+    assert np.abs(gpu.predict(cache, output="probabilities") - cpu.predict(cache, output="probabilities")).max() <= 1e-5
 
 
 def _fresh_params(head):
