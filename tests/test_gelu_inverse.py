@@ -22,7 +22,8 @@ RANGES = {1: [NEG], 0: [NEG, POS]}   # left branch, right branch
 
 # the full enumeration's largest error per (form, left): (ulps, y) -- left of the minimum near the
 # end of its polynomial (x = -1.2) or on the erf form's Newton steps (x = -1.76); right of it next to
-# its polynomial's end (x = -0.4), where the Newton steps start
+# its polynomial's end (x = -0.4), where the Newton steps start (over the positive outputs alone:
+# 1.01 for erf, 1.38 for tanh)
 WORST = {(ERF, 1): (2.877, -0.0695043281), (ERF, 0): (1.709, -0.137573108),
          (TANH, 1): (3.403, -0.137572095), (TANH, 0): (2.423, -0.137455687)}
 

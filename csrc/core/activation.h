@@ -191,8 +191,8 @@ FT_AHD float ft_gelu_invert_core(float y, int left, const ft_gelu_inv_k *k, int 
     return x;
 }
 
-/* The x with GELU(x) = y on the given side of the minimum (y outside the flat band: within it the
- * result is still the right branch's x, less accurate). Float32 only. */
+/* The x with GELU(x) = y on the given side of the minimum, in float32 only. Meant for y outside the
+ * flat band; inside it the polynomials still give the root, but y's rounding no longer pins x down. */
 FT_AHD float ft_gelu_invertf(float y, int left, int act) {
     if (act == FT_ACT_GELU_TANH) {
         const ft_gelu_inv_k k = {FT_GELU_INV_TANH};
