@@ -893,9 +893,9 @@ class Encoder:
         r["total_device"] = sum(r[k] for k in on_device)
         r["device"], r["dtype"] = self.device, self.dtype
         r["weights"] = self._weights_note()
-        if self.device != "cpu":
+        if self.device.is_cuda:
             from ._info import cuda_attention
-            r["attention"] = cuda_attention(int(self.device[5:]))
+            r["attention"] = cuda_attention(self.device.index)
         return r
 
     def _weights_note(self):

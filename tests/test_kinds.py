@@ -57,3 +57,18 @@ def test_a_head_class_is_found_by_its_file_alone():
         assert cls.tasks and all(TASKS[t][0] is cls for t in cls.tasks), cls
     assert {"ClassificationHead", "RegressionHead", "MultiLabelHead", "TokenClassificationHead", "QAHead",
             "MultipleChoiceHead"} <= set(HEADS)
+
+
+def test_no_codec_switch_outside_the_codec_list():
+    """the cache's codecs are csrc/cache/codecs.h's list and their row coders: the cache code, its
+    binding and the device tier never name a codec's type, and the Python cache layer never a codec"""
+    assert {"float32", "float16", "bfloat16", "int8"} <= set(fasttran._C.CACHE_CODECS)
+    pat = re.compile(r"\bFT_(F16|BF16|I8)\b")
+    paths = [p for ext in (".c", ".cu") for p, _ in _files("csrc", ext)
+             if re.match(r"csrc/(cache/|python/cache_type\.c|cuda/cache\.cu|cpu/cache_ops\.c)", p.replace(os.sep, "/"))]
+    assert len(paths) >= 6
+    found = [(p, m.group(0)) for p in paths for m in pat.finditer(_code(open(os.path.join(ROOT, p)).read()))]
+    assert not found, found
+    names = re.compile(r"""(==|!=)\s*["'](float16|bfloat16|int8)["']|["'](float16|bfloat16|int8)["']\s*(==|!=)""")
+    found = [(p, names.search(t).group(0)) for p, t in _files(os.path.join("fasttran", "cache"), ".py") if names.search(t)]
+    assert not found, found

@@ -426,9 +426,9 @@ static int load_errors(void) {
 }
 
 /* The C enums, for the Python layer (never copied there by hand):
- *   DTYPES {name: ft_dtype}, CACHE_CODECS {name: (ft_dtype, NumPy storage dtype)},
- *   POOLINGS {name: ft_pooling}, ACTIVATIONS {name: ft_activation}, DEVICE_KINDS {name: kind},
- *   CACHE_LAYOUTS {name: ft_cache_layout} */
+ *   DTYPES {name: ft_dtype}, POOLINGS {name: ft_pooling}, ACTIVATIONS {name: ft_activation},
+ *   DEVICE_KINDS {name: kind}, CACHE_LAYOUTS {name: ft_cache_layout} (the cache's codecs:
+ *   cache_type.c's CACHE_CODECS, from FT_CACHE_CODECS; the head kinds: train_funcs.c's HEAD_KINDS) */
 static int add_dict(PyObject *m, const char *name, PyObject *d) {
     if (!d) return -1;
     int r = PyModule_AddObjectRef(m, name, d);
@@ -444,9 +444,6 @@ static int add_enums(PyObject *m) {
         Py_XDECREF(v);
     }
     if (add_dict(m, "DTYPES", dt) < 0) return -1;
-    if (add_dict(m, "CACHE_CODECS", Py_BuildValue("{s(is)s(is)s(is)s(is)}", "float32", FT_F32, "<f4", "float16", FT_F16,
-                                                  "<u2", "bfloat16", FT_BF16, "<u2", "int8", FT_I8, "|i1")) < 0)
-        return -1;
     if (add_dict(m, "POOLINGS", Py_BuildValue("{sisisi}", "none", FT_POOL_NONE, "cls", FT_POOL_CLS, "mean",
                                               FT_POOL_MEAN)) < 0)
         return -1;
