@@ -100,7 +100,7 @@ def run_sst2(enc, data, out, limit=None):
     dcache = ActivationCache.build(enc, *dev, positions="mean", show_progress=False)
     t_build = time.perf_counter() - t0
     tr = Trainer("classification", dropout=0.1, show_progress=True, **HP)
-    tr._make_head(cache, y)
+    tr.head = tr._new_head(cache, y)
     init = {k: v.copy() for k, v in tr.head.tensors.items()}
     t0 = time.perf_counter()
     hist = tr.fit(cache, y)
@@ -151,7 +151,7 @@ def run_squad(enc, data, out, epochs=2, limit=None):
     t_build = time.perf_counter() - t0
     hp = dict(HP, epochs=epochs)
     tr = Trainer("qa", show_progress=True, **hp)
-    tr._make_head(ctr, None)
+    tr.head = tr._new_head(ctr, None)
     init = {k: v.copy() for k, v in tr.head.tensors.items()}
     t0 = time.perf_counter()
     hist = tr.fit(ctr, (ftr.start_positions, ftr.end_positions))

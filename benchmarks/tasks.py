@@ -103,7 +103,7 @@ def run_task(task, enc, path, args):
             from torch_topk import TorchTopK
             head = fasttran.heads.Head.from_config(t.head.config())   # the Trainer's initial head
             fresh = fasttran.Trainer(head_task, seed=seed, **kw)
-            fresh._make_head(cache, y)
+            fresh.head = fresh._new_head(cache, y)
             fresh.head.start_from(fresh.head.prepare(cache, y))   # as fit() starts it
             head.params[...] = fresh.head.params
             ref = TorchTopK(path, args.k, head, args.lr, args.epochs, (len(cache) + 31) // 32, dropout=args.dropout,

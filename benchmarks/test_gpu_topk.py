@@ -163,7 +163,7 @@ def test_topk_step_on_the_gpu(arch, k, tmp_path):
             for s in range(STEPS):
                 i, b, w = bs[s % len(bs)]
                 t._step(c, prep, order, i, b, w, tot, wm)
-            t.model.pull()   # waits for the last optimizer step (the head's parameters to the host)
+            t.model.head_params()   # waits for the last optimizer step (the head's parameters to the host)
         return run
     ours = stepper(tr, cache, y, batches, loop)
     ours_bf16 = stepper(tb, cb, yb, bb, loop_b)

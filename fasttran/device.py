@@ -66,6 +66,10 @@ class CpuDevice(Device):
         """host float32 `src` into the buffer `view` here"""
         view[...] = src
 
+    def host(self, view):
+        """a buffer here as a NumPy array: the same memory"""
+        return np.asarray(view)
+
 
 class CudaDevice(Device):
     kind = "cuda"
@@ -89,6 +93,12 @@ class CudaDevice(Device):
 
     def write(self, view, src):
         _C.device_write(view, src)
+
+    def host(self, view):
+        """a read-only host copy (writes go through write())"""
+        a = view.numpy()
+        a.flags.writeable = False
+        return a
 
 
 CPU = CpuDevice()

@@ -47,7 +47,8 @@ class Model:
         table = [] if layers is None else list(layers._table)
         table += [(name, shape, self.head_offset + off) for name, shape, off in head._table]
         self._table = table
-        self.push()
+        self._head_n = sum(int(np.prod(shape)) for _, shape, _ in head._table)
+        head._bind(self)   # the head's parameters live in this table from now on
 
     # ---- the flat table -----------------------------------------------------------------------
     def _views(self, flat):
@@ -67,13 +68,13 @@ class Model:
                             if self.layers is not None else [])
         return [(n, self.grads.view(int(off), (int(count),))) for n, (off, count) in zip(names, self._core.buckets())]
 
-    def push(self):
-        """the host head's parameters (head.params) into the model"""
-        self._core.write_params(self.head_offset, self.head.params)
+    def head_params(self):
+        """the head's part of the table in host memory: a view (CPU), a read-only copy (GPU memory)"""
+        return self.device.host(self.params.view(self.head_offset, (self._head_n,)))
 
-    def pull(self):
-        """the model's head parameters into the host head (head.params)"""
-        self.head.params[...] = self._core.read_params(self.head_offset, self.head.params.size)
+    def write_head_params(self, values):
+        """host float32 values (the head's size) into the head's part of the table"""
+        self._core.write_params(self.head_offset, np.ascontiguousarray(values, np.float32))
 
     def reserve(self, batch_size, rows):
         """the per-batch buffers for batches of up to batch_size examples and `rows` rows, now"""

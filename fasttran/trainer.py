@@ -247,11 +247,12 @@ class Trainer:
         # float16 products: dynamic loss scaling (PyTorch GradScaler's rule): [scale, steps since the
         # last overflow]; an overflowing step is skipped and halves the scale, 2000 clean steps double it
         self.loss_scale = [2.0 ** 16, 0] if precision == "float16" else None
+        # the parts, built once by _build (head -> top layers -> model -> optimizer)
         self.top = None              # TopLayers: the trained encoder layers (train_layers > 0)
-        self.model = None            # Model: [cache] -> [top] -> head, on `device`
-        self._pending = None         # layer weights and optimizer state loaded before the layers exist
-        self._encoder = None         # the encoder they come from (the cache's)
+        self.model = None            # Model: [cache] -> [top] -> head, on `device`; holds the head's parameters
         self.optimizer = None
+        self._encoder = None         # the encoder the top layers come from (the cache's)
+        self._resume_from = None     # a checkpoint's layers and optimizer state, for _build to put in place
         self.history = []            # one dict per finished epoch (train_loss, seconds, eval_* ...)
         self.loss_curve = []         # (step, loss) of every step of this process's fit() calls
         self.features = None         # what the head was trained on: fingerprint, layer, positions, hidden
@@ -259,7 +260,6 @@ class Trainer:
         self.skipped_steps = 0       # float16: steps skipped for an overflow (this process)
         self._pos = (0, 0)           # (epoch, batch within it) of the next step
         self._interrupt = False
-        self._dirty = False          # the model's head parameters are ahead of head.params
 
     # ---- set-up ---------------------------------------------------------------------------------
     @property
@@ -269,56 +269,49 @@ class Trainer:
     def _head_class(self):
         return type(self.head) if self.head is not None else TASKS[self._head_name][0]
 
-    def _make_head(self, cache, targets):
-        if self.head is not None:
-            return
+    def _new_head(self, cache, targets):
         pooling = cache.positions if cache.positions in ("mean", "cls") else self.pooling
-        self.head = make_head(self._head_name, cache.hidden, targets, num_labels=self.num_labels,
-                              dropout=self.dropout, seed=self.seed, pooling=pooling, pooler=self.pooler,
-                              label_names=self.label_names, examples=len(cache))
+        return make_head(self._head_name, cache.hidden, targets, num_labels=self.num_labels, dropout=self.dropout,
+                         seed=self.seed, pooling=pooling, pooler=self.pooler, label_names=self.label_names,
+                         examples=len(cache))
 
-    def _make_top(self, encoder):
-        """The trained top layers, from the encoder (train_layers > 0), with room for the head."""
-        if not self.train_layers or self.top is not None:
-            return
-        from .finetune import TopLayers
-        self._encoder = encoder
-        drop = {} if self.layer_dropout is None else dict(hidden_dropout=self.layer_dropout,
-                                                          attention_dropout=self.layer_dropout)
-        self.top = TopLayers(encoder, self.train_layers, device=self.device, **drop, **self.tempo,
-                             matmul_precision=self.precision, extra=self.head.num_parameters)
-        self._restore_pending()
+    def _build(self, encoder, cache=None, targets=None):
+        """The trainer's parts, built once, here, in this order: the head (given, the checkpoint's, or
+        one sized from `cache` and `targets`, starting from them), the top layers (train_layers > 0:
+        `encoder`'s, with the checkpoint's weights), the model over both (the head's parameters move
+        into its table: their one home from now on), the optimizer (with the checkpoint's state).
+        Returns the new head's prepared targets, or None when the head existed."""
+        prep = None
+        self._encoder = self._encoder or encoder
+        if self.head is None:
+            self.head = self._new_head(cache, targets)
+            self._check_source(cache)
+            prep = self.head.prepare(cache, targets)
+            self.head.start_from(prep)
+        if self.model is not None and self.model.head is self.head:
+            return prep
+        ckpt, self._resume_from = self._resume_from or {}, None
+        if self.train_layers:
+            from .finetune import TopLayers
+            drop = {} if self.layer_dropout is None else dict(hidden_dropout=self.layer_dropout,
+                                                              attention_dropout=self.layer_dropout)
+            self.top = TopLayers(self._encoder, self.train_layers, device=self.device, **drop, **self.tempo,
+                                 matmul_precision=self.precision, extra=self.head.num_parameters)
+            if ckpt.get("layers") is not None:
+                self.top.load_state(ckpt["layers"], "the checkpoint's trained layers")
+        self.model = Model(self.head, self.top, self.device)
+        self.optimizer = make_optimizer(self.optimizer_name, self.model.named_parameters(), lr=self.lr,
+                                        betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                        max_grad_norm=self.max_grad_norm)
+        if ckpt.get("optimizer") is not None:
+            load_flat_state(self.optimizer, *ckpt["optimizer"])
+        return prep
 
-    def _make_model(self):
-        if self.model is None or self.model.head is not self.head:
-            self.model = Model(self.head, self.top, self.device)
-            self.optimizer = None
-            self._dirty = False
-            if self._pending_opt is not None:
-                self._make_optimizer()
-
-    _pending_opt = None   # optimizer state read from a checkpoint before the model existed
-
-    def _restore_pending(self):
-        """A checkpoint's layer weights, into layers that exist now."""
-        if self._pending is not None and self.top is not None:
-            layers, self._pending = self._pending, None
-            self.top.load_state(layers, "the checkpoint's trained layers")
-
-    def _pull(self):
-        """head.params up to date with the model's copy (after steps)"""
-        if self._dirty and self.model is not None:
-            self.model.pull()
-            self._dirty = False
-
-    def _make_optimizer(self):
-        if self.optimizer is None:
-            self.optimizer = make_optimizer(self.optimizer_name, self.model.named_parameters(), lr=self.lr,
-                                            betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                                            max_grad_norm=self.max_grad_norm)
-            if self._pending_opt is not None:
-                opt, self._pending_opt = self._pending_opt, None
-                load_flat_state(self.optimizer, *opt)
+    def _unbuild(self):
+        """let the built parts go (the head keeps its parameters): a checkpoint is read into a new set"""
+        if self.head is not None:
+            self.head._unbind()
+        self.model = self.top = self.optimizer = None
 
     def _check_source(self, cache, what="features"):
         if not isinstance(cache, ActivationCache):
@@ -389,16 +382,9 @@ class Trainer:
         """Checks in the order a user's mistake shows up, then head, layers and model: the head's
         prepared targets."""
         self._check_source(cache)
-        new_head = self.head is None
-        self._make_head(cache, targets)
+        prep = self._build(self._encoder or cache.encoder, cache, targets)
         self._check_source(cache)
-        prep = self.head.prepare(cache, targets)
-        if new_head:
-            self.head.start_from(prep)
-        self._make_top(cache.encoder)
-        self._make_model()
-        self._encoder = self._encoder or cache.encoder
-        return prep
+        return prep if prep is not None else self.head.prepare(cache, targets)
 
     @property
     def _group(self):
@@ -441,7 +427,6 @@ class Trainer:
         else:   # an empty slice of an uneven last batch: no gradient, but every reduction still happens
             loss, correct = self.model.idle(self.reduction.ready), None
         loss = self.reduction.finish(loss)
-        self._dirty = True
         if not math.isfinite(loss):
             self._diverged(cache, ids, loss)
         refused = self._optimizer_step(total, warm)
@@ -496,7 +481,6 @@ class Trainer:
     def _loop_setup(self, cache):
         """The optimizer and the model's buffers for the largest batch; (steps per epoch, total
         steps, warmup steps)."""
-        self._make_optimizer()
         self._gviews = [g for _, g in self.model.named_gradients()]
         N, bs = len(cache), self._batch_examples
         steps_per_epoch = (N + bs - 1) // bs
@@ -538,8 +522,6 @@ class Trainer:
         if eval is not None:
             self._check_features(eval[0], "evaluate on the eval cache")
             eval_prep = self.head.prepare_eval(eval[0], eval[1])
-        self._pull()
-        self.model.push()   # the host head (maybe loaded or edited since) into the model
         steps_per_epoch, total, warm = self._loop_setup(cache)
         self.reduction.start(self.model, {"examples": len(cache), "features": feats["fingerprint"],
                                           "batch_size": self.batch_size, "seed": self.seed, "epochs": self.epochs,
@@ -589,7 +571,6 @@ class Trainer:
                         break
                 if self._interrupt:
                     bar.close()
-                    self._pull()
                     if checkpoint_dir:
                         self.save(checkpoint_dir)
                     where = f"; state saved to {checkpoint_dir}" if checkpoint_dir else ""
@@ -605,7 +586,6 @@ class Trainer:
                     rec["examples_this_rank"] = mine
                 if counted:
                     rec["train_accuracy"] = right / counted
-                self._pull()
                 if eval is not None:
                     t1 = time.perf_counter()
                     rec.update({f"eval_{k}": v for k, v in self._evaluate(eval[0], eval[1], eval_prep).items()})
@@ -618,7 +598,6 @@ class Trainer:
                 first_batch = 0
         finally:
             stack.close()
-            self._pull()
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
         return self.history
@@ -645,12 +624,7 @@ class Trainer:
             raise InputError("the trainer has no head yet: fit() or load() first")
         self._check_source(cache)
         self._check_features(cache, what)
-        self._make_top(cache.encoder)
-        self._make_model()
-        if self._dirty:
-            self._pull()
-        else:
-            self.model.push()   # (the host head may have been loaded or edited)
+        self._build(self._encoder or cache.encoder)
 
     def _outputs(self, cache, prep=None, batch_size=256):
         """The head's outputs for every example of `cache` (its example order), computed on the
@@ -727,7 +701,6 @@ class Trainer:
         cfg = dict(self._config(), show_progress=False, dropout=self.dropout, num_labels=self.num_labels)
         cfg.pop("device")
         cfg.pop("precision")   # the CPU copy trains in float32
-        self._pull()
         head = self.head
         if head is not None:
             head = Head.from_config(head.config())
@@ -840,19 +813,22 @@ class Trainer:
         data-parallel training every process calls it and the first one (rank 0) writes."""
         if self.head is None:
             raise InputError("nothing to save: the trainer has no head yet")
-        self._pull()
+        ckpt = self._resume_from or {}   # (a loaded checkpoint whose parts are not built yet)
         opt = m = v = None
         if self.optimizer is not None:
             opt, m, v = flat_state(self.optimizer)
+        elif ckpt.get("optimizer") is not None:
+            opt, m, v = ckpt["optimizer"]
         if self.reduction.rank != 0:   # every rank has the same state (the reduction makes it so)
             return path
         os.makedirs(path, exist_ok=True)
         files = {"head.safetensors": write_safetensors(os.path.join(path, "head.safetensors"),
                                                        self.head.state_dict(), {"format": "fasttran-head"})}
-        if self.top is not None:
-            files["layers.safetensors"] = write_safetensors(
-                os.path.join(path, "layers.safetensors"), {n: np.array(t) for n, t in self.top.named_parameters()},
-                {"format": "fasttran-layers"})
+        layers = ({n: np.array(t) for n, t in self.top.named_parameters()} if self.top is not None
+                  else ckpt.get("layers"))
+        if layers is not None:
+            files["layers.safetensors"] = write_safetensors(os.path.join(path, "layers.safetensors"), layers,
+                                                            {"format": "fasttran-layers"})
         if opt is not None:
             files["optimizer.safetensors"] = write_safetensors(
                 os.path.join(path, "optimizer.safetensors"), {"exp_avg": m, "exp_avg_sq": v},
@@ -883,27 +859,26 @@ class Trainer:
         return state
 
     def _load_into(self, path, state=None):
+        """A checkpoint into this trainer: its head's parameters, then the parts built anew from it
+        (_build: now, or once the encoder its top layers need is known)."""
         state = state or self._read_state(path)
         files = state["files"]
         head_t = read_safetensors(os.path.join(path, "head.safetensors"), files["head.safetensors"])
         head = Head.from_config(state["head"])
         if self.head is not None and self.head.config() != head.config():
             raise CheckpointError(f"the checkpoint's head {state['head']} differs from this trainer's {self.head.config()}")
-        self.head = self.head or head
-        self.head.load_state_dict(head_t)
-        self._dirty = False
-        if self.model is not None:
-            self.model.push()
+        ckpt = {"layers": None, "optimizer": None}
         if state.get("optimizer_state"):
             opt_t = read_safetensors(os.path.join(path, "optimizer.safetensors"), files["optimizer.safetensors"])
-            self._pending_opt = (state["optimizer_state"], opt_t["exp_avg"], opt_t["exp_avg_sq"])
-        self.optimizer = None
-        if "layers.safetensors" in files:   # the trained layers: restored when they exist (_make_top)
-            self._pending = read_safetensors(os.path.join(path, "layers.safetensors"), files["layers.safetensors"])
-            self._restore_pending()
-        if self.model is not None or not self.train_layers:   # a head alone needs no cache to exist
-            self._make_model()
-            self._make_optimizer()
+            ckpt["optimizer"] = (state["optimizer_state"], opt_t["exp_avg"], opt_t["exp_avg_sq"])
+        if "layers.safetensors" in files:
+            ckpt["layers"] = read_safetensors(os.path.join(path, "layers.safetensors"), files["layers.safetensors"])
+        self._unbuild()
+        self.head = self.head or head
+        self.head.load_state_dict(head_t)
+        self._resume_from = ckpt
+        if not self.train_layers or self._encoder is not None:   # a head alone needs no cache to exist
+            self._build(self._encoder)
         self.global_step = int(state["global_step"])
         self._pos = tuple(state["position"])
         if self.precision == "float16" and state.get("loss_scale"):
@@ -936,8 +911,7 @@ class Trainer:
             raise InputError("nothing to export: fit() or load() first")
         src = encoder or self._encoder
         check_exportable(src)
-        self._make_top(src)   # (a loaded checkpoint's layers go into the encoder given)
-        self._pull()
+        self._build(src)   # (a loaded checkpoint's layers go into the encoder given)
         export(path, fine_tuned_encoder(src, self.top), self.head, self.pooling)
         return path
 

@@ -91,14 +91,47 @@ class Head:
         self.loss, self.pooling, self.label_names = loss, pooling, label_names
         self._cfg = (_C.HEAD_KINDS[self.kind][0], self.hidden_size, self.num_labels, self.dropout, _LOSS[loss], _POOL[pooling])
         self._table, total = _C.head_tensors(self._cfg)
-        self.params = np.zeros(total, np.float32)
-        self.tensors = self.views(self.params)
+        self._own = np.zeros(total, np.float32)   # the parameters' home until a model holds them
+        self._home = None
         rng = np.random.default_rng(seed)
         for name, t in self.tensors.items():   # BERT's init: N(0, 0.02) weights, zero biases
             if name.endswith("weight"):
                 t[...] = rng.normal(0.0, init_std, t.shape).astype(np.float32)
 
     # ---- parameters ---------------------------------------------------------------------------
+    # The parameters have one home: the head's own array, or -- from the moment a fasttran.model.Model
+    # is built over the head (the Trainer's) -- the model's flat table, which the training steps
+    # update. `params` / `tensors` read the home: views of it in host memory, a read-only host copy
+    # of a table in GPU memory (load_state_dict writes there).
+    @property
+    def params(self):
+        """the flat float32 parameters (views of them in host memory; a read-only copy of GPU memory)"""
+        return self._own if self._home is None else self._home.head_params()
+
+    @property
+    def tensors(self):
+        """{Hugging Face name: view of `params`}"""
+        return self.views(self.params)
+
+    def _bind(self, home):
+        """`home` (a Model) holds the parameters from now on: it gets their current values."""
+        values = np.array(self.params)
+        self._unbind()
+        home.write_head_params(values)
+        self._home = home
+
+    def _unbind(self):
+        """the parameters back home in the head's own array (the model that held them is let go)"""
+        if self._home is not None:
+            self._own = np.array(self._home.head_params(), dtype=np.float32)
+            self._home = None
+
+    def _write(self, flat):
+        if self._home is None:
+            self._own[...] = flat
+        else:
+            self._home.write_head_params(np.ascontiguousarray(flat, np.float32))
+
     def views(self, flat):
         """Named views of a flat buffer laid out like `params` (e.g. the gradients)."""
         return {name: flat[off:off + int(np.prod(shape))].reshape(shape) for name, shape, off in self._table}
@@ -114,16 +147,19 @@ class Head:
         return {k: v.copy() for k, v in self.tensors.items()}
 
     def load_state_dict(self, state):
-        for name, t in self.tensors.items():
+        flat = np.array(self.params, dtype=np.float32)
+        tensors = self.views(flat)
+        for name, t in tensors.items():
             if name not in state:
                 raise InputError(f"head state lacks tensor {name!r}")
             v = np.asarray(state[name])
             if v.shape != t.shape:
                 raise InputError(f"head tensor {name!r}: state has shape {v.shape}, the head {t.shape}")
             t[...] = v
-        extra = set(state) - set(self.tensors)
+        extra = set(state) - set(tensors)
         if extra:
             raise InputError(f"head state has unknown tensors: {sorted(extra)}")
+        self._write(flat)
         return self
 
     def label_config(self):

@@ -213,7 +213,7 @@ class RegressionHead(_SequenceHead):
         """the classifier's bias at the targets' mean: the first steps learn the features, not the offset
         (a zero bias against scores of 0-5 costs LAMB, whose steps scale with the weights' norm, most
         of an epoch)"""
-        self.tensors["classifier.bias"][...] = prep.targets.mean(0)
+        self.load_state_dict(dict(self.state_dict(), **{"classifier.bias": prep.targets.mean(0)}))
 
     def outputs(self, logits, lengths, valid):
         return logits.reshape(len(lengths), self.num_labels)
@@ -301,7 +301,7 @@ class MultiLabelHead(_SequenceHead):
         """the classifier's bias at each label's log-odds in the targets: the first loss is the labels'
         entropy, not log 2 per label"""
         p = np.clip(prep.targets.mean(0), 1e-4, 1 - 1e-4)
-        self.tensors["classifier.bias"][...] = np.log(p / (1 - p))
+        self.load_state_dict(dict(self.state_dict(), **{"classifier.bias": np.log(p / (1 - p))}))
 
     def correct(self, logits, targets):   # exact-match (subset) accuracy
         pred = 1.0 / (1.0 + np.exp(-logits.reshape(targets.shape))) > self.threshold
