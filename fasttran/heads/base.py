@@ -42,6 +42,11 @@ class Head:
     task = None         # the Trainer's task name
     takes_tokens = False   # needs every token's state (positions="all"), not pooled features
     main_metric = None  # the metric the progress bar shows
+    _by_name = {}       # the head classes by name, for from_config (filled as each is defined)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        Head._by_name.setdefault(cls.__name__, cls)   # the first of a name: fasttran's own, defined at import
 
     def __init__(self, hidden_size, num_labels, dropout, seed, init_std, loss="xent", pooling="mean",
                  label_names=None):
@@ -106,11 +111,11 @@ class Head:
     @staticmethod
     def from_config(cfg):
         """The head a config() describes (also the configs of fasttran 0.1 checkpoints)."""
-        from . import HEADS
+        heads = Head._by_name
         name = cfg.get("head")
-        if name not in HEADS:   # fasttran 0.1 named only the kind
+        if name not in heads:   # fasttran 0.1 named only the kind
             name = "QAHead" if cfg.get("kind") == "qa" else "ClassificationHead"
-        return HEADS[name]._from_config(cfg)
+        return heads[name]._from_config(cfg)
 
     # ---- the task interface (subclasses) --------------------------------------------------------
     def prepare(self, cache, targets):
