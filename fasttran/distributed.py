@@ -864,8 +864,9 @@ class DataParallel:
         models in GPU memory, and where shared memory cannot be had.
       * "auto" (default) -- the first that applies; `transport_used` says which, and
         `why_not_shared` why not shared memory.
-    DataParallel() must be made before the Trainer's model is (it decides where gradient tables
-    are made); a model made earlier sums through the group. Each transport is one small class with begin / ready / finish
+    Shared memory needs the model's gradient table there: the Trainer makes its model with
+    `shared_grads` = this reduction's wish (``DataParallel().shared_grads``); a model made without
+    it sums through the group. Each transport is one small class with begin / ready / finish
     (OneProcess, GroupAllReduce, SharedMemorySum), chosen once per fit, when the DataParallel
     attaches to the model (start).
 
@@ -882,13 +883,17 @@ class DataParallel:
         self.transport = transport
         self._sums = None   # the transport attached to the model of the current fit
         self.transport_used, self.why_not_shared = None, None
-        if transport != "group" and self.world_size > 1 and self.group.one_machine:
-            from . import _C
-            _C.shared_grads(True)   # gradient tables made from now on can be summed in place
         #: seconds this rank spent in the reduction, by part: "begin" (the step's checked collective:
         #: waiting for the other ranks to arrive), "ready" (handing over the buckets, inside the
         #: backward), "finish" (the sums past the backward, and the loss); "steps" counts them
         self.seconds = {"begin": 0.0, "ready": 0.0, "finish": 0.0, "steps": 0}
+
+    @property
+    def shared_grads(self):
+        """Whether a model made for this reduction should keep its gradient table in shared memory
+        (the Trainer asks when it makes its model): ranks that all run on this machine, unless
+        transport='group'."""
+        return self.transport != "group" and self.world_size > 1 and self.group.one_machine
 
     def __repr__(self):
         how = self.transport_used or self.transport

@@ -62,6 +62,9 @@ int ft_py_add_train_functions(PyObject *module);
 int ft_py_add_layer_type(PyObject *module);
 int ft_py_add_model_type(PyObject *module);
 int ft_py_add_host_sum(PyObject *module);
+/* Whether a gradient table whose model asks for shared memory (`asked`) gets it: not after
+ * fasttran._C.shared_grads(False) (host_sum_type.c). GIL held. */
+int ft_py_shared_grads(int asked);
 /* st = expr with the GIL released (expr must not touch Python objects) */
 #define FT_PY_NOGIL(st, expr) \
     do {                      \
