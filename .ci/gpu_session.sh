@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device runs the CUDA issues need, one phase per call of the lent GPU machine (each call is
+# The device runs the CUDA work needs, one phase per call of the lent GPU machine (each call is
 # limited to 10 minutes; the machine keeps the build between calls while it stays warm).
 # Logs, JUnit files and benchmark JSON go under $OUT (default ./gpu-out).
 #
@@ -10,7 +10,7 @@
 #                                      # torch.compile); "large" for BERT-large (one model per call: time)
 #   bash .ci/gpu_session.sh optim      # benchmarks/test_gpu_optim.py (LAMB/AdamW vs torch fused, timm)
 #   bash .ci/gpu_session.sh cache      # benchmarks/test_gpu_cache.py (tier read rates, prefetch overlap)
-#   bash .ci/gpu_session.sh topk       # benchmarks/test_gpu_topk.py (issue 17: the top-k step against
+#   bash .ci/gpu_session.sh topk       # benchmarks/test_gpu_topk.py (the top-k step against
 #                                      # torch fp32 and AMP bf16; the largest batch at seq 512, Tempo on/off),
 #                                      # then the BERT-base steps again on the per-sequence training attention,
 #                                      # and benchmarks/train_attention.py (the attention ops alone, per precision)

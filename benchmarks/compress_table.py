@@ -1,4 +1,4 @@
-"""Compression on real data (issue 31): all-MiniLM-L6-v2 fine-tuned by fasttran's top-k Trainer, then
+"""Compression on real data: all-MiniLM-L6-v2 fine-tuned by fasttran's top-k Trainer, then
 compressed, per task and seed -- dev metric (flips against the fine-tuned model counted pairwise),
 CPU latency at batch 1 and batch 32 (2 threads) and size -- for: the fine-tuned model; pruned at
 several levels (significance order, re-fine-tuned); int8, pruned + int8 and those with the

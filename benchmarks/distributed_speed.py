@@ -1,4 +1,4 @@
-"""Data-parallel training on one machine (issue 30's speed points): MiniLM's top 2 layers + a head
+"""Data-parallel training on one machine (the speed points): MiniLM's top 2 layers + a head
 on real SST-2 sentences, one epoch at global batch 32 (or --batch-size), as
   1 process x 1 thread, 1 process x 2 threads, and 2 processes x 1 thread (gloo, DataParallel),
 in one run on one machine: examples per second of each, the 2-process run against twice the first

@@ -13,7 +13,7 @@ features of the training file with --features 0), BERT-base architecture, 5 epoc
 paper's V100: 155.4 s -> 34.7 s (4.5x). The speed runs use random BERT-base weights (same weights in
 all three); --accuracy instead trains MiniLM's real weights (--model, a directory with config,
 safetensors and tokenizer) with fasttran on CUDA and on the CPU and reports EM / F1 on the dev set
-(issue bar: within 0.3 points).
+(the bar: within 0.3 points).
 
   python3 benchmarks/gpu_table1.py --data DIR [--features 3433] [--epochs 5] [--json OUT]
   python3 benchmarks/gpu_table1.py --data DIR --accuracy --model .minilm-bf16 --epochs 2

@@ -1,5 +1,5 @@
 """Relative error of fasttran's half-precision CUDA encoder against float64, next to transformers'
-own bf16 model (SDPA) on the same inputs: the numbers behind the CUDA issue's precision bar.
+own bf16 model (SDPA) on the same inputs: the numbers behind the CUDA encoder's precision bar.
 
 Runs wherever fasttran's CUDA backend runs: on a GPU, or on the CUDA emulator (FASTTRAN_CUDA=emu
 build, FASTTRAN_CUDA_EMU=1), which rounds exactly as the storage types do (its GEMMs accumulate in

@@ -1,4 +1,4 @@
-"""The reduced-precision linear layers (issue 31, csrc/cpu/lowp.h) against the float32 ones, per
+"""The reduced-precision linear layers (csrc/cpu/lowp.h) against the float32 ones, per
 kernel path, on the linear layers of MiniLM (C 384, I 1536) and BERT-base (C 768, I 3072) at 1 x 128
 and 32 x 128 tokens: out = x W^T + bias (the backend's linear_forward / linear_lp_forward ops, the
 activations' per-token quantization or bf16 rounding included in the int8 and bf16 times).

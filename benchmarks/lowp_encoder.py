@@ -1,4 +1,4 @@
-"""all-MiniLM-L6-v2 on the CPU in reduced precision (issue 31): fasttran float32, int8 and bf16
+"""all-MiniLM-L6-v2 on the CPU in reduced precision: fasttran float32, int8 and bf16
 against ONNX Runtime float32 and ONNX Runtime's dynamic int8 quantization of the same model, same
 run, same inputs, same threads -- latency and, beside it, what each costs in accuracy.
 

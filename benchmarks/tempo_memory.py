@@ -1,4 +1,4 @@
-"""Tempo's memory savings in top-k training (issue 17): saved-activation bytes of a training step
+"""Tempo's memory savings in top-k training: saved-activation bytes of a training step
 with each option on alone, Tempo's three together and all four (with FlashAttention's recomputed
 probabilities), predicted from the design and measured from the layer
 stack's own memory model (the same layout it allocates: tests/test_layer_training.py checks that

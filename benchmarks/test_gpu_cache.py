@@ -1,5 +1,5 @@
 """The activation cache on the GPU: device-tier and host-tier read bandwidth against the device's
-copy rates, and how much of the host-tier prefetch hides behind training (the GPU training issue's
+copy rates, and how much of the host-tier prefetch hides behind training (the GPU training's goal,
 "prefetch overlap >= 90%").
 
 Cache: N examples of per-token features (positions="all", hidden 768 as BERT-base, lengths uniform

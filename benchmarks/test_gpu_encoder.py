@@ -1,5 +1,5 @@
 """fasttran's bf16 CUDA encoder against PyTorch on the same GPU, same run, same inputs (the CUDA
-issue's benchmark).
+encoder's benchmark).
 
 Engines (all bfloat16, inference, last hidden state):
   fasttran        Encoder(dtype="bfloat16", device="cuda").forward(..., output="device"): cuBLASLt

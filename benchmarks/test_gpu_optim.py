@@ -1,5 +1,5 @@
 """fasttran's fused LAMB and AdamW on the GPU against PyTorch's optimizers, same run, same
-parameters (the GPU training issue's benchmark).
+parameters (the GPU optimizers' benchmark).
 
 Parameters: the tensors of transformers' BertModel, BERT-base (199 tensors, 109.5 M) and BERT-large
 (391, 335 M), fp32 torch CUDA tensors with gradients attached once; two groups (weight decay 0.01,
@@ -15,7 +15,7 @@ Clipping off for the bandwidth figures (max_grad_norm=None, no finiteness pass),
 clipping at 1.0 against timm's (which clips by default). Time: wall time per step, CUDA
 synchronised, median of REPS after a warm-up. Bytes: 28 per parameter (read g, w, m, v; write w,
 m, v), against the device's copy bandwidth (torch copy_ of 1 GiB, read + write, same run).
-Bars (issue): AdamW >= 1.0x torch fused AdamW; LAMB >= 80% of copy bandwidth; LAMB >= 3x timm.
+Bars: AdamW >= 1.0x torch fused AdamW; LAMB >= 80% of copy bandwidth; LAMB >= 3x timm.
 
   python3 -m pytest benchmarks/test_gpu_optim.py -s -p no:cacheprovider   # -> last_gpu_optim.json
 Skipped, with the reason, where there is no GPU (the emulator is not one).

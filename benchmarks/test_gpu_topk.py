@@ -1,4 +1,4 @@
-"""Top-k training on a GPU (issue 17): fasttran's CUDA Trainer step (float32 layers on the device,
+"""Top-k training on a GPU: fasttran's CUDA Trainer step (float32 layers on the device,
 pooling, head, loss, backward, one fused AdamW step) against PyTorch training the same layers on the
 same cached inputs, in float32 and with AMP (bf16 autocast), and fasttran's mixed-precision step
 (precision="bfloat16": bf16 products, fp32 storage) against AMP; and the largest batch of 512-token

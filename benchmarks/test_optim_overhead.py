@@ -1,4 +1,4 @@
-"""Host time of one fused optimizer step (issue 14, point 4): everything a step costs besides the C
+"""Host time of one fused optimizer step: everything a step costs besides the C
 kernel, for 200 parameter tensors, with torch parameters (read through .grad, in place, version
 counters bumped) and with NumPy arrays (gradients passed as a list).
 

@@ -1,5 +1,5 @@
 """The top-k training step on the CPU: fasttran against PyTorch training the same layers on the same
-cached inputs (issue 17's CPU benchmark).
+cached inputs (the CPU benchmark of top-k training).
 
     python -m pytest benchmarks/test_topk_step.py -s          (FASTTRAN_BENCH_ROUNDS=5 by default)
 

@@ -1,4 +1,4 @@
-"""Top-k fine-tuning on real SST-2 (issue 17): fasttran's Trainer(train_layers=k) against the same
+"""Top-k fine-tuning on real SST-2: fasttran's Trainer(train_layers=k) against the same
 configuration in PyTorch + transformers, from the same initial weights, inputs, batch order and
 hyper-parameters; dev accuracy and per-epoch times side by side, the cache build included.
 

@@ -1,4 +1,4 @@
-"""The training attention ops (attention_train_forward, attention_backward: issue 17) alone, per
+"""The training attention ops (attention_train_forward, attention_backward) alone, per
 products' precision: float32, and mixed precision's bfloat16 / float16 (the operands of the six
 products rounded; on CUDA the fused kernels' WMMA tensor cores, on the CPU the reference's rounded
 copies), for MiniLM's heads (12 x 32) and BERT-base's (12 x 64) at 32 x 128 and 8 x 512 tokens,

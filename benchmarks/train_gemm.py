@@ -1,4 +1,4 @@
-"""The backend's gemm op on the GEMM shapes of one top-k training step (issue 17): the forward
+"""The backend's gemm op on the GEMM shapes of one top-k training step: the forward
 (x W^T), the input gradients (dY W) and the weight gradients (dY^T X) of an encoder layer, for
 MiniLM (C 384, I 1536) and BERT-base (C 768, I 3072) at 32 x 128 tokens.
 

@@ -65,7 +65,7 @@ typedef struct {
     /* bytes of a packed copy of an (N, K) weight for linear_*_forward; 0 = the backend reads the \
      * weight as it is (w_packed is then ignored) */                                               \
     S(size_t, packed_weight_bytes, (ft_backend *be, int64_t N, int64_t K))                        \
-    /* ---- issue 14 (device tier of the cache, CUDA training) ---- */                            \
+    /* ---- device tier of the cache, CUDA training ---- */                                       \
     /* host memory the device copies from at full speed (pinned on CUDA; plain on the CPU): the  \
      * staging buffers of cache reads into device memory. Free with host_free. */                 \
     S(ft_status, host_alloc, (ft_backend *be, size_t bytes, void **out))                           \
@@ -83,7 +83,7 @@ typedef struct {
     /* upload queued on `stream` (from pinned memory: asynchronous; the source must stay as it is \
      * until an event recorded after it completes) */                                            \
     S(ft_status, upload_async, (ft_backend *be, void *dst, const void *host_src, size_t bytes, uintptr_t stream)) \
-    /* ---- issue 31: reduced-precision linear layers (cpu/lowp.h) ---- */                          \
+    /* ---- reduced-precision linear layers (cpu/lowp.h) ---- */                                    \
     /* bytes of the packed copy of an (N, K) weight for linear_lp_*_forward in wt (FT_I8: int8    \
      * weights with per-output-channel scales; FT_BF16); 0 where the backend has no such kernels    \
      * (CUDA; bf16 on a CPU without AVX512_BF16) */                                                \
@@ -252,7 +252,7 @@ typedef struct {
      * sequence get 0 */                                                                           \
     X(pool_backward, (ft_backend *be, float *dh, const float *dout, const int32_t *first,          \
                       const int32_t *count, int64_t B, int64_t N, int64_t C), (be, dh, dout, first, count, B, N, C)) \
-    /* ---- issue 14: the cache's device tier ---- */                                              \
+    /* ---- the cache's device tier ---- */                                                        \
     /* dst (rows, C) float32: for each of the n entries of rows (HOST memory), dst row rows[k].row \
      * = the decoded cache row rows[k].src (codec F32 / F16 / BF16 / I8 x scale: the CPU decoder's \
      * bits), or zeros for src NULL; other rows of dst untouched. rows_dev: backend memory for n   \
@@ -260,7 +260,7 @@ typedef struct {
      * (0: the backend's; rows must then stay as they are until the stream has run the copy). */  \
     X(cache_decode_rows, (ft_backend *be, float *dst, const ft_gather_row *rows, ft_gather_row *rows_dev, int64_t n,  \
                      int64_t C, ft_dtype codec, uintptr_t stream), (be, dst, rows, rows_dev, n, C, codec, stream)) \
-    /* ---- issue 31: reduced precision (CPU; the CUDA backend refuses these with the reason). int8: \
+    /* ---- reduced precision (CPU; the CUDA backend refuses these with the reason). int8:           \
      * weights q (N, K) in [-127, 127] with scale (N): w = scale q per output channel; activations  \
      * quantized per row as the layer runs (u8 with a zero point: quantize_rows); sums exact in    \
      * int32. bf16: weights and activations rounded to bf16 (nearest even), float32 sums. ---- */  \
@@ -303,7 +303,7 @@ typedef struct {
                             const float *pos, const float *type, const float *gamma, const float *beta, \
                             int64_t N, int64_t C, float eps),                                       \
       (be, out, ids, types, positions, word, word_scale, pos, type, gamma, beta, N, C, eps)) \
-    /* ---- issue 31: compressed models (fasttran.compress) ---- */                               \
+    /* ---- compressed models (fasttran.compress) ---- */                                         \
     /* attention_forward with a mode per head: modes (HOST, NH entries, ft_attention_mode):       \
      * FT_ATTN_EXACT = attention_forward's result, FT_ATTN_SIGN_MATCH = softmax over the           \
      * sign_keys keys whose signs agree most with the query's (fasttran.h), FT_ATTN_OFF = zeros,  \

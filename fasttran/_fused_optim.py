@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from . import _C
+from .device import parse_device
 from .errors import InputError, InputTypeError, UnsupportedError
 
 #: parameter names that get no weight decay by default (biases and LayerNorm, as in BERT)
@@ -285,7 +286,7 @@ class _FusedOptimizer(metaclass=_Dispatch):
         steps = table.moments()[2].numpy()
         out = []
         for i, (m, v) in enumerate(table.views()):
-            if table.device == "cpu":
+            if not parse_device(table.device).is_cuda:
                 m, v = m.numpy(), v.numpy()
             out.append((m, v, steps[i:i + 1].reshape(())))
         return out

@@ -69,9 +69,12 @@ def read_examples(path, text_field=None, label_field="label", limit=None):
 
 
 #: --task -> (fasttran.readers task, Trainer task)
-_TASKS = {"classification": ("classification", "classification"), "pair": ("classification", "classification"),
-          "regression": ("regression", "regression"), "multi-label": ("multilabel", "multi-label"),
-          "token": ("tokens", "token-classification")}
+def _cli_tasks():
+    from .heads import REGISTRY   # each head class names its --task values (Head.cli_tasks)
+    return {name: (reader, cls.task) for cls in REGISTRY for name, reader in cls.cli_tasks.items()}
+
+
+_TASKS = _cli_tasks()
 
 
 def _read_data(args, path, task, label_names=None, labelled=True):
@@ -227,10 +230,11 @@ def _join_group(args):
     """The process group when this process is one of several ranks (else None); a rank on a
     GPU machine computes on its own GPU unless --device says otherwise."""
     from . import distributed
+    from .device import parse_device
     if not distributed.launched():
         return None
     group = distributed.init()
-    if args.device is None and group.device != "cpu":
+    if args.device is None and parse_device(group.device).is_cuda:
         args.device = group.device
     return group
 
@@ -344,9 +348,8 @@ def cmd_train(args):
               weight_decay=args.weight_decay, schedule=args.schedule, warmup=args.warmup,
               train_layers=args.train_layers, precision=args.precision, tempo=_tempo(args.tempo),
               pooling=args.pooling, device=enc.device)
-    if head not in ("qa", "token-classification"):
-        kw["pooler"] = args.pooler or None
-    if names is not None and head != "qa":
+    kw["pooler"] = args.pooler or None   # (heads without a pooler variant ignore it)
+    if names is not None:
         kw["label_names"] = names
     if group is not None:   # several ranks: --batch-size is the global batch, each rank takes its slice
         from .distributed import DataParallel
@@ -382,12 +385,13 @@ def cmd_evaluate(args):
     cache, targets, ex = _labelled_source(args, enc, args.cache, args.input, task, tr.head.label_names, "--cache",
                                           labelled=None)
     if args.predictions:
-        pred = tr.predict(cache)
         if task == "token":   # per word, by the first sub-token of each
-            from .tokens import words_from_tokens
             tok = enc.tokenize_words(ex.words, max_length=_task_settings(args.cache).get("max_length"))
-            pred = words_from_tokens([np.pad(p, (0, tok.input_ids.shape[1] - len(p))) for p in pred], tok)
-            pred = np.asarray([np.asarray(p) for p in pred], dtype=object)
+            pred = tr.predict(cache, words=tok, output="labels")
+            ids = {n: i for i, n in enumerate(tr.head.label_names or [])}
+            pred = np.asarray([np.asarray([ids.get(w, w) for w in p]) for p in pred], dtype=object)
+        else:
+            pred = tr.predict(cache)
         np.save(args.predictions, pred, allow_pickle=task == "token")
     if ex.labels is None:
         print("no labels in the input: wrote predictions only" if args.predictions else "no labels in the input")
@@ -405,7 +409,7 @@ def cmd_export(args):
     print(f"wrote {layout_of(tr.head)} model to {args.output}")
 
 
-# ---- compress (issue 31) --------------------------------------------------------------------------------
+# ---- compress -------------------------------------------------------------------------------------------
 def cmd_compress(args):
     """Significance table, then the search under the budget; the trade-off and the result."""
     from . import compress
@@ -541,7 +545,7 @@ def build_parser():
         sp.add_argument("--limit", type=int, default=None, metavar="N", help="use the first N examples (QA: questions)")
         sp.add_argument("--batch-size", type=int, default=batch, help="examples per batch")
 
-    tasks = ["classification", "pair", "regression", "multi-label", "token"]
+    tasks = list(_TASKS)
     e = sub.add_parser("encode", help="embed texts with a frozen encoder into .npy or .safetensors", formatter_class=_Fmt)
     common(e)
     e.add_argument("--output", required=True, help="OUT.npy or OUT.safetensors")

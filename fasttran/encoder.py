@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _C
 from . import tokens as _tokens
+from .device import CPU, parse_device
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -212,7 +213,7 @@ def _find_checkpoint(path):
     return weights, config, tok_dir, max_len
 
 
-def _as_index_array(x, name, device="cpu"):
+def _as_index_array(x, name, device=CPU):
     """NumPy arrays pass through; a CPU DLPack producer (a torch tensor) is viewed without a
     copy; a CUDA DLPack tensor on the encoder's device is read to the host on a stream the
     producer is asked to synchronise with (ids are validated on the host: B x T ints, small
@@ -230,7 +231,7 @@ def _as_index_array(x, name, device="cpu"):
         kind, index = int(dev[0]), int(dev[1])
         if kind == 2:   # kDLCUDA
             where = f"cuda:{index}"
-            if device == "cpu":
+            if not device.is_cuda:
                 raise UnsupportedError(
                     f"{name} is on {where} but this encoder runs on the CPU; pass a CPU tensor "
                     f"(.cpu()) or create the encoder with device={where!r}")
@@ -296,11 +297,11 @@ class Encoder:
 
     @property
     def device(self):
-        """'cpu' or 'cuda:N'."""
-        return self._core.device
+        """'cpu' or 'cuda:N' (a fasttran.device.Device)."""
+        return parse_device(self._core.device)
 
     def _make_core(self, device):
-        if device != "cpu":
+        if device.is_cuda:
             if self.dtype == "int8":
                 raise UnsupportedError("dtype='int8' runs on the CPU backend only (int8 products on VNNI / AMX); use "
                                        "device='cpu', or dtype='bfloat16' / 'float16' on CUDA")
@@ -313,7 +314,7 @@ class Encoder:
                                    "(on CPUs with AVX512_BF16) or int8. Use device='cuda', or dtype='float32', "
                                    "'bfloat16' or 'int8' on the CPU")
         c = self.config
-        if device != "cpu" and self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
+        if device.is_cuda and self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
             raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
                                    "half-precision attention takes head sizes up to 128. Use dtype='float32'")
         modes = c.get("fasttran_head_attention")
@@ -323,7 +324,7 @@ class Encoder:
             num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
             max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
             layer_norm_eps=float(c["layer_norm_eps"]), activation=_ACTIVATIONS[c["hidden_act"]],
-            pad_token_id=int(c["pad_token_id"]), device_index=-1 if device == "cpu" else int(device[5:]),
+            pad_token_id=int(c["pad_token_id"]), device_index=device.index,
             dtype="float32" if self.dtype == "int8" else self.dtype, layer_heads=c.get("fasttran_layer_heads"),
             layer_intermediate=c.get("fasttran_layer_intermediate"),
             head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
@@ -355,16 +356,7 @@ class Encoder:
 
     @staticmethod
     def _parse_device(device):
-        if not isinstance(device, str):
-            raise InputTypeError(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
-        d = device.strip().lower()
-        if d == "cpu":
-            return "cpu"
-        if d == "cuda":
-            return "cuda:0"
-        if d.startswith("cuda:") and d[5:].isdigit():
-            return d
-        raise InputError(f"unknown device {device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+        return parse_device(device)
 
     # ---- loading and saving ---------------------------------------------------------------
     @classmethod
@@ -437,19 +429,6 @@ class Encoder:
         out.update({k: c[k] for k in STRUCTURE_KEYS if k in c})   # a compressed model's structure
         _C.atomic_write(os.path.join(path, "config.json"), [json.dumps(out, indent=2, sort_keys=True).encode()])
         return path
-
-    @classmethod
-    def _wrap(cls, core, raw_config, like):
-        """An Encoder over `core` (an EncoderCore made in C, e.g. a compressed copy) whose config is
-        raw_config, with `like`'s device settings and tokenizer."""
-        enc = cls.__new__(cls)
-        enc.config = parse_bert_config(raw_config, "compressed config")
-        enc._raw_config = dict(raw_config)
-        enc.dtype, enc.allow_tf32 = like.dtype, like.allow_tf32
-        enc._core = core
-        enc.path, enc.tokenizer, enc.max_seq_length = None, like.tokenizer, like.max_seq_length
-        enc._tokenizer_dir = getattr(like, "_tokenizer_dir", None)
-        return enc
 
     @property
     def compressed(self):
@@ -535,14 +514,14 @@ class Encoder:
         all-MiniLM-L6-v2: benchmarks/RESULTS.md, "Compression: reduced-precision kernels"."""
         if self.dtype != "float32":
             raise UnsupportedError(f"quantize() takes a float32 encoder; this one is {self.dtype}")
-        if self.device != "cpu":
+        if self.device.is_cuda:
             raise UnsupportedError("int8 encoders run on the CPU backend: enc.to('cpu').quantize()")
         target = self
         if not inplace:
             target = Encoder.__new__(Encoder)
             target.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_core", "_ft_fingerprint")})
             target.config = dict(self.config)
-            target._core = target._make_core("cpu")   # float32 (dtype still says so)
+            target._core = target._make_core(CPU)   # float32 (dtype still says so)
             target._core.copy_weights_from(self._core)
         target._core.quantize(embeddings=bool(embeddings))
         target.dtype = "int8"
@@ -621,6 +600,156 @@ class Encoder:
         return out[0] if single else out
 
     __call__ = forward
+
+    # ---- structure, masks and files (what fasttran.compress builds on) ---------------------------------
+    @property
+    def structure(self):
+        """The per-layer structure the core runs: {"layer_heads": [per layer], "layer_intermediate": [per
+        layer], "head_attention": [per head: 0 exact, 1 sign matching], "sign_match_keys": n,
+        "vocab_rows": word-embedding rows}. Uniform for a model as pretrained; fasttran.compress
+        makes it smaller (see :meth:`compressed_copy`)."""
+        return self._core.structure
+
+    @property
+    def raw_config(self):
+        """A copy of the config dict this encoder was made from (config.json's keys, as given)."""
+        return dict(self._raw_config)
+
+    @property
+    def int8_embeddings(self):
+        """True when the word embeddings are int8 (:meth:`quantize` with ``embeddings=True``)."""
+        return bool(self._core.int8_embeddings)
+
+    @property
+    def weight_bytes(self):
+        """Bytes of the weights as stored: 4 per float32 value; an int8 tensor 1 per value and 4 per
+        row for its scales (the pooler only when the encoder has one)."""
+        n = 0
+        for i, (name, shape) in enumerate(self._core.tensors()):
+            if name.startswith("pooler.") and not self._core.has_pooler:
+                continue
+            values = int(np.prod(shape))
+            n += values + 4 * int(shape[0]) if self._core.tensor_scale(i) is not None else 4 * values
+        return n
+
+    def parameter_shapes(self):
+        """[(Hugging Face name, shape)] of every parameter, in the core's order (the pooler's only
+        when the encoder has one)."""
+        return [(n, tuple(shape)) for n, shape in self._core.tensors()
+                if self._core.has_pooler or not n.startswith("pooler.")]
+
+    @property
+    def tokenizer_dir(self):
+        """The directory the tokenizer was loaded from (its files travel with a saved model), or None."""
+        return getattr(self, "_tokenizer_dir", None)
+
+    def load_tokenizer(self, directory):
+        """Load ``directory``/tokenizer.json as this encoder's tokenizer (truncating to
+        ``max_seq_length``; nothing happens without the ``tokenizers`` package). Returns self."""
+        self._load_tokenizer(os.fspath(directory))
+        return self
+
+    def use_tokenizer_of(self, other):
+        """Tokenize as encoder ``other`` does (its tokenizer object and directory). Returns self."""
+        if not isinstance(other, Encoder):
+            raise InputTypeError(f"use_tokenizer_of takes an Encoder, got {type(other).__name__}")
+        self.tokenizer, self._tokenizer_dir = other.tokenizer, other.tokenizer_dir
+        return self
+
+    def save_weights(self, path):
+        """Write the float32 weights alone to the safetensors file ``path`` (Hugging Face names),
+        atomically; returns {"bytes": size, "crc32c": CRC-32C} of the file, for a record. (An int8
+        encoder's weights: :meth:`state_dict`.)"""
+        if self.dtype == "int8":
+            raise UnsupportedError("save_weights writes float weights and an int8 encoder has none; write its "
+                                   "state_dict() (int8 tensors with their '<name>_scale')")
+        size, crc = self._core.save(os.fspath(path))
+        return {"bytes": int(size), "crc32c": int(crc)}
+
+    def load_weights(self, path, expect=None):
+        """Read the weights from the safetensors file ``path`` (as :meth:`save_weights` or
+        ``save_pretrained`` wrote it); with ``expect`` ({"bytes", "crc32c"}) the file must match that
+        record, checked before anything is read. Returns self."""
+        eb, ec = -1, -1
+        if expect:
+            try:
+                eb, ec = int(expect["bytes"]), int(expect["crc32c"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"the record of {path} ({expect!r}) is not {{'bytes': int, 'crc32c': int}}") from None
+        self._core.load(os.fspath(path), expect_bytes=eb, expect_crc32c=ec)
+        self.__dict__.pop("_ft_fingerprint", None)
+        return self
+
+    def forward_masked(self, input_ids, attention_mask, token_type_ids=None, layer=-1, pooling=None, skip_layers=None,
+                       head_keep=None, ffn_keep=None, ffn_group=0, start_layer=0, start_hidden=None):
+        """One layer's output with parts of the encoder switched off for this call only (significance
+        analysis). ``skip_layers`` (num_layers,) 1 = the layer passes its input through;
+        ``head_keep`` (all layers' heads) 0 = the head's attention output is zero; ``ffn_keep`` (all
+        layers' FFN groups of ``ffn_group`` neurons) 0 = the group's activations are zero;
+        ``start_layer`` > 0 starts from that layer's hidden states ``start_hidden`` (batch, seq, hidden)
+        instead of the embeddings (float32 only). Arrays are uint8 0 / 1. ``layer``: the output layer
+        (as ``forward``'s output_layers, one int). Returns (batch, seq, hidden) hidden states, or
+        (batch, hidden) with ``pooling`` 'cls' / 'mean'; NumPy float32."""
+        if pooling not in _POOLING:
+            raise InputError(f"pooling must be None, 'cls' or 'mean', got {pooling!r}")
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise InputTypeError(f"layer must be one int, got {layer!r}")
+        _, (l,) = self._layer_list(layer)
+        masks = {"skip_layers": skip_layers, "head_keep": head_keep, "ffn_keep": ffn_keep}
+        extra = {k: np.ascontiguousarray(v, np.uint8) for k, v in masks.items() if v is not None}
+        if ffn_keep is not None:
+            extra["ffn_group"] = int(ffn_group)
+        if start_layer:
+            extra["start_layer"], extra["start_hidden"] = int(start_layer), start_hidden
+        dev = self.device
+        hidden, pooled = self._core.forward(
+            input_ids=_as_index_array(input_ids, "input_ids", dev),
+            attention_mask=_as_index_array(attention_mask, "attention_mask", dev),
+            token_type_ids=_as_index_array(token_type_ids, "token_type_ids", dev), layers=(l,),
+            pooling=_POOLING[pooling], want_hidden=pooling is None, **extra)
+        return (hidden if pooling is None else pooled)[0]
+
+    def compressed_copy(self, keep_layers=None, keep_heads=None, keep_neurons=None, head_attention=None,
+                        sign_match_keys=0, keep_tokens=None, unknown_token=None):
+        """A new, smaller Encoder holding the kept parts of this one (float32; this one unchanged):
+        ``keep_layers`` (num_layers,), ``keep_heads`` (all layers' heads), ``keep_neurons`` (all layers'
+        FFN neurons), ``keep_tokens`` (vocab_size,) uint8 1 = kept (None: all); ``head_attention``
+        (this encoder's heads) the mode of each kept head, 0 exact / 1 sign matching, with
+        ``sign_match_keys`` its keys (0: this encoder's); ``unknown_token``: the id a removed token
+        reads as. Its config records the new structure (config.json's fasttran_* keys), so
+        ``save_pretrained`` and ``from_pretrained`` keep it; tokenizer and device settings are this
+        encoder's. A layer left without heads or neurons, no layer left, or an int8 encoder is refused."""
+        arrays = {"keep_layers": keep_layers, "keep_heads": keep_heads, "keep_neurons": keep_neurons,
+                  "head_attention": head_attention, "keep_tokens": keep_tokens}
+        kw = {k: np.ascontiguousarray(v, np.uint8) for k, v in arrays.items() if v is not None}
+        if keep_tokens is not None:
+            kw["unknown_token"] = -1 if unknown_token is None else int(unknown_token)
+        core = self._core.compressed(sign_match_keys=int(sign_match_keys), **kw)
+        st = core.structure
+        raw = dict(self._raw_config)
+        if keep_tokens is not None:
+            raw["fasttran_vocab_kept"] = np.flatnonzero(kw["keep_tokens"]).tolist()
+            raw["fasttran_vocab_unknown"] = kw["unknown_token"]
+        raw["num_hidden_layers"] = len(st["layer_heads"])
+        raw["fasttran_layer_heads"] = st["layer_heads"]
+        raw["fasttran_layer_intermediate"] = st["layer_intermediate"]
+        per_layer, k = [], 0
+        for n in st["layer_heads"]:
+            per_layer.append([ATTENTION_MODES[m] for m in st["head_attention"][k:k + n]])
+            k += n
+        raw["fasttran_head_attention"] = per_layer
+        if 1 in st["head_attention"]:
+            raw["fasttran_sign_match_keys"] = st["sign_match_keys"]
+        else:
+            raw.pop("fasttran_sign_match_keys", None)
+        enc = Encoder.__new__(Encoder)
+        enc.config = parse_bert_config(raw, "compressed config")
+        enc._raw_config = raw
+        enc.dtype, enc.allow_tf32 = self.dtype, self.allow_tf32
+        enc._core = core
+        enc.path, enc.tokenizer, enc.max_seq_length = None, self.tokenizer, self.max_seq_length
+        enc._tokenizer_dir = self.tokenizer_dir
+        return enc
 
     # ---- text ------------------------------------------------------------------------------------
     def _need_tokenizer(self):
@@ -759,7 +888,7 @@ class Encoder:
         ``total_device`` (the sum on the device), and ``device_free`` / ``device_total`` (the
         device's memory now; on the CPU, the machine's)."""
         r = dict(self._core.memory_report())
-        on_device = ("parameters", "workspace", "backend") if self.device != "cpu" else ()
+        on_device = ("parameters", "workspace", "backend") if self.device.is_cuda else ()
         r["total_device"] = sum(r[k] for k in on_device)
         r["device"], r["dtype"] = self.device, self.dtype
         r["weights"] = self._weights_note()
@@ -767,8 +896,8 @@ class Encoder:
 
     def _weights_note(self):
         """What the linear layers' weights are and which kernels multiply them."""
-        if self.device != "cpu" or self.dtype == "float32":
-            return f"{self.dtype} ({_C.cpu_isa() if self.device == 'cpu' else 'CUDA'} kernels)"
+        if self.device.is_cuda or self.dtype == "float32":
+            return f"{self.dtype} ({'CUDA' if self.device.is_cuda else _C.cpu_isa()} kernels)"
         if self.dtype == "bfloat16":
             return f"bfloat16, packed once; bf16 products ({_C.cpu_lowp_kernels()[2]} kernels), float32 sums"
         kernel, _used, _ = _C.cpu_lowp_kernels()

@@ -27,15 +27,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spe
 
 
 def layout_of(head):
-    """'sequence-classification', 'token-classification', 'question-answering' or
-    'sentence-transformers': where export() puts this head"""
-    if head.kind == "token":
-        return "token-classification"
-    if head.kind == "qa":
-        return "question-answering"
-    if head.kind == "pooler" and head.pooling == "cls":
-        return "sequence-classification"
-    return "sentence-transformers"
+    """'sequence-classification', 'token-classification', 'question-answering', ... or
+    'sentence-transformers': where export() puts this head (the head says: Head.export_layout)"""
+    return head.export_layout()[0]
 
 
 def _write_json(path, obj):
@@ -54,20 +48,15 @@ def _bert_config(encoder, architecture, extra):
     return cfg
 
 
-def _labels(head):
-    names = head.label_names or [f"LABEL_{i}" for i in range(head.num_labels)]
-    return {"id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
-
-
 def export(path, encoder, head, pooling="mean"):
     """Write `encoder` (the fine-tuned one: frozen layers + trained top layers) with `head` into
     directory `path` (see the module's table). Returns the layout written."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    layout = layout_of(head)
+    layout, arch, extra, names = head.export_layout()
     state = {k: v for k, v in encoder.state_dict().items() if not k.startswith("pooler.")}
     heads = head.state_dict()
-    if layout == "sentence-transformers":
+    if arch is None:
         encoder.save_pretrained(path)   # the Transformer module: a BertModel
         mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                 {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
@@ -78,7 +67,7 @@ def export(path, encoder, head, pooling="mean"):
             "pooling_mode_mean_tokens": head.pooling == "mean", "pooling_mode_max_tokens": False,
             "pooling_mode_mean_sqrt_len_tokens": False})
         dense = []
-        if head.kind == "pooler":
+        if "pooler.dense.weight" in heads:
             dense.append((heads["pooler.dense.weight"], heads["pooler.dense.bias"], "torch.nn.modules.activation.Tanh"))
         dense.append((heads["classifier.weight"], heads["classifier.bias"], "torch.nn.modules.linear.Identity"))
         for k, (w, b, act) in enumerate(dense, start=2):
@@ -98,20 +87,7 @@ def export(path, encoder, head, pooling="mean"):
                      "similarity_fn_name": None})
     else:
         tensors = {f"bert.{k}": v for k, v in state.items()}
-        if layout == "sequence-classification":
-            tensors["bert.pooler.dense.weight"] = heads["pooler.dense.weight"]
-            tensors["bert.pooler.dense.bias"] = heads["pooler.dense.bias"]
-            tensors["classifier.weight"], tensors["classifier.bias"] = heads["classifier.weight"], heads["classifier.bias"]
-            problem = {"classification": "single_label_classification", "regression": "regression",
-                       "multi-label": "multi_label_classification"}[head.task]
-            extra = dict(_labels(head), num_labels=head.num_labels, problem_type=problem)
-            arch = "BertForSequenceClassification"
-        elif layout == "token-classification":
-            tensors["classifier.weight"], tensors["classifier.bias"] = heads["classifier.weight"], heads["classifier.bias"]
-            extra, arch = dict(_labels(head), num_labels=head.num_labels), "BertForTokenClassification"
-        else:
-            tensors["qa_outputs.weight"], tensors["qa_outputs.bias"] = heads["qa_outputs.weight"], heads["qa_outputs.bias"]
-            extra, arch = {"num_labels": 2}, "BertForQuestionAnswering"
+        tensors.update({hf: heads[name] for hf, name in names.items()})
         write_safetensors(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
         _write_json(os.path.join(path, "config.json"), _bert_config(encoder, arch, extra))
     if encoder.path:

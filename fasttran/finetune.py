@@ -11,6 +11,7 @@ options (see `TopLayers.__init__`)."""
 import numpy as np
 
 from . import _C
+from .device import parse_device
 from .errors import InputError
 
 _MiB = 1 << 20
@@ -68,28 +69,25 @@ class TopLayers:
         L = encoder.num_layers
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= L:
             raise InputError(f"k (the number of top layers to train) must be an integer in [1, {L}], got {k!r}")
-        device = encoder.device if device is None else device
-        if device not in ("cpu",) and not str(device).startswith("cuda"):
-            raise InputError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-        index = -1 if device == "cpu" else int(str(device).partition(":")[2] or 0)
+        device = parse_device(encoder.device if device is None else device)
         raw = getattr(encoder, "_raw_config", {}) or {}
         hidden_dropout = float(raw.get("hidden_dropout_prob", 0.1) if hidden_dropout is None else hidden_dropout)
         attention_dropout = float(raw.get("attention_probs_dropout_prob", 0.1) if attention_dropout is None
                                   else attention_dropout)
         if inplace_gelu is None:
-            inplace_gelu = index >= 0
+            inplace_gelu = device.is_cuda
         if matmul_precision not in _MATMUL_PRECISIONS:
             raise InputError(f"matmul_precision must be one of {', '.join(map(repr, _MATMUL_PRECISIONS))}, "
                              f"got {matmul_precision!r}")
         self.matmul_precision = matmul_precision
         self.k, self.first_layer, self.num_layers = int(k), L - int(k), L
-        self.device = "cpu" if index < 0 else f"cuda:{index}"
+        self.device = device
         self.options = dict(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                             inplace_gelu=bool(inplace_gelu), inplace_layernorm=bool(inplace_layernorm),
                             recompute_attention_dropout=bool(recompute_attention_dropout),
                             recompute_attention_probs=bool(recompute_attention_probs))
         self.hidden_size = encoder.config["hidden_size"]
-        self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, index, **self.options,
+        self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, device.index, **self.options,
                                     matmul_precision=dict(_C.DTYPES)[matmul_precision], extra=int(extra),
                                     shared_grads=bool(shared_grads))
         self._table, self.num_params = self._stack.tensors()
@@ -97,10 +95,7 @@ class TopLayers:
         self.grads = self._stack.grads
 
     def _views(self, flat):
-        if self.device == "cpu":
-            a = np.asarray(flat)
-            return [(n, a[o:o + int(np.prod(s))].reshape(s)) for n, s, o in self._table]
-        return [(n, flat.view(o, s)) for n, s, o in self._table]
+        return self.device.views(flat, self._table)
 
     def named_parameters(self):
         """[(Hugging Face name, view)]: NumPy views on the CPU, fasttran Tensors on CUDA."""
@@ -115,23 +110,14 @@ class TopLayers:
         for name, view in self.named_parameters():
             if name not in tensors or tuple(np.shape(tensors[name])) != tuple(view.shape):
                 raise CheckpointError(f"{what} do not match this encoder ({name})")
-            src = np.ascontiguousarray(tensors[name], np.float32)
-            if self.device == "cpu":
-                view[...] = src
-            else:
-                _C.device_write(view, src)
+            self.device.write(view, np.ascontiguousarray(tensors[name], np.float32))
 
     def _buffer(self, a, what):
-        if self.device == "cpu":
-            return np.ascontiguousarray(a, dtype=np.float32)
-        return a if isinstance(a, _C.Tensor) and a.device == self.device else _C.Tensor.from_dlpack(
-            np.ascontiguousarray(a, dtype=np.float32)).to(self.device)
+        return self.device.array(a)
 
     def _empty(self, shape):
         """an uninitialised float32 buffer on the layers' device"""
-        if self.device == "cpu":
-            return np.empty(shape, np.float32)
-        return _C.device_zeros(int(np.prod(shape)), int(self.device[5:])).view(0, tuple(shape))
+        return self.device.empty(shape)
 
     def forward(self, x, lengths, training=False, seed=0, step=0, out=None, row_base=0, sq_base=0):
         """out (N, C) = the layers on x (N, C): the rows of len(lengths) sequences packed one after
@@ -179,12 +165,21 @@ class TopLayers:
         d_out = self._buffer(d_out, "d_out")
         dx = None
         if want_dx:
-            shape = d_out.shape
-            dx = np.empty(shape, np.float32) if self.device == "cpu" else \
-                _C.Tensor.from_dlpack(np.empty(shape, np.float32)).to(self.device)
+            dx = self.device.empty(d_out.shape)
         self._stack.backward(d_out, dx, loss_scale=float(loss_scale))
         self._saved_x = None   # the stack is done with it
         return dx
+
+    def record_significance(self, ffn_group):
+        """From the next training forward on, each backward also records first-order significance
+        (fasttran.compress): per sequence, the gradient x activation of every head, FFN group of
+        `ffn_group` neurons and layer's residual branch (0: stop recording)."""
+        self._stack.set_significance(int(ffn_group))
+
+    def significance(self):
+        """After a backward that recorded it: (heads (B, heads), ffn (B, groups), layers (B, k)) float32
+        NumPy arrays, per sequence of the batch, the layers' parts in order (see record_significance)."""
+        return self._stack.significance()
 
     def memory_report(self, batch_size, seq_len, optimizer_states=2, **options):
         """Bytes a training step over `batch_size` sequences of `seq_len` tokens holds, by category:

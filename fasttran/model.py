@@ -14,12 +14,13 @@ pooled by the cache are one row each), in the model's device memory or host memo
 import numpy as np
 
 from . import _C
+from .device import parse_device
 from .errors import InputError
 
 
 def device_index(device):
     """'cpu' -> -1, 'cuda:N' -> N"""
-    return -1 if device == "cpu" else int(str(device).partition(":")[2] or 0)
+    return parse_device(device).index
 
 
 def rows_of(batch):
@@ -38,10 +39,11 @@ class Model:
     table is the model's (TopLayers(shared_grads=))."""
 
     def __init__(self, head, layers=None, device="cpu", shared_grads=False):
+        device = parse_device(device)
         self.head, self.layers, self.device = head, layers, device
         if layers is not None and layers.device != device:
             raise InputError(f"the layers are on {layers.device}, the model on {device}")
-        self._core = _C.Model(head._cfg, None if layers is None else layers._stack, device_index(device),
+        self._core = _C.Model(head._cfg, None if layers is None else layers._stack, device.index,
                               shared_grads=bool(shared_grads))
         self.head_offset = self._core.head_offset
         self.params, self.grads = self._core.params, self._core.grads

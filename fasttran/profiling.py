@@ -17,6 +17,7 @@ import html
 import time
 
 from . import _C
+from .device import parse_device
 from .errors import InputError, MissingDependencyError
 
 KINDS = tuple(_C.profile_kinds())   # ('gemm', 'attention', 'row ops', 'optimizer', 'cache read', 'copy')
@@ -29,7 +30,7 @@ class Phase:
     def __init__(self, name, wall, stats, per=1, device="cpu"):
         self.name, self.per, self.device = name, int(per), device
         self.wall = wall / self.per
-        use_device = device != "cpu"
+        use_device = parse_device(device).is_cuda
         self.ops = {}
         self.kinds = {k: 0.0 for k in KINDS}
         for name_, kind, calls, host_s, dev_s, _args in stats:

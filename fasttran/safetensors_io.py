@@ -32,3 +32,15 @@ def read_safetensors(path, expect=None):
         return _C.safetensors_read(os.fspath(path), expect_bytes=eb, expect_crc32c=ec)
     except CheckpointNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
+
+
+def write_file(path, data):
+    """Write the bytes `data` to `path` atomically by the project's one writer (temp file, fsync, rename,
+    fsync of the directory); returns {"bytes": n, "crc32c": c} for the caller to record."""
+    size, crc = _C.atomic_write(os.fspath(path), [bytes(data)])
+    return {"bytes": int(size), "crc32c": int(crc)}
+
+
+def crc32c(data):
+    """CRC-32C (Castagnoli) of the bytes `data`, as file records hold it."""
+    return int(_C.crc32c(bytes(data)))

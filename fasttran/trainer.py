@@ -27,42 +27,28 @@ import numpy as np
 from . import _C
 from ._progress import progress
 from .cache import ActivationCache
+from .device import parse_device
 from .errors import (CacheMismatchError, CheckpointError, InputError, InputTypeError, NoGPUError, UnsupportedError)
 from .finetune import MEMORY_OPTIONS
-from .heads import TASKS, Head, make_head
+from .heads import REGISTRY, TASKS, Head, head_class, make_head
+from .heads import default_lr as _default_lr
 from .model import Model, rows_of
 from .optim import SCHEDULES, flat_state, load_flat_state, make_optimizer, schedule_factor
 from .safetensors_io import read_safetensors, write_safetensors
 
-#: The learning rate a Trainer uses when none is given, per (optimizer, head kind). Chosen by the
-#: sweep in benchmarks/sweep_defaults.py (frozen all-MiniLM-L6-v2; classification heads on all
-#: 67,349 SST-2 train sentences and on the 4,000-sentence sample the demo ships, QA on a SQuAD
-#: v1.1 subset; tables in benchmarks/defaults_sweep.md): the grid value with the best mean dev
-#: score over seeds and training-set sizes (a diverged run scores 0), every other
-#: hyper-parameter at its default. LAMB scales each step by the weight norm, so its rates are
-#: far above AdamW's. Regression, multi-label and token heads are a linear (or pooler) layer like
-#: the classifier and take its rates.
-DEFAULT_LR = {
-    ("lamb", "linear"): 0.02, ("lamb", "pooler"): 0.01, ("lamb", "qa"): 0.1,
-    ("adamw", "linear"): 0.01, ("adamw", "pooler"): 1e-3, ("adamw", "qa"): 0.01,
-}
-_LR_KIND = {"linear": "linear", "pooler": "pooler", "qa": "qa", "token": "linear"}
+#: The learning rate a Trainer uses when none is given, per (optimizer, head kind): each head class
+#: declares its own (fasttran.heads: Head.default_lrs, chosen by benchmarks/sweep_defaults.py);
+#: this is their union, for reading.
+DEFAULT_LR = {k: v for cls in REGISTRY for k, v in cls.default_lrs.items()}
 
 
 def default_lr(optimizer, head="classification"):
     """The default learning rate for an optimizer ('lamb'/'adamw') and a head (a task name or a head
-    object): see DEFAULT_LR."""
-    if isinstance(head, Head):
-        kind = _LR_KIND[head.kind]
-    elif head in TASKS:
-        cls, kw = TASKS[head]
-        kind = "pooler" if kw.get("pooler") else _LR_KIND[cls.kind or "linear"]
-    else:
-        kind = None
-    key = (str(optimizer).lower(), kind)
-    if key not in DEFAULT_LR:
+    object): the head class's `default_lrs`."""
+    lr = _default_lr(optimizer, head) if (isinstance(head, Head) or head in TASKS) else None
+    if lr is None:
         raise InputError(f"no default learning rate for optimizer {optimizer!r} and head {head!r}")
-    return DEFAULT_LR[key]
+    return lr
 
 
 #: Top-layer fine-tuning (train_layers > 0): one learning rate for the layers and the head, the
@@ -82,13 +68,6 @@ def _cpu_isa():
     return _C.cpu_isa()
 
 
-def _cuda_device(device):
-    """'cuda' / 'cuda:N' -> 'cuda:N'; None for 'cpu'; anything else an InputError."""
-    if device == "cpu":
-        return None
-    if isinstance(device, str) and (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-        return f"cuda:{int(device[5:] or 0)}"
-    raise InputError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 class Reduction:
@@ -122,6 +101,19 @@ class Reduction:
 
     def sum(self, values):
         return np.asarray(values, np.float64)
+
+
+def _auto_reduction():
+    """DataParallel() when this process is one of several ranks, else None (one process)"""
+    from . import distributed
+    if not distributed.launched():
+        return None
+    dp = distributed.DataParallel()
+    if dp.rank == 0:
+        print(f"fasttran: rank 0 of {dp.world_size}: training data-parallel (each rank takes its slice of every "
+              "global batch of batch_size examples); Trainer(..., reduction=None) trains each rank alone",
+              file=sys.stderr, flush=True)
+    return dp
 
 
 def _epoch_seed(seed, epoch):
@@ -174,13 +166,15 @@ class Trainer:
     gradient times `loss_scale[0]` (from 2**16), an overflowing step is skipped and halves it, 2000
     clean steps double it (PyTorch's GradScaler rule; `skipped_steps` counts the skips).
     `reduction`: the gradient reduction hook (see Reduction; fasttran.distributed's for several
-    processes).
+    processes). "auto" (the default): data-parallel (fasttran.distributed.DataParallel()) when this
+    process is one of several ranks (torchrun, accelerate, Slurm + torchrun: WORLD_SIZE > 1), with
+    one line from rank 0 saying so, else one process; None: this process alone, whatever launched it.
     """
 
     def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
                  warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
-                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction=None):
+                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction="auto"):
         if isinstance(head, str):
             if head not in TASKS:
                 raise InputError(f"unknown head {head!r}; choose one of {sorted(TASKS)} or pass a head object")
@@ -202,8 +196,9 @@ class Trainer:
         if unknown:
             raise InputError(f"unknown tempo option(s) {sorted(unknown)}; known: {list(_TEMPO)}")
         if lr is None:
-            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else default_lr(
-                optimizer, "classification-pooler" if pooler and isinstance(head, str) else head)
+            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else (
+                head_class(head).class_default_lr(optimizer, pooler=bool(pooler or TASKS[head][1].get("pooler")))
+                if isinstance(head, str) else head.default_lr(optimizer))
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
             raise InputError(f"lr must be a finite number > 0 (or None for the default), got {lr!r}")
         if schedule not in SCHEDULES:
@@ -213,26 +208,27 @@ class Trainer:
                 raise InputError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(warmup, (int, float)) or warmup < 0:
             raise InputError(f"warmup must be a fraction in [0, 1) or a step count, got {warmup!r}")
+        device = parse_device(device)
         if precision not in ("float32", "bfloat16", "float16"):
             raise InputError(f"precision must be 'float32', 'bfloat16' or 'float16', got {precision!r}")
         if precision != "float32":
             if not train_layers:
                 raise InputError(f"precision={precision!r} (mixed precision: the trained encoder layers' products "
                                  "in half precision) needs train_layers >= 1: a head alone trains in float32")
-            if not _cuda_device(device) and (precision != "bfloat16" or not _C.cpu_features()[0]["avx512_bf16"]):
+            if not device.is_cuda and (precision != "bfloat16" or not _C.cpu_features()[0]["avx512_bf16"]):
                 raise InputError(f"precision={precision!r} on the CPU needs bfloat16 and a CPU with bf16 dot products "
                                  f"(avx512_bf16: Intel Cooper Lake, Sapphire Rapids (AMX) or later, AMD Zen 4 or later; "
                                  f"this one runs the {_cpu_isa()!r} kernels without it): elsewhere half-precision "
                                  "products are no faster than float32. Train in float32 here, or on device='cuda'")
-        cuda = _cuda_device(device)
-        if cuda:
+        if device.is_cuda:
             from ._info import no_gpu_reason
             reason = no_gpu_reason()
             if reason:
                 raise NoGPUError(f"Trainer(device={device!r}): there is no usable GPU: {reason}. Use device='cpu' "
                                  "(the default; a checkpoint trained on CUDA loads with Trainer.load(path, "
                                  "device='cpu'))")
-            device = cuda
+        if isinstance(reduction, str) and reduction == "auto":
+            reduction = _auto_reduction()
         if reduction is not None and not all(hasattr(reduction, a) for a in ("ready", "start", "begin", "finish", "sum",
                                                                              "rank", "world_size")):
             raise InputTypeError("reduction must be a fasttran.trainer.Reduction (rank, world_size, start, begin, ready, "
@@ -281,7 +277,7 @@ class Trainer:
         pooling = cache.positions if cache.positions in ("mean", "cls") else self.pooling
         self.head = make_head(self._head_name, cache.hidden, targets, num_labels=self.num_labels,
                               dropout=self.dropout, seed=self.seed, pooling=pooling, pooler=self.pooler,
-                              label_names=self.label_names)
+                              label_names=self.label_names, examples=len(cache))
 
     def _make_top(self, encoder):
         """The trained top layers, from the encoder (train_layers > 0), with room for the head."""
@@ -408,6 +404,16 @@ class Trainer:
         self._encoder = self._encoder or cache.encoder
         return prep
 
+    @property
+    def _group(self):
+        """examples the head scores together (multiple choice: a question's choices), 1 before it exists"""
+        return self.head.group_size if self.head is not None else 1
+
+    @property
+    def _batch_examples(self):
+        """cache examples in a global batch: `batch_size` items of the head's group size"""
+        return self.batch_size * self._group
+
     # ---- one step ---------------------------------------------------------------------------------
     def _batches(self, cache, sliced=True, **kw):
         """the cache's batches as the model reads them: on its device, ragged when per token; sliced:
@@ -420,7 +426,7 @@ class Trainer:
         """One training step on this process's slice of a global batch (`where`: its place; `order`:
         the epoch's order, whose global batch gives the loss's denominator and the dropout masks'
         place): (examples, global loss, (right, counted) or None)."""
-        g0 = where.step * self.batch_size
+        g0 = where.step * self._batch_examples
         glob = order[g0:g0 + where.size]   # the global batch's examples
         gt, _ = self.head.batch(prep, glob, None)
         lengths_all = np.asarray(cache.lengths, np.int64) if cache.positions == "all" else None
@@ -496,11 +502,11 @@ class Trainer:
         steps, warmup steps)."""
         self._make_optimizer()
         self._gviews = [g for _, g in self.model.named_gradients()]
-        N = len(cache)
-        steps_per_epoch = (N + self.batch_size - 1) // self.batch_size
+        N, bs = len(cache), self._batch_examples
+        steps_per_epoch = (N + bs - 1) // bs
         total = steps_per_epoch * self.epochs
         warm = int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
-        local = -(-self.batch_size // self.reduction.world_size)   # a slice's share (a longer one grows the buffers)
+        local = -(-bs // self.reduction.world_size)   # a slice's share (a longer one grows the buffers)
         rows = np.sort(rows_of_lengths(cache))[::-1][:local]
         self.model.reserve(min(local, N), int(rows.sum()))
         return steps_per_epoch, total, warm
@@ -557,9 +563,9 @@ class Trainer:
             for epoch in range(first_epoch, self.epochs):
                 t0 = time.perf_counter()
                 start = first_batch if epoch == first_epoch else 0
-                order = cache.epoch_order(_epoch_seed(self.seed, epoch))   # the reader's: every rank's
-                it = self._batches(cache, batch_size=self.batch_size, shuffle=True,
-                                   seed=_epoch_seed(self.seed, epoch), start=start)
+                order = cache.epoch_order(_epoch_seed(self.seed, epoch), group=self._group)   # every rank's
+                it = self._batches(cache, batch_size=self._batch_examples, shuffle=True,
+                                   seed=_epoch_seed(self.seed, epoch), start=start, group=self._group)
                 stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 bar = stack.enter_context(progress(total=steps_per_epoch, initial=start, unit="step",
                                                    desc=f"epoch {epoch + 1}/{self.epochs}",
@@ -595,9 +601,12 @@ class Trainer:
                           file=sys.stderr)
                     break
                 self._pos = (epoch + 1, 0)
+                mine = int(seen)   # this process's examples (a rank's slices)
                 loss_sum, right, counted, seen = self.reduction.sum([loss_sum, right, counted, seen])   # all ranks'
                 rec = {"epoch": epoch + 1, "steps": self.global_step, "train_loss": loss_sum / max(seen, 1),
-                       "seconds": time.perf_counter() - t0, "lr": self.optimizer.lr}
+                       "seconds": time.perf_counter() - t0, "lr": self.optimizer.lr, "examples": int(seen)}
+                if self.reduction.world_size > 1:
+                    rec["examples_this_rank"] = mine
                 if counted:
                     rec["train_accuracy"] = right / counted
                 self._pull()
@@ -653,11 +662,13 @@ class Trainer:
         self._ready_for(cache, "evaluate or predict on this cache")
         prep = prep if prep is not None else self.head.prepare_eval(cache, None)
         chunks = []
+        batch_size = max(1, batch_size // self._group) * self._group   # whole groups
         steps = (len(cache) + batch_size - 1) // batch_size
         # a bar appears when the pass is slow (an uncached source runs the encoder)
         with progress(total=steps, desc="evaluate", unit="batch", leave=False, delay=1.0,
                       disable=not self.show_progress) as bar:
-            for ids, batch in self._batches(cache, sliced=False, batch_size=batch_size, shuffle=False):
+            for ids, batch in self._batches(cache, sliced=False, batch_size=batch_size, shuffle=False,
+                                            group=self._group):
                 x, lengths = rows_of(batch)
                 _, valid = self.head.batch(prep, cache.index_of(ids), lengths)
                 chunks.append(self.head.outputs(self.model.forward(x, lengths, valid), lengths, valid))
@@ -665,12 +676,28 @@ class Trainer:
                 bar.update(1)
         return self.head.collect(chunks)
 
-    def predict(self, cache, squad=None):
-        """The head's predictions in the cache's example order: class ids (classification), scores
-        (regression), 0/1 columns (multi-label), per-example token label ids (token
-        classification); QA: with `squad` (the SquadFeatures the cache was built from) the answer
-        text per question id, without it the per-example (start, end) logits."""
-        return self.head.predict(self._outputs(cache), squad)
+    def predict(self, cache, squad=None, output="labels", words=None):
+        """The head's predictions in the cache's example order.
+
+        output="labels": class ids (classification, multiple choice), scores (regression), 0/1
+        columns (multi-label), token label ids (token classification: (examples, longest), -100
+        past each example's tokens); QA: with `squad` (the SquadFeatures the cache was built from)
+        the answer text per question id, without it the per-example (start, end) logits.
+        output="logits": the scores -- (examples, classes); token heads (examples, longest,
+        labels), NaN past the tokens; QA (start_logits, end_logits), -inf outside the context.
+        output="probabilities": softmax (classification, multiple choice, each token, QA's spans) or
+        each label's sigmoid (multi-label); regression has none.
+        words: a token head's predictions per word instead of per token -- the WordTokens the cache
+        was built from (Encoder.tokenize_words); with output="labels" the label names where the head
+        has them."""
+        kinds = {"labels": lambda o: self.head.predict(o, squad), "logits": self.head.logits,
+                 "probabilities": self.head.probabilities} if self.head is not None else {}
+        if output not in ("labels", "logits", "probabilities"):
+            raise InputError(f"output must be 'labels', 'logits' or 'probabilities', got {output!r}")
+        if not kinds:
+            return self.head.predict(self._outputs(cache), squad)   # (the untrained trainer's error)
+        res = kinds[output](self._outputs(cache))
+        return res if words is None else self.head.per_word(res, words, output)
 
     def evaluate(self, cache, targets):
         """The head's metrics against targets (see the head's evaluate: classification accuracy /
@@ -711,15 +738,16 @@ class Trainer:
             head.params[...] = self.head.params
         else:
             head = self._head_name
-        scratch = Trainer(head, **cfg)
+        scratch = Trainer(head, **cfg, reduction=None)   # (a copy on this process alone)
         prep = scratch._prepare(cache, targets)
         if self.top is not None:   # the trained layers too (host copies of a CUDA trainer's)
             for (_, mine), (_, theirs) in zip(self.top.named_parameters(), scratch.top.named_parameters()):
                 theirs[...] = np.asarray(mine)
         N = len(cache)
         spe, total, warm = scratch._loop_setup(cache)
-        order = cache.epoch_order(_epoch_seed(scratch.seed, 0))
-        batches = [order[a:a + scratch.batch_size] for a in range(0, N, scratch.batch_size)]
+        order = cache.epoch_order(_epoch_seed(scratch.seed, 0), group=scratch._group)
+        bs = scratch._batch_examples
+        batches = [order[a:a + bs] for a in range(0, N, bs)]
         rows = lambda k: cache.example_ids[batches[k % len(batches)]]
         ragged = cache.positions == "all"
 
@@ -892,7 +920,7 @@ class Trainer:
         """A Trainer restored from save(): head, optimizer state, step, position and history."""
         state = cls._read_state(path)
         cfg = dict(state["config"], **overrides)
-        if (not _cuda_device(cfg.get("device", "cpu")) and "precision" not in overrides
+        if (not parse_device(cfg.get("device", "cpu")).is_cuda and "precision" not in overrides
                 and not (cfg.get("precision") == "bfloat16" and _C.cpu_features()[0]["avx512_bf16"])):
             cfg["precision"] = "float32"   # what this CPU cannot run in half precision continues in float32
         self = cls(Head.from_config(state["head"]), **cfg)
@@ -954,7 +982,7 @@ class Trainer:
                 f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step}"
                 + (f", train_layers={self.train_layers}" if self.train_layers else "")
                 + (f", precision={self.precision!r}" if self.precision != "float32" else "")
-                + (f", device={self.device!r}" if self.device != "cpu" else "") + ")")
+                + (f", device={str(self.device)!r}" if self.device.is_cuda else "") + ")")
 
     def _repr_html_(self):
         rows = "".join("<tr>" + "".join(f"<td>{html.escape(f'{v:.4g}' if isinstance(v, float) else str(v))}</td>"

@@ -1,5 +1,5 @@
 """Plant known CUDA bugs, one at a time, in a copy of the sources and check that the emulated CUDA
-test suite catches each, in which mode (issue: "CUDA kernels verified without a GPU").
+test suite catches each, in which mode (the goal: "CUDA kernels verified without a GPU").
 
     python tests/plant_bugs.py [--tests tests/test_backend_ops.py ...] [--workdir DIR] [--json OUT]
 

@@ -145,7 +145,7 @@ class Packed:        # the backend's packed copy of the weight argument `name` (
     def __init__(self, name, N, K): self.name, self.N, self.K = name, N, K
 
 
-class PackedLP:      # the backend's reduced-precision packed copy (issue 31) of weight argument `name` (N, K):
+class PackedLP:      # the backend's reduced-precision packed copy (int8 / bf16) of weight argument `name` (N, K):
     # int8 values with their per-row scales (argument `scale`), or float32 weights packed in bf16
     def __init__(self, name, N, K, scale=None): self.name, self.N, self.K, self.scale = name, N, K, scale
 
@@ -916,7 +916,7 @@ for n_src, rows, C, codec in [(5, 9, 33, "float32"), (3, 7, 1, "float32"), (40, 
     case("cache_decode_rows", f"{rows}from{n_src}x{C}-{codec}")(_decode_rows(n_src, rows, C, codec))
 
 
-# ---- compressed models (issue 31): head modes, masked FFN groups, gradient x activation ----------------
+# ---- compressed models (fasttran.compress): head modes, masked FFN groups, gradient x activation -------
 EXACT, SIGN_MATCH, OFF = 0, 1, 2
 SIGN_MATCH_IDS = set()   # attention_heads_forward cases the CUDA backend refuses by design (sign matching: CPU only)
 
@@ -972,7 +972,7 @@ BACKEND_SPECIFIC = {"pack_weight", "pack_weight_i8", "pack_weight_bf16"}
 CASES["pack_weight"].append(("pack_weight-via-linear_forward", None))
 
 
-# ---- issue 31: reduced precision, CPU only (the CUDA backend refuses these ops, saying so). Their
+# ---- reduced precision (int8 / bf16), CPU only (the CUDA backend refuses these ops, saying so). Their
 # exactness and bounds against NumPy / float64 on every kernel path: tests/test_lowp.py ----
 CPU_ONLY = {"quantize_weight", "quantize_rows", "pack_weight_i8", "pack_weight_bf16", "gemm_i8", "linear_lp_forward",
             "linear_lp_residual_ln_forward", "embed_i8_ln_forward"}

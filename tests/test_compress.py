@@ -1,4 +1,4 @@
-"""Compression (issue 31): forward masks against zeroed-weight references in transformers, pruned
+"""Compression: forward masks against zeroed-weight references in transformers, pruned
 models against masked ones, sign-matching attention against a NumPy model of the paper's rule,
 first-order significance against torch autograd, the pruned layers' training against the unpruned
 stack, files (round trip, damage, transformers' layout) and every refusal."""

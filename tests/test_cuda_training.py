@@ -1,4 +1,4 @@
-"""Issue 14 on CUDA: the cache's device tier, and the Trainer on device="cuda".
+"""The cache and the Trainer on CUDA: the cache's device tier, and the Trainer on device="cuda".
 
 Runs on a GPU, and without one on the CUDA emulator (FASTTRAN_CUDA=emu build, FASTTRAN_CUDA_EMU=1),
 unchanged. The references are the same encoder's host-tier cache (the device tier must return
@@ -343,7 +343,7 @@ def test_cuda_trainer_refusals(features):
         tr.fit(bad, np.zeros(4, np.int64))   # the NaN loss of step 1, traced back to the features
 
 
-# ---- top-layer training on CUDA (issue 17) ----------------------------------------------------------
+# ---- top-layer training on CUDA -------------------------------------------------------------------
 def _topk_pair(model, inputs, head, k, pooling="mean", **kw):
     """the same top-k training on the CPU and on CUDA, each from its own cache of layer L - k"""
     ids, mask, types = inputs

@@ -4,6 +4,7 @@ fp32 rounding of the summation order after a step, bitwise the same on every ran
 dropout on and an uneven last batch included; top layers and head; checkpoints written by rank 0
 and resumed at another world size; a rank that diverges fails within the timeout, naming it."""
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -285,3 +286,38 @@ def test_torchrun_train_command_equals_one_process(minilm_dir, tmp_path):
     assert abs(two[-1]["train_loss"] - one[-1]["train_loss"]) <= 1e-4 * one[-1]["train_loss"]
     import fasttran as ft
     assert ft.Trainer.load(str(tmp_path / "ck2")).global_step == 20
+
+
+def test_a_plain_script_under_torchrun_is_data_parallel(minilm_dir, tmp_path):
+    """Trainer's default reduction: under torchrun a script that never mentions ranks trains
+    data-parallel -- each rank about half the examples, the weights one process's at the same global
+    batch (to float32 rounding of the sums) -- and rank 0 says so in one line."""
+    import subprocess
+    import sys
+    from conftest import sst2_file
+    from distributed_util import free_port
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_plain.py")
+    env = dict(os.environ, FASTTRAN_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    args = [minilm_dir, sst2_file("train")]
+    one = subprocess.run([sys.executable, script, *args, str(tmp_path / "one")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "data-parallel" not in one.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}"]
+    two = subprocess.run(torchrun + [script, *args, str(tmp_path / "two")], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stderr.count("training data-parallel") == 1, two.stderr[-3000:]
+    ref = np.load(tmp_path / "one" / "head0.npy")
+    for r in (0, 1):
+        got = np.load(tmp_path / "two" / f"head{r}.npy")
+        assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), r
+    hist = [json.load(open(tmp_path / "two" / f"history{r}.json")) for r in (0, 1)]
+    for e in range(2):
+        mine = [h[e]["examples_this_rank"] for h in hist]
+        assert sum(mine) == hist[0][e]["examples"] == 192 and min(mine) >= 0.4 * 192, mine

@@ -1,4 +1,4 @@
-"""Reduced-precision CPU kernels (issue 31; csrc/cpu/lowp.h): int8 weights with per-channel
+"""Reduced-precision CPU kernels (csrc/cpu/lowp.h): int8 weights with per-channel
 scales times per-token quantized activations, and bf16 products.
 
 On every int8 path this CPU can run (forced with FASTTRAN_CPU_ISA, each in its own process, at 1, 2

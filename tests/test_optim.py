@@ -1,5 +1,5 @@
 """LAMB and AdamW against an independent float64 reference written here from the equations of
-the issue (You et al. 2019; Loshchilov & Hutter), over 100 steps on a mix of shapes including
+the papers (You et al. 2019; Loshchilov & Hutter), over 100 steps on a mix of shapes including
 size-1 and all-zero-gradient tensors, with and without clipping; in place over a torch model;
 and bad input."""
 import math

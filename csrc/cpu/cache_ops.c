@@ -1,4 +1,4 @@
-/* The CPU backend's part of the cache's device tier (issue 14): host staging memory (plain
+/* The CPU backend's part of the cache's device tier: host staging memory (plain
  * aligned memory: host memory is this backend's memory) and cache_decode_rows, the reference the CUDA
  * kernel (cuda/cache.cu) is checked against op by op. */
 #include <stdlib.h>

@@ -76,4 +76,12 @@ void ft_cpu_dropout_row(float *row, uint8_t *mask, int64_t n, uint64_t key, uint
 ft_status ft_cpu_attention_train_heads(ft_dtype prec, float *ctx, float *probs, float *stats, uint8_t *dmask,
                                        const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
                                        uint64_t key, int workers);
+
+/* one (sequence, head) of inference attention, exactly as attention_forward computes it (the
+ * same bits): out (nq rows, stride C) from q = the head's Q columns of the sequence's first row of
+ * qkv (stride 3C), its first nk rows the keys; scratch: ft_cpu_attention_head_floats(maxk, hs)
+ * floats for sequences of at most maxk keys (attention.c; attention_heads.c's exact heads) */
+size_t ft_cpu_attention_head_floats(int64_t maxk, int64_t hs);
+void ft_cpu_attention_head(float *scratch, int64_t maxk, float *out, const float *q, int64_t nq, int64_t nk,
+                           int64_t hs, int64_t C);
 #endif

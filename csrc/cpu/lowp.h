@@ -1,4 +1,4 @@
-/* Reduced-precision linear layers of the CPU backend (issue 31): int8 and bf16 products.
+/* Reduced-precision linear layers of the CPU backend: int8 and bf16 products.
  *
  * int8: weights W (N, K) int8 with one float32 scale per output channel (row of W, symmetric:
  * w ~ s_n q, q in [-127, 127]); activations quantized per row when the layer runs (dynamic,

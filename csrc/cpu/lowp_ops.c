@@ -1,4 +1,4 @@
-/* The CPU backend's reduced-precision ops (backend.h, "issue 31"): weights quantized or rounded and
+/* The CPU backend's reduced-precision ops (backend.h, "reduced precision"): weights quantized or rounded and
  * packed once, activations quantized (int8) or rounded (bf16) per row as a layer runs, the product
  * on linear.c's tasks with lowp.c's micro-kernels; and gemm_prec's bf16 products on AVX512_BF16. */
 #include <math.h>

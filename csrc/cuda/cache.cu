@@ -1,4 +1,4 @@
-// The cache's device tier on CUDA (issue 14): pinned host staging memory, and cache_decode_rows, which
+// The cache's device tier on CUDA: pinned host staging memory, and cache_decode_rows, which
 // decodes a batch's rows from device-resident shards into the batch buffer on the device (no
 // host round trip). Decoding is exact and the CPU's: f16 and bf16 widen to float without
 // rounding, int8 rows are one float multiply (q * scale), f32 rows are copied.

@@ -1,4 +1,4 @@
-// The reduced-precision ops of issue 31 (int8 weights with dynamically quantized activations,
+// The reduced-precision ops (int8 weights with dynamically quantized activations,
 // bf16 products over float32 activations) are CPU kernels (csrc/cpu/lowp.c): VNNI / AVX-VNNI /
 // AMX-INT8 / AVX512_BF16. The CUDA backend has its own half precision (Encoder(dtype="bfloat16"
 // or "float16") on cuBLASLt) and no int8 path: each op here refuses with that reason, the

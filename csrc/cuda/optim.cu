@@ -11,7 +11,7 @@
 // less per element). Partial sums go to a per-chunk array and are reduced in chunk order, in
 // double: results do not depend on scheduling (deterministic).
 //
-// The tables stay on the device between steps (issue 14): the tensor table (addresses, sizes,
+// The tables stay on the device between steps: the tensor table (addresses, sizes,
 // chunk ranges) and the chunk table are uploaded only when an address or a size changes (a
 // tensor sits a step out, a gradient moved); a step uploads just the coefficients -- one entry per
 // distinct (group, update count), usually one or two -- and each tensor's index into them. The

@@ -166,7 +166,7 @@ ft_status ft_encoder_tensor_info(const ft_encoder *enc, size_t i, const char **n
 /* Write view i (float32, shape as tensor_info says); the packed copies are remade on the next forward. */
 ft_status ft_encoder_set_tensor(ft_encoder *enc, size_t i, const float *data);
 
-/* ---- int8 encoders (issue 31) ---------------------------------------------------------------
+/* ---- int8 encoders --------------------------------------------------------------------------
  * ft_encoder_quantize turns a float32 CPU encoder into an int8 one, in place: each layer's four
  * projection matrices (Q, K, V, attention output, FFN in and out) and, with embeddings != 0, the
  * word embeddings become int8 q (rows x cols) with one float32 scale per row (output channel):
@@ -538,7 +538,25 @@ ft_status ft_optim_table_step(ft_optim_table *table, const ft_optim_config *cfg,
  * the global count). Dropout masks come from a counter-based hash of (seed, step, element),
  * recomputed in the backward pass, never stored; row_base / seq_base place the batch in its
  * global batch so a slice of it draws the global batch's masks. */
-typedef enum { FT_HEAD_LINEAR = 0, FT_HEAD_POOLER = 1, FT_HEAD_QA = 2, FT_HEAD_TOKEN = 3 } ft_head_kind;
+/* The kinds of head, declared once: X(NAME, code, "name", descriptor). The enum, the descriptor
+ * table (csrc/train/head.c), the binding's HEAD_KINDS and the Python heads (fasttran/heads, by
+ * name) all follow from this list; a new head is its own csrc/train/head_<name>.c defining the
+ * descriptor (csrc/train/head.h) plus one line here. */
+#define FT_HEAD_KINDS(X)                                  \
+    X(LINEAR, 0, "linear", ft_head_linear)                \
+    X(POOLER, 1, "pooler", ft_head_pooler)                \
+    X(QA, 2, "qa", ft_head_span)                          \
+    X(TOKEN, 3, "token", ft_head_token)                   \
+    X(CHOICE, 4, "choice", ft_head_choice)
+#define FT_HEAD_ENUM_(NAME, code, name, desc) FT_HEAD_##NAME = code,
+typedef enum { FT_HEAD_KINDS(FT_HEAD_ENUM_) FT_HEAD_KIND_END_ } ft_head_kind;
+#undef FT_HEAD_ENUM_
+/* what a kind of head needs from a batch (ft_head_needs): */
+enum {
+    FT_HEAD_NEEDS_ROWS = 1,   /* every row of each sequence on the device (the sequence table), even
+                                 when each sequence has one row */
+    FT_HEAD_NEEDS_MASK = 2    /* the per-row mask `valid` (QA: the context rows) */
+};
 typedef enum { FT_LOSS_XENT = 0, FT_LOSS_MSE = 1, FT_LOSS_BCE = 2 } ft_head_loss;
 
 typedef struct {
@@ -569,6 +587,10 @@ int64_t ft_head_logits_count(const ft_head_config *cfg, int64_t B, int64_t N);
 int64_t ft_head_loss_count(const ft_head_config *cfg, int64_t B, int64_t N);
 int64_t ft_head_target_count(const ft_head_config *cfg, int64_t B, int64_t N);
 int ft_head_float_targets(const ft_head_config *cfg);
+/* FT_HEAD_NEEDS_* flags of the head's kind (0 for an unknown kind) */
+unsigned ft_head_needs(const ft_head_config *cfg);
+/* the kind's name ("linear", "qa", ...), NULL for no such kind */
+const char *ft_head_kind_name(int kind);
 /* floats of the workspace a step takes */
 size_t ft_head_workspace_floats(const ft_head_config *cfg, int64_t B, int64_t N, int has_grads, int has_dx,
                                 int training);

@@ -159,6 +159,19 @@ int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b) {
     return !sign_match || a->sign_match_keys == b->sign_match_keys;
 }
 
+static ft_status attend_exact(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
+                              const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, const uint8_t *modes,
+                              int64_t sign_keys, void *scratch) {
+    (void)modes; (void)sign_keys;
+    return be->attention_forward(be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, scratch);
+}
+
+static ft_status attend_modes(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
+                              const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, const uint8_t *modes,
+                              int64_t sign_keys, void *scratch) {
+    return be->attention_heads_forward(be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, modes, sign_keys, scratch);
+}
+
 /* the encoder's own copies of a compressed model's arrays (always present, so the layer loop reads
  * them without a NULL test); the config points at them */
 static ft_status copy_structure(ft_encoder *e, const ft_bert_config *c) {
@@ -167,7 +180,8 @@ static ft_status copy_structure(ft_encoder *e, const ft_bert_config *c) {
     e->layer_intermediate = malloc((size_t)(L + 1) * sizeof(int64_t));
     e->head_first = malloc((size_t)(L + 1) * sizeof(int64_t));
     e->head_attention = malloc((size_t)heads + 1);
-    if (!e->layer_heads || !e->layer_intermediate || !e->head_first || !e->head_attention)
+    e->attend = malloc((size_t)(L + 1) * sizeof *e->attend);
+    if (!e->layer_heads || !e->layer_intermediate || !e->head_first || !e->head_attention || !e->attend)
         return ft_error(FT_ERR_NOMEM, "out of memory");
     int64_t h = 0;
     for (int64_t l = 0; l < L; l++) {
@@ -181,6 +195,11 @@ static ft_status copy_structure(ft_encoder *e, const ft_bert_config *c) {
     for (int64_t k = 0; k < heads; k++) {
         e->head_attention[k] = c->head_attention ? c->head_attention[k] : FT_ATTN_EXACT;
         sign_match |= e->head_attention[k] == FT_ATTN_SIGN_MATCH;
+    }
+    for (int64_t l = 0; l < L; l++) {   /* each layer's attention, once: sign matching is its own op */
+        e->attend[l] = attend_exact;
+        for (int64_t k = e->head_first[l]; k < e->head_first[l + 1]; k++)
+            if (e->head_attention[k] != FT_ATTN_EXACT) e->attend[l] = attend_modes;
     }
     e->cfg.layer_heads = e->layer_heads;
     e->cfg.layer_intermediate = e->layer_intermediate;
@@ -261,6 +280,7 @@ void ft_encoder_free(ft_encoder *e) {
     free(e->layer_intermediate);
     free(e->head_first);
     free(e->head_attention);
+    free(e->attend);
     free(e->vocab_map);
     pthread_mutex_destroy(&e->lock);
     free(e);
@@ -744,8 +764,8 @@ static ft_status check_masks(const ft_encoder *e, const ft_forward_masks *m) {
     return FT_OK;
 }
 
-/* layer l's attention heads (modes: a NH buffer): the model's mode per head, or off where masked.
- * Returns 1 when any head is not exact (attention_heads_forward), 0 when attention_forward does. */
+/* layer l's attention heads under masks that switch heads off (modes: a NH buffer): the model's mode
+ * per head, or off where masked. Returns 1 when any head is not exact (attention_heads_forward). */
 static int head_modes(const ft_encoder *e, int64_t l, const ft_forward_masks *m, uint8_t *modes) {
     int other = 0;
     for (int64_t h = 0; h < e->layer_heads[l]; h++) {
@@ -799,6 +819,7 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     }
     if (last < 0) last = L;   /* nothing asked for: run the whole encoder, as a timing call would expect */
     const int64_t start = masks ? masks->start_layer : 0;
+    const int masked_heads = masks && masks->head_keep;
     for (int64_t l = 0; l < start; l++)
         if ((hidden_out && hidden_out[l]) || (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE))
             return ft_error(FT_ERR_INVALID_ARGUMENT, "output of layer %lld asked for, below start_layer %lld",
@@ -849,11 +870,12 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
             const int64_t nh = e->layer_heads[l - 1], A = nh * hs, I = e->layer_intermediate[l - 1];
             /* qkv (N, 3A) = x Wqkv^T + bqkv: one GEMM for Q, K and V */
             FT_TRY(linear(e, w.big, w.x, o->wqkv, o->pqkv, P(o->bqkv), N, C, 3 * A, -1));
-            if (head_modes(e, l - 1, masks, modes))
-                FT_TRY(be->attention_heads_forward(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, A, nh, modes,
-                                                   c->sign_match_keys, w.scratch));
-            else
-                FT_TRY(be->attention_forward(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, A, nh, w.scratch));
+            /* the layer's attention, picked when the structure was set; a forward whose masks switch
+             * heads off gives their modes to attention_heads_forward */
+            ft_attend_fn attend = e->attend[l - 1];
+            const uint8_t *lmodes = e->head_attention + e->head_first[l - 1];
+            if (masked_heads && head_modes(e, l - 1, masks, modes)) attend = attend_modes, lmodes = modes;
+            FT_TRY(attend(be, dt, w.ctx, w.big, h.seqs, w.seqs, B, A, nh, lmodes, c->sign_match_keys, w.scratch));
             /* t = LN(x + ctx Wo^T + bo) */
             FT_TRY(linear_residual_ln(e, w.t, w.ctx, o->wo, o->po, P(o->bo), w.x, P(o->ln1_g), P(o->ln1_b), N, A, C,
                                       c->layer_norm_eps));

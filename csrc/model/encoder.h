@@ -40,12 +40,19 @@ typedef struct {
     size_t pqkv, po, p1, p2;   /* the backend's packed copies of wqkv, wo, w1, w2 (in `packed`) */
 } ft_layer_offsets;
 
+/* A layer's attention in the forward, picked once per layer when the structure is set: attention_forward
+ * (every head exact), or attention_heads_forward with the layer's head modes (it holds sign-matching
+ * heads); modes: the layer's NH modes, read by the second only. */
+typedef ft_status (*ft_attend_fn)(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
+                                  const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, const uint8_t *modes,
+                                  int64_t sign_keys, void *scratch);
+
 struct ft_encoder {
     ft_bert_config cfg;
     ft_backend *be;
     ft_dtype dtype;           /* storage type of params and activations: F32, or F16/BF16 on CUDA */
     size_t esz;               /* its size in bytes */
-    /* the linear layers' weights on the CPU (issue 31): FT_F32, FT_BF16 (packed bf16 copies of the
+    /* the linear layers' weights on the CPU: FT_F32, FT_BF16 (packed bf16 copies of the
      * float32 masters) or FT_I8 (int8 + scales in `int8`, no float32 masters) */
     ft_dtype wtype;
     int lowp;                 /* the linear layers run on the backend's linear_lp_* (it pays for wtype) */
@@ -61,6 +68,7 @@ struct ft_encoder {
      * attention mode (the config's arrays point here); head_first[l] = the layer's first head */
     int64_t *layer_heads, *layer_intermediate, *head_first;
     uint8_t *head_attention;
+    ft_attend_fn *attend;     /* per layer: its attention (above) */
     int32_t *vocab_map;       /* a pruned vocabulary's id -> row map (vocab_size), or NULL */
     int has_pooler;
     /* the backend's packed copies of the layer weights (pack_weight), made on the first

@@ -1,4 +1,4 @@
-/* int8 encoders (issue 31): a float32 CPU encoder quantized in place -- each layer's four
+/* int8 encoders: a float32 CPU encoder quantized in place -- each layer's four
  * projection matrices, and optionally the word embeddings, become int8 with one float32 scale per
  * output channel (row); their float32 copies are freed, the other tensors stay float32 -- and the
  * named int8 tensors (read, write) that saving and loading go through. */

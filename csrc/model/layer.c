@@ -20,6 +20,7 @@
 #include "core/status.h"
 #include "dist/shared.h"
 #include "model/encoder.h"
+#include "model/significance.h"
 
 enum { SITE_ATTN_PROBS = 0, SITE_ATTN_OUT = 1, SITE_FFN_OUT = 2, SITES = 3 };
 enum {
@@ -105,15 +106,12 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
  *                                    below needs it) */
 ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
                             const ft_layer_weights *w, const ft_layer_acts *a, const ft_layer_work *wk,
-                            const ft_layer_weights *gw, int want_dx, const ft_layer_significance *sig) {
+                            const ft_layer_weights *gw, int want_dx, const ft_layer_recorder *rec) {
     const ft_bert_config *c = bt->cfg;
     const ft_layer_options *o = bt->opt;
     const int64_t N = bt->N, C = c->hidden_size, A = sh->attn, I = sh->inter, NH = sh->heads;
     const int ln_out = o->inplace_layernorm;
-    if (sig) {   /* the layer's residual branch: dL/dout . out - dL/dout . x, per row */
-        FT_TRY(be->group_dot(be, sig->sig + sig->layer_col, sig->ld, wk->g, C, a->out, C, N, C, C));
-        FT_TRY(be->group_dot(be, sig->sig + sig->layer_col + 1, sig->ld, wk->g, C, a->x, C, N, C, C));
-    }
+    FT_TRY(rec->output(rec, be, layer, wk->g, a->out, a->x, N, C));
     FT_TRY(be->layernorm_backward(be, wk->g, gw->ln2_g, gw->ln2_b, wk->g, ln_out ? a->out : a->ln2_in, a->ln2_stats,
                                   w->ln2_g, w->ln2_b, N, C, ln_out));
     const float *dy = wk->g;
@@ -124,8 +122,7 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->sum_axis(be, gw->b2, dy, N, C, 0));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, I, N, 1.0f, dy, C, a->ffn_act, I, 0.0f, gw->w2, I));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, I, C, 1.0f, dy, C, w->w2, I, 0.0f, wk->dbig, I));
-    if (sig)   /* FFN groups: dL/dact . act */
-        FT_TRY(be->group_dot(be, sig->sig + sig->ffn_col, sig->ld, wk->dbig, I, a->ffn_act, I, N, I, sig->ffn_group));
+    FT_TRY(rec->ffn(rec, be, layer, wk->dbig, a->ffn_act, N, I));
     FT_TRY(be->bias_act_backward(be, wk->dbig, wk->dbig, o->inplace_gelu ? a->ffn_act : a->ffn_pre,
                                  o->inplace_gelu ? a->gelu_bits : NULL, a->h1, w->w1, w->b1, N, I, C, c->activation));
     FT_TRY(be->sum_axis(be, gw->b1, wk->dbig, N, I, 0));
@@ -141,8 +138,7 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->sum_axis(be, gw->bo, da, N, C, 0));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, C, A, N, 1.0f, da, C, a->ctx, A, 0.0f, gw->wo, A));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, A, C, 1.0f, da, C, w->wo, A, 0.0f, wk->dctx, A));
-    if (sig)   /* heads: dL/dctx_h . ctx_h */
-        FT_TRY(be->group_dot(be, sig->sig + sig->head_col, sig->ld, wk->dctx, A, a->ctx, A, N, A, A / NH));
+    FT_TRY(rec->heads(rec, be, layer, wk->dctx, a->ctx, N, A, NH));
     FT_TRY(be->attention_backward(be, o->matmul_precision, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_stats,
                                   a->attn_mask, bt->seqs, bt->B, A, NH, o->attention_dropout,
                                   site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
@@ -150,6 +146,28 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, 3 * A, C, N, 1.0f, wk->dbig, 3 * A, a->x, C, 0.0f, gw->wqkv, C));
     if (!want_dx) return FT_OK;   /* the bottom trained layer: nothing below needs d x */
     return be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, 3 * A, 1.0f, wk->dbig, 3 * A, w->wqkv, C, 1.0f, wk->g, C);
+}
+
+/* the recorder that records nothing: a layer's backward calls its recorder unconditionally */
+static ft_status no_output(const ft_layer_recorder *r, ft_backend *be, int64_t layer, const float *dout,
+                           const float *out, const float *x, int64_t N, int64_t C) {
+    (void)r; (void)be; (void)layer; (void)dout; (void)out; (void)x; (void)N; (void)C;
+    return FT_OK;
+}
+static ft_status no_ffn(const ft_layer_recorder *r, ft_backend *be, int64_t layer, const float *dact,
+                        const float *act, int64_t N, int64_t I) {
+    (void)r; (void)be; (void)layer; (void)dact; (void)act; (void)N; (void)I;
+    return FT_OK;
+}
+static ft_status no_heads(const ft_layer_recorder *r, ft_backend *be, int64_t layer, const float *dctx,
+                          const float *ctx, int64_t N, int64_t A, int64_t NH) {
+    (void)r; (void)be; (void)layer; (void)dctx; (void)ctx; (void)N; (void)A; (void)NH;
+    return FT_OK;
+}
+static void no_release(ft_layer_recorder *r) { (void)r; }
+
+void ft_layer_recorder_none(ft_layer_recorder *r) {
+    *r = (ft_layer_recorder){NULL, 0, NULL, no_output, no_ffn, no_heads, no_release};
 }
 
 /* ---- the stack ------------------------------------------------------------------------------ */
@@ -173,12 +191,13 @@ struct ft_layer_stack {
     int32_t *vocab_map;
     size_t extra;                       /* floats after the layers in params and grads: the caller's */
     float *params, *grads;              /* n_params + extra each, backend memory */
-    /* first-order significance (ft_layer_stack_set_significance): per row of the last batch, every
-     * head's, FFN group's and layer's gradient x activation (layers: two columns, out and x) */
-    int64_t sig_group, sig_ld;
-    float *sig;                         /* backend memory, grown with the batch */
-    size_t sig_bytes;
-    int sig_valid;                      /* sig holds the last backward's */
+    /* what the backward hands its activations' gradients to, chosen once: nothing, or first-order
+     * significance (ft_layer_stack_set_significance: FFN groups of sig_group neurons); its rows are
+     * backend memory, grown with the batch */
+    ft_layer_recorder rec;
+    size_t rec_bytes;
+    int64_t sig_group;
+    int sig_valid;                      /* rec.rows holds the last backward's */
     stack_view *views;
     size_t n_views;
     ft_layer_weights *w, *gw;           /* per layer */
@@ -209,7 +228,7 @@ static void bind_weights(ft_layer_weights *w, float *base, const size_t off[12])
 }
 
 static size_t stack_bytes_now(const ft_layer_stack *s) {
-    return 2 * (s->n_params + s->extra) * sizeof(float) + s->arena_bytes + s->ws_bytes + s->sig_bytes;
+    return 2 * (s->n_params + s->extra) * sizeof(float) + s->arena_bytes + s->ws_bytes + s->rec_bytes;
 }
 
 void ft_layer_stack_free(ft_layer_stack *s) {
@@ -219,7 +238,9 @@ void ft_layer_stack_free(ft_layer_stack *s) {
         if (s->grads) s->be->free(s->be, s->grads);
         if (s->arena) s->be->free(s->be, s->arena);
         if (s->ws) s->be->free(s->be, s->ws);
+        if (s->rec.rows) s->be->free(s->be, s->rec.rows);
     }
+    s->rec.release(&s->rec);
     free(s->views);
     free(s->w);
     free(s->gw);
@@ -297,6 +318,7 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
         return ft_error(FT_ERR_UNSUPPORTED, "in-place activation needs GELU or ReLU");
     ft_layer_stack *s = calloc(1, sizeof *s);
     if (!s) return ft_error(FT_ERR_NOMEM, "out of memory");
+    ft_layer_recorder_none(&s->rec);
     s->cfg = e->cfg;
     s->opt = *opt;
     s->first = first;
@@ -488,9 +510,8 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     s->batch = (ft_layer_batch){&s->cfg, training ? &s->opt : NULL, N, B, P, s->seqs, seed, step, row_base, sq_base};
     ft_layer_batch bt = s->batch;
     bt.opt = training ? &s->opt : &inference;
-    if (training && s->sig_group) {   /* per-row significance of this batch, filled by the backward */
-        FT_TRY(grow(s, (void **)&s->sig, &s->sig_bytes, (size_t)N * (size_t)s->sig_ld * sizeof(float)));
-    }
+    if (training)   /* the recorder's rows of this batch, filled by the backward (none: 0 bytes) */
+        FT_TRY(grow(s, (void **)&s->rec.rows, &s->rec_bytes, (size_t)N * (size_t)s->rec.ld * sizeof(float)));
     for (int64_t l = 0; l < s->count; l++) {
         s->acts[l].x = l ? s->acts[l - 1].out : x;
         FT_TRY(ft_layer_forward_train(s->be, &bt, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work));
@@ -510,19 +531,9 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
     const int64_t N = s->batch.N, C = s->cfg.hidden_size;
     FT_TRY(s->be->copy(s->be, s->work.g, dout, (size_t)N * (size_t)C * sizeof(float)));
     if (loss_scale != 1.0f) FT_TRY(s->be->scale(s->be, s->work.g, N * C, loss_scale));
-    /* significance columns: the stack's heads, then its FFN groups, then two per layer */
-    int64_t head_col = 0, ffn_col = 0;
-    for (int64_t l = 0; l < s->count; l++) ffn_col += s->shape[l].heads;
-    const int64_t layer_col0 = s->sig_ld - 2 * s->count;
-    for (int64_t l = 0; l < s->count; l++) {   /* each layer's first columns */
-        if (l == s->count - 1) break;
-        head_col += s->shape[l].heads;
-        ffn_col += s->sig_group ? s->shape[l].inter / s->sig_group : 0;
-    }
     for (int64_t l = s->count - 1; l >= 0; l--) {
-        ft_layer_significance sg = {s->sig, s->sig_ld, head_col, ffn_col, layer_col0 + 2 * l, s->sig_group};
         FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work,
-                                 &s->gw[l], l > 0 || dx != NULL, s->sig_group ? &sg : NULL));
+                                 &s->gw[l], l > 0 || dx != NULL, &s->rec));
         if (loss_scale != 1.0f)
             FT_TRY(s->be->scale(s->be, s->grads + s->layer_start[l], (int64_t)(s->layer_start[l + 1] - s->layer_start[l]),
                                 1.0f / loss_scale));
@@ -530,15 +541,11 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
             FT_TRY(s->be->synchronize(s->be));
             done(arg, l);
         }
-        if (l > 0) {
-            head_col -= s->shape[l - 1].heads;
-            ffn_col -= s->sig_group ? s->shape[l - 1].inter / s->sig_group : 0;
-        }
     }
     if (loss_scale != 1.0f && dx) FT_TRY(s->be->scale(s->be, s->work.g, N * C, 1.0f / loss_scale));
     if (dx) FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
     s->ready = 0;
-    s->sig_valid = s->sig_group != 0;
+    s->sig_valid = 1;
     return s->be->synchronize(s->be);
 }
 
@@ -622,41 +629,21 @@ void ft_layer_stack_layer_shape(const ft_layer_stack *s, int64_t i, int64_t *hea
 
 ft_status ft_layer_stack_set_significance(ft_layer_stack *s, int64_t ffn_group) {
     if (ffn_group < 0) return ft_error(FT_ERR_INVALID_ARGUMENT, "significance: FFN group size %lld", (long long)ffn_group);
-    int64_t cols = 2 * s->count;
-    for (int64_t l = 0; l < s->count; l++) {
-        if (ffn_group && s->shape[l].inter % ffn_group)
-            return ft_error(FT_ERR_INVALID_ARGUMENT, "significance: FFN group size %lld does not divide layer %lld's "
-                            "intermediate size %lld", (long long)ffn_group, (long long)(s->first + l),
-                            (long long)s->shape[l].inter);
-        cols += s->shape[l].heads + (ffn_group ? s->shape[l].inter / ffn_group : 0);
-    }
+    ft_layer_recorder rec;
+    if (ffn_group) FT_TRY(ft_significance_recorder(&rec, s->shape, s->first, s->count, ffn_group));
+    else ft_layer_recorder_none(&rec);
+    if (s->rec.rows) s->be->free(s->be, s->rec.rows);
+    s->rec.release(&s->rec);
+    s->rec = rec;
+    s->rec_bytes = 0;
     s->sig_group = ffn_group;
-    s->sig_ld = ffn_group ? cols : 0;
-    s->ready = s->sig_valid = 0;   /* a forward made before this has no significance buffer: forward again */
+    s->ready = s->sig_valid = 0;   /* a forward made before this has no rows to record into: forward again */
     return FT_OK;
 }
 
 ft_status ft_layer_stack_significance(ft_layer_stack *s, float *heads, float *ffn, float *layers) {
     if (!s->sig_group) return ft_error(FT_ERR_INVALID_ARGUMENT, "significance: not recorded (set_significance first)");
-    const int64_t B = s->batch.B, N = s->batch.N, ld = s->sig_ld;
-    if (B < 1 || !s->sig_valid)
+    if (s->batch.B < 1 || !s->sig_valid)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "significance: no backward since the last training forward");
-    float *rows = malloc((size_t)N * (size_t)ld * sizeof(float) + 1);
-    if (!rows) return ft_error(FT_ERR_NOMEM, "out of memory");
-    ft_status st = s->be->download(s->be, rows, s->sig, (size_t)N * (size_t)ld * sizeof(float));
-    int64_t nh = 0, ng = 0;
-    for (int64_t l = 0; l < s->count; l++) nh += s->shape[l].heads, ng += s->shape[l].inter / s->sig_group;
-    for (int64_t b = 0; st == FT_OK && b < B; b++) {
-        const int64_t first = s->seqs[3 * b], n = s->seqs[3 * b + 1];
-        for (int64_t j = 0; j < ld; j++) {   /* each column summed over the sequence's rows, in row order */
-            double acc = 0.0;
-            for (int64_t r = first; r < first + n; r++) acc += rows[r * ld + j];
-            if (j < nh) { if (heads) heads[b * nh + j] = (float)acc; }
-            else if (j < nh + ng) { if (ffn) ffn[b * ng + j - nh] = (float)acc; }
-            else if (layers && (j - nh - ng) % 2 == 0) layers[b * s->count + (j - nh - ng) / 2] = (float)acc;
-            else if (layers) layers[b * s->count + (j - nh - ng) / 2] -= (float)acc;
-        }
-    }
-    free(rows);
-    return st;
+    return ft_significance_sums(&s->rec, s->be, s->seqs, s->batch.B, s->batch.N, heads, ffn, layers);
 }

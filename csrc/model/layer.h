@@ -64,20 +64,35 @@ typedef struct {
 void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, const ft_layer_shape *sh, int64_t N,
                          int64_t P, size_t sizes[FT_LAYER_ACT_KINDS]);
 
-/* First-order significance recorded by a backward (ft_layer_stack_set_significance): per row, the
- * gradient x activation of each head, FFN group and the layer's residual branch, into sig (N rows
- * of ld floats) at these columns */
-typedef struct {
-    float *sig;
-    int64_t ld, head_col, ffn_col, layer_col, ffn_group;
-} ft_layer_significance;
+/* What a layer's backward hands over at three points -- the gradient of its output with its output
+ * and input, of its FFN activations with them, of its attention output with it -- to a recorder the
+ * stack picks once (ft_layer_stack_set_significance), never tested per call: the calls of
+ * ft_layer_recorder_none's do nothing; model/significance.c's record first-order significance.
+ * `layer` is the encoder's layer index; a recorder writes into rows, N rows of ld floats (backend
+ * memory the stack grows with each training forward; ld 0: nothing kept). */
+typedef struct ft_layer_recorder ft_layer_recorder;
+struct ft_layer_recorder {
+    void *self;          /* the recorder's own state */
+    int64_t ld;
+    float *rows;
+    ft_status (*output)(const ft_layer_recorder *r, ft_backend *be, int64_t layer, const float *dout,
+                        const float *out, const float *x, int64_t N, int64_t C);
+    ft_status (*ffn)(const ft_layer_recorder *r, ft_backend *be, int64_t layer, const float *dact,
+                     const float *act, int64_t N, int64_t I);
+    ft_status (*heads)(const ft_layer_recorder *r, ft_backend *be, int64_t layer, const float *dctx,
+                       const float *ctx, int64_t N, int64_t A, int64_t NH);
+    void (*release)(ft_layer_recorder *r);   /* frees self (not rows: the stack's) */
+};
+
+/* r = the recorder that records nothing (ld 0) */
+void ft_layer_recorder_none(ft_layer_recorder *r);
 
 /* out = layer(x): keeps what the backward needs in `acts` (x is acts->x) */
 ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
                                  const ft_layer_weights *w, ft_layer_acts *acts, const ft_layer_work *work);
-/* work->g holds d out on entry and d x on exit (want_dx; else partial); grads overwritten; sig: NULL,
- * or where the significance of this layer's components goes */
+/* work->g holds d out on entry and d x on exit (want_dx; else partial); grads overwritten; rec: the
+ * stack's recorder (never NULL) */
 ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
                             const ft_layer_weights *w, const ft_layer_acts *acts, const ft_layer_work *work,
-                            const ft_layer_weights *grads, int want_dx, const ft_layer_significance *sig);
+                            const ft_layer_weights *grads, int want_dx, const ft_layer_recorder *rec);
 #endif

@@ -150,7 +150,7 @@ static PyObject *py_head_step(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     ft_head_config cfg;
     if (!parse_head(cfg_o, &cfg)) return NULL;
-    const int qa = cfg.kind == FT_HEAD_QA;
+    const int mask = (ft_head_needs(&cfg) & FT_HEAD_NEEDS_MASK) != 0;
     if (!PyArray_Check(lo) || PyArray_TYPE((PyArrayObject *)lo) != NPY_INT32 || PyArray_NDIM((PyArrayObject *)lo) != 1 ||
         !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)lo) || PyArray_SIZE((PyArrayObject *)lo) < 1)
         return ft_py_fail(ft_errors.input_type, "lengths must be a non-empty 1-d int32 NumPy array (host memory)");
@@ -165,7 +165,7 @@ static PyObject *py_head_step(PyObject *self, PyObject *args, PyObject *kw) {
     const ft_dtype tdt = ft_head_float_targets(&cfg) ? FT_F32 : FT_I32;
     ft_py_buf p, x, t, v, z, g, dx, ws;
     if (!ft_py_get_buf(po, "params", -1, FT_F32, 0, 0, &p) || !ft_py_get_buf(xo, "x", -1, FT_F32, 0, 0, &x) ||
-        !ft_py_get_buf(to, "targets", -1, tdt, 0, 1, &t) || !ft_py_get_buf(vo, "valid", -1, FT_F32, 0, !qa, &v) ||
+        !ft_py_get_buf(to, "targets", -1, tdt, 0, 1, &t) || !ft_py_get_buf(vo, "valid", -1, FT_F32, 0, !mask, &v) ||
         !ft_py_get_buf(zo, "logits", -1, FT_F32, 1, 0, &z) || !ft_py_get_buf(go, "grads", -1, FT_F32, 1, 1, &g) ||
         !ft_py_get_buf(dxo, "dx", -1, FT_F32, 1, 1, &dx) || !ft_py_get_buf(wso, "workspace", -1, FT_F32, 1, 1, &ws))
         return NULL;
@@ -173,7 +173,7 @@ static PyObject *py_head_step(PyObject *self, PyObject *args, PyObject *kw) {
     const int64_t nloss = ft_head_loss_count(&cfg, B, N);
     struct { ft_py_buf *b; const char *what; int64_t need; } want[] = {
         {&p, "params", np_}, {&x, "x", N * C}, {&t, "targets", ft_head_target_count(&cfg, B, N)},
-        {&v, "valid", qa ? N : 0}, {&z, "logits", ft_head_logits_count(&cfg, B, N)}, {&g, "grads", np_},
+        {&v, "valid", mask ? N : 0}, {&z, "logits", ft_head_logits_count(&cfg, B, N)}, {&g, "grads", np_},
         {&dx, "dx", N * C}};
     ft_device dev = cpu_device;
     int dev_set = 0;
@@ -301,4 +301,29 @@ static PyMethodDef train_methods[] = {
     {"head_workspace", py_head_workspace, METH_VARARGS, "Floats of head_step's workspace for a shape and buffers."},
     {NULL, NULL, 0, NULL}};
 
-int ft_py_add_train_functions(PyObject *m) { return PyModule_AddFunctions(m, train_methods); }
+/* HEAD_KINDS {name: (code, needs: FT_HEAD_NEEDS_* as {"rows": bool, "mask": bool})}, from FT_HEAD_KINDS */
+static int add_head_kinds(PyObject *m) {
+    PyObject *d = PyDict_New();
+    if (!d) return -1;
+    for (int k = 0; k < FT_HEAD_KIND_END_; k++) {
+        const char *name = ft_head_kind_name(k);
+        if (!name) continue;
+        const ft_head_config probe = {.kind = (ft_head_kind)k};
+        const unsigned needs = ft_head_needs(&probe);
+        PyObject *v = Py_BuildValue("(i{sOsO})", k, "rows", (needs & FT_HEAD_NEEDS_ROWS) ? Py_True : Py_False, "mask",
+                                    (needs & FT_HEAD_NEEDS_MASK) ? Py_True : Py_False);
+        if (!v || PyDict_SetItemString(d, name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    const int r = PyModule_AddObjectRef(m, "HEAD_KINDS", d);
+    Py_DECREF(d);
+    return r;
+}
+
+int ft_py_add_train_functions(PyObject *m) {
+    return PyModule_AddFunctions(m, train_methods) < 0 ? -1 : add_head_kinds(m);
+}

@@ -1,6 +1,6 @@
 /* Task heads: the part every head shares -- configuration checks, the parameter table, the
  * workspace, target checks at the boundary, dropout keys -- and the dispatch to the kind of head
- * (head_sequence.c, head_token.c, head_span.c). Everything runs over the backend table, so one
+ * (its descriptor, listed in FT_HEAD_KINDS). Everything runs over the backend table, so one
  * head runs on the CPU and CUDA backends alike. */
 #include <math.h>
 #include <stdlib.h>
@@ -10,39 +10,32 @@
 #include "core/status.h"
 #include "head.h"
 
+#define FT_HEAD_ENTRY_(NAME, code, name, desc) [code] = &desc,
+static const head_kind *const KINDS[] = {FT_HEAD_KINDS(FT_HEAD_ENTRY_)};
+#undef FT_HEAD_ENTRY_
+enum { N_KINDS = (int)(sizeof KINDS / sizeof KINDS[0]) };
+
 static const head_kind *kind_of(const ft_head_config *cfg) {
-    switch (cfg->kind) {
-    case FT_HEAD_LINEAR:
-    case FT_HEAD_POOLER: return &ft_head_sequence;
-    case FT_HEAD_TOKEN: return &ft_head_token;
-    case FT_HEAD_QA: return &ft_head_span;
-    }
-    return NULL;
+    const int k = (int)cfg->kind;
+    return k >= 0 && k < N_KINDS ? KINDS[k] : NULL;
 }
+
+const char *ft_head_kind_name(int kind) { return kind >= 0 && kind < N_KINDS && KINDS[kind] ? KINDS[kind]->name : NULL; }
 
 ft_status ft_head_check(const ft_head_config *cfg) {
     if (!cfg) return ft_error(FT_ERR_INVALID_ARGUMENT, "head: no configuration");
-    if (!kind_of(cfg)) return ft_error(FT_ERR_INVALID_ARGUMENT, "head: unknown kind %d", (int)cfg->kind);
+    const head_kind *kd = kind_of(cfg);
+    if (!kd) return ft_error(FT_ERR_INVALID_ARGUMENT, "head: unknown kind %d", (int)cfg->kind);
     if (cfg->hidden < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "head: hidden size must be >= 1, got %lld",
                                          (long long)cfg->hidden);
-    const int seq = cfg->kind == FT_HEAD_LINEAR || cfg->kind == FT_HEAD_POOLER;
     if (cfg->loss != FT_LOSS_XENT && cfg->loss != FT_LOSS_MSE && cfg->loss != FT_LOSS_BCE)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: unknown loss %d", (int)cfg->loss);
-    if (!seq && cfg->loss != FT_LOSS_XENT)
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: token and span heads take the cross-entropy loss only");
-    if (cfg->kind == FT_HEAD_QA && cfg->num_labels != 2)
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: num_labels must be 2 for QA, got %lld", (long long)cfg->num_labels);
-    const int64_t least = cfg->loss == FT_LOSS_XENT ? 2 : 1;
-    if (cfg->num_labels < least)
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: num_labels must be >= %lld%s, got %lld", (long long)least,
-                        least == 2 ? " for classification" : "", (long long)cfg->num_labels);
-    if (seq && cfg->pooling != FT_POOL_MEAN && cfg->pooling != FT_POOL_CLS)
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: a sequence head pools with mean or CLS, got pooling %d",
-                        (int)cfg->pooling);
     if (!(cfg->dropout >= 0.0f && cfg->dropout < 1.0f))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: dropout must lie in [0, 1), got %g", (double)cfg->dropout);
-    return FT_OK;
+    return kd->check(cfg);
 }
+
+unsigned ft_head_needs(const ft_head_config *cfg) { return cfg && kind_of(cfg) ? kind_of(cfg)->needs : 0; }
 
 static size_t tensors(const ft_head_config *cfg, head_tensor t[4]) { return kind_of(cfg)->tensors(cfg, t); }
 static size_t numel(const head_tensor *t) { return (size_t)t->shape[0] * (size_t)(t->ndim == 2 ? t->shape[1] : 1); }
@@ -148,19 +141,20 @@ ft_status ft_head_step(ft_device dev, const ft_head_config *cfg, const float *pa
     FT_TRY(ft_head_check(cfg));
     FT_TRY(check_batch(bt));
     if (!params || !x || !logits) return ft_error(FT_ERR_INVALID_ARGUMENT, "head: missing params, x or logits");
-    if (cfg->kind == FT_HEAD_QA && !valid) return ft_error(FT_ERR_INVALID_ARGUMENT, "QA head: the context mask is required");
+    const head_kind *kd = kind_of(cfg);
+    if ((kd->needs & FT_HEAD_NEEDS_MASK) && !valid)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "%s head: the row mask (valid) is required", kd->name);
     if ((grads || loss) && !targets) return ft_error(FT_ERR_INVALID_ARGUMENT, "head: a loss and gradients need targets");
     if (dx && !grads) return ft_error(FT_ERR_INVALID_ARGUMENT, "head: dx comes with the gradients");
     if (!(scale > 0.0f) || !isfinite(scale))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: the loss scale must be finite and > 0, got %g", (double)scale);
-    if (!bt->seqs_dev && (bt->N != bt->B || cfg->kind == FT_HEAD_QA))
+    if (!bt->seqs_dev && (bt->N != bt->B || (kd->needs & FT_HEAD_NEEDS_ROWS)))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: %s the sequence table in backend memory",
-                        cfg->kind == FT_HEAD_QA ? "spans need" : "several rows per sequence need");
+                        bt->N != bt->B ? "several rows per sequence need" : "this kind of head needs");
     ft_backend *be = NULL;
     FT_TRY(ft_backend_for(dev, &be));
     if (!be->softmax_xent || !be->dropout || !be->span_xent)
         return ft_error(FT_ERR_UNSUPPORTED, "the %s backend has no training ops", be->name);
-    const head_kind *kd = kind_of(cfg);
     if (targets && check) FT_TRY(check_targets(be, kd, cfg, bt, targets, valid));
 
     const int drop = training && cfg->dropout > 0.0f;

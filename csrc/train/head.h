@@ -22,20 +22,44 @@ typedef struct {
     float *ws;                 /* the step's workspace (kind->workspace floats) */
 } head_call;
 
+/* A kind of head: a descriptor, one per csrc/train/head_<name>.c, listed once in FT_HEAD_KINDS
+ * (fasttran.h). Nothing outside a head's own file asks which kind it is: the shared code reads
+ * these fields. */
 typedef struct {
+    const char *name;
+    unsigned needs;            /* FT_HEAD_NEEDS_* */
+    /* the kind's own rules for a configuration (num_labels, loss, pooling); the shared ones (hidden,
+     * dropout, loss and pooling codes) are checked before */
+    ft_status (*check)(const ft_head_config *cfg);
     /* tensors in buffer order; returns the count (at most 4) */
     size_t (*tensors)(const ft_head_config *cfg, head_tensor out[4]);
     int64_t (*logits_count)(const ft_head_config *cfg, int64_t B, int64_t N);
     int64_t (*loss_count)(const ft_head_config *cfg, int64_t B, int64_t N);
     int64_t (*target_count)(const ft_head_config *cfg, int64_t B, int64_t N);
     size_t (*workspace)(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop);
-    /* the targets of a host copy against the head's rules (valid: host copy for QA) */
+    /* the targets of a host copy against the head's rules (valid: host copy when the kind needs it) */
     ft_status (*check_targets)(const ft_head_config *cfg, const ft_head_batch *bt, const void *targets,
                                const float *valid);
     ft_status (*step)(ft_backend *be, const head_call *c);
 } head_kind;
 
-extern const head_kind ft_head_sequence, ft_head_token, ft_head_span;
+#define FT_HEAD_DECLARE_(NAME, code, name, desc) extern const head_kind desc;
+FT_HEAD_KINDS(FT_HEAD_DECLARE_)
+#undef FT_HEAD_DECLARE_
+
+/* The pooled sequence head (head_sequence.c), shared by the heads that score pooled sequences:
+ *   pooled (B, C) = mean / CLS row of each sequence (x itself when N == B); with `pooler`, BERT's
+ *   h = tanh(dropout(pooled) W1^T + b1); logits (B, K) = dropout(h or pooled) W^T + b.
+ * Tensors: [pooler.dense.weight (C, C), pooler.dense.bias (C),] classifier.weight (K, C),
+ * classifier.bias (K). `loss` computes the loss terms from c->logits (B, K) and, when dlogits is
+ * not NULL, d logits; the step then runs the backward from them. */
+typedef ft_status (*head_loss_fn)(ft_backend *be, const head_call *c, float *dlogits);
+size_t ft_head_pooled_tensors(const ft_head_config *cfg, int pooler, int64_t K, head_tensor out[4]);
+size_t ft_head_pooled_workspace(const ft_head_config *cfg, int pooler, int64_t K, int64_t B, int64_t N, int grads,
+                                int dx, int drop);
+ft_status ft_head_pooled_step(ft_backend *be, const head_call *c, int pooler, int64_t K, head_loss_fn loss);
+/* the checks every head that pools shares (pooling mean or CLS) */
+ft_status ft_head_check_pooling(const ft_head_config *cfg);
 
 /* logits (R, K) = in (R, C) W^T + b */
 ft_status ft_head_linear_forward(ft_backend *be, float *logits, const float *in, const float *W, const float *b,

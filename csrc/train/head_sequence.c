@@ -2,21 +2,23 @@
  * C hidden, K outputs).
  *   pooled (B, C) = mean (or CLS: first) row of each sequence of x (N, C), or x itself when every
  *                   sequence has one row (features pooled by the cache)
- *   FT_HEAD_LINEAR: logits (B, K) = dropout(pooled) W^T + b                    W (K, C), b (K)
- *   FT_HEAD_POOLER: h = tanh(dropout(pooled) W1^T + b1); logits = dropout(h) W^T + b   W1 (C, C)
+ *   linear: logits (B, K) = dropout(pooled) W^T + b                            W (K, C), b (K)
+ *   pooler: h = tanh(dropout(pooled) W1^T + b1); logits = dropout(h) W^T + b   W1 (C, C)
  *   loss: softmax cross-entropy (labels (B)), squared error (regression: targets (B, K)) or binary
  *   cross-entropy per label (multi-label: targets (B, K) in [0, 1]), each term times `scale`.
- * Backward in reverse, the dropout masks recomputed; d x = the pooling's backward. */
+ * Backward in reverse, the dropout masks recomputed; d x = the pooling's backward.
+ * The pooled step itself (ft_head_pooled_*) is shared with other heads that score pooled
+ * sequences (head.h); this file's two descriptors are the linear and the pooler heads. */
 #include <math.h>
 #include <stdlib.h>
 
 #include "core/status.h"
 #include "head.h"
 
-static size_t tensors(const ft_head_config *cfg, head_tensor out[4]) {
-    const int64_t C = cfg->hidden, K = cfg->num_labels;
+size_t ft_head_pooled_tensors(const ft_head_config *cfg, int pooler, int64_t K, head_tensor out[4]) {
+    const int64_t C = cfg->hidden;
     size_t n = 0;
-    if (cfg->kind == FT_HEAD_POOLER) {
+    if (pooler) {
         out[n++] = (head_tensor){"pooler.dense.weight", 2, {C, C}};
         out[n++] = (head_tensor){"pooler.dense.bias", 1, {C, 0}};
     }
@@ -35,24 +37,26 @@ static int64_t target_count(const ft_head_config *cfg, int64_t B, int64_t N) { r
 /* workspace parts in floats, in order: pooled, dropped input, pooler hidden, its dropout, d pooler
  * input, d pooled, d logits, CLS row counts (int32) */
 enum { P_POOLED, P_DROP, P_H, P_H2, P_DFEAT, P_DPOOLED, P_DLOGITS, P_ONES, P_COUNT };
-static size_t parts(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop, size_t part[P_COUNT]) {
+static size_t parts(const ft_head_config *cfg, int pooler, int64_t K, int64_t B, int64_t N, int grads, int dx, int drop,
+                    size_t part[P_COUNT]) {
     const size_t BC = (size_t)(B * cfg->hidden);
-    const int pool = N != B, pooler = cfg->kind == FT_HEAD_POOLER;
+    const int pool = N != B;
     part[P_POOLED] = pool ? BC : 0;
     part[P_DROP] = drop ? BC : 0;
     part[P_H] = pooler ? BC : 0;
     part[P_H2] = pooler && drop ? BC : 0;
     part[P_DFEAT] = grads && pooler ? BC : 0;
     part[P_DPOOLED] = dx && pool ? BC : 0;
-    part[P_DLOGITS] = grads ? (size_t)(B * cfg->num_labels) : 0;
+    part[P_DLOGITS] = grads ? (size_t)(B * K) : 0;
     part[P_ONES] = pool && cfg->pooling == FT_POOL_CLS ? (size_t)B : 0;
     size_t total = 0;
     for (int k = 0; k < P_COUNT; k++) total += part[k];
     return total;
 }
-static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
+size_t ft_head_pooled_workspace(const ft_head_config *cfg, int pooler, int64_t K, int64_t B, int64_t N, int grads,
+                                int dx, int drop) {
     size_t part[P_COUNT];
-    return parts(cfg, B, N, grads, dx, drop, part);
+    return parts(cfg, pooler, K, B, N, grads, dx, drop, part);
 }
 
 static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *bt, const void *targets,
@@ -78,14 +82,14 @@ static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *b
     return FT_OK;
 }
 
-static ft_status step(ft_backend *be, const head_call *c) {
+ft_status ft_head_pooled_step(ft_backend *be, const head_call *c, int pooler, int64_t K, head_loss_fn loss) {
     const ft_head_config *cfg = c->cfg;
     const ft_head_batch *bt = c->bt;
-    const int64_t B = bt->B, N = bt->N, C = cfg->hidden, K = cfg->num_labels;
-    const int pool = N != B, pooler = cfg->kind == FT_HEAD_POOLER, cls = cfg->pooling == FT_POOL_CLS;
+    const int64_t B = bt->B, N = bt->N, C = cfg->hidden;
+    const int pool = N != B, cls = cfg->pooling == FT_POOL_CLS;
     const float p = cfg->dropout;
     size_t part[P_COUNT];
-    parts(cfg, B, N, c->grads != NULL, c->dx != NULL, c->drop, part);
+    parts(cfg, pooler, K, B, N, c->grads != NULL, c->dx != NULL, c->drop, part);
     float *w[P_COUNT], *at = c->ws;
     for (int k = 0; k < P_COUNT; k++) { w[k] = part[k] ? at : NULL; at += part[k]; }
     /* the masks of a slice of a global batch are the global batch's: element index + base */
@@ -126,12 +130,7 @@ static ft_status step(ft_backend *be, const head_call *c) {
     FT_TRY(ft_head_linear_forward(be, c->logits, feat, W, b, B, C, K));
     if (!c->targets) return FT_OK;
     float *dlogits = c->grads ? w[P_DLOGITS] : NULL;
-    if (cfg->loss == FT_LOSS_XENT)
-        FT_TRY(be->softmax_xent(be, c->loss, dlogits, c->logits, NULL, 1, c->targets, B, K, c->scale));
-    else if (cfg->loss == FT_LOSS_MSE)
-        FT_TRY(be->mse_loss(be, c->loss, dlogits, c->logits, c->targets, B * K, c->scale));
-    else
-        FT_TRY(be->bce_logits_loss(be, c->loss, dlogits, c->logits, c->targets, B * K, c->scale));
+    FT_TRY(loss(be, c, dlogits));
     if (!c->grads) return FT_OK;
     /* backward */
     float *gW1 = c->grads, *gb1 = c->grads + C * C;
@@ -152,4 +151,50 @@ static ft_status step(ft_backend *be, const head_call *c) {
     return FT_OK;
 }
 
-const head_kind ft_head_sequence = {tensors, logits_count, loss_count, target_count, workspace, check_targets, step};
+ft_status ft_head_check_pooling(const ft_head_config *cfg) {
+    if (cfg->pooling != FT_POOL_MEAN && cfg->pooling != FT_POOL_CLS)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: a sequence head pools with mean or CLS, got pooling %d",
+                        (int)cfg->pooling);
+    return FT_OK;
+}
+
+/* ---- the linear and pooler heads: K = num_labels outputs, the configured loss ------------------ */
+static ft_status check(const ft_head_config *cfg) {
+    const int64_t least = cfg->loss == FT_LOSS_XENT ? 2 : 1;
+    if (cfg->num_labels < least)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: num_labels must be >= %lld%s, got %lld", (long long)least,
+                        least == 2 ? " for classification" : "", (long long)cfg->num_labels);
+    return ft_head_check_pooling(cfg);
+}
+
+static ft_status configured_loss(ft_backend *be, const head_call *c, float *dlogits) {
+    const int64_t B = c->bt->B, K = c->cfg->num_labels;
+    if (c->cfg->loss == FT_LOSS_XENT)
+        return be->softmax_xent(be, c->loss, dlogits, c->logits, NULL, 1, c->targets, B, K, c->scale);
+    if (c->cfg->loss == FT_LOSS_MSE) return be->mse_loss(be, c->loss, dlogits, c->logits, c->targets, B * K, c->scale);
+    return be->bce_logits_loss(be, c->loss, dlogits, c->logits, c->targets, B * K, c->scale);
+}
+
+static size_t tensors_linear(const ft_head_config *cfg, head_tensor out[4]) {
+    return ft_head_pooled_tensors(cfg, 0, cfg->num_labels, out);
+}
+static size_t tensors_pooler(const ft_head_config *cfg, head_tensor out[4]) {
+    return ft_head_pooled_tensors(cfg, 1, cfg->num_labels, out);
+}
+static size_t workspace_linear(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
+    return ft_head_pooled_workspace(cfg, 0, cfg->num_labels, B, N, grads, dx, drop);
+}
+static size_t workspace_pooler(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
+    return ft_head_pooled_workspace(cfg, 1, cfg->num_labels, B, N, grads, dx, drop);
+}
+static ft_status step_linear(ft_backend *be, const head_call *c) {
+    return ft_head_pooled_step(be, c, 0, c->cfg->num_labels, configured_loss);
+}
+static ft_status step_pooler(ft_backend *be, const head_call *c) {
+    return ft_head_pooled_step(be, c, 1, c->cfg->num_labels, configured_loss);
+}
+
+const head_kind ft_head_linear = {"linear", 0, check, tensors_linear, logits_count, loss_count, target_count,
+                                  workspace_linear, check_targets, step_linear};
+const head_kind ft_head_pooler = {"pooler", 0, check, tensors_pooler, logits_count, loss_count, target_count,
+                                  workspace_pooler, check_targets, step_pooler};

@@ -67,4 +67,12 @@ static ft_status step(ft_backend *be, const head_call *c) {
     return FT_OK;
 }
 
-const head_kind ft_head_span = {tensors, logits_count, two_per_sequence, two_per_sequence, workspace, check_targets, step};
+static ft_status check(const ft_head_config *cfg) {
+    if (cfg->num_labels != 2)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: num_labels must be 2 for QA, got %lld", (long long)cfg->num_labels);
+    if (cfg->loss != FT_LOSS_XENT) return ft_error(FT_ERR_INVALID_ARGUMENT, "head: a QA head takes the cross-entropy loss only");
+    return FT_OK;
+}
+
+const head_kind ft_head_span = {"qa", FT_HEAD_NEEDS_ROWS | FT_HEAD_NEEDS_MASK, check, tensors, logits_count,
+                                two_per_sequence, two_per_sequence, workspace, check_targets, step};

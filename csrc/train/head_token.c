@@ -54,4 +54,12 @@ static ft_status step(ft_backend *be, const head_call *c) {
     return FT_OK;
 }
 
-const head_kind ft_head_token = {tensors, logits_count, rows, rows, workspace, check_targets, step};
+static ft_status check(const ft_head_config *cfg) {
+    if (cfg->loss != FT_LOSS_XENT)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: a token head takes the cross-entropy loss only");
+    return cfg->num_labels >= 2 ? FT_OK : ft_error(FT_ERR_INVALID_ARGUMENT, "head: num_labels must be >= 2 for "
+                                                   "classification, got %lld", (long long)cfg->num_labels);
+}
+
+const head_kind ft_head_token = {"token", FT_HEAD_NEEDS_ROWS, check, tensors, logits_count, rows, rows, workspace,
+                                 check_targets, step};

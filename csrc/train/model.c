@@ -151,7 +151,7 @@ static size_t layout(const ft_model *m, int64_t B, int64_t N, batch_bufs *v, cha
     const size_t ws = ft_head_workspace_floats(h, B, N, 1, layers, 1);
     const size_t sizes[8] = {
         layers ? (size_t)(N * m->C) * 4 : 0, layers ? (size_t)(N * m->C) * 4 : 0, (size_t)(2 * B) * 4,
-        (size_t)ft_head_target_count(h, B, N) * 4, h->kind == FT_HEAD_QA ? (size_t)N * 4 : 0,
+        (size_t)ft_head_target_count(h, B, N) * 4, (ft_head_needs(h) & FT_HEAD_NEEDS_MASK) ? (size_t)N * 4 : 0,
         (size_t)ft_head_logits_count(h, B, N) * 4, (size_t)ft_head_loss_count(h, B, N) * 4, ws * 4};
     size_t o = 0;
     char *at[8];
@@ -221,15 +221,17 @@ static ft_status stage(ft_model *m, const ft_model_batch *b, batch_bufs *v, int6
                             b->lengths[i]);
         N += b->lengths[i];
     }
-    if (m->head.kind == FT_HEAD_QA && !b->valid)
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "model: a QA head needs the context rows (valid)");
+    const unsigned needs = ft_head_needs(&m->head);
+    if ((needs & FT_HEAD_NEEDS_MASK) && !b->valid)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "model: the %s head needs its row mask (valid: QA's context rows)",
+                        ft_head_kind_name((int)m->head.kind));
     FT_TRY(ft_model_reserve(m, b->B, N));
     layout(m, b->B, N, v, m->buf);
     for (int64_t i = 0, f = 0; i < b->B; f += b->lengths[i], i++) {
         m->seqs[i] = (int32_t)f;
         m->seqs[b->B + i] = b->lengths[i];
     }
-    if (N != b->B || m->head.kind == FT_HEAD_QA)   /* pooling and spans read it on the device */
+    if (N != b->B || (needs & FT_HEAD_NEEDS_ROWS))   /* pooling and row heads read it on the device */
         FT_TRY(m->be->upload(m->be, v->seqs, m->seqs, (size_t)(2 * b->B) * sizeof(int32_t)));
     if (b->targets)
         FT_TRY(m->be->upload(m->be, v->targets, b->targets, (size_t)ft_head_target_count(&m->head, b->B, N) * 4));
@@ -249,7 +251,7 @@ static ft_status run(ft_model *m, const ft_model_batch *b, int training, double 
     batch_bufs v = {0};
     int64_t N = 0;
     FT_TRY(stage(m, b, &v, &N));
-    const int on_device = N != b->B || m->head.kind == FT_HEAD_QA;
+    const int on_device = N != b->B || (ft_head_needs(&m->head) & FT_HEAD_NEEDS_ROWS);
     const ft_head_batch hb = {b->B, N, m->seqs, on_device ? v.seqs : NULL, b->row_base, b->seq_base};
     const float *x = b->x;
     if (m->layers) {

@@ -21,7 +21,8 @@ import uuid
 import numpy as np
 
 from .. import _C
-from ..errors import CacheCorruptError, CacheMismatchError, FastTranIOError, InputError
+from ..device import CPU, parse_device
+from ..errors import CacheCorruptError, CacheMismatchError, FastTranIOError, InputError, UnsupportedError
 from . import parallel, persist
 from .layout import (CODECS, POSITIONS, Plan, codec_code, input_fingerprints, model_fingerprint, parse_inputs, row_bytes,
                      rows_of)
@@ -45,7 +46,7 @@ def _check_bytes(name, v):
 
 
 def _check_device_tier(encoder, device_bytes):
-    if device_bytes and (encoder is None or encoder.device == "cpu"):
+    if device_bytes and (encoder is None or not encoder.device.is_cuda):
         where = "no encoder was given" if encoder is None else "this one runs on the CPU"
         raise InputError(f"device_bytes needs an encoder on a CUDA device ({where}): create it with "
                          "Encoder.from_pretrained(..., device='cuda'), or keep the features in host_bytes / disk_dir")
@@ -53,11 +54,7 @@ def _check_device_tier(encoder, device_bytes):
 
 def _device_index(device, what):
     """'cuda' / 'cuda:N' -> N, 'cpu' -> -1"""
-    if device == "cpu":
-        return -1
-    if isinstance(device, str) and (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-        return int(device[5:] or 0)
-    raise InputError(f"{what} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return parse_device(device, what).index
 
 
 def add_error(acc, err):
@@ -109,7 +106,7 @@ class ActivationCache:
         self.host_bytes = host_bytes
         self.device_bytes = device_bytes
         # the CUDA device of the encoder: the device tier's, and where output="device" batches go
-        self.device = encoder.device if encoder is not None and encoder.device != "cpu" else "cpu"
+        self.device = encoder.device if encoder is not None else CPU
         self.example_ids = example_ids
         self._tokens, self._types, self._offsets = tokens, types, offsets
         self._lengths = np.diff(offsets)
@@ -123,7 +120,7 @@ class ActivationCache:
                                     hidden=self.hidden, codec=codec_code(dtype), all_tokens=positions == "all",
                                     layer=self.layer, pooling=_C.POOLINGS["none" if positions == "all" else positions],
                                     recompute_batch=self.batch_size)
-        self._tiers = Tiers(self._store, host_bytes, device_bytes, None if self.device == "cpu" else self.device)
+        self._tiers = Tiers(self._store, host_bytes, device_bytes, self.device if self.device.is_cuda else None)
 
     @classmethod
     def build(cls, encoder, input_ids, attention_mask=None, token_type_ids=None, example_ids=None, layer=-1,
@@ -582,12 +579,37 @@ class ActivationCache:
         return self._store.read(example_ids=example_ids, ragged=bool(ragged), out=out, encoder=self._encoder_core(),
                                 device=output == "device", device_index=index)
 
-    def epoch_order(self, seed=None, shuffle=True, sampling="random", chunk_bytes=None, passes_per_chunk=1):
+    def epoch_order(self, seed=None, shuffle=True, sampling="random", chunk_bytes=None, passes_per_chunk=1, group=1):
         """The example positions of one epoch, in the order :meth:`batches` reads them with the
         same arguments (a pure function of them: the same on every machine)."""
         if sampling not in ("random", "chunked"):
             raise InputError(f"sampling must be 'random' or 'chunked', got {sampling!r}")
+        if self._check_group(group, sampling) > 1:
+            return self._group_order(shuffle, _seed64(seed), group)
         return self._epoch_order(shuffle, _seed64(seed), sampling, chunk_bytes, passes_per_chunk)
+
+    def _check_group(self, group, sampling, world_size=None):
+        """`group` examples that stay together (consecutive in the cache, in order, in one batch):
+        multiple choice's choices of one question"""
+        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+            raise InputError(f"group must be a positive int (examples kept together), got {group!r}")
+        if group > 1:
+            N = len(self.example_ids)
+            if N % group:
+                raise InputError(f"the cache holds {N} examples, not whole groups of {group} (e.g. {group} choices "
+                                 "per question, one after another)")
+            if sampling != "random":
+                raise UnsupportedError(f"sampling={sampling!r} does not keep groups of examples together; use "
+                                       "sampling='random'")
+            if world_size not in (None, 1):
+                raise UnsupportedError("groups of examples (multiple choice) are read by one process: slicing a "
+                                       "global batch over several ranks could split a group")
+        return int(group)
+
+    def _group_order(self, shuffle, seed, group):
+        n = len(self.example_ids) // group
+        first = (_C.epoch_order(seed, n) if shuffle else np.arange(n, dtype=np.int64)) * group
+        return (first[:, None] + np.arange(group, dtype=np.int64)).reshape(-1)
 
     def _epoch_order(self, shuffle, seed, sampling, chunk_bytes, passes_per_chunk):
         N = len(self.example_ids)
@@ -612,7 +634,7 @@ class ActivationCache:
 
     def batches(self, batch_size, shuffle=True, seed=None, drop_last=False, sampling="random", chunk_bytes=None,
                 passes_per_chunk=1, prefetch=None, output="numpy", ragged=False, start=0, device=None, rank=None,
-                world_size=None):
+                world_size=None, group=1):
         """Iterate one epoch: yields (example_ids, batch) with batch as from :meth:`get`. The
         next `prefetch` batches are read ahead on a C thread while the caller computes (None:
         as many as fit in 64 MiB, 2 to 8, so that a reader thread the OS schedules late
@@ -640,7 +662,10 @@ class ActivationCache:
         number in the epoch, `start` included), `size` (its examples: divide a gradient sum by
         it), `offset` (this slice's first position in it), `rows` / `row_offset` (its real
         rows: tokens with positions="all", else examples; and those before this slice) and
-        `longest` (its longest example, in rows)."""
+        `longest` (its longest example, in rows).
+        `group=g`: the cache holds groups of g consecutive examples that stay together, in order
+        (multiple choice: the choices of one question); the order shuffles whole groups and
+        `batch_size` must be a multiple of g (one process only)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
         if sampling not in ("random", "chunked"):
@@ -663,6 +688,14 @@ class ActivationCache:
         if part is not None:
             kw.update(part=part[0], parts=part[1], first_step=int(start))
         N = len(self.example_ids)
+        group = self._check_group(group, sampling, part[1] if part is not None else None)
+        if group > 1:
+            if bs % group:
+                raise InputError(f"batch_size {bs} is not a whole number of groups of {group} examples")
+            order = self._group_order(shuffle, seed, group)
+            if drop_last:
+                order = order[:len(order) // bs * bs]
+            return self._store.reader(order=np.ascontiguousarray(order[int(start) * bs:], np.int64), **kw)
         if shuffle and sampling == "random":   # the permutation is drawn on the reader's thread
             return self._store.reader(order=None, seed=seed, keep=N // bs * bs if drop_last else N,
                                       skip=min(int(start) * bs, N), **kw)

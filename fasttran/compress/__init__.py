@@ -1,4 +1,4 @@
-"""Compress a fine-tuned model (issue 31): significance analysis, structured pruning that makes the
+"""Compress a fine-tuned model: significance analysis, structured pruning that makes the
 model physically smaller, sign-matching attention, a search under an accuracy / latency / size
 budget, and saving, loading and export. The work runs in C (csrc/model/compress.c, the encoder's
 forward masks and per-layer structure, the layer stack's first-order significance, the CPU

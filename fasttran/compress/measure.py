@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from .._info import get_num_threads, set_num_threads
+from .. import get_num_threads, set_num_threads
 
 
 def latency(model, data, batch_size, threads=2, examples=64, repeats=3):

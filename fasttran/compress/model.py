@@ -11,11 +11,10 @@ import os
 
 import numpy as np
 
-from .. import _C
 from ..encoder import ATTENTION_MODES, STRUCTURE_KEYS, Encoder, vocab_map
 from ..errors import CheckpointError, CheckpointNotFoundError, InputError, InputTypeError, UnsupportedError
-from ..heads import ClassificationHead, _Head
-from ..safetensors_io import read_safetensors, write_safetensors
+from ..heads import ClassificationHead, Head
+from ..safetensors_io import crc32c, read_safetensors, write_file, write_safetensors
 
 #: the record of a compressed model directory (files with size and CRC-32C, plan, origin, metrics)
 RECORD = "compression.json"
@@ -143,7 +142,7 @@ class TaskModel:
     @property
     def structure(self):
         """{"layer_heads", "layer_intermediate", "head_attention", "sign_match_keys"} of the encoder"""
-        return self.encoder._core.structure
+        return self.encoder.structure
 
     @property
     def num_layers(self):
@@ -163,21 +162,12 @@ class TaskModel:
     def size_bytes(self):
         """Bytes of the model's weights as stored (encoder + head), what `save` writes besides JSON:
         4 per float32 value; an int8 tensor 1 per value and 4 per row for its scales."""
-        core, n = self.encoder._core, 4 * self.head.num_parameters
-        for i, (name, shape) in enumerate(core.tensors()):
-            if name.startswith("pooler.") and not core.has_pooler:
-                continue
-            values = int(np.prod(shape))
-            n += values + 4 * int(shape[0]) if self.weights == "int8" and core.tensor_scale(i) is not None else 4 * values
-        return n
+        return 4 * self.head.num_parameters + self.encoder.weight_bytes
 
     # ---- inference ---------------------------------------------------------------------------
     def pooled(self, ids, mask, types, **masks):
-        """(B, C) pooled encoder output; `masks`: the encoder core's forward masks (significance)"""
-        hidden, pooled = self.encoder._core.forward(
-            input_ids=ids, attention_mask=mask, token_type_ids=types, layers=(self.num_layers,),
-            pooling=_C.POOLINGS[self.pooling], want_hidden=False, **masks)
-        return pooled[0]
+        """(B, C) pooled encoder output; `masks`: Encoder.forward_masked's (significance)"""
+        return self.encoder.forward_masked(ids, mask, types, layer=self.num_layers, pooling=self.pooling, **masks)
 
     def logits(self, data, batch_size=64, **masks):
         """(n, K) logits of every example of `data` (TaskData), in its order"""
@@ -233,14 +223,13 @@ class TaskModel:
             raise CheckpointError(f"{path}/config.json: fasttran_weights {raw['fasttran_weights']!r}; expected "
                                   "'float32' or 'int8'")
         else:
-            enc._core.load(os.path.join(path, "model.safetensors"), expect_bytes=int(weights.get("bytes", -1)),
-                           expect_crc32c=int(weights.get("crc32c", -1)))
+            enc.load_weights(os.path.join(path, "model.safetensors"), expect=weights or None)
         enc.path = os.path.abspath(path)
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            enc._load_tokenizer(path)
+            enc.load_tokenizer(path)
         if not isinstance(head_cfg, dict) or not isinstance(head_cfg.get("head"), dict):
             raise CheckpointError(f"{path}/head.json: expected {{'head': {{...}}, 'pooling': ...}}")
-        head = _Head.from_config(head_cfg["head"])
+        head = Head.from_config(head_cfg["head"])
         head.load_state_dict(read_safetensors(os.path.join(path, "head.safetensors"), files.get("head.safetensors")))
         origin = record.get("origin") if record else None
         model = cls(enc, head, head_cfg.get("pooling", "mean"), origin=origin,
@@ -265,12 +254,11 @@ class TaskModel:
             files["model.safetensors"] = write_safetensors(os.path.join(path, "model.safetensors"),
                                                            self.encoder.state_dict(), {"format": "fasttran-int8"})
         else:
-            size, crc = self.encoder._core.save(os.path.join(path, "model.safetensors"))
-            files["model.safetensors"] = {"bytes": int(size), "crc32c": int(crc)}
+            files["model.safetensors"] = self.encoder.save_weights(os.path.join(path, "model.safetensors"))
         files["head.safetensors"] = write_safetensors(os.path.join(path, "head.safetensors"), self.head.state_dict(),
                                                       {"format": "fasttran-head"})
         c = self.encoder.config
-        cfg = {k: v for k, v in self.encoder._raw_config.items() if not k.startswith("_")}
+        cfg = {k: v for k, v in self.encoder.raw_config.items() if not k.startswith("_")}
         cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": c["num_hidden_layers"],
                     "add_pooling_layer": self.encoder.has_pooler})
         for k in STRUCTURE_KEYS:
@@ -281,15 +269,15 @@ class TaskModel:
         cfg.pop("fasttran_int8_embeddings", None)
         if self.weights == "int8":
             cfg["fasttran_weights"] = "int8"
-            cfg["fasttran_int8_embeddings"] = bool(self.encoder._core.int8_embeddings)
+            cfg["fasttran_int8_embeddings"] = self.encoder.int8_embeddings
         for name, obj in (("config.json", cfg), ("head.json", {"head": self.head.config(), "pooling": self.pooling})):
             files[name] = _write_json(os.path.join(path, name), obj)
-        tok_dir = getattr(self.encoder, "_tokenizer_dir", None)
+        tok_dir = self.encoder.tokenizer_dir
         for name in _TOKENIZER_FILES if tok_dir else ():
             src = os.path.join(tok_dir, name)
             if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
                 with open(src, "rb") as f:
-                    _C.atomic_write(os.path.join(path, name), [f.read()])
+                    write_file(os.path.join(path, name), f.read())
         _write_json(rec_path, {"format": FORMAT, "files": files, "origin": self.origin, "info": _jsonable(self.info)})
         return path
 
@@ -303,7 +291,7 @@ class TaskModel:
 # ---- origin: the current structure in the original model's numbering ------------------------------
 def identity_origin(encoder):
     """An uncompressed model's origin: every layer, head and neuron its own."""
-    s = encoder._core.structure
+    s = encoder.structure
     return {"layers": list(range(encoder.num_layers)),
             "heads": [list(range(n)) for n in s["layer_heads"]],
             "neurons": [list(range(n)) for n in s["layer_intermediate"]],
@@ -336,21 +324,19 @@ def _with_tokenizer_of(model, encoder):
     """`model` (a TaskModel loaded from a temporary export) tokenizing as `encoder` does, with no path of
     its own (the export is gone)"""
     model.encoder.path = None
-    model.encoder.tokenizer = encoder.tokenizer
-    model.encoder._tokenizer_dir = getattr(encoder, "_tokenizer_dir", None)
+    model.encoder.use_tokenizer_of(encoder)
     return model
 
 
 def _write_json(path, obj):
     data = json.dumps(_jsonable(obj), indent=1, sort_keys=True).encode()
-    size, crc = _C.atomic_write(path, [data])
-    return {"bytes": int(size), "crc32c": int(crc)}
+    return write_file(path, data)
 
 
 def _check_file(path, rec):
     with open(path, "rb") as f:
         data = f.read()
-    if len(data) != int(rec["bytes"]) or _C.crc32c(data) != int(rec["crc32c"]):
+    if len(data) != int(rec["bytes"]) or crc32c(data) != int(rec["crc32c"]):
         raise CheckpointError(f"{path} does not match its record in {RECORD} (size {len(data)} vs {rec['bytes']}, or "
                               "its CRC-32C): the file was changed or damaged after it was saved")
 
@@ -421,18 +407,18 @@ def export_transformers(model, path):
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
-    cfg = {k: v for k, v in enc._raw_config.items() if not k.startswith("_") and k not in STRUCTURE_KEYS}
+    cfg = {k: v for k, v in enc.raw_config.items() if not k.startswith("_") and k not in STRUCTURE_KEYS}
     cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": enc.num_layers,
                 "intermediate_size": I, "num_attention_heads": NH, "torch_dtype": "float32"})
     _write_json(os.path.join(path, "config.json"), cfg)
     write_safetensors(os.path.join(path, "head.safetensors"), model.head.state_dict(), {"format": "fasttran-head"})
     _write_json(os.path.join(path, "head.json"), {"head": model.head.config(), "pooling": model.pooling})
-    tok_dir = getattr(enc, "_tokenizer_dir", None)
+    tok_dir = enc.tokenizer_dir
     for name in _TOKENIZER_FILES if tok_dir else ():
         src = os.path.join(tok_dir, name)
         if os.path.isfile(src):
             with open(src, "rb") as f:
-                _C.atomic_write(os.path.join(path, name), [f.read()])
+                write_file(os.path.join(path, name), f.read())
     return path
 
 
@@ -501,7 +487,7 @@ def quantize(model, embeddings=True):
     be trained or pruned further (prune first, then quantize)."""
     if model.weights == "int8":
         raise InputError("this model is int8 already")
-    head = _Head.from_config(model.head.config())
+    head = Head.from_config(model.head.config())
     head.load_state_dict(model.head.state_dict())
     info = dict(model.info)
     info["weights"] = {"dtype": "int8", "embeddings": bool(embeddings)}
@@ -518,10 +504,8 @@ _INT8_SUFFIXES = ("attention.self.query.weight", "attention.self.key.weight", "a
 def int8_size(model, embeddings=True, vocab_rows=None, int8=True):
     """The size_bytes `quantize(model, embeddings)` would have (float32 model; nothing is made), with
     `vocab_rows` word-embedding rows when given (a vocabulary still to be pruned); int8=False: in float32."""
-    core, n = model.encoder._core, 4 * model.head.num_parameters
-    for name, shape in core.tensors():
-        if name.startswith("pooler.") and not core.has_pooler:
-            continue
+    n = 4 * model.head.num_parameters
+    for name, shape in model.encoder.parameter_shapes():
         values = int(np.prod(shape))
         q = name.endswith(_INT8_SUFFIXES) and name.startswith("encoder.layer.") or (
             embeddings and name == "embeddings.word_embeddings.weight")

@@ -15,9 +15,8 @@ import re
 
 import numpy as np
 
-from ..encoder import ATTENTION_MODES, Encoder
 from ..errors import InputError, InputTypeError
-from ..heads import _Head
+from ..heads import Head
 
 HEAD_ACTIONS = ("prune", "sign_match")
 DEFAULT_SIGN_MATCH_KEYS = 16
@@ -168,27 +167,9 @@ def apply(model, plan):
         return quantize(apply(model, {k: v for k, v in plan.items() if k != "weights"}), embeddings=weights == "int8")
     keep_layers, keep_heads, keep_neurons, modes = _keep_arrays(model, p)
     voc = {"keep_tokens": p["vocab"][0], "unknown_token": p["vocab"][1]} if p["vocab"] else {}
-    core = model.encoder._core.compressed(keep_layers=keep_layers, keep_heads=keep_heads, keep_neurons=keep_neurons,
-                                          head_attention=modes, sign_match_keys=p["keys"], **voc)
-    st = core.structure
-    raw = {k: v for k, v in model.encoder._raw_config.items()}
-    if p["vocab"]:
-        raw["fasttran_vocab_kept"] = np.flatnonzero(p["vocab"][0]).tolist()
-        raw["fasttran_vocab_unknown"] = p["vocab"][1]
-    raw["num_hidden_layers"] = len(st["layer_heads"])
-    raw["fasttran_layer_heads"] = st["layer_heads"]
-    raw["fasttran_layer_intermediate"] = st["layer_intermediate"]
-    per_layer, k = [], 0
-    for n in st["layer_heads"]:
-        per_layer.append([ATTENTION_MODES[m] for m in st["head_attention"][k:k + n]])
-        k += n
-    raw["fasttran_head_attention"] = per_layer
-    if 1 in st["head_attention"]:
-        raw["fasttran_sign_match_keys"] = st["sign_match_keys"]
-    else:
-        raw.pop("fasttran_sign_match_keys", None)
-    enc = Encoder._wrap(core, raw, model.encoder)
-    head = _Head.from_config(model.head.config())
+    enc = model.encoder.compressed_copy(keep_layers=keep_layers, keep_heads=keep_heads, keep_neurons=keep_neurons,
+                                        head_attention=modes, sign_match_keys=p["keys"], **voc)
+    head = Head.from_config(model.head.config())
     head.load_state_dict(model.head.state_dict())
     # the origin of what is kept, in the original model's numbering
     o = model.origin

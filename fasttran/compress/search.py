@@ -72,9 +72,9 @@ def _retrain(model, train, epochs, layers, lr, batch_size, seed, show_progress, 
     classes) logits of the unpruned model on `train`: the layers and the classifier learn to give
     them (mean squared error on the logits, a regression head over the same weights; knowledge
     distillation) instead of the labels."""
-    from ..heads import RegressionHead, _Head
+    from ..heads import Head, RegressionHead
     from ..trainer import Trainer
-    head = _Head.from_config(model.head.config())
+    head = Head.from_config(model.head.config())
     head.load_state_dict(model.head.state_dict())
     targets = train.labels
     if teacher is not None:
@@ -391,9 +391,8 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
 
 def save_result(result, path):
     """The compressed model (TaskModel.save) and, beside it, search.json (budget, measurements, points)."""
-    import json
-    from .. import _C
+    from ..safetensors_io import write_file
     from .model import _jsonable
     result.model.save(path)
-    _C.atomic_write(os.path.join(path, "search.json"), [json.dumps(_jsonable(result.to_dict()), indent=1).encode()])
+    write_file(os.path.join(path, "search.json"), json.dumps(_jsonable(result.to_dict()), indent=1).encode())
     return path

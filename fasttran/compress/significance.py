@@ -20,7 +20,6 @@ import time
 
 import numpy as np
 
-from .. import _C
 from ..errors import InputError, UnsupportedError
 from .._progress import progress
 from .plan import ffn_group_size
@@ -99,17 +98,16 @@ def mask_scores(model, data, group, batch_size=64, show_progress=True):
     """{component: (loss rise, accuracy drop in points)} by switching each off in the forward pass"""
     comps = components(model, group)
     mk = _Masks(model, group)
-    core = model.encoder._core
+    enc = model.encoder
     batches = list(data.batches(batch_size))
-    pool = _C.POOLINGS[model.pooling]
 
     def run(start, hidden, **masks):
         logits = np.empty((len(data), model.head.num_labels), np.float32)
         for k, (idx, ids, mask, types) in enumerate(batches):
             extra = {"start_layer": start, "start_hidden": hidden[k]} if start else {}
-            _, pooled = core.forward(input_ids=ids, attention_mask=mask, token_type_ids=types,
-                                     layers=(model.num_layers,), pooling=pool, want_hidden=False, **extra, **masks)
-            logits[idx] = model.head.step(pooled[0])[0]
+            pooled = enc.forward_masked(ids, mask, types, layer=model.num_layers, pooling=model.pooling, **extra,
+                                        **masks)
+            logits[idx] = model.head.step(pooled)[0]
         return _loss_acc(logits, data.labels)
 
     base_loss, base_acc = run(0, None)
@@ -127,9 +125,7 @@ def mask_scores(model, data, group, batch_size=64, show_progress=True):
                 nxt = []
                 for k, (idx, ids, mask, types) in enumerate(batches):
                     extra = {"start_layer": start, "start_hidden": hidden[k]} if start else {}
-                    h, _ = core.forward(input_ids=ids, attention_mask=mask, token_type_ids=types, layers=(l + 1,),
-                                        pooling=_C.POOLINGS["none"], want_hidden=True, **extra)
-                    nxt.append(h[0])
+                    nxt.append(enc.forward_masked(ids, mask, types, layer=l + 1, **extra))
                 hidden = nxt
     return scores, (base_loss, base_acc)
 
@@ -145,11 +141,11 @@ def gradient_scores(model, data, group, batch_size=32, show_progress=True):
     in the training stack (dropout off)"""
     if model.encoder.device != "cpu":
         raise UnsupportedError("gradient significance runs on the CPU encoder")
-    core = model.encoder._core
-    L, C = model.num_layers, model.encoder.hidden_size
-    stack = _C.LayerStack(core, 0, L, -1, hidden_dropout=0.0, attention_dropout=0.0, inplace_gelu=False,
-                          inplace_layernorm=False, recompute_attention_dropout=True)
-    stack.set_significance(group)
+    from ..finetune import TopLayers
+    L = model.num_layers
+    stack = TopLayers(model.encoder, L, device="cpu", hidden_dropout=0.0, attention_dropout=0.0, inplace_gelu=False,
+                      inplace_layernorm=False, recompute_attention_dropout=True)
+    stack.record_significance(group)
     s = model.structure
     H, G = sum(s["layer_heads"]), sum(n // group for n in s["layer_intermediate"])
     heads, ffn, layers = np.zeros(H), np.zeros(G), np.zeros(L)
@@ -162,15 +158,11 @@ def gradient_scores(model, data, group, batch_size=32, show_progress=True):
             emb = model.encoder.forward(ids, mask, types, output_layers=0)
             lengths = data.lengths[idx].astype(np.int32)
             x = np.ascontiguousarray(emb[mask.astype(bool)])   # real tokens, packed (right padding)
-            out = np.empty_like(x)
-            stack.forward(x, lengths, out, training=True)
-            pooled = np.empty((len(idx), C), np.float32)
-            stack.pool(out, pooled, cls=cls)
+            out = stack.forward(x, lengths, training=True)
+            pooled = stack.pool(out, cls=cls)
             dpooled = np.empty_like(pooled)
             model.head.step(pooled, data.labels[idx], grads=head_grads, dx=dpooled)   # (the head's dx needs its grads)
-            dout = np.empty_like(out)
-            stack.pool_backward(dpooled, dout, cls=cls)
-            stack.backward(dout)
+            stack.backward(stack.pool_backward(dpooled, cls=cls))
             h, f, lay = stack.significance()
             B = len(idx)   # the head's loss is the batch mean: times B, each example's own derivative
             heads += np.abs(B * h.astype(np.float64)).sum(0)

@@ -7,51 +7,66 @@ no task (fasttran.model.Model runs any of them).
     TokenClassificationHead   a label per token (named entities)
     QAHead                    extractive question answering (spans)
 
-One small file each (sequence.py, token.py, span.py) over the C heads of csrc/train/head_*.c; the
-shared parameter table and the Trainer's interface are in base.py.
+One small file each over the C heads of csrc/train/head_*.c; the shared parameter table and the
+Trainer's interface are in base.py. Each head class declares what the rest of fasttran needs to
+know about it -- its task names, default learning rates, main metric, export layout, command-line
+task and reader task -- and registers itself by subclassing `Head`: this package imports every
+module in it, so a new head is one file here (plus its C descriptor), never an entry in a table
+elsewhere.
 """
-from .base import Head, Prepared
-from .sequence import ClassificationHead, MultiLabelHead, RegressionHead
-from .span import QAHead
-from .token import TokenClassificationHead
+import importlib
+import pkgutil
 
-HEADS = {cls.__name__: cls for cls in (ClassificationHead, RegressionHead, MultiLabelHead, TokenClassificationHead,
-                                       QAHead)}
+from .base import REGISTRY, Head, Prepared
+
+for _m in pkgutil.iter_modules(__path__):   # every head module registers its classes
+    if _m.name != "base":
+        importlib.import_module(f"{__name__}.{_m.name}")
+
+from .sequence import ClassificationHead, MultiLabelHead, RegressionHead  # noqa: E402
+from .span import QAHead  # noqa: E402
+from .token import TokenClassificationHead  # noqa: E402
+
+#: head classes by name (the name a checkpoint's head.json records)
+HEADS = {cls.__name__: cls for cls in REGISTRY}
 
 #: the Trainer's task names -> (head class, keyword arguments)
-TASKS = {
-    "classification": (ClassificationHead, {}),
-    "classification-pooler": (ClassificationHead, {"pooler": True}),
-    "regression": (RegressionHead, {}),
-    "multi-label": (MultiLabelHead, {}),
-    "token-classification": (TokenClassificationHead, {}),
-    "qa": (QAHead, {}),
-}
+TASKS = {task: (cls, dict(kw)) for cls in REGISTRY for task, kw in cls.tasks.items()}
 
 _Head = Head   # the name fasttran 0.1 used
 
 
-def make_head(task, hidden_size, targets=None, num_labels=None, dropout=None, seed=0, pooling="mean", pooler=None,
-              label_names=None):
-    """The head for a task name (TASKS), sized from the targets it will train on: num_labels from
-    label_names, else given, else the largest class id + 1 (regression: the score columns)."""
+def head_class(task):
+    """The head class of a task name (TASKS), or an InputError listing them."""
     if task not in TASKS:
         from ..errors import InputError
         raise InputError(f"unknown task {task!r}; choose one of {sorted(TASKS)} or pass a head object")
-    cls, kw = TASKS[task]
-    kw = dict(kw)
-    if pooler is not None and cls in (ClassificationHead, RegressionHead, MultiLabelHead):
-        kw["pooler"] = bool(pooler)
-    if cls is not QAHead:
-        if label_names is not None:
-            kw["label_names"] = label_names
-            num_labels = num_labels or len(label_names)
-        kw["num_labels"] = num_labels or cls.infer_num_labels(targets)
-    if cls in (ClassificationHead, RegressionHead, MultiLabelHead):
-        kw["pooling"] = pooling
-    if dropout is not None:
-        kw["dropout"] = dropout
-    return cls(hidden_size, seed=seed, **kw)
+    return TASKS[task][0]
 
-__all__ = ["make_head", "Head", "Prepared", "ClassificationHead", "RegressionHead", "MultiLabelHead", "TokenClassificationHead",
-           "QAHead", "HEADS", "TASKS"]
+
+def make_head(task, hidden_size, targets=None, num_labels=None, dropout=None, seed=0, pooling="mean", pooler=None,
+              label_names=None, examples=None):
+    """The head for a task name (TASKS), sized from the targets it will train on (for `examples`
+    cache examples): num_labels from label_names, else given, else what the targets need (the head
+    class decides: Head.for_task)."""
+    cls = head_class(task)
+    kw = dict(TASKS[task][1])
+    own = kw.pop("pooler", None)
+    pooler = own if pooler is None else pooler   # an explicit pooler= wins over the task's
+    return cls.for_task(hidden_size, targets, num_labels=num_labels, dropout=dropout, seed=seed, pooling=pooling,
+                        pooler=pooler, label_names=label_names, examples=examples, **kw)
+
+
+def default_lr(optimizer, head="classification", pooler=None):
+    """The default learning rate of an optimizer ('lamb'/'adamw') for a head (a task name or a head
+    object): its class's `default_lrs` (benchmarks/sweep_defaults.py chose them)."""
+    if isinstance(head, Head):
+        return head.default_lr(optimizer)
+    if head not in TASKS:
+        return None
+    cls, kw = TASKS[head]
+    return cls.class_default_lr(optimizer, pooler=bool(kw.get("pooler", pooler)))
+
+
+__all__ = ["make_head", "head_class", "default_lr", "Head", "Prepared", "ClassificationHead", "RegressionHead",
+           "MultiLabelHead", "TokenClassificationHead", "QAHead", "HEADS", "TASKS", "REGISTRY"]

@@ -24,9 +24,23 @@ import numpy as np
 from .. import _C
 from ..errors import InputError, InputTypeError
 
-_KIND = {"linear": 0, "pooler": 1, "qa": 2, "token": 3}
 _LOSS = {"xent": 0, "mse": 1, "bce": 2}
 _POOL = {"cls": 1, "mean": 2}
+
+#: every concrete head class, in the order they were defined (fasttran.heads builds HEADS and TASKS
+#: from it); a class registers itself by naming its `tasks`
+REGISTRY = []
+
+#: The learning rates a classifier-style head (a linear layer, or BERT's pooler + a linear layer, on
+#: frozen features) starts from, per (optimizer, C kind). Chosen by the sweep in
+#: benchmarks/sweep_defaults.py (frozen all-MiniLM-L6-v2; classification heads on all 67,349 SST-2
+#: train sentences and on the 4,000-sentence sample the demo ships; tables in
+#: benchmarks/defaults_sweep.md): the grid value with the best mean dev score over seeds and
+#: training-set sizes (a diverged run scores 0), every other hyper-parameter at its default. LAMB
+#: scales each step by the weight norm, so its rates are far above AdamW's. Regression,
+#: multi-label, token and multiple-choice heads are such a layer too and take these rates.
+CLASSIFIER_LRS = {("lamb", "linear"): 0.02, ("lamb", "pooler"): 0.01, ("adamw", "linear"): 0.01,
+                  ("adamw", "pooler"): 1e-3}
 
 
 class Prepared(NamedTuple):
@@ -38,15 +52,26 @@ class Prepared(NamedTuple):
 
 
 class Head:
-    kind = None         # the C head: "linear", "pooler", "token", "qa"
-    task = None         # the Trainer's task name
+    kind = None         # the C head (fasttran._C.HEAD_KINDS: "linear", "pooler", "token", "qa", ...)
+    task = None         # the Trainer's task name of this class
     takes_tokens = False   # needs every token's state (positions="all"), not pooled features
     main_metric = None  # the metric the progress bar shows
-    _by_name = {}       # the head classes by name, for from_config (filled as each is defined)
+    #: the Trainer's task names this class serves -> keyword arguments (a class without is abstract)
+    tasks = {}
+    #: default learning rates {(optimizer, kind): lr}; `lr_kind` is the kind whose rate this head
+    #: takes (None: its own kind)
+    default_lrs = CLASSIFIER_LRS
+    lr_kind = None
+    #: `fasttran train --task` names -> the fasttran.readers task that reads their files
+    cli_tasks = {}
+    #: examples per item: a head that scores groups of consecutive examples together (multiple
+    #: choice) trains on whole groups; `batch_size` then counts groups
+    group_size = 1
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        Head._by_name.setdefault(cls.__name__, cls)   # the first of a name: fasttran's own, defined at import
+        if "tasks" in cls.__dict__ and cls.tasks:
+            REGISTRY.append(cls)
 
     def __init__(self, hidden_size, num_labels, dropout, seed, init_std, loss="xent", pooling="mean",
                  label_names=None):
@@ -64,7 +89,7 @@ class Head:
         self.num_labels = int(num_labels)
         self.dropout = float(dropout)
         self.loss, self.pooling, self.label_names = loss, pooling, label_names
-        self._cfg = (_KIND[self.kind], self.hidden_size, self.num_labels, self.dropout, _LOSS[loss], _POOL[pooling])
+        self._cfg = (_C.HEAD_KINDS[self.kind][0], self.hidden_size, self.num_labels, self.dropout, _LOSS[loss], _POOL[pooling])
         self._table, total = _C.head_tensors(self._cfg)
         self.params = np.zeros(total, np.float32)
         self.tensors = self.views(self.params)
@@ -101,6 +126,11 @@ class Head:
             raise InputError(f"head state has unknown tensors: {sorted(extra)}")
         return self
 
+    def label_config(self):
+        """transformers' id2label / label2id of this head's labels (LABEL_i without names)"""
+        names = self.label_names or [f"LABEL_{i}" for i in range(self.num_labels)]
+        return {"id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
+
     def config(self):
         cfg = {"head": type(self).__name__, "kind": self.kind, "hidden_size": self.hidden_size,
                "num_labels": self.num_labels, "dropout": self.dropout, "pooling": self.pooling}
@@ -108,10 +138,50 @@ class Head:
             cfg["label_names"] = list(self.label_names)
         return cfg
 
+    # ---- what the rest of fasttran asks of a head class -------------------------------------------
+    @classmethod
+    def for_task(cls, hidden_size, targets=None, num_labels=None, dropout=None, seed=0, pooling="mean", pooler=None,
+                 label_names=None, examples=None, **task_kw):
+        """A head of this class for a task (make_head), trained on `targets` for `examples` cache
+        examples: num_labels from label_names, else given, else what the targets need
+        (infer_num_labels). `pooling` / `pooler` are for the classes that pool (they override this)."""
+        return cls._sized(hidden_size, targets, num_labels, dropout, seed, label_names, task_kw)
+
+    @classmethod
+    def _sized(cls, hidden_size, targets, num_labels, dropout, seed, label_names, kw):
+        kw = dict(kw)
+        if label_names is not None:
+            kw["label_names"] = label_names
+            num_labels = num_labels or len(label_names)
+        kw["num_labels"] = num_labels or cls.infer_num_labels(targets)
+        if dropout is not None:
+            kw["dropout"] = dropout
+        return cls(hidden_size, seed=seed, **kw)
+
+    @classmethod
+    def class_default_lr(cls, optimizer, pooler=False):
+        """The default learning rate of `optimizer` for heads of this class (`pooler`: the variant with
+        BERT's pooler, for classes that have one)."""
+        kind = cls.lr_kind or ("pooler" if pooler and ("lamb", "pooler") in cls.default_lrs else cls.kind or "linear")
+        key = (str(optimizer).lower(), kind)
+        if key not in cls.default_lrs:
+            raise InputError(f"no default learning rate for optimizer {optimizer!r} and head {cls.__name__}")
+        return cls.default_lrs[key]
+
+    def default_lr(self, optimizer):
+        """The default learning rate of `optimizer` for this head."""
+        return type(self).class_default_lr(optimizer, pooler=self.kind == "pooler")
+
+    def export_layout(self):
+        """Where fasttran.export puts this head: (layout, transformers architecture or None,
+        config entries, {transformers tensor name: head tensor name}); architecture None: the
+        sentence-transformers layout (Pooling, then Dense modules)."""
+        return "sentence-transformers", None, {}, {}
+
     @staticmethod
     def from_config(cfg):
         """The head a config() describes (also the configs of fasttran 0.1 checkpoints)."""
-        heads = Head._by_name
+        heads = {cls.__name__: cls for cls in REGISTRY}   # (not fasttran.heads.HEADS: that package imports this file)
         name = cfg.get("head")
         if name not in heads:   # fasttran 0.1 named only the kind
             name = "QAHead" if cfg.get("kind") == "qa" else "ClassificationHead"
@@ -150,6 +220,19 @@ class Head:
     def predict(self, outputs, targets=None):
         raise NotImplementedError
 
+    def logits(self, outputs):
+        """the raw scores of every example (Trainer.predict(output='logits'))"""
+        return outputs
+
+    def probabilities(self, outputs):
+        """what the loss reads the scores as (Trainer.predict(output='probabilities'))"""
+        from ..errors import UnsupportedError
+        raise UnsupportedError(f"a {self.task} head gives scores, not probabilities: use output='logits'")
+
+    def per_word(self, predictions, words, output):
+        """token predictions back to words (Trainer.predict(words=...)); only token heads have them"""
+        raise InputError(f"words= is for token heads: a {self.task} head predicts per example")
+
     def check_features(self, cache):
         """Refuse features this head cannot read (an InputError saying which it needs)."""
         if self.takes_tokens and cache.positions != "all":
@@ -182,9 +265,12 @@ class Head:
         return logits, loss
 
     def __repr__(self):
-        extra = "" if self.kind in ("qa",) else f", pooling={self.pooling!r}"
+        extra = self._repr_extra()
         return (f"{type(self).__name__}(kind={self.kind!r}, hidden_size={self.hidden_size}, "
                 f"num_labels={self.num_labels}, dropout={self.dropout}{extra}, parameters={self.num_parameters:,})")
+
+    def _repr_extra(self):
+        return f", pooling={self.pooling!r}"
 
     def _repr_html_(self):
         rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{tuple(t.shape)}</td></tr>" for n, t in self.tensors.items())

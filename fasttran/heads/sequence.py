@@ -21,6 +21,7 @@ class _SequenceHead(Head):
     loss_name = None
     least_labels = 2   # classes; regression and multi-label take one column or more
     default_labels = 2
+    problem_type = None   # transformers' config.problem_type of the export
 
     def __init__(self, hidden_size, num_labels=None, pooler=False, dropout=0.1, seed=0, init_std=0.02, pooling="mean",
                  label_names=None):
@@ -36,6 +37,23 @@ class _SequenceHead(Head):
     @property
     def pooler(self):
         return self.kind == "pooler"
+
+    @classmethod
+    def for_task(cls, hidden_size, targets=None, num_labels=None, dropout=None, seed=0, pooling="mean", pooler=None,
+                 label_names=None, examples=None, **task_kw):
+        if pooler is not None:
+            task_kw["pooler"] = bool(pooler)
+        return cls._sized(hidden_size, targets, num_labels, dropout, seed, label_names, dict(task_kw, pooling=pooling))
+
+    def export_layout(self):
+        """BERT's pooler on the [CLS] row + classifier: transformers' BertForSequenceClassification;
+        any other pooling or no pooler has no transformers class: sentence-transformers' layout."""
+        if not (self.pooler and self.pooling == "cls"):
+            return super().export_layout()
+        names = ("pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias")
+        return ("sequence-classification", "BertForSequenceClassification",
+                dict(self.label_config(), num_labels=self.num_labels, problem_type=self.problem_type),
+                {("bert." + n if n.startswith("pooler.") else n): n for n in names})
 
     def config(self):
         return dict(super().config(), task=self.task)
@@ -84,6 +102,13 @@ def _numbers(values, what, want, fix=""):
     return y
 
 
+def softmax(z, axis=-1):
+    """float32 softmax of float scores along `axis` (-inf: probability 0), computed in float64"""
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max(axis, keepdims=True))
+    return (e / e.sum(axis, keepdims=True)).astype(np.float32)
+
+
 def _where(example_ids, i):
     return f"of example {int(example_ids[i])}" if example_ids is not None else f"at position {int(i)}"
 
@@ -92,7 +117,10 @@ class ClassificationHead(_SequenceHead):
     """dropout -> linear (pooler=False), or dropout -> dense -> tanh -> dropout -> linear (pooler=True,
     BERT's pooler + classifier) on the pooled state; softmax cross-entropy over num_labels classes."""
     task = "classification"
+    tasks = {"classification": {}, "classification-pooler": {"pooler": True}}
+    cli_tasks = {"classification": "classification", "pair": "classification"}
     loss_name = "xent"
+    problem_type = "single_label_classification"
     main_metric = "accuracy"
 
     @classmethod
@@ -135,6 +163,10 @@ class ClassificationHead(_SequenceHead):
     def predict(self, outputs, targets=None):
         return outputs.argmax(1)
 
+    def probabilities(self, outputs):
+        """(examples, classes) softmax"""
+        return softmax(outputs)
+
     def evaluate(self, outputs, targets, prep=None):
         """accuracy, F1 (binary: of class 1; else macro), Matthews correlation and the loss"""
         y = prep.targets if prep is not None and prep.targets is not None else self.check_targets(targets, len(outputs))
@@ -151,7 +183,10 @@ class RegressionHead(_SequenceHead):
     """A score per example (num_labels scores; STS-B's similarity is one): linear (or BERT's pooler +
     linear) on the pooled state, mean squared error, as transformers' problem_type='regression'."""
     task = "regression"
+    tasks = {"regression": {}}
+    cli_tasks = {"regression": "regression"}
     loss_name = "mse"
+    problem_type = "regression"
     least_labels = default_labels = 1
     main_metric = "pearson"
 
@@ -201,7 +236,10 @@ class MultiLabelHead(_SequenceHead):
     (transformers' problem_type='multi_label_classification'); label k is predicted where its
     probability exceeds `threshold` (a number, or one per label: see fasttran.metrics.best_thresholds)."""
     task = "multi-label"
+    tasks = {"multi-label": {}}
+    cli_tasks = {"multi-label": "multilabel"}
     loss_name = "bce"
+    problem_type = "multi_label_classification"
     least_labels = 1
     main_metric = "micro_f1"
 
@@ -275,6 +313,10 @@ class MultiLabelHead(_SequenceHead):
     def predict(self, outputs, targets=None):
         """(examples, labels) 0/1"""
         return (1.0 / (1.0 + np.exp(-outputs)) > self.threshold).astype(np.int8)
+
+    def probabilities(self, outputs):
+        """(examples, labels): each label's sigmoid"""
+        return (1.0 / (1.0 + np.exp(-outputs.astype(np.float64)))).astype(np.float32)
 
     def evaluate(self, outputs, targets, prep=None):
         """micro / macro F1 and precision / recall at the head's threshold, subset accuracy, loss"""

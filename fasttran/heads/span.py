@@ -28,6 +28,9 @@ class QAHead(Head):
     context tokens only (`valid`); cross-entropy averaged over start and end."""
     kind = "qa"
     task = "qa"
+    tasks = {"qa": {}}
+    #: measured by benchmarks/sweep_defaults.py on a SQuAD v1.1 subset (see CLASSIFIER_LRS)
+    default_lrs = {("lamb", "qa"): 0.1, ("adamw", "qa"): 0.01}
     takes_tokens = True
     main_metric = "exact_match"
 
@@ -38,8 +41,20 @@ class QAHead(Head):
     def _from_config(cls, cfg):
         return cls(cfg["hidden_size"], dropout=cfg.get("dropout", 0.0))
 
+    @classmethod
+    def for_task(cls, hidden_size, targets=None, num_labels=None, dropout=None, seed=0, pooling="mean", pooler=None,
+                 label_names=None, examples=None, **task_kw):
+        return cls(hidden_size, seed=seed, **({} if dropout is None else {"dropout": dropout}), **task_kw)
+
+    def export_layout(self):
+        return ("question-answering", "BertForQuestionAnswering", {"num_labels": 2},
+                {"qa_outputs.weight": "qa_outputs.weight", "qa_outputs.bias": "qa_outputs.bias"})
+
     def check_features(self, cache):
         super().check_features(cache)
+
+    def _repr_extra(self):
+        return ""
 
     def prepare(self, cache, targets):
         ctx = context_rows(cache)
@@ -90,6 +105,20 @@ class QAHead(Head):
     def predict(self, outputs, targets=None):
         """per example (start, end) logits, or with the SquadFeatures the answer text per question id"""
         return outputs if targets is None else targets.postprocess(outputs)
+
+    def logits(self, outputs):
+        """(start_logits, end_logits), each (examples, longest) as transformers' QA models give them:
+        -inf outside an example's context and past its tokens"""
+        T = max((o.shape[1] for o in outputs), default=0)
+        out = np.full((2, len(outputs), T), -np.inf, np.float32)
+        for i, o in enumerate(outputs):
+            out[:, i, :o.shape[1]] = o
+        return out[0], out[1]
+
+    def probabilities(self, outputs):
+        """(start, end) probabilities over each example's context tokens, (examples, longest) each"""
+        from .sequence import softmax
+        return tuple(softmax(z) for z in self.logits(outputs))
 
     def evaluate(self, outputs, targets, prep=None):
         """SQuAD exact match and F1 (official normalisation, best over every reference answer);

@@ -21,6 +21,9 @@ class TokenClassificationHead(Head):
     label_names (e.g. ['O', 'B-PER', 'I-PER', ...]) let evaluate() score entities."""
     kind = "token"
     task = "token-classification"
+    tasks = {"token-classification": {}}
+    cli_tasks = {"token": "tokens"}
+    lr_kind = "linear"   # a linear layer like the classifier: its rates
     takes_tokens = True
     main_metric = "f1"
 
@@ -44,6 +47,11 @@ class TokenClassificationHead(Head):
 
     def config(self):
         return dict(super().config(), task=self.task)
+
+    def export_layout(self):
+        return ("token-classification", "BertForTokenClassification",
+                dict(self.label_config(), num_labels=self.num_labels),
+                {"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"})
 
     def check_features(self, cache):
         super().check_features(cache)
@@ -117,8 +125,41 @@ class TokenClassificationHead(Head):
         return [a for c in chunks for a in c]
 
     def predict(self, outputs, targets=None):
-        """per example, the predicted label id of every token"""
-        return [o.argmax(1) for o in outputs]
+        """(examples, longest) the predicted label id of every token, -100 past an example's tokens:
+        what fasttran.tokens.words_from_tokens takes (or Trainer.predict(..., words=) gives words)"""
+        out = np.full((len(outputs), max((len(o) for o in outputs), default=0)), IGNORE, np.int64)
+        for i, o in enumerate(outputs):
+            out[i, :len(o)] = o.argmax(1)
+        return out
+
+    def logits(self, outputs):
+        """(examples, longest, labels), NaN past an example's tokens"""
+        out = np.full((len(outputs), max((len(o) for o in outputs), default=0), self.num_labels), np.nan, np.float32)
+        for i, o in enumerate(outputs):
+            out[i, :len(o)] = o
+        return out
+
+    def probabilities(self, outputs):
+        """(examples, longest, labels): each token's softmax over the labels, NaN past its tokens"""
+        from .sequence import softmax
+        return softmax(self.logits(outputs))
+
+    def per_word(self, predictions, words, output):
+        """per sentence, one prediction per word (its first sub-token's): label names where the head
+        has them and output='labels', else ids, logits or probabilities (`words`: the
+        fasttran.tokens.WordTokens the cache's inputs came from)"""
+        from ..tokens import words_from_tokens
+        T = int(np.shape(getattr(words, "word_ids", words))[1])
+        p = np.asarray(predictions)
+        if p.shape[1] > T:
+            raise InputError(f"the cache's examples have up to {p.shape[1]} tokens but words has {T} per sentence: "
+                             "pass the WordTokens the cache was built from")
+        pad = [(0, 0), (0, T - p.shape[1])] + [(0, 0)] * (p.ndim - 2)
+        p = np.pad(p, pad, constant_values=IGNORE if output == "labels" else np.nan)
+        out = words_from_tokens(p, words)
+        if output == "labels" and self.label_names is not None:
+            out = [[None if w is None else self.label_names[int(w)] for w in s] for s in out]
+        return out
 
     def evaluate(self, outputs, targets, prep=None):
         """token accuracy over the labelled tokens (each word's first sub-token) and, with label_names,
