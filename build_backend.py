@@ -122,6 +122,81 @@ def find_cublas(cuda_home):
     return None
 
 
+def _site_dirs():
+    """Where installed wheels may be: sys.path, and the installing environment's site-packages
+    (pip's isolated build environment leaves them off sys.path)."""
+    import site
+    import sysconfig
+    dirs = list(sys.path)
+    try:
+        dirs += site.getsitepackages()
+    except AttributeError:   # pragma: no cover - old virtualenv's site module
+        pass
+    venv = os.environ.get("VIRTUAL_ENV")
+    if venv:
+        dirs.append(os.path.join(venv, "lib", "python%d.%d" % sys.version_info[:2], "site-packages"))
+    dirs.append(sysconfig.get_paths()["purelib"])
+    seen, out = set(), []
+    for d in dirs:
+        if d and os.path.isdir(d) and d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+CUDNN_WHEELS = ["nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "nvidia-cuda-nvrtc"]
+
+
+def cudnn_requested():
+    """FASTTRAN_CUDNN=1: the nvcc build also builds cuDNN attention, its wheels (CUDNN_WHEELS) asked
+    of pip as build and run requirements; unset: built when they are already installed; 0: never."""
+    return os.environ.get("FASTTRAN_CUDNN", "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def find_cudnn(cuda_home):
+    """(paths, reason) for cuDNN attention (csrc/cuda/cudnn_att.cpp -> libfasttran_cudnn.so), built
+    beside the nvcc build only where its headers and libraries are installed (never downloaded by
+    the build: `pip install nvidia-cudnn-frontend nvidia-cudnn-cu13 nvidia-cuda-nvrtc` first).
+    paths: include dirs (cudnn-frontend, cuDNN, nvrtc) and the lib dirs of libcudnn.so.9 and
+    libnvrtc; None with the reason when something is missing or FASTTRAN_CUDNN=0."""
+    if os.environ.get("FASTTRAN_CUDNN", "").strip().lower() in ("0", "off", "no", "false"):
+        return None, "FASTTRAN_CUDNN=0"
+
+    def first(candidates, name):
+        for d in candidates:
+            if d and os.path.isfile(os.path.join(d, name)):
+                return d
+        return None
+
+    site = _site_dirs()
+    # FASTTRAN_CUDNN_FRONTEND_INCLUDE: a folder of cudnn-frontend headers (the wheel's include/)
+    frontend = first([os.environ.get("FASTTRAN_CUDNN_FRONTEND_INCLUDE")] + [os.path.join(p, "include") for p in site],
+                     "cudnn_frontend.h")
+    cudnn_inc = first([os.path.join(p, "nvidia", "cudnn", "include") for p in site] +
+                      [os.path.join(cuda_home, "include"), "/usr/include"], "cudnn.h")
+    nvrtc_inc = first([os.path.join(p, "nvidia", "cu13", "include") for p in site] +
+                      [os.path.join(p, "nvidia", "cuda_nvrtc", "include") for p in site] +
+                      [os.path.join(cuda_home, "include")], "nvrtc.h")
+    missing = [name for name, d in (("cudnn_frontend.h (pip install nvidia-cudnn-frontend)", frontend),
+                                    ("cudnn.h (pip install nvidia-cudnn-cu13)", cudnn_inc),
+                                    ("nvrtc.h (pip install nvidia-cuda-nvrtc)", nvrtc_inc)) if not d]
+    if missing:
+        return None, "not found: " + ", ".join(missing)
+    import glob as _glob
+
+    def lib_dir(include_dir, stem):
+        for d in (os.path.join(os.path.dirname(include_dir), "lib"), os.path.join(os.path.dirname(include_dir), "lib64"),
+                  os.path.join(cuda_home, "lib64"), "/usr/lib/x86_64-linux-gnu"):
+            if _glob.glob(os.path.join(d, stem + ".so*")):
+                return d
+        return None
+
+    cudnn_lib, nvrtc_lib = lib_dir(cudnn_inc, "libcudnn"), lib_dir(nvrtc_inc, "libnvrtc")
+    if not cudnn_lib or not nvrtc_lib:
+        return None, "headers found but not " + ("libcudnn.so.9" if not cudnn_lib else "libnvrtc.so")
+    return {"includes": [frontend, cudnn_inc, nvrtc_inc], "cudnn_lib": cudnn_lib, "nvrtc_lib": nvrtc_lib}, "built"
+
+
 def cublas_wheel_name(nvcc):
     major = nvcc_version(nvcc)[0]
     return "nvidia-cublas" if major >= 13 else f"nvidia-cublas-cu{major}"
@@ -130,6 +205,12 @@ def cublas_wheel_name(nvcc):
 def _extra_requires():
     if not want_nvcc_build()[0]:
         return []
+    if cudnn_requested():
+        return _cublas_requires() + CUDNN_WHEELS
+    return _cublas_requires()
+
+
+def _cublas_requires():
     nvcc = find_nvcc()
     if not nvcc:
         return []

@@ -9,6 +9,10 @@ Environment:
                            host C++ compiler against csrc/cuda_emu, for tests on machines without a
                            GPU (loaded only when FASTTRAN_CUDA_EMU=1; never a user-facing device)
   FASTTRAN_CUDA_ARCHS      e.g. "80;90" (SASS for each, plus PTX for the lowest)
+  FASTTRAN_CUDNN=1|0       cuDNN attention (fasttran/libfasttran_cudnn.so, csrc/cuda/cudnn_att.cpp)
+                           beside the nvcc build: 1 asks pip for its wheels (nvidia-cudnn-frontend,
+                           nvidia-cudnn-cu13, nvidia-cuda-nvrtc); unset builds it when they are
+                           already installed in the installing environment; 0 never
   FASTTRAN_MARCH           -march for the CPU code (default: native; "" to omit)
   FASTTRAN_SANITIZE=address  build with AddressSanitizer (tests run with LD_PRELOAD=libasan)
   FASTTRAN_DEBUG=1         -O0 -g
@@ -77,9 +81,12 @@ def cuda_config():
         return None
     archs = os.environ.get("FASTTRAN_CUDA_ARCHS", "80;90")
     archs = [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
+    cudnn, cudnn_reason = cuda_env.find_cudnn(home)
+    if not cudnn:
+        print("fasttran: cuDNN attention not built: " + cudnn_reason, file=sys.stderr)
     return {"nvcc": nvcc, "home": home, "version": "%d.%d" % cuda_env.nvcc_version(nvcc),
             "cublas_include": blas[0], "cublas_lib": blas[1], "cublas_source": blas[2], "archs": archs,
-            "reason": reason}
+            "reason": reason, "cudnn": cudnn, "cudnn_reason": cudnn_reason}
 
 
 def link_flag(libdir, name):
@@ -99,7 +106,8 @@ class FastTranBuildExt(build_ext):
         super().build_extensions()
         out_dir = os.path.join(self.build_lib, "fasttran")
         os.makedirs(out_dir, exist_ok=True)
-        for name, wanted in (("libfasttran_cuda.so", self.cuda), ("libfasttran_cuda_emu.so", self.emu)):
+        for name, wanted in (("libfasttran_cuda.so", self.cuda), ("libfasttran_cuda_emu.so", self.emu),
+                             ("libfasttran_cudnn.so", self.cuda and self.cuda["cudnn"])):
             if not wanted and os.path.exists(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))   # a stale library from an earlier build
         if self.cuda:
@@ -110,7 +118,9 @@ class FastTranBuildExt(build_ext):
 
     def extra_outputs(self):
         """Files we build beside the extension: the CUDA libraries and the build record."""
-        names = ["_build_config.py"] + (["libfasttran_cuda.so"] if getattr(self, "cuda", None) else []) + \
+        cu = getattr(self, "cuda", None)
+        names = ["_build_config.py"] + (["libfasttran_cuda.so"] if cu else []) + \
+            (["libfasttran_cudnn.so"] if cu and cu["cudnn"] else []) + \
             (["libfasttran_cuda_emu.so"] if getattr(self, "emu", False) else [])
         return [os.path.join(self.build_lib, "fasttran", n) for n in names]
 
@@ -121,7 +131,7 @@ class FastTranBuildExt(build_ext):
         # in-place / editable builds: setuptools copies the extension back; our files too
         super().copy_extensions_to_source()
         src_dir = self.get_finalized_command("build_py").get_package_dir("fasttran")
-        for name in ("libfasttran_cuda.so", "libfasttran_cuda_emu.so"):
+        for name in ("libfasttran_cuda.so", "libfasttran_cuda_emu.so", "libfasttran_cudnn.so"):
             stale = os.path.join(src_dir, name)
             if os.path.exists(stale) and not any(p.endswith(name) for p in self.extra_outputs()):
                 os.remove(stale)
@@ -186,9 +196,23 @@ class FastTranBuildExt(build_ext):
             subprocess.run(cmd, check=True)
             return obj
 
+        def compile_cudnn():
+            # cuDNN attention: host C++17 over cudnn-frontend, compiled by nvcc (its host compiler)
+            # into its own library, which libfasttran_cuda.so opens at run time (attention_cudnn.cu)
+            src = os.path.join(CSRC, "cuda", "cudnn_att.cpp")
+            obj = os.path.join(tmp, "cudnn_att.cpp.o")
+            cmd = [cu["nvcc"], "-c", src, "-o", obj, "-std=c++17", "-O2", "-Xcompiler",
+                   "-fPIC,-fvisibility=hidden,-Wno-unused-function", "-I" + os.path.join(CSRC, "cuda"),
+                   *["-I" + d for d in cu["cudnn"]["includes"]], "-I" + cu["cublas_include"]]
+            print(" ".join(cmd))
+            subprocess.run(cmd, check=True)
+            return obj
+
         import concurrent.futures   # one nvcc per source at once: the sources are independent
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            cudnn_obj = pool.submit(compile_cudnn) if cu["cudnn"] else None   # the longest: first
             objs = list(pool.map(compile_one, sources))
+            cudnn_obj = cudnn_obj.result() if cudnn_obj else None
         target = os.path.join(out_dir, "libfasttran_cuda.so")
         cudart_static = os.path.join(cu["home"], "lib64", "libcudart_static.a")
         if not os.path.exists(cudart_static):
@@ -203,6 +227,17 @@ class FastTranBuildExt(build_ext):
                "-ldl", "-lpthread", "-lrt", "-Xlinker", "-rpath=" + ":".join(rpaths)]
         print(" ".join(cmd))
         subprocess.run(cmd, check=True)
+        if cudnn_obj:
+            # libcudnn.so.9 and libnvrtc from their wheels ($ORIGIN/../nvidia/...) or where the build
+            # found them; cudart static, as above
+            dn = cu["cudnn"]
+            rpaths = ["$ORIGIN/../nvidia/cudnn/lib", "$ORIGIN/../nvidia/cu13/lib", dn["cudnn_lib"], dn["nvrtc_lib"]]
+            cmd = [cu["nvcc"], "-shared", "-o", os.path.join(out_dir, "libfasttran_cudnn.so"), cudnn_obj,
+                   cudart_static, "-L" + dn["cudnn_lib"], link_flag(dn["cudnn_lib"], "cudnn"), "-L" + dn["nvrtc_lib"],
+                   link_flag(dn["nvrtc_lib"], "nvrtc"), "-ldl", "-lpthread", "-lrt",
+                   "-Xlinker", "--no-undefined", "-Xlinker", "-rpath=" + ":".join(rpaths)]
+            print(" ".join(cmd))
+            subprocess.run(cmd, check=True)
 
     def write_build_config(self, out_dir):
         cu = self.cuda
@@ -217,6 +252,8 @@ class FastTranBuildExt(build_ext):
             "cuda_version": cu["version"] if cu else None,
             "cuda_archs": cu["archs"] if cu else [],
             "cublas_source": cu["cublas_source"] if cu else None,
+            # cuDNN attention (libfasttran_cudnn.so): "built", or why not
+            "cudnn_attention_build": (cu["cudnn_reason"] if cu else "no nvcc build"),
         }
         with open(os.path.join(out_dir, "_build_config.py"), "w") as f:
             f.write("# generated by setup.py at build time\nBUILD = %r\n" % (cfg,))
@@ -251,6 +288,8 @@ def install_requires():
         nvcc = cuda_env.find_nvcc()
         if nvcc and (cuda_env.find_cublas(os.path.dirname(os.path.dirname(nvcc))) or ("", "", ""))[2] != "toolkit":
             deps.append(cuda_env.cublas_wheel_name(nvcc))
+        if cuda_env.cudnn_requested():   # FASTTRAN_CUDNN=1: cuDNN attention's wheels at run time too
+            deps += cuda_env.CUDNN_WHEELS
     return deps
 
 

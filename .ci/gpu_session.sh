@@ -16,11 +16,18 @@
 #                                      # and benchmarks/train_attention.py (the attention ops alone, per precision)
 #   bash .ci/gpu_session.sh table1     # benchmarks/gpu_table1.py: FastTran's Table 1 (SQuAD, 3,433
 #                                      # features, 5 epochs), then --accuracy (MiniLM, CUDA vs CPU EM/F1)
+#   bash .ci/gpu_session.sh cudnn      # cuDNN attention (tests/test_cudnn_att.py): which attention runs and
+#                                      # why, the host-side graph checks, and cuDNN against transformers'
+#                                      # SDPA (bf16, head size 32, seq % 128 == 64 and length 1; forward,
+#                                      # training forward, deterministic backward twice)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
 #   bash .ci/gpu_session.sh lease      # one call within LEASE_S (540) seconds: the steps of LEASE_STEPS
-#                                      # (default: build test profile sanitize topk cache base large);
+#                                      # (default: build test cudnn profile sanitize topk cache base large);
 #                                      # logs packed in $OUT/gpu-logs.tgz
 #
+# cuDNN attention is built by the build step where the image's nvidia-cudnn-cu13 and nvidia-cuda-nvrtc
+# wheels are installed (torch's) and the cudnn-frontend headers are found: carry the
+# nvidia-cudnn-frontend wheel in .whl, or only its include/ folder as .cudnn-frontend/include (3 MB).
 # Carry: .whl (the scipy-openblas32 wheel for python 3.12, see the device README) and, for the real
 # MiniLM case, .minilm-bf16 (config.json + model.safetensors in bf16 + tokenizer files:
 # FASTTRAN_MINILM_BF16); for table1, .bench-data (squad/train-subset-v1.1.json, squad/dev-v1.1.json).
@@ -39,6 +46,7 @@ export PYTHONPATH=/tmp/site:$PWD
 CUBLAS_WHEEL_LIB=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.path.dirname(p) for s in site.getsitepackages() for p in glob.glob(s + '/nvidia/**/libcublasLt.so*', recursive=True)})))" 2>/dev/null)
 [ -n "$CUBLAS_WHEEL_LIB" ] && export LD_LIBRARY_PATH=$CUBLAS_WHEEL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 [ -d .minilm-bf16 ] && export FASTTRAN_MINILM_BF16=$PWD/.minilm-bf16
+[ -d .cudnn-frontend/include ] && export FASTTRAN_CUDNN_FRONTEND_INCLUDE=$PWD/.cudnn-frontend/include
 CUDA_TESTS="tests/test_backend_ops.py tests/test_cuda.py tests/test_layer_training.py tests/test_cuda_training.py"
 
 phase_build() {
@@ -48,6 +56,15 @@ phase_build() {
     python3 setup.py build_ext --inplace -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; return 1; }
     python3 -c "import fasttran, json; print(json.dumps(fasttran.build_info()['cuda']))" | tee "$OUT/build_info.json"
     python3 -c "import fasttran, sys; sys.exit(0 if fasttran.cuda_available() else 'no usable CUDA device after the build')"
+}
+
+phase_cudnn() {
+    # what the image has, what the build made of it, then the tests (skips say why, with -rs)
+    python3 -m pip list 2>/dev/null | grep -i -E "nvidia-cudnn|nvidia-cuda-nvrtc" | tee "$OUT/cudnn-info.txt"
+    ls -la fasttran/libfasttran_cudnn.so 2>&1 | tee -a "$OUT/cudnn-info.txt"
+    python3 -c "import fasttran, json; print(json.dumps(fasttran._info.cuda_attention(0)))" 2>&1 | tee -a "$OUT/cudnn-info.txt"
+    python3 -m pytest -q -rs -s -p no:cacheprovider --junitxml="$OUT/cudnn-tests.xml" tests/test_cudnn_att.py 2>&1 \
+        | tee "$OUT/cudnn-tests.log" | tail -30
 }
 
 phase_test() {
@@ -110,7 +127,7 @@ phase_lease() {
     local end=$((SECONDS + ${LEASE_S:-540})) logs=/tmp/gpu-logs
     mkdir -p $logs
     export OUT CUDA_TESTS FASTTRAN_BENCH_ROUNDS=${FASTTRAN_BENCH_ROUNDS:-3}
-    export -f phase_build phase_test phase_bench phase_sanitize_short
+    export -f phase_build phase_test phase_bench phase_sanitize_short phase_cudnn
     pack() { cp "$OUT"/*.log "$OUT"/*.json "$OUT"/*.xml "$OUT"/*.txt benchmarks/last_gpu_*.json $logs/ 2>/dev/null
              rm -f "$OUT"/*.log "$OUT"/*.xml; tar czf "$OUT/gpu-logs.tgz" -C $logs . ; }
     step() {   # name, most seconds, command
@@ -122,10 +139,11 @@ phase_lease() {
         echo "== $name: exit $rc after ${SECONDS}s"; pack; return $rc
     }
     local t
-    for t in ${LEASE_STEPS:-build test profile sanitize topk cache base large}; do
+    for t in ${LEASE_STEPS:-build test cudnn profile sanitize topk cache base large}; do
         case $t in
             build) step build 170 phase_build || { pack; return 1; } ;;
             test) step test 150 phase_test ;;
+            cudnn) step cudnn 120 phase_cudnn ;;
             profile) step profile 90 'python3 benchmarks/gpu_profile.py --json "$OUT/gpu_profile.json" 2>&1 | tee "$OUT/gpu-profile.log" | grep -v Warning' ;;
             sanitize) step sanitize 150 phase_sanitize_short ;;
             topk) step topk 170 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py 2>&1 | tee "$OUT/gpu-topk.log" | tail -30' ;;
@@ -216,7 +234,8 @@ case "${1:-all}" in
           done
           cp benchmarks/last_train_attention.json "$OUT/" 2>/dev/null || true ;;
     table1) phase_table1 ;;
+    cudnn) phase_cudnn ;;
     lease) phase_lease ;;
     all) phase_build && phase_test && phase_sanitize ;;
-    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|lease|all" >&2; exit 2 ;;
+    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|cudnn|lease|all" >&2; exit 2 ;;
 esac

@@ -53,6 +53,27 @@ def no_gpu_reason():
     return err
 
 
+def cuda_attention(device=-1):
+    """Which attention the CUDA backend runs, and why: ``runs`` ("cudnn": cuDNN's fused SDPA where it
+    takes the configuration, our kernels for the rest; "wmma": our kernels only), ``reason`` (the
+    cuDNN version, or why not: not built, its wheel missing, no GPU, the emulator,
+    FASTTRAN_CUDA_ATTENTION=wmma), ``build`` (whether libfasttran_cudnn.so was built, or why not),
+    the calls cuDNN ran in this process (``cudnn_calls``: forward, forward with statistics,
+    backward), the calls that went to our kernels after asking cuDNN (``fallbacks``) and the
+    last one's reason (``last_fallback``). device >= 0 also opens cuDNN on that device. None
+    without a CUDA backend."""
+    if not _cuda_backend_installed():
+        return None
+    raw = _C.cuda_attention_info(int(device))
+    if raw is None:
+        return None
+    state, fwd, fwd_stats, bwd, fallbacks, last = raw.split("\x1f")
+    runs, _, reason = state.partition(": ")
+    return {"runs": runs, "reason": reason, "build": BUILD.get("cudnn_attention_build"),
+            "cudnn_calls": {"forward": int(fwd), "forward_stats": int(fwd_stats), "backward": int(bwd)},
+            "fallbacks": int(fallbacks), "last_fallback": last or None}
+
+
 def build_info():
     """A dict describing the build (backends, BLAS, compiler flags, CUDA archs) and the
     runtime (threads, CUDA devices, or why CUDA is unavailable)."""
@@ -85,6 +106,8 @@ def build_info():
             "device_count": count,
             "devices": desc or None,
             "unavailable_reason": err,
+            # cuDNN's fused attention or our kernels, and why (cuda_attention)
+            "attention": cuda_attention() if count > 0 else None,
         },
     }
 

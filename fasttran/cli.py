@@ -405,8 +405,9 @@ def cmd_export(args):
     enc = _encoder(args, device="cpu")
     tr = Trainer.load(args.checkpoint, device="cpu")
     tr.export(args.output, encoder=enc)
-    from .export import layout_of
+    from .export import how_to_load, layout_of
     print(f"wrote {layout_of(tr.head)} model to {args.output}")
+    print(how_to_load(tr.head, args.output))
 
 
 # ---- compress -------------------------------------------------------------------------------------------

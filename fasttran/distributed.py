@@ -935,7 +935,7 @@ class DataParallel:
         why, host, mine = None, None, None
         if not self.group.one_machine:
             why = "the ranks are not all on one machine"
-        elif model.grads.device != "cpu":
+        elif model.device.is_cuda:
             why = "the gradients are in GPU memory"
         else:
             try:

@@ -886,12 +886,16 @@ class Encoder:
         grown to the largest batch so far), ``backend`` (its device's own workspaces: cuBLASLt,
         optimizer), ``host`` (besides: the float32 master weights of a CUDA encoder, staging),
         ``total_device`` (the sum on the device), and ``device_free`` / ``device_total`` (the
-        device's memory now; on the CPU, the machine's)."""
+        device's memory now; on the CPU, the machine's), and on CUDA ``attention``: which attention
+        kernels run there and why (cuDNN's fused SDPA or fasttran's own; ``_info.cuda_attention``)."""
         r = dict(self._core.memory_report())
         on_device = ("parameters", "workspace", "backend") if self.device.is_cuda else ()
         r["total_device"] = sum(r[k] for k in on_device)
         r["device"], r["dtype"] = self.device, self.dtype
         r["weights"] = self._weights_note()
+        if self.device.is_cuda:
+            from ._info import cuda_attention
+            r["attention"] = cuda_attention(self.device.index)
         return r
 
     def _weights_note(self):

@@ -32,6 +32,18 @@ def layout_of(head):
     return head.export_layout()[0]
 
 
+def how_to_load(head, path):
+    """One line telling a user what loads an export of `head` in `path`, and with what."""
+    layout, arch, _, _ = head.export_layout()
+    if arch is None:
+        return (f"{path}: sentence-transformers layout -- transformers has no class for this head ({head.pooling} "
+                f"pooling{'' if 'pooler.dense.weight' in head.tensors else ', no pooler'}); load it with "
+                f"sentence_transformers.SentenceTransformer({str(path)!r}).encode(texts), which gives the logits "
+                "(train with pooling='cls' and pooler=True for transformers' AutoModelForSequenceClassification)")
+    auto = "AutoModelFor" + arch.split("For", 1)[1]
+    return f"{path}: transformers.{auto}.from_pretrained({str(path)!r}) ({arch}, the head in place)"
+
+
 def _write_json(path, obj):
     _C.atomic_write(path, [json.dumps(obj, indent=2).encode()])
 

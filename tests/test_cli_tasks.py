@@ -54,7 +54,7 @@ def test_pairs_and_regression(minilm_dir, tmp_path):
                        "--eval-input", stsb_dev, "--eval-cache", "csd", cwd=tmp_path))
     assert {"eval_pearson", "eval_spearman", "eval_mse"} <= set(hist[-1])
     out = run("export", *m, "--checkpoint", "cks", "--output", "ms", cwd=tmp_path)
-    assert "sequence-classification" in out
+    assert "sequence-classification" in out and "AutoModelForSequenceClassification.from_pretrained(" in out
     from transformers import AutoConfig
     assert AutoConfig.from_pretrained(tmp_path / "ms").problem_type == "regression"
     # errors a user meets: a classification task on scores, a cache of another task

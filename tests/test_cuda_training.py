@@ -249,6 +249,29 @@ def test_cuda_trainer_matches_the_cpu_trainer(features, head, optimizer):
         assert abs(ev_g["loss"] - ev_c["loss"]) <= 1e-5
 
 
+def test_cuda_multiple_choice_matches_the_cpu(features):
+    """The multiple-choice head (one score per choice through the pooler on its [CLS] row, softmax over
+    each question's choices; questions kept whole in every batch) trains on CUDA as on the CPU."""
+    cache = features["all"]   # 26 examples: 13 questions of 2 choices
+    y = np.random.default_rng(5).integers(0, 2, len(cache) // 2)
+    kw = dict(epochs=3, batch_size=3, show_progress=False, dropout=0.2, pooling="cls")
+    cpu = fasttran.Trainer("multiple-choice", **kw)
+    cpu.fit(cache, y)
+    gpu = fasttran.Trainer("multiple-choice", device="cuda", **kw)
+    gpu.fit(cache, y)
+    assert gpu.head.num_choices == 2 and gpu.global_step == cpu.global_step == 15
+    for name, t in gpu.head.tensors.items():
+        if name == "classifier.bias":   # its gradient is zero up to rounding (a softmax over the choices)
+            continue
+        assert close(t, cpu.head.tensors[name]), (name, np.abs(t - cpu.head.tensors[name]).max())
+    for (s1, l1), (s2, l2) in zip(gpu.loss_curve, cpu.loss_curve):
+        assert s1 == s2 and abs(l1 - l2) <= 1e-4 * max(1.0, abs(l2))
+    # the shared bias follows each backend's rounding noise (see above): the choices' scores agree up to it
+    d = gpu.predict(cache, output="logits") - cpu.predict(cache, output="logits")
+    assert np.abs(d - d.mean()).max() <= 1e-5, np.abs(d - d.mean()).max()
+    assert np.abs(gpu.predict(cache, output="probabilities") - cpu.predict(cache, output="probabilities")).max() <= 1e-5
+
+
 def _fresh_params(head):
     from fasttran.heads import _Head
     h = _Head.from_config(head.config())

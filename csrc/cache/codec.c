@@ -22,12 +22,154 @@
 #include "core/dtype.h"
 #include "core/status.h"
 
-int ft_cache_codec_ok(ft_dtype c) { return c == FT_F32 || c == FT_F16 || c == FT_BF16 || c == FT_I8; }
+/* ---- the codecs' row coders (one set per line of FT_CACHE_CODECS) ------------------------------
+ * Decoding is exact for F32/F16/BF16 (every value is a float); I8 decodes q * s. The same decoder
+ * reads stored rows (hits) and the encode/decode round trip of recomputed rows (misses), so both
+ * give the same bits. */
+
+static inline float bf16_bits(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float32: stored as it is */
+static void f32_encode(void *dst, float *scale, const float *x, int64_t C, double *me, double *se, double *sr) {
+    (void)scale;
+    (void)me;
+    (void)se;
+    memcpy(dst, x, (size_t)C * sizeof(float));
+    for (int64_t c = 0; c < C; c++) *sr += (double)x[c] * x[c];
+}
+static inline void f32_decode(float *restrict o, const void *restrict src, float scale, int64_t C) {
+    (void)scale;
+    memcpy(o, src, (size_t)C * sizeof(float));
+}
+static inline void f32_decode16(float *restrict o, const char *restrict s, float scale) {
+    (void)scale;
+    memcpy(o, s, 64);
+}
+
+/* float16 / bfloat16: rounded to nearest even */
+static inline void half_encode(uint16_t *h, const float *x, int64_t C, int bf, double *me, double *se, double *sr) {
+    for (int64_t c = 0; c < C; c++) {
+        h[c] = bf ? ft_f32_to_bf16(x[c]) : ft_f32_to_f16(x[c]);
+        double back = bf ? ft_bf16_to_f32(h[c]) : ft_f16_to_f32(h[c]);
+        double e = fabs(back - x[c]);
+        *me = e > *me ? e : *me;
+        *se += e * e;
+        *sr += (double)x[c] * x[c];
+    }
+}
+static void f16_encode(void *dst, float *scale, const float *x, int64_t C, double *me, double *se, double *sr) {
+    (void)scale;
+    half_encode(dst, x, C, 0, me, se, sr);
+}
+static void bf16_encode(void *dst, float *scale, const float *x, int64_t C, double *me, double *se, double *sr) {
+    (void)scale;
+    half_encode(dst, x, C, 1, me, se, sr);
+}
+static inline void f16_decode(float *restrict o, const void *restrict src, float scale, int64_t C) {
+    (void)scale;
+    const uint16_t *s = src;
+    int64_t c = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; c + 8 <= C; c += 8)   /* exact: every f16 is a float */
+        _mm256_storeu_ps(o + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + c))));
+#endif
+    for (; c < C; c++) o[c] = ft_f16_to_f32(s[c]);
+}
+static inline void f16_decode16(float *restrict o, const char *restrict s, float scale) {
+    (void)scale;
+#if defined(__F16C__) && defined(__AVX__)
+    _mm256_storeu_ps(o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)));
+    _mm256_storeu_ps(o + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16))));
+#else
+    for (int k = 0; k < 16; k++) o[k] = ft_f16_to_f32(((const uint16_t *)s)[k]);
+#endif
+}
+static inline void bf16_decode(float *restrict o, const void *restrict src, float scale, int64_t C) {
+    (void)scale;
+    const uint16_t *s = src;
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++) o[c] = bf16_bits(s[c]);
+}
+static inline void bf16_decode16(float *restrict o, const char *restrict s, float scale) {
+    (void)scale;
+    uint16_t h[16];
+    memcpy(h, s, 32);
+#pragma omp simd
+    for (int k = 0; k < 16; k++) o[k] = bf16_bits(h[k]);
+}
+
+/* int8: one scale per row, s = max|x| / 127, q = round(x / s) */
+static void i8_encode(void *dst, float *scale, const float *x, int64_t C, double *me, double *se, double *sr) {
+    float amax = 0.0f;
+    for (int64_t c = 0; c < C; c++) amax = fmaxf(amax, fabsf(x[c]));
+    const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t *q = dst;
+    *scale = s;
+    for (int64_t c = 0; c < C; c++) {
+        float v = nearbyintf(x[c] * inv);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        q[c] = (int8_t)v;
+        double e = fabs((double)v * s - x[c]);
+        *me = e > *me ? e : *me;
+        *se += e * e;
+        *sr += (double)x[c] * x[c];
+    }
+}
+static inline void i8_decode(float *restrict o, const void *restrict src, float scale, int64_t C) {
+    const int8_t *q = src;
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++) o[c] = (float)q[c] * scale;
+}
+static inline void i8_decode16(float *restrict o, const char *restrict s, float scale) {
+    int8_t q[16];
+    memcpy(q, s, 16);
+#pragma omp simd
+    for (int k = 0; k < 16; k++) o[k] = (float)q[k] * scale;
+}
+
+/* Up to FT_CACHE_GROUP rows decoded in turns, 64 bytes of output of each at a time, the next
+ * group's rows prefetched meanwhile: one function per codec, its 16-value step inlined. */
+#define FT_CODEC_GROUP_(tag, es)                                                                              \
+    static void tag##_group(float *const *dst, const char *const *src, const float *scale, int n,             \
+                            const char *const *next_src, int n_next, int64_t C) {                             \
+        int64_t c = 0;                                                                                         \
+        for (; c + 16 <= C; c += 16) {                                                                         \
+            const int64_t off = c * (es); /* source bytes of this step: 16 * es (16..64) */                    \
+            if (off % 64 == 0)                                                                                 \
+                for (int k = 0; k < n_next; k++) __builtin_prefetch(next_src[k] + off, 0, 3);                  \
+            for (int k = 0; k < n; k++) tag##_decode16(dst[k] + c, src[k] + off, scale[k]);                    \
+        }                                                                                                      \
+        if (c < C)                                                                                             \
+            for (int k = 0; k < n; k++) tag##_decode(dst[k] + c, src[k] + c * (es), scale[k], C - c);         \
+    }
+FT_CODEC_GROUP_(f32, 4)
+FT_CODEC_GROUP_(f16, 2)
+FT_CODEC_GROUP_(bf16, 2)
+FT_CODEC_GROUP_(i8, 1)
+#undef FT_CODEC_GROUP_
+
+#define FT_CODEC_ENTRY_(code, name, storage, scaled, lossless, tag) \
+    [code] = {code, name, storage, scaled, lossless, tag##_encode, tag##_decode, tag##_group},
+static const ft_cache_codec CODECS[FT_DTYPE_COUNT] = {FT_CACHE_CODECS(FT_CODEC_ENTRY_)};
+#undef FT_CODEC_ENTRY_
+
+const ft_cache_codec *ft_cache_codec_get(ft_dtype c) {
+    return (int)c >= 0 && (int)c < FT_DTYPE_COUNT && CODECS[c].name ? &CODECS[c] : NULL;
+}
+
+int ft_cache_codec_ok(ft_dtype c) { return ft_cache_codec_get(c) != NULL; }
 
 ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float *src, int64_t n, int64_t C,
                           ft_codec_error *err) {
-    if (!ft_cache_codec_ok(codec)) return ft_error(FT_ERR_DTYPE, "cache codec must be float32, float16, bfloat16 or int8, not %s", ft_dtype_name(codec));
-    if (codec == FT_I8 && !scales) return ft_error(FT_ERR_INVALID_ARGUMENT, "int8 codec needs a scale per row");
+    const ft_cache_codec *kd = ft_cache_codec_get(codec);
+    if (!kd) return ft_error(FT_ERR_DTYPE, "cache codec must be float32, float16, bfloat16 or int8, not %s", ft_dtype_name(codec));
+    if (kd->scaled && !scales) return ft_error(FT_ERR_INVALID_ARGUMENT, "%s codec needs a scale per row", kd->name);
+    const size_t row_bytes = (size_t)C * ft_dtype_size(codec);
     /* the error sums go into the manifest: summed per block of rows, then the blocks in order, so
      * they do not depend on the thread count (a reduction clause would) */
     enum { BLOCK_ROWS = 64 };
@@ -39,37 +181,9 @@ ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float 
     for (int64_t blk = 0; blk < n_blocks; blk++) {
         double block_err = 0.0, block_ref = 0.0;
         for (int64_t r = blk * BLOCK_ROWS; r < n && r < (blk + 1) * BLOCK_ROWS; r++) {
-            const float *x = src + r * C;
             double me = 0.0, se = 0.0, sr = 0.0;
-            if (codec == FT_F32) {
-                memcpy((float *)dst + r * C, x, (size_t)C * sizeof(float));
-                for (int64_t c = 0; c < C; c++) sr += (double)x[c] * x[c];
-            } else if (codec == FT_I8) {
-                float amax = 0.0f;
-                for (int64_t c = 0; c < C; c++) amax = fmaxf(amax, fabsf(x[c]));
-                const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-                int8_t *q = (int8_t *)dst + r * C;
-                scales[r] = s;
-                for (int64_t c = 0; c < C; c++) {
-                    float v = nearbyintf(x[c] * inv);
-                    v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-                    q[c] = (int8_t)v;
-                    double e = fabs((double)v * s - x[c]);
-                    me = e > me ? e : me;
-                    se += e * e;
-                    sr += (double)x[c] * x[c];
-                }
-            } else {
-                uint16_t *h = (uint16_t *)dst + r * C;
-                for (int64_t c = 0; c < C; c++) {
-                    h[c] = codec == FT_F16 ? ft_f32_to_f16(x[c]) : ft_f32_to_bf16(x[c]);
-                    double back = codec == FT_F16 ? ft_f16_to_f32(h[c]) : ft_bf16_to_f32(h[c]);
-                    double e = fabs(back - x[c]);
-                    me = e > me ? e : me;
-                    se += e * e;
-                    sr += (double)x[c] * x[c];
-                }
-            }
+            kd->encode_row((char *)dst + (size_t)r * row_bytes, kd->scaled ? scales + r : NULL, src + r * C, C, &me,
+                           &se, &sr);
             max_err = me > max_err ? me : max_err;
             block_err += se;
             block_ref += sr;
@@ -90,84 +204,14 @@ ft_status ft_cache_encode(void *dst, float *scales, ft_dtype codec, const float 
     return FT_OK;
 }
 
-/* ---- decoding ------------------------------------------------------------------------------
- * One row of C values -> C floats. The same function decodes stored rows (hits) and the
- * encode/decode round trip of recomputed rows (misses), so both give the same bits. */
-
-static inline float bf16_bits(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
+/* ---- decoding ------------------------------------------------------------------------------ */
 void ft_cache_decode_row(float *restrict o, const void *restrict src, float scale, ft_dtype codec, int64_t C) {
-    switch (codec) {
-    case FT_F32: memcpy(o, src, (size_t)C * sizeof(float)); return;
-    case FT_F16: {
-        const uint16_t *s = src;
-        int64_t c = 0;
-#if defined(__F16C__) && defined(__AVX__)
-        for (; c + 8 <= C; c += 8)   /* exact: every f16 is a float */
-            _mm256_storeu_ps(o + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + c))));
-#endif
-        for (; c < C; c++) o[c] = ft_f16_to_f32(s[c]);
-        return;
-    }
-    case FT_BF16: {
-        const uint16_t *s = src;
-#pragma omp simd
-        for (int64_t c = 0; c < C; c++) o[c] = bf16_bits(s[c]);
-        return;
-    }
-    default: {
-        const int8_t *q = src;
-#pragma omp simd
-        for (int64_t c = 0; c < C; c++) o[c] = (float)q[c] * scale;
-    }
-    }
-}
-
-/* 16 values (64 bytes of output) of one row */
-static inline void decode16(float *restrict o, const char *restrict s, float scale, ft_dtype codec) {
-    switch (codec) {
-    case FT_F32: memcpy(o, s, 64); return;
-    case FT_F16:
-#if defined(__F16C__) && defined(__AVX__)
-        _mm256_storeu_ps(o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)));
-        _mm256_storeu_ps(o + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16))));
-#else
-        for (int k = 0; k < 16; k++) o[k] = ft_f16_to_f32(((const uint16_t *)s)[k]);
-#endif
-        return;
-    case FT_BF16: {
-        uint16_t h[16];
-        memcpy(h, s, 32);
-#pragma omp simd
-        for (int k = 0; k < 16; k++) o[k] = bf16_bits(h[k]);
-        return;
-    }
-    default: {
-        int8_t q[16];
-        memcpy(q, s, 16);
-#pragma omp simd
-        for (int k = 0; k < 16; k++) o[k] = (float)q[k] * scale;
-    }
-    }
+    ft_cache_codec_get(codec)->decode_row(o, src, scale, C);
 }
 
 void ft_cache_decode_group(float *const *dst, const char *const *src, const float *scale, int n,
                            const char *const *next_src, int n_next, ft_dtype codec, int64_t C) {
-    const int64_t es = (int64_t)ft_dtype_size(codec);
-    int64_t c = 0;
-    for (; c + 16 <= C; c += 16) {
-        const int64_t off = c * es;   /* source bytes of this step: 16 * es (16..64) */
-        if (off % 64 == 0)
-            for (int k = 0; k < n_next; k++) __builtin_prefetch(next_src[k] + off, 0, 3);
-        for (int k = 0; k < n; k++) decode16(dst[k] + c, src[k] + off, scale[k], codec);
-    }
-    if (c < C)
-        for (int k = 0; k < n; k++) ft_cache_decode_row(dst[k] + c, src[k] + c * es, scale[k], codec, C - c);
+    ft_cache_codec_get(codec)->decode_group(dst, src, scale, n, next_src, n_next, C);
 }
 
 void ft_cache_decode(float *dst, const void *src, const float *scales, ft_dtype codec, int64_t n, int64_t C) {

@@ -1,8 +1,28 @@
 /* Internal pieces of the cache codecs shared by codec.c and store.c. */
 #ifndef FT_CACHE_CODEC_H
 #define FT_CACHE_CODEC_H
+#include "cache/codecs.h"
 #include "fasttran.h"
 
+/* A codec (cache/codecs.h lists them): its name, storage, scale, and row coders. */
+typedef struct {
+    ft_dtype code;
+    const char *name, *storage;   /* storage: NumPy's type string of the stored values */
+    int scaled;                   /* one float32 scale per row */
+    int lossless;                 /* decoding gives back the float32 row encoded */
+    /* one row of C floats x into dst (and *scale when scaled); the error it makes: max |err|, and
+     * the sums of err^2 and x^2 (exactly the codec's, for stats()) */
+    void (*encode_row)(void *dst, float *scale, const float *x, int64_t C, double *max_err, double *sq_err,
+                       double *sq_ref);
+    /* o (C) = the row at src (`scale`: its scale when scaled) */
+    void (*decode_row)(float *restrict o, const void *restrict src, float scale, int64_t C);
+    /* ft_cache_decode_group for this codec (the 16-value steps inlined) */
+    void (*decode_group)(float *const *dst, const char *const *src, const float *scale, int n,
+                         const char *const *next_src, int n_next, int64_t C);
+} ft_cache_codec;
+
+/* the codec storing `c`, NULL when `c` is no codec */
+const ft_cache_codec *ft_cache_codec_get(ft_dtype c);
 int ft_cache_codec_ok(ft_dtype c);
 /* o (C) = decoded row at src; `scale` is the row's I8 scale (ignored by other codecs). */
 void ft_cache_decode_row(float *restrict o, const void *restrict src, float scale, ft_dtype codec, int64_t C);

@@ -202,8 +202,9 @@ ft_status ft_cache_add_shard(ft_cache *c, const ft_cache_shard *s) {
     }
     if (st == FT_OK && rows != s->rows)
         st = ft_error(FT_ERR_INVALID_ARGUMENT, "%s: holds %lld rows, its examples have %lld", nm, (long long)s->rows, (long long)rows);
-    if (st == FT_OK && rows && (!s->values || (c->codec == FT_I8) != (s->scales != NULL)))
-        st = ft_error(FT_ERR_INVALID_ARGUMENT, "%s: values%s missing", nm, c->codec == FT_I8 ? " or int8 scales" : "");
+    const int scaled = ft_cache_codec_get(c->codec)->scaled;
+    if (st == FT_OK && rows && (!s->values || scaled != (s->scales != NULL)))
+        st = ft_error(FT_ERR_INVALID_ARGUMENT, "%s: values%s missing", nm, scaled ? " or int8 scales" : "");
     if (st == FT_OK && c->n_shards == c->cap_shards) {
         size_t cap = c->cap_shards ? 2 * c->cap_shards : 16;
         shard *ns = realloc(c->shards, cap * sizeof *ns);
@@ -384,9 +385,10 @@ static ft_status recompute(ft_cache *c, const int64_t *index, int64_t n, const i
         const int64_t out_rows = c->all_tokens ? b * T : b;
         int32_t *in = calloc((size_t)(3 * b * T), sizeof *in);
         float *out = malloc((size_t)(out_rows * C) * sizeof *out);
-        void *enc_rows = c->codec == FT_F32 ? NULL : malloc((size_t)out_rows * c->row_bytes);
-        float *scales = c->codec == FT_I8 ? malloc((size_t)out_rows * sizeof *scales) : NULL;
-        if (!in || !out || (c->codec != FT_F32 && !enc_rows) || (c->codec == FT_I8 && !scales)) {
+        const ft_cache_codec *kd = ft_cache_codec_get(c->codec);
+        void *enc_rows = kd->lossless ? NULL : malloc((size_t)out_rows * c->row_bytes);
+        float *scales = kd->scaled ? malloc((size_t)out_rows * sizeof *scales) : NULL;
+        if (!in || !out || (!kd->lossless && !enc_rows) || (kd->scaled && !scales)) {
             st = ft_error(FT_ERR_NOMEM, "out of memory recomputing %lld uncached examples", (long long)b);
         } else {
             int32_t *ids = in, *tys = in + b * T, *msk = in + 2 * b * T;
@@ -400,7 +402,7 @@ static ft_status recompute(ft_cache *c, const int64_t *index, int64_t n, const i
             (c->all_tokens ? hid : pool)[c->layer] = out;
             st = ft_encoder_forward(enc, b, T, &vi, &vm, &vt, hid, pool, c->pooling, 0, cancel, cancel_arg);
             (c->all_tokens ? hid : pool)[c->layer] = NULL;
-            if (st == FT_OK && c->codec != FT_F32) {   /* what the cache would have stored */
+            if (st == FT_OK && !kd->lossless) {   /* what the cache would have stored */
                 st = ft_cache_encode(enc_rows, scales, c->codec, out, out_rows, C, NULL);
                 if (st == FT_OK) ft_cache_decode(out, enc_rows, scales, c->codec, out_rows, C);
             }

@@ -170,7 +170,7 @@ ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, cons
                 for (int64_t c = 0; c < C; c++) s += a[c] * b[c];
                 x = s + bias[i % K];
             } else {
-                x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, (int)act);
+                x = ft_gelu_invertf(saved[i], (bits[i >> 3] >> (i & 7)) & 1, (int)act);
             }
             dh[i] = df[i] * ft_act_gradf((float)x, act);
         }

@@ -102,7 +102,7 @@ ft_status cuda_memory_info(ft_backend *be, size_t *free_bytes, size_t *total_byt
     cuda_ctx *c = ctx_of(be);
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     CU(cudaMemGetInfo(free_bytes, total_bytes), "cudaMemGetInfo");
-    *own_bytes = cuda_optim_device_bytes(c) + c->train_ws_bytes + c->round_ws_bytes +
+    *own_bytes = cuda_optim_device_bytes(c) + c->train_ws_bytes + c->round_ws_bytes + c->cudnn_ws_bytes +
                  (c->lt_ws ? ftcuda::LT_WORKSPACE : 0);
     return FT_OK;
 }
@@ -118,6 +118,7 @@ void cuda_destroy(ft_backend *be) {
     cuda_optim_release(c);
     if (c->train_ws) cudaFree(c->train_ws);
     if (c->round_ws) cudaFree(c->round_ws);
+    cudnn_release(c);
     lt_release(c);
     blas_release(c->blas);
     cudaStreamDestroy(c->stream);

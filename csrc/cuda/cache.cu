@@ -4,6 +4,7 @@
 // rounding, int8 rows are one float multiply (q * scale), f32 rows are copied.
 #include <cuda_fp16.h>
 
+#include "cache/codecs.h"
 #include "cuda_common.cuh"
 
 using namespace ftcuda;
@@ -12,35 +13,51 @@ namespace {
 
 constexpr int GATHER_THREADS = 256;
 
+// the device decoders, one per line of FT_CACHE_CODECS (cache/codecs.h): value c of a stored row
+struct codec_f32 {
+    __device__ static float at(const void *s, int64_t c, float) { return static_cast<const float *>(s)[c]; }
+};
+struct codec_f16 {
+    __device__ static float at(const void *s, int64_t c, float) {
+        return __half2float(__ushort_as_half(static_cast<const unsigned short *>(s)[c]));
+    }
+};
+struct codec_bf16 {
+    __device__ static float at(const void *s, int64_t c, float) {
+        return __uint_as_float((unsigned)static_cast<const unsigned short *>(s)[c] << 16);
+    }
+};
+struct codec_i8 {
+    __device__ static float at(const void *s, int64_t c, float scale) {
+        return (float)static_cast<const signed char *>(s)[c] * scale;
+    }
+};
+
 // one block per table entry: dst row rows[k].row = decode(rows[k].src), zeros for NULL
-__global__ void cache_decode_rows_kernel(float *dst, const ft_gather_row *rows, int64_t C, int codec) {
+template <class Codec>
+__global__ void cache_decode_rows_kernel(float *dst, const ft_gather_row *rows, int64_t C) {
     const ft_gather_row r = rows[blockIdx.x];
     float *o = dst + r.row * C;
     if (!r.src) {
         for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = 0.0f;
         return;
     }
-    switch (codec) {
-    case FT_F32: {
-        const float *s = static_cast<const float *>(r.src);
-        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = s[c];
-        break;
-    }
-    case FT_F16: {
-        const unsigned short *s = static_cast<const unsigned short *>(r.src);
-        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = __half2float(__ushort_as_half(s[c]));
-        break;
-    }
-    case FT_BF16: {
-        const unsigned short *s = static_cast<const unsigned short *>(r.src);
-        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = __uint_as_float((unsigned)s[c] << 16);
-        break;
-    }
-    default: {   // FT_I8
-        const signed char *s = static_cast<const signed char *>(r.src);
-        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = (float)s[c] * r.scale;
-    }
-    }
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = Codec::at(r.src, c, r.scale);
+}
+
+typedef void (*decode_kernel)(float *, const ft_gather_row *, int64_t);
+struct codec_kernel {
+    int code;
+    decode_kernel kernel;
+};
+#define FT_CODEC_KERNEL_(code, name, storage, scaled, lossless, tag) {code, cache_decode_rows_kernel<codec_##tag>},
+const codec_kernel KERNELS[] = {FT_CACHE_CODECS(FT_CODEC_KERNEL_)};
+#undef FT_CODEC_KERNEL_
+
+decode_kernel kernel_of(ft_dtype codec) {
+    for (const codec_kernel &e : KERNELS)
+        if (e.code == (int)codec) return e.kernel;
+    return nullptr;
 }
 
 }  // namespace
@@ -113,13 +130,13 @@ ft_status cuda_upload_async(ft_backend *be, void *dst, const void *src, size_t b
 
 ft_status cuda_cache_decode_rows(ft_backend *be, float *dst, const ft_gather_row *rows, ft_gather_row *rows_dev, int64_t n,
                             int64_t C, ft_dtype codec, uintptr_t stream) {
-    if (codec != FT_F32 && codec != FT_F16 && codec != FT_BF16 && codec != FT_I8)
-        return g_host->error(FT_ERR_DTYPE, "cache_decode_rows: codec %d is not a cache codec", (int)codec);
+    const decode_kernel cache_decode_rows = kernel_of(codec);
+    if (!cache_decode_rows) return g_host->error(FT_ERR_DTYPE, "cache_decode_rows: codec %d is not a cache codec", (int)codec);
     if (n <= 0) return FT_OK;
     if (n > 0x7fffffff) return g_host->error(FT_ERR_INVALID_ARGUMENT, "cache_decode_rows: %lld rows in one call", (long long)n);
     cudaStream_t s = stream_of(be, stream);
     FT_CU(cudaMemcpyAsync(rows_dev, rows, (size_t)n * sizeof(ft_gather_row), cudaMemcpyHostToDevice, s),
           "cache_decode_rows table upload");
-    FT_LAUNCH(cache_decode_rows_kernel, (unsigned)n, GATHER_THREADS, 0, s)(dst, rows_dev, C, (int)codec);
+    FT_LAUNCH(cache_decode_rows, (unsigned)n, GATHER_THREADS, 0, s)(dst, rows_dev, C);
     return launched("cache_decode_rows");
 }

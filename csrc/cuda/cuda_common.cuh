@@ -53,6 +53,8 @@ struct cuda_ctx {
     size_t train_ws_bytes;
     void *round_ws;        // gemm_prec's operands rounded to bf16 / fp16 (backend_cuda.cu), grown as needed
     size_t round_ws_bytes;
+    void *cudnn_ws;        // cuDNN attention's tables, workspace and operands (attention_cudnn.cu), grown as needed
+    size_t cudnn_ws_bytes;
 };
 
 inline cuda_ctx *ctx_of(ft_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
@@ -168,6 +170,17 @@ template <typename F> inline ft_status with_dtype(ft_dtype dt, const char *op, F
 inline cudaDataType_t cuda_type(ft_dtype dt) {
     return dt == FT_F16 ? CUDA_R_16F : dt == FT_BF16 ? CUDA_R_16BF : CUDA_R_32F;
 }
+
+// Attention through cuDNN (attention_cudnn.cu): *ran = true when cuDNN ran the op, false when the
+// caller's own kernels must (cuDNN absent, refused the configuration, or the emulator); an error
+// only when cuDNN was asked and failed. cudnn_release frees the backend's cuDNN workspace.
+ft_status cudnn_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
+                                  int64_t B, int64_t C, int64_t NH, bool *ran);
+ft_status cudnn_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx, float *stats, const float *qkv,
+                                        const int32_t *seqs, int64_t B, int64_t C, int64_t NH, bool *ran);
+ft_status cudnn_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx, const float *qkv,
+                                   const int32_t *seqs, int64_t B, int64_t C, int64_t NH, bool *ran);
+void cudnn_release(cuda_ctx *c);
 
 // release the cuBLASLt state of a backend (backend_cuda.cu's destroy)
 void lt_release(cuda_ctx *c);

@@ -748,6 +748,11 @@ ft_status cuda_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx
                                  "keeps the probabilities and no statistics: recomputing them needs the fused one", op);
         return forward_per_sequence(be, prec, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
     }
+    if (prec != FT_F32 && !probs && !dmask && p == 0.0f) {   // cuDNN where it can (attention_cudnn.cu)
+        bool ran = false;
+        FT_TRY(cudnn_attention_train_forward(be, prec, ctx, stats, qkv, seqs, B, C, NH, &ran));
+        if (ran) return FT_OK;
+    }
     int64_t tiles = 0;
     FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, false, op, &tiles));
     if (tiles == 0) return FT_OK;
@@ -778,6 +783,11 @@ ft_status cuda_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, co
             return g_host->error(FT_ERR_UNSUPPORTED, "%s: the per_sequence variant (FASTTRAN_CUDA_TRAIN_ATTENTION) "
                                  "reads kept probabilities: recomputing them needs the fused one", op);
         return backward_per_sequence(be, prec, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch);
+    }
+    if (prec != FT_F32 && !probs && !dmask && p == 0.0f) {   // cuDNN where it can (attention_cudnn.cu)
+        bool ran = false;
+        FT_TRY(cudnn_attention_backward(be, prec, dqkv, dctx, qkv, seqs, B, C, NH, &ran));
+        if (ran) return FT_OK;
     }
     int64_t tiles = 0;
     FT_TRY(upload_table(c, seqs, B, NH, scratch, scratch_bytes, true, op, &tiles));

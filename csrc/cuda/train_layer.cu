@@ -131,7 +131,7 @@ __global__ void bias_act_backward_kernel(float *dh, const float *df, const float
             } else if (ft_gelu_flat(saved[i], act)) {   // too flat to invert: the GEMM's element, next pass
                 continue;
             } else {
-                x = ft_gelu_invert((double)saved[i], (bits[i >> 3] >> (i & 7)) & 1, act);
+                x = ft_gelu_invertf(saved[i], (bits[i >> 3] >> (i & 7)) & 1, act);
             }
         }
         dh[i] = (float)((double)df[i] * ft_act_grad(x, act));

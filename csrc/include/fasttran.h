@@ -519,20 +519,23 @@ ft_status ft_optim_table_step(ft_optim_table *table, const ft_optim_config *cfg,
  *
  * Input rows are packed (as everywhere in fasttran): sequence b owns rows [first[b], first[b] +
  * count[b]) of x (N, C). Features pooled by the cache are one row per sequence (N == B).
- *   FT_HEAD_LINEAR:  pooled (B, C) = mean (or CLS: first) row of each sequence, x itself when
+ *   linear:  pooled (B, C) = mean (or CLS: first) row of each sequence, x itself when
  *                    every sequence has one row; logits (B, K) = dropout(pooled) W^T + b
- *   FT_HEAD_POOLER:  h = tanh(dropout(pooled) W1^T + b1); logits = dropout(h) W^T + b (BERT's
+ *   pooler:  h = tanh(dropout(pooled) W1^T + b1); logits = dropout(h) W^T + b (BERT's
  *                    pooler + classifier, W1 (C, C))
  *       loss FT_LOSS_XENT: softmax cross-entropy, int32 labels (B) in [0, K)
  *            FT_LOSS_MSE:  squared error, float targets (B, K) (regression)
  *            FT_LOSS_BCE:  binary cross-entropy per label on logits, float targets (B, K) in
  *                          [0, 1] (multi-label)
- *   FT_HEAD_TOKEN:   logits (N, K) = dropout(x) W^T + b for every row; softmax cross-entropy
+ *   token:   logits (N, K) = dropout(x) W^T + b for every row; softmax cross-entropy
  *                    against int32 labels (N), a negative label = the row takes no part
- *   FT_HEAD_QA:      logits (2, N) = W dropout(x)^T + b, each row's start and end score
+ *   qa:      logits (2, N) = W dropout(x)^T + b, each row's start and end score
  *                    (W (2, C)); per sequence a softmax over its rows with valid (N) != 0 (the
  *                    context); int32 labels (2, B): the answer's start and end row within the
  *                    sequence
+ *   choice:  one score per sequence through the pooler (as "pooler" with K = 1); each run of
+ *                    num_labels sequences is a question's choices: softmax cross-entropy over
+ *                    them against int32 labels (B / num_labels)
  * The loss of a batch is the sum of its terms (ft_head_loss_count of them) times `scale`: the
  * caller passes 1 / the number of terms of the global batch (data-parallel training divides by
  * the global count). Dropout masks come from a counter-based hash of (seed, step, element),

@@ -19,7 +19,11 @@ static int parse_codec(int code, ft_dtype *out) {
     return 1;
 }
 
-static int codec_npy(ft_dtype c) { return c == FT_F32 ? NPY_FLOAT32 : c == FT_I8 ? NPY_INT8 : NPY_UINT16; }
+/* the NumPy type number a codec's values are stored as: its storage string, read by NumPy once
+ * (ft_py_add_cache_functions fills the table) */
+static int codec_types[FT_DTYPE_COUNT];
+static int codec_npy(ft_dtype c) { return codec_types[c]; }
+static int codec_scaled(ft_dtype c) { return ft_cache_codec_get(c)->scaled; }
 
 /* example ids from any 1-D integer sequence, as a new C-contiguous int64 array */
 static PyArrayObject *int64_ids(PyObject *obj, const char *what) {
@@ -60,7 +64,7 @@ static PyObject *py_cache_encode(PyObject *self, PyObject *args, PyObject *kw) {
     if (!parse_codec(code, &codec) || !(src = ft_py_want_array(src_o, "src", NPY_FLOAT32, 2, 0))) return NULL;
     npy_intp dims[2] = {PyArray_DIM(src, 0), PyArray_DIM(src, 1)};
     PyObject *val = PyArray_SimpleNew(2, dims, codec_npy(codec));
-    PyObject *sc = codec == FT_I8 ? PyArray_SimpleNew(1, dims, NPY_FLOAT32) : Py_NewRef(Py_None);
+    PyObject *sc = codec_scaled(codec) ? PyArray_SimpleNew(1, dims, NPY_FLOAT32) : Py_NewRef(Py_None);
     if (!val || !sc) { Py_XDECREF(val); Py_XDECREF(sc); return NULL; }
     ft_codec_error err = {0, 0, 0};
     ft_status st;
@@ -256,7 +260,7 @@ static PyObject *CacheStore_add_shard(CacheStore *self, PyObject *args, PyObject
         return ft_py_fail(ft_errors.input, "%s: values are %zd wide, the cache %lld", name, (Py_ssize_t)width,
                           (long long)self->C);
     PyArrayObject *sc = NULL, *file = NULL;
-    if (codec == FT_I8) {
+    if (codec_scaled(codec)) {
         if (!(sc = ft_py_want_array(sc_o, "scales", NPY_FLOAT32, 1, 0))) return NULL;
         if (PyArray_DIM(sc, 0) != rows) return ft_py_fail(ft_errors.input, "%s: scales needs %zd entries", name, (Py_ssize_t)rows);
     } else if (sc_o != Py_None) {
@@ -737,7 +741,37 @@ static int add_type(PyObject *m, PyType_Spec *spec, const char *name, PyTypeObje
     return r;
 }
 
+/* CACHE_CODECS {name: (ft_dtype, NumPy storage dtype, scaled)}, from FT_CACHE_CODECS; the storage
+ * types' NumPy numbers for codec_npy */
+static int add_codecs(PyObject *m) {
+    PyObject *d = PyDict_New();
+    if (!d) return -1;
+    for (int k = 0; k < FT_DTYPE_COUNT; k++) {
+        const ft_cache_codec *kd = ft_cache_codec_get((ft_dtype)k);
+        if (!kd) continue;
+        PyArray_Descr *descr = NULL;
+        PyObject *storage = PyUnicode_FromString(kd->storage);
+        const int ok = storage && PyArray_DescrConverter(storage, &descr) == NPY_SUCCEED;
+        Py_XDECREF(storage);
+        PyObject *v = ok ? Py_BuildValue("(isO)", k, kd->storage, kd->scaled ? Py_True : Py_False) : NULL;
+        if (ok) {
+            codec_types[k] = descr->type_num;
+            Py_DECREF(descr);
+        }
+        if (!v || PyDict_SetItemString(d, kd->name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    const int r = PyModule_AddObjectRef(m, "CACHE_CODECS", d);
+    Py_DECREF(d);
+    return r;
+}
+
 int ft_py_add_cache_functions(PyObject *m) {
+    if (add_codecs(m) < 0) return -1;
     if (add_type(m, &CacheStore_spec, "CacheStore", &store_type) < 0 ||
         add_type(m, &CacheReader_spec, "CacheReader", &reader_type) < 0)
         return -1;

@@ -10,7 +10,7 @@ from .. import _C
 from ..errors import InputError
 
 POSITIONS = ("cls", "mean", "all")
-CODECS = dict(_C.CACHE_CODECS)   # name -> (ft_dtype code, NumPy storage dtype), from the C enums
+CODECS = dict(_C.CACHE_CODECS)   # name -> (ft_dtype code, NumPy storage dtype, scaled), from the C codec list
 
 
 def codec_code(name):
@@ -23,8 +23,8 @@ def storage_dtype(name):
 
 
 def row_bytes(codec, hidden):
-    """Stored bytes of one row: the values, plus the int8 codec's float32 scale."""
-    return hidden * storage_dtype(codec).itemsize + (4 if codec == "int8" else 0)
+    """Stored bytes of one row: the values, plus a scaled codec's (int8's) float32 scale."""
+    return hidden * storage_dtype(codec).itemsize + (4 if CODECS[codec][2] else 0)
 
 
 def parse_inputs(input_ids, attention_mask, token_type_ids):

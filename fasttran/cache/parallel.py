@@ -64,7 +64,7 @@ def kernels(encoder):
     """What computes this rank's rows with `encoder`: the CPU kernel set, or the CUDA devices.
     Ranks that differ write correct shards whose last bits differ from one another's."""
     from .. import _C
-    if encoder is None or encoder.device == "cpu":
+    if encoder is None or not encoder.device.is_cuda:
         return f"cpu {_C.cpu_isa()}"
     return f"{encoder.device} {_C.cuda_probe()[1]}"
 

@@ -401,7 +401,7 @@ def open_shard(d, entry, man, examples, ids, rows, verify):
     p = os.path.join(d, entry["file"])
     spec = {"examples": ("<i8", [len(examples)]), "ids": ("<i8", [len(examples)]),
             "values": (storage_dtype(s["dtype"]).str, [rows, s["hidden"]])}
-    if s["dtype"] == "int8":
+    if CODECS[s["dtype"]][2]:   # a scaled codec (int8): a scale per row
         spec["scales"] = ("<f4", [rows])
     a, meta, mm = open_arrays(p, entry["bytes"], entry["crc32c"] if verify else None, spec)
     want = shard_meta(shard_batch(entry), man)

@@ -446,7 +446,7 @@ def export_onnx(model, path, opset=17):
     W = torch.tensor(model.head.tensors["classifier.weight"])
     b = torch.tensor(model.head.tensors["classifier.bias"])
     pooler = None
-    if model.head.kind == "pooler":
+    if "pooler.dense.weight" in model.head.tensors:
         pooler = (torch.tensor(model.head.tensors["pooler.dense.weight"]), torch.tensor(model.head.tensors["pooler.dense.bias"]))
     cls = model.pooling == "cls"
 

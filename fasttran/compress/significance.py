@@ -139,7 +139,7 @@ def _loss_acc(logits, labels):
 def gradient_scores(model, data, group, batch_size=32, show_progress=True):
     """{component: mean over examples of |d loss / d gate|} from one backward pass over `data`, every layer
     in the training stack (dropout off)"""
-    if model.encoder.device != "cpu":
+    if model.encoder.device.is_cuda:
         raise UnsupportedError("gradient significance runs on the CPU encoder")
     from ..finetune import TopLayers
     L = model.num_layers
