@@ -353,6 +353,13 @@ extern const size_t ft_backend_registry_count;
 ft_backend *ft_backend_cpu(void);
 /* Open the CUDA backend on device `index` (loads the CUDA library on first use). */
 ft_status ft_backend_cuda_open(int index, ft_backend **out);
+/* A function ft_backend_cuda_open passes every CUDA table it opens, before returning it (the
+ * profiler installs its wrappers: core/profile.c registers ft_profile_attach). One per process;
+ * NULL: none. The loader knows only this pointer, so it needs nothing of whoever registers. */
+typedef void (*ft_backend_open_hook)(ft_backend *be);
+void ft_backend_set_open_hook(ft_backend_open_hook hook);
+/* dlsym in the CUDA backend library (NULL when it is absent or lacks `name`). */
+void *ft_cuda_symbol(const char *name);
 
 /* The process-wide backend of a device (the CPU table, or one shared CUDA backend per device,
  * opened on first use): memory services, optimizer steps and heads that have no encoder. */

@@ -1,5 +1,6 @@
 """The torch flavour of fasttran's fused optimizers: torch.optim.Optimizer subclasses over the
-same C tensor table (imported by fasttran.optim only when the parameters are torch tensors).
+same C tensor table (imported by fasttran.optim only when the parameters are torch tensors;
+built on fasttran/_fused_optim.py, which never imports this module).
 
 What torch's Optimizer provides is used as is: param_groups, state (keyed by parameter),
 zero_grad, state_dict (torch.save / torch.load(weights_only=True) round-trip it: the state is
@@ -12,7 +13,7 @@ the layout of torch.optim.AdamW, so states load across the two in both direction
 import torch
 from torch.optim.optimizer import Optimizer, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import optim as _optim
+from . import _fused_optim as _optim
 from .errors import InputError
 
 
@@ -125,4 +126,5 @@ def torch_variant(cls):
 
 LAMB = torch_variant(_optim.LAMB)
 AdamW = torch_variant(_optim.AdamW)
-_optim._TORCH_CLASSES.update({_optim.LAMB: LAMB, _optim.AdamW: AdamW})
+#: fasttran.optim's class -> its torch flavour (fasttran.optim asks here on the first torch tensor)
+VARIANTS = {_optim.LAMB: LAMB, _optim.AdamW: AdamW}

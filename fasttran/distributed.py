@@ -307,6 +307,22 @@ class Group:
         counts[name] = counts.get(name, 0) + k
         return counts[name]
 
+    # ---- watching the other ranks outside a collective (work the ranks share by other means) -----
+    @property
+    def one_machine(self):
+        """Every rank runs on this machine (so they can share memory)."""
+        return True
+
+    def check_peers(self, what, beats, now):
+        """While this rank waits for the others outside the group's collectives (`what`: the text
+        errors name it by; `beats`: a dict kept between calls; `now`: time.monotonic()): raises
+        CollectiveError when a rank exited, failed or went on to a later collective,
+        CollectiveTimeoutError when its heartbeat stopped. One process: nothing to watch."""
+
+    def whereabouts(self):
+        """Lines saying where each other rank was last seen (for a timeout's message)."""
+        return []
+
     def _close(self):
         pass
 
@@ -685,7 +701,14 @@ class _TorchGroup(Group):
                 f"rank {r} stopped responding (no heartbeat for {now - last[1]:.0f} s: its process died or is frozen) "
                 f"while rank {self.rank} waited for it {where}")
 
-    def _check_peers(self, what, beats, now):
+    @property
+    def one_machine(self):
+        return len(set(self._hosts)) == 1
+
+    def whereabouts(self):
+        return self._whereabouts(wait_for_beats=False)
+
+    def check_peers(self, what, beats, now):
         """While this rank waits for the others outside a collective of the group (the shared-memory
         gradient sums): an error when one exited, failed, went on to a later collective, or stopped."""
         seq = self._last[0]
@@ -710,6 +733,110 @@ class _TorchGroup(Group):
 
 
 # ---- data-parallel training ------------------------------------------------------------------------
+# How the gradient sums travel: one class per transport, all with the same methods --
+#   name            what DataParallel.transport_used reports
+#   begin(step)     before the step's model step
+#   ready(bucket)   the model hands over gradient bucket `bucket`, final in memory
+#   finish(loss)    after the backward: every rank's table holds the summed gradients; returns the
+#                   ranks' loss sum
+# DataParallel picks one when it attaches to a model and forwards to it.
+
+class OneProcess:
+    """The transport of a group of one rank: the sums are the rank's own gradients."""
+
+    def __init__(self, group):
+        self.name = group.backend or "one process"
+
+    def begin(self, step):
+        pass
+
+    def ready(self, bucket):
+        pass
+
+    def finish(self, loss):
+        return float(loss)
+
+
+class GroupAllReduce:
+    """The process group's all_reduce (gloo over TCP, NCCL for GPU memory): a checked barrier
+    starts the step (ranks at different steps fail there), each bucket's sum starts as the backward
+    hands it over (asynchronous, in place in `views`, the buckets' views of the flat gradient
+    table), finish waits for them and sums the loss."""
+
+    def __init__(self, group, views):
+        self.group, self.views, self.name = group, list(views), group.backend
+        self._works = []
+
+    def begin(self, step):
+        self.group.barrier(what=f"training step {int(step)}")
+
+    def ready(self, bucket):
+        self._works.append(self.group.all_reduce_(self.views[bucket], async_op=True, what="gradient bucket",
+                                                  check=False))
+
+    def finish(self, loss):
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+        buf = np.array([loss], np.float64)
+        self.group.all_reduce_(buf, what="loss", check=False)
+        return float(buf[0])
+
+
+class SharedMemorySum:
+    """The ranks of one machine sum their gradient tables in shared memory, in place
+    (`host`: a connected fasttran._C.HostSum). The sums themselves are numbered and checked (a
+    rank that meets another step's sums fails the step), so begin exchanges nothing; finish waits
+    for the sums, watching the group for a rank that exited, failed, moved on or stopped beating."""
+
+    name = "shared_memory"
+
+    def __init__(self, group, host):
+        self.group, self.host = group, host
+        self.rank, self.step = group.rank, 0
+
+    def begin(self, step):
+        self.step += 1
+
+    def ready(self, bucket):
+        self._call("post", bucket, self.step)
+
+    def _call(self, method, *args):
+        """HostSum.<method>(*args); its failure (the ranks' steps disagree) as this rank's CollectiveError"""
+        from .errors import FastTranError
+        try:
+            return getattr(self.host, method)(*args)
+        except FastTranError as e:
+            raise CollectiveError(f"rank {self.rank}: {e}") from None
+
+    def finish(self, loss):
+        loss, step = float(loss), self.step
+        what = f"the gradient sums of training step {step} (shared memory)"
+        start = time.monotonic()
+        beats = {}
+        while True:
+            total = self._call("finish", step, loss, 0.5)
+            if total is not None:
+                return total
+            now = time.monotonic()
+            try:
+                self.group.check_peers(what, beats, now)
+            except CollectiveError:
+                # a rank may have finished these sums and gone on (to the next collective, or out)
+                # between our last look at the counters and this look at the store: it set its
+                # counter before it went, so a last look at the counters tells which it was
+                total = self._call("finish", step, loss, 0.0)
+                if total is not None:
+                    return total
+                raise
+            if now - start > self.group.timeout:
+                raise CollectiveTimeoutError("\n".join(
+                    [f"rank {self.rank}: {what} did not complete within {self.group.timeout:g} s: a rank did not reach "
+                     "them. Where the other ranks are:", *self.group.whereabouts(),
+                     "every rank must take the same steps; look for a rank with another number of batches, or one "
+                     "that hangs (its log)"]))
+
+
 class DataParallel:
     """fasttran.Trainer's gradient reduction over a process group: ``Trainer(..., reduction=
     DataParallel())`` on every rank (torchrun, accelerate, Ray Train, Slurm + torchrun).
@@ -737,8 +864,11 @@ class DataParallel:
         models in GPU memory, and where shared memory cannot be had.
       * "auto" (default) -- the first that applies; `transport_used` says which, and
         `why_not_shared` why not shared memory.
-    DataParallel() must be made before the Trainer's model is (it decides where gradient tables
-    are made); a model made earlier sums through the group.
+    Shared memory needs the model's gradient table there: the Trainer makes its model with
+    `shared_grads` = this reduction's wish (``DataParallel().shared_grads``); a model made without
+    it sums through the group. Each transport is one small class with begin / ready / finish
+    (OneProcess, GroupAllReduce, SharedMemorySum), chosen once per fit, when the DataParallel
+    attaches to the model (start).
 
     A step starts with a checked collective (the step's number), so ranks that diverged -- other
     numbers of batches, a rank in another phase -- fail there with CollectiveError naming what each
@@ -751,27 +881,27 @@ class DataParallel:
         self.group = group if group is not None else init()
         self.rank, self.world_size = self.group.rank, self.group.world_size
         self.transport = transport
-        self._views, self._works = [], []
-        self._host, self._host_step = None, 0
+        self._sums = None   # the transport attached to the model of the current fit
         self.transport_used, self.why_not_shared = None, None
-        hosts = getattr(self.group, "_hosts", None)
-        self._one_machine = self.world_size > 1 and hosts is not None and len(set(hosts)) == 1
-        if transport != "group" and self._one_machine:
-            from . import _C
-            _C.shared_grads(True)   # gradient tables made from now on can be summed in place
         #: seconds this rank spent in the reduction, by part: "begin" (the step's checked collective:
         #: waiting for the other ranks to arrive), "ready" (handing over the buckets, inside the
         #: backward), "finish" (the sums past the backward, and the loss); "steps" counts them
         self.seconds = {"begin": 0.0, "ready": 0.0, "finish": 0.0, "steps": 0}
+
+    @property
+    def shared_grads(self):
+        """Whether a model made for this reduction should keep its gradient table in shared memory
+        (the Trainer asks when it makes its model): ranks that all run on this machine, unless
+        transport='group'."""
+        return self.transport != "group" and self.world_size > 1 and self.group.one_machine
 
     def __repr__(self):
         how = self.transport_used or self.transport
         return f"DataParallel(rank {self.rank} of {self.world_size}, {self.group.backend or 'one process'}, {how})"
 
     def start(self, model, run):
-        """Once per fit: the gradient buckets of `model`; `run` (what must be the same on every rank:
-        data, batch size, seed, model) is compared across the ranks."""
-        self._views = [view for _, view in model.buckets()]
+        """Once per fit: `run` (what must be the same on every rank: data, batch size, seed, model) is
+        compared across the ranks, and the transport chosen for `model`'s gradient buckets."""
         seen = self.group.all_gather_object(run, what="fit: the run's settings")
         for r, other in enumerate(seen):
             if other != run:
@@ -780,13 +910,22 @@ class DataParallel:
                                       + "; ".join(f"{k}: {run.get(k)!r} here, {other.get(k)!r} there" for k in diff)
                                       + ". Every rank must train the same model on the same data with the same "
                                         "settings")
-        self._host, self._host_step = None, 0
-        if self.world_size > 1 and self.transport != "group":
-            self._host, self.why_not_shared = self._connect(model)
-            if self._host is None and self.transport == "shared_memory":
+        self._sums = self._attach(model)
+        self.transport_used = self._sums.name
+
+    def _attach(self, model):
+        """The transport for `model`: the first of shared memory (unless transport='group') and the
+        group that applies; one rank needs none."""
+        if self.world_size == 1:
+            return OneProcess(self.group)
+        if self.transport != "group":
+            host, self.why_not_shared = self._connect(model)
+            if host is not None:
+                return SharedMemorySum(self.group, host)
+            if self.transport == "shared_memory":
                 raise InputError(f"transport='shared_memory' cannot be used: {self.why_not_shared}; use "
                                  "transport='auto' or 'group'")
-        self.transport_used = "shared_memory" if self._host is not None else (self.group.backend or "one process")
+        return GroupAllReduce(self.group, [view for _, view in model.buckets()])
 
     def _connect(self, model):
         """The shared-memory sums among the ranks (all of them on this machine), or (None, why not):
@@ -794,15 +933,16 @@ class DataParallel:
         from . import _C
         from .errors import FastTranError
         why, host, mine = None, None, None
-        if not self._one_machine:
+        if not self.group.one_machine:
             why = "the ranks are not all on one machine"
         elif model.device.is_cuda:
             why = "the gradients are in GPU memory"
         else:
             try:
-                buckets = [(int(o), int(n)) for o, n in model._core.buckets()]
-                host = _C.HostSum(self.rank, self.world_size, model.grads.data_ptr,
-                                  model.grads.nbytes // 4, buckets, int.from_bytes(os.urandom(8), "little"))
+                base = model.grads.data_ptr
+                buckets = [((view.data_ptr - base) // 4, int(view.shape[0])) for _, view in model.buckets()]
+                host = _C.HostSum(self.rank, self.world_size, base, model.grads.nbytes // 4, buckets,
+                                  int.from_bytes(os.urandom(8), "little"))
                 mine = host.endpoint
             except FastTranError as e:
                 why, host = str(e), None
@@ -822,81 +962,32 @@ class DataParallel:
             return None, f"rank {bad[0][0]}: {bad[0][1]}"
         return host, None
 
+    def _attached(self):
+        if self._sums is None:
+            raise InputError("DataParallel: start(model, run) attaches it to a model first (the Trainer does)")
+        return self._sums
+
     def begin(self, step):
-        """Before a step's model step: the ranks check they are at the same step -- a checked
-        collective through the group; with shared memory the sums themselves are numbered and
-        checked (a rank that meets another step's sums, or a rank gone on to another collective,
-        fails the step), so nothing is exchanged here."""
+        """Before a step's model step (the group: a checked collective, so ranks at different steps
+        fail here; shared memory: the sums themselves are numbered and checked)."""
         t0 = time.perf_counter()
-        if self._host is not None:
-            self._host_step += 1
-        else:
-            self.group.barrier(what=f"training step {int(step)}")
+        self._attached().begin(step)
         self.seconds["begin"] += time.perf_counter() - t0
 
     def ready(self, bucket):
         """The model hands over gradient bucket `bucket` (final in memory): its sum starts now (the
         group) or at finish (shared memory: the other ranks see it is ready)."""
         t0 = time.perf_counter()
-        if self._host is not None:
-            self._host_call("post", bucket, self._host_step)
-        else:
-            self._works.append(self.group.all_reduce_(self._views[bucket], async_op=True, what="gradient bucket",
-                                                      check=False))
+        self._sums.ready(bucket)
         self.seconds["ready"] += time.perf_counter() - t0
 
     def finish(self, loss):
         """After the step's backward: the buckets' sums are complete; returns the global loss."""
         t0 = time.perf_counter()
-        if self._host is not None:
-            total = self._finish_host(float(loss))
-        else:
-            works, self._works = self._works, []
-            for w in works:
-                w.wait()
-            buf = np.array([loss], np.float64)
-            self.group.all_reduce_(buf, what="loss", check=False)
-            total = float(buf[0])
+        total = self._attached().finish(loss)
         self.seconds["finish"] += time.perf_counter() - t0
         self.seconds["steps"] += 1
         return total
-
-    def _host_call(self, method, *args):
-        """HostSum.<method>(*args); its failure (the ranks' steps disagree) as this rank's CollectiveError"""
-        from .errors import FastTranError
-        try:
-            return getattr(self._host, method)(*args)
-        except FastTranError as e:
-            raise CollectiveError(f"rank {self.rank}: {e}") from None
-
-    def _finish_host(self, loss):
-        what, step = f"the gradient sums of training step {self._host_step} (shared memory)", self._host_step
-        start = time.monotonic()
-        beats = {}
-        while True:
-            total = self._host_call("finish", step, loss, 0.5)
-            if total is not None:
-                return total
-            now = time.monotonic()
-            check = getattr(self.group, "_check_peers", None)
-            if check is not None:
-                try:
-                    check(what, beats, now)
-                except CollectiveError:
-                    # a rank may have finished these sums and gone on (to the next collective, or out)
-                    # between our last look at the counters and this look at the store: it set its
-                    # counter before it went, so a last look at the counters tells which it was
-                    total = self._host_call("finish", step, loss, 0.0)
-                    if total is not None:
-                        return total
-                    raise
-            if now - start > self.group.timeout:
-                lines = self.group._whereabouts(wait_for_beats=False) if hasattr(self.group, "_whereabouts") else []
-                raise CollectiveTimeoutError("\n".join(
-                    [f"rank {self.rank}: {what} did not complete within {self.group.timeout:g} s: a rank did not reach "
-                     "them. Where the other ranks are:", *lines,
-                     "every rank must take the same steps; look for a rank with another number of batches, or one "
-                     "that hangs (its log)"]))
 
     def sum(self, values):
         """Per-epoch counters summed over the ranks (float64)"""

@@ -40,7 +40,7 @@ class TopLayers:
 
     def __init__(self, encoder, k, device=None, hidden_dropout=None, attention_dropout=None, inplace_gelu=None,
                  inplace_layernorm=True, recompute_attention_dropout=True, matmul_precision="float32",
-                 recompute_attention_probs=False, extra=0):
+                 recompute_attention_probs=False, extra=0, shared_grads=False):
         """k: how many of the top layers to train (1..L). device: where to train ('cpu', 'cuda:N';
         default the encoder's). Dropout defaults to the checkpoint's (hidden_dropout_prob,
         attention_probs_dropout_prob). Tempo's options (each leaves the gradients unchanged up to fp32
@@ -63,7 +63,9 @@ class TopLayers:
         dropout and the kept probabilities stay float32, as in FlashAttention). On the CPU the
         half-precision modes are a slow reference of the GPU's arithmetic, for tests.
         extra: floats of room after the layers in the parameter and gradient buffers, for a task head
-        (fasttran.model.Model keeps layers and head in one flat table)."""
+        (fasttran.model.Model keeps layers and head in one flat table). shared_grads: the gradient
+        buffer in memory the other processes of this machine can map (a data-parallel rank's, whose
+        reduction sums the ranks' tables in place: fasttran.distributed.DataParallel)."""
         L = encoder.num_layers
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= L:
             raise InputError(f"k (the number of top layers to train) must be an integer in [1, {L}], got {k!r}")
@@ -86,7 +88,8 @@ class TopLayers:
                             recompute_attention_probs=bool(recompute_attention_probs))
         self.hidden_size = encoder.config["hidden_size"]
         self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, device.index, **self.options,
-                                    matmul_precision=dict(_C.DTYPES)[matmul_precision], extra=int(extra))
+                                    matmul_precision=dict(_C.DTYPES)[matmul_precision], extra=int(extra),
+                                    shared_grads=bool(shared_grads))
         self._table, self.num_params = self._stack.tensors()
         self.params = self._stack.params   # flat Tensors over the stack's memory
         self.grads = self._stack.grads

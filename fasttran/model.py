@@ -34,14 +34,17 @@ def rows_of(batch):
 
 class Model:
     """A task head on frozen features, or on top layers trained with it (`layers`: a TopLayers made
-    with `extra=head.num_parameters`, on the same device)."""
+    with `extra=head.num_parameters`, on the same device). shared_grads: the gradient table in
+    memory the other processes of this machine can map (a data-parallel rank's); with layers, their
+    table is the model's (TopLayers(shared_grads=))."""
 
-    def __init__(self, head, layers=None, device="cpu"):
+    def __init__(self, head, layers=None, device="cpu", shared_grads=False):
         device = parse_device(device)
         self.head, self.layers, self.device = head, layers, device
         if layers is not None and layers.device != device:
             raise InputError(f"the layers are on {layers.device}, the model on {device}")
-        self._core = _C.Model(head._cfg, None if layers is None else layers._stack, device.index)
+        self._core = _C.Model(head._cfg, None if layers is None else layers._stack, device.index,
+                              shared_grads=bool(shared_grads))
         self.head_offset = self._core.head_offset
         self.params, self.grads = self._core.params, self._core.grads
         table = [] if layers is None else list(layers._table)

@@ -84,9 +84,11 @@ class Reduction:
     ready              None, or a callable(bucket) the model calls as each gradient bucket is final
     finish(loss)       after the step's backward: wait for the reductions; returns the global loss
     sum(values)        per-epoch counters over the processes
+    shared_grads       the model's gradient table in memory the processes of this machine share
     """
     rank, world_size = 0, 1
     ready = None
+    shared_grads = False
 
     def start(self, model, run):
         pass
@@ -296,10 +298,12 @@ class Trainer:
             drop = {} if self.layer_dropout is None else dict(hidden_dropout=self.layer_dropout,
                                                               attention_dropout=self.layer_dropout)
             self.top = TopLayers(self._encoder, self.train_layers, device=self.device, **drop, **self.tempo,
-                                 matmul_precision=self.precision, extra=self.head.num_parameters)
+                                 matmul_precision=self.precision, extra=self.head.num_parameters,
+                                 shared_grads=getattr(self.reduction, "shared_grads", False))
             if ckpt.get("layers") is not None:
                 self.top.load_state(ckpt["layers"], "the checkpoint's trained layers")
-        self.model = Model(self.head, self.top, self.device)
+        self.model = Model(self.head, self.top, self.device,
+                           shared_grads=getattr(self.reduction, "shared_grads", False))
         self.optimizer = make_optimizer(self.optimizer_name, self.model.named_parameters(), lr=self.lr,
                                         betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                         max_grad_norm=self.max_grad_norm)

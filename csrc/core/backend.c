@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,7 +12,6 @@
 #include <unistd.h>
 
 #include "backend.h"
-#include "core/profile.h"
 #include "core/status.h"
 
 /* the registry of the op list (backend.h): tests look each entry up by name */
@@ -29,6 +29,7 @@ static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *cuda_lib;
 static char cuda_load_error[512];
 static const ft_host_api host_api = {ft_error};
+static _Atomic(ft_backend_open_hook) open_hook;   /* ft_backend_set_open_hook */
 
 /* The CUDA backend library next to this module: libfasttran_cuda.so (built with nvcc), or, when
  * FASTTRAN_CUDA_EMU is set (not "0"), libfasttran_cuda_emu.so, the same sources built against the
@@ -106,9 +107,12 @@ ft_status ft_backend_cuda_open(int index, ft_backend **out) {
         *out = NULL;
         return ft_error(FT_ERR_DEVICE, "CUDA backend ABI mismatch: rebuild fasttran");
     }
-    ft_profile_attach(*out);   /* timing wrappers (idle unless profiling): core/profile.c */
+    const ft_backend_open_hook hook = atomic_load(&open_hook);
+    if (hook) hook(*out);   /* the profiler's timing wrappers (idle unless profiling): core/profile.c */
     return FT_OK;
 }
+
+void ft_backend_set_open_hook(ft_backend_open_hook hook) { atomic_store(&open_hook, hook); }
 
 void *ft_cuda_symbol(const char *name) {
     void *lib = cuda_library();

@@ -188,8 +188,13 @@ void ft_profile_attach(ft_backend *be) {
     pthread_mutex_unlock(&lock);
 }
 
-ft_status ft_profile_start(void) {
+void ft_profile_install(void) {
     ft_profile_attach(ft_backend_cpu());
+    ft_backend_set_open_hook(ft_profile_attach);
+}
+
+ft_status ft_profile_start(void) {
+    ft_profile_install();
     pthread_mutex_lock(&lock);
     if (n_pending) resolve_locked(n_pending);
     for (int i = 0; i < FT_PE_COUNT; i++) {

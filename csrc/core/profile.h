@@ -5,7 +5,8 @@
  * between two events recorded on the backend's stream around it (resolved at ft_profile_stop).
  * Only the outermost wrapped call of a thread is timed, so nothing is counted twice. Work
  * outside the table reports itself with ft_profile_add (the cache gather). Off, a wrapper
- * costs one flag test and the indirect call. */
+ * costs one flag test and the indirect call. The profiler builds on the backend loader
+ * (core/backend.c), which calls it only through the open hook ft_profile_install registers. */
 #ifndef FT_CORE_PROFILE_H
 #define FT_CORE_PROFILE_H
 #include <stdint.h>
@@ -47,6 +48,8 @@ typedef struct {
 /* Wrap the ops of `be` (idempotent; CPU and CUDA tables). A table whose functions differ from
  * the first table of its device kind is left as it is. */
 void ft_profile_attach(ft_backend *be);
+/* Wrap the CPU table and every CUDA table opened from now on (ft_backend_set_open_hook). */
+void ft_profile_install(void);
 /* Zero the accumulators and start counting. */
 ft_status ft_profile_start(void);
 /* Stop counting; resolve the pending CUDA events (waits for the recorded work). */
@@ -65,7 +68,5 @@ void ft_profile_stat(int i, ft_prof_stat *out);
 typedef ft_status (*ft_cuda_event_record_fn)(ft_backend *be, void **event);
 typedef ft_status (*ft_cuda_event_elapsed_fn)(void *start, void *stop, float *ms);
 typedef void (*ft_cuda_event_destroy_fn)(void *event);
-/* dlsym in the CUDA backend library (NULL when it is absent or lacks `name`). */
-void *ft_cuda_symbol(const char *name);
 
 #endif

@@ -1,13 +1,13 @@
 /* Shared host allocations (see shared.h): memfd + mmap, with a registry so that cpu_free and
  * ft_shared_find know them. The registry is a short list under a mutex: a process has one
- * gradient table per model. */
+ * gradient table per model. Whether a table is shared is its maker's argument, never a
+ * process-wide setting. */
 #define _GNU_SOURCE
 #include "dist/shared.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -24,10 +24,6 @@ typedef struct region {
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static region *regions;
-static atomic_int grads_shared;
-
-void ft_shared_grads(int on) { atomic_store(&grads_shared, on ? 1 : 0); }
-int ft_shared_grads_on(void) { return atomic_load(&grads_shared); }
 
 static int memfd(const char *name) {
 #ifdef SYS_memfd_create
@@ -106,8 +102,8 @@ int ft_shared_find(const void *p, int *fd, size_t *offset, size_t *bytes) {
     return found;
 }
 
-ft_status ft_backend_alloc_grads(ft_backend *be, size_t bytes, void **out) {
-    if (be->device.kind == FT_DEVICE_CPU && ft_shared_grads_on()) {
+ft_status ft_backend_alloc_grads(ft_backend *be, size_t bytes, int shared, void **out) {
+    if (be->device.kind == FT_DEVICE_CPU && shared) {
         if (ft_shared_alloc(bytes, out) == FT_OK) return FT_OK;
         ft_clear_error();   /* no memfd, or no room: plain memory, and the ranks sum through the process group */
     }

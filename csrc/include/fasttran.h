@@ -655,9 +655,13 @@ typedef struct ft_layer_stack ft_layer_stack;
 /* A trainable copy of encoder layers [first, first + count) (fp32 master weights) on `dev`, with
  * their gradients and the activation arena, each one allocation. extra_floats: room after the
  * layers in the parameter and gradient allocations for the caller's own tensors (ft_model puts
- * its task head there, so that layers and head are one flat table); 0 for none. */
+ * its task head there, so that layers and head are one flat table); 0 for none. shared_grads
+ * (CPU): the gradient allocation in host memory the other processes of this machine can map
+ * (data-parallel ranks sum their tables in place, csrc/dist/host_sum.c; plain memory where the
+ * OS refuses); 0: the backend's memory. */
 ft_status ft_layer_stack_create(const ft_encoder *enc, int64_t first, int64_t count, ft_device dev,
-                                const ft_layer_options *opt, size_t extra_floats, ft_layer_stack **out);
+                                const ft_layer_options *opt, size_t extra_floats, int shared_grads,
+                                ft_layer_stack **out);
 void ft_layer_stack_free(ft_layer_stack *s);
 size_t ft_layer_stack_param_count(const ft_layer_stack *s);            /* floats */
 int64_t ft_layer_stack_count(const ft_layer_stack *s);                 /* layers */
@@ -732,8 +736,11 @@ typedef struct ft_model ft_model;
 
 /* layers: NULL (a head on frozen features), or a stack made with extra_floats =
  * ft_head_param_count(head) whose allocations then hold the head too; borrowed: it must outlive
- * the model. The head's parameters start at zero (write them with ft_model_write_params). */
-ft_status ft_model_create(ft_device dev, const ft_head_config *head, ft_layer_stack *layers, ft_model **out);
+ * the model. The head's parameters start at zero (write them with ft_model_write_params).
+ * shared_grads: the model's own gradient table (no layers) in shared host memory, as
+ * ft_layer_stack_create's; with layers the stack's table is the model's and was placed by it. */
+ft_status ft_model_create(ft_device dev, const ft_head_config *head, ft_layer_stack *layers, int shared_grads,
+                          ft_model **out);
 void ft_model_free(ft_model *m);
 size_t ft_model_param_count(const ft_model *m);
 float *ft_model_params(ft_model *m);   /* backend memory, ft_model_param_count floats */

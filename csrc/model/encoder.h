@@ -3,6 +3,7 @@
 #ifndef FT_MODEL_ENCODER_H
 #define FT_MODEL_ENCODER_H
 #include <pthread.h>
+#include <stdlib.h>
 
 #include "backend.h"
 
@@ -83,7 +84,16 @@ struct ft_encoder {
     pthread_mutex_t lock;
 };
 
-void ft_encoder_int8_free(ft_encoder_int8 *q);
+/* Free an int8 encoder's quantized weights (NULL: nothing). Beside the type it frees, so that
+ * encoder.c (an encoder's end) and encoder_int8.c (which makes them) share it without calling
+ * each other: encoder_int8.c builds on encoder.c, never the other way. */
+static inline void ft_encoder_int8_free(ft_encoder_int8 *q) {
+    if (!q) return;
+    free(q->data);
+    free(q->scale);
+    free(q->layer);
+    free(q);
+}
 
 /* the (rows, columns) of layer l's four projection weights -- Wqkv (3A, C), Wo (C, A), W1 (I, C),
  * W2 (C, I) with A its heads x head size and I its FFN width -- at the layer's own (pruned) shape */

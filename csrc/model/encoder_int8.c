@@ -8,14 +8,6 @@
 #include "core/status.h"
 #include "model/encoder.h"
 
-void ft_encoder_int8_free(ft_encoder_int8 *q) {
-    if (!q) return;
-    free(q->data);
-    free(q->scale);
-    free(q->layer);
-    free(q);
-}
-
 /* the view that starts at float offset `off`, or -1 */
 static int64_t view_at(const ft_encoder *e, size_t off) {
     for (size_t k = 0; k < e->n_views; k++)

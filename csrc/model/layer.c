@@ -295,7 +295,8 @@ static ft_status copy_structure(ft_layer_stack *s, const ft_encoder *e) {
 }
 
 ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t count, ft_device dev,
-                                const ft_layer_options *opt, size_t extra_floats, ft_layer_stack **out) {
+                                const ft_layer_options *opt, size_t extra_floats, int shared_grads,
+                                ft_layer_stack **out) {
     *out = NULL;
     const int64_t L = e->cfg.num_layers;
     if (e->int8)
@@ -358,7 +359,8 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     }
     s->extra = extra_floats;
     if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->params);
-    if (st == FT_OK) st = ft_backend_alloc_grads(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->grads);
+    if (st == FT_OK) st = ft_backend_alloc_grads(s->be, (s->n_params + s->extra) * sizeof(float), shared_grads,
+                                                 (void **)&s->grads);
     for (int64_t l = 0; st == FT_OK && l < count; l++) {
         /* the encoder's layer block is contiguous in the same order (model/encoder.c's layout) */
         size_t off[12], floats;

@@ -14,12 +14,14 @@
 
 #include "fasttran.h"
 
-/* exception classes from fasttran.errors, looked up at module init */
+/* exception classes from fasttran.errors, looked up at module init (ft_py_load_errors) */
 typedef struct {
     PyObject *base, *input, *input_type, *input_range, *checkpoint, *not_found, *io, *unsupported, *backend,
         *cache_corrupt;
 } ft_py_errors;
 extern ft_py_errors ft_errors;
+/* Fill ft_errors from fasttran.errors; -1 with an exception set when it cannot. */
+int ft_py_load_errors(void);
 
 /* Raise the exception for `st` with ft_last_error() as its message; returns NULL. */
 PyObject *ft_py_raise(ft_status st);
@@ -60,6 +62,9 @@ int ft_py_add_train_functions(PyObject *module);
 int ft_py_add_layer_type(PyObject *module);
 int ft_py_add_model_type(PyObject *module);
 int ft_py_add_host_sum(PyObject *module);
+/* Whether a gradient table whose model asks for shared memory (`asked`) gets it: not after
+ * fasttran._C.shared_grads(False) (host_sum_type.c). GIL held. */
+int ft_py_shared_grads(int asked);
 /* st = expr with the GIL released (expr must not touch Python objects) */
 #define FT_PY_NOGIL(st, expr) \
     do {                      \

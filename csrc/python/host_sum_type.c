@@ -1,6 +1,8 @@
 /* fasttran._C.HostSum: the gradient sums of the ranks on one machine in shared memory
- * (csrc/dist/host_sum.h), behind fasttran.distributed.DataParallel; and the switch that puts
- * gradient tables in shared memory (csrc/dist/shared.h). */
+ * (csrc/dist/host_sum.h), behind fasttran.distributed.DataParallel's shared-memory transport;
+ * shared_memory_of; and shared_grads(on), the process's veto on shared gradient tables (whether a
+ * table is shared is its model's argument: LayerStack / Model(shared_grads=); this switch only
+ * refuses it, for tests and for users who want the process group's transport). */
 #include "binding.h"
 
 #include <unistd.h>
@@ -35,8 +37,8 @@ static int HostSum_init(HostSum *self, PyObject *args, PyObject *kw) {
     int fd;
     size_t offset, bytes;
     if (!ft_shared_find((const void *)(uintptr_t)addr, &fd, &offset, &bytes) || bytes < floats * sizeof(float)) {
-        ft_py_fail(ft_errors.input, "the gradient table is not in shared memory (made before "
-                   "fasttran._C.shared_grads(True)?)");
+        ft_py_fail(ft_errors.input, "the gradient table is not in shared memory (its model was made without "
+                   "shared_grads=True, or after fasttran._C.shared_grads(False))");
         return -1;
     }
     PyObject *seq = PySequence_Fast(buckets_o, "buckets must be a sequence of (offset, floats)");
@@ -146,13 +148,19 @@ static PyType_Slot HostSum_slots[] = {
 
 static PyType_Spec HostSum_spec = {"fasttran._C.HostSum", sizeof(HostSum), 0, Py_TPFLAGS_DEFAULT, HostSum_slots};
 
+/* 0 after shared_grads(False): models made from then on keep their gradient tables in plain memory
+ * whatever they ask. Read and written with the GIL held. */
+static int shared_grads_allowed = 1;
+
+int ft_py_shared_grads(int asked) { return asked && shared_grads_allowed; }
+
 /* shared_grads(on) -> the previous setting */
 static PyObject *py_shared_grads(PyObject *self, PyObject *arg) {
     (void)self;
     const int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
-    const int was = ft_shared_grads_on();
-    ft_shared_grads(on);
+    const int was = shared_grads_allowed;
+    shared_grads_allowed = on;
     return PyBool_FromLong(was);
 }
 
@@ -169,7 +177,9 @@ static PyObject *py_shared_memory_of(PyObject *self, PyObject *arg) {
 
 static PyMethodDef functions[] = {
     {"shared_grads", py_shared_grads, METH_O,
-     "shared_grads(on) -> previous: host gradient tables made from now on live in shared memory (data-parallel ranks)."},
+     "shared_grads(on) -> previous: False refuses shared memory to the gradient tables of models made from now on, "
+     "whatever they ask (LayerStack / Model(shared_grads=True): a data-parallel rank's); True (the default) lets "
+     "them have it."},
     {"shared_memory_of", py_shared_memory_of, METH_O,
      "shared_memory_of(address) -> (fd, offset, bytes) of the shared allocation holding it, or None."},
     {NULL, NULL, 0, NULL}};

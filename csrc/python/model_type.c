@@ -22,10 +22,12 @@ static void Model_dealloc(Model *self) {
 }
 
 static int Model_init(Model *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"head", "layers", "device_index", NULL};
+    static char *kwlist[] = {"head", "layers", "device_index", "shared_grads", NULL};
     PyObject *head_o, *layers_o = Py_None;
-    int device_index = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Oi", kwlist, &head_o, &layers_o, &device_index)) return -1;
+    int device_index = -1, shared = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Oip", kwlist, &head_o, &layers_o, &device_index, &shared))
+        return -1;
+    shared = ft_py_shared_grads(shared);
     if (self->model) { ft_py_fail(ft_errors.base, "Model is already initialised"); return -1; }
     if (!ft_py_parse_head(head_o, &self->head)) return -1;
     ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
@@ -42,7 +44,7 @@ static int Model_init(Model *self, PyObject *args, PyObject *kw) {
     ft_status st;
     ft_model *m = NULL;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_model_create(dev, &self->head, stack, &m);
+    st = ft_model_create(dev, &self->head, stack, shared, &m);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) { ft_py_raise(st); return -1; }
     self->model = m;
@@ -284,7 +286,9 @@ static PyGetSetDef Model_getset[] = {
 static PyType_Slot Model_slots[] = {
     {Py_tp_dealloc, Model_dealloc}, {Py_tp_init, Model_init}, {Py_tp_new, PyType_GenericNew},
     {Py_tp_methods, Model_methods}, {Py_tp_getset, Model_getset},
-    {Py_tp_doc, "Model(head_config, layers=None, device_index=-1): [frozen features] -> [LayerStack] -> task head"},
+    {Py_tp_doc, "Model(head_config, layers=None, device_index=-1, shared_grads=False): [frozen features] -> "
+                "[LayerStack] -> task head (shared_grads: its own gradient table in shared memory; with layers, "
+                "theirs is the model's)"},
     {0, NULL}};
 
 static PyType_Spec Model_spec = {"fasttran._C.Model", sizeof(Model), 0, Py_TPFLAGS_DEFAULT, Model_slots};

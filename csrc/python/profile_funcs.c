@@ -62,6 +62,6 @@ static PyMethodDef profile_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 int ft_py_add_profile_functions(PyObject *m) {
-    ft_profile_attach(ft_backend_cpu());   /* wrappers in place before any encoder exists */
+    ft_profile_install();   /* wrappers in place before any encoder or CUDA backend exists */
     return PyModule_AddFunctions(m, profile_methods);
 }

@@ -51,7 +51,8 @@ void ft_model_free(ft_model *m) {
     free(m);
 }
 
-ft_status ft_model_create(ft_device dev, const ft_head_config *head, ft_layer_stack *layers, ft_model **out) {
+ft_status ft_model_create(ft_device dev, const ft_head_config *head, ft_layer_stack *layers, int shared_grads,
+                          ft_model **out) {
     *out = NULL;
     FT_TRY(ft_head_check(head));
     ft_model *m = calloc(1, sizeof *m);
@@ -74,7 +75,7 @@ ft_status ft_model_create(ft_device dev, const ft_head_config *head, ft_layer_st
     } else if (st == FT_OK) {
         m->own = 1;
         st = m->be->alloc(m->be, nh * sizeof(float), (void **)&m->params);
-        if (st == FT_OK) st = ft_backend_alloc_grads(m->be, nh * sizeof(float), (void **)&m->grads);
+        if (st == FT_OK) st = ft_backend_alloc_grads(m->be, nh * sizeof(float), shared_grads, (void **)&m->grads);
     }
     m->n_params = m->n_layers + nh;
     if (st == FT_OK) {   /* the head's parameters start at zero */

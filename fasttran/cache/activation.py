@@ -13,15 +13,17 @@ are not cached through the encoder padded as the build would have padded them (s
 full caches return identical batches); batches() reads an epoch ahead on a C thread.
 """
 import hashlib
+import json
 import os
 import time
+import uuid
 
 import numpy as np
 
 from .. import _C
 from ..device import CPU, parse_device
 from ..errors import CacheCorruptError, CacheMismatchError, FastTranIOError, InputError, UnsupportedError
-from . import persist
+from . import parallel, persist
 from .layout import (CODECS, POSITIONS, Plan, codec_code, input_fingerprints, model_fingerprint, parse_inputs, row_bytes,
                      rows_of)
 from .tiers import Tiers
@@ -172,12 +174,11 @@ class ActivationCache:
             u, c = np.unique(ex, return_counts=True)
             if (c > 1).any():
                 raise InputError(f"duplicate example id {int(u[c > 1][0])} ({int((c > 1).sum())} duplicated ids)")
-        from . import parallel
         g = parallel.build_group(group, disk_dir)
         self._setup(encoder, int(layer) % (L + 1), positions, dtype, batch_size, encoder.hidden_size, ex, tokens, types,
                     offsets, max_fraction, host_bytes, device_bytes=device_bytes)
         if g is not None:
-            parallel.build(self, g, disk_dir, rebuild, show_progress)
+            self._build_split(g, disk_dir, rebuild, show_progress)
             return self
         entries = []
         if disk_dir is not None:
@@ -377,6 +378,152 @@ class ActivationCache:
             self._manifest["complete"] = True
             self._manifest["build_seconds"] = self._build_seconds
             persist.write_manifest(self.path, self._manifest)
+
+    # ---- the build split over the ranks of a process group (parallel.py: group, split, checks) ------
+    def _digest(self):
+        """What a rank of a split build builds: model, settings, example ids and input fingerprints."""
+        h = hashlib.sha256(model_fingerprint(self.encoder).encode())
+        h.update(json.dumps(self._settings(), sort_keys=True).encode())
+        h.update(np.ascontiguousarray(self.example_ids).tobytes())
+        h.update(np.ascontiguousarray(self._fps).tobytes())
+        return h.hexdigest()
+
+    def _open_as_main(self, path, rebuild, run):
+        """Phase 1 on rank 0: the directory opened as a one-process build opens it, the verified
+        shards of earlier journals, and the token the other ranks look for."""
+        self._open_dir_for_build(path, rebuild)
+        man = self._manifest
+        listed = {e["file"] for e in man["shards"]}
+        journal, seen = [], set(listed)
+        if not man["complete"]:
+            for e in persist.read_journal_entries(path, man):
+                b = persist.shard_batch(e)
+                if e["file"] in seen or b >= self._n_plan_batches:
+                    continue
+                ex, rows = self._shard_plan(b)
+                if not len(ex) or e["rows"] != rows:
+                    continue
+                entry = {k: e[k] for k in ("file", "bytes", "crc32c", "rows")}
+                try:   # the whole file: size, checksum, header, examples
+                    persist.open_shard(path, entry, man, ex, self.example_ids[ex], rows, verify=True)
+                except (CacheCorruptError, FastTranIOError):
+                    continue
+                journal.append(e)
+                seen.add(e["file"])
+        token = f".fasttran-shared-{run}"
+        with open(os.path.join(path, token), "w"):
+            pass
+        return {"manifest": man, "journal": journal, "token": token, "run": run}
+
+    def _build_split(self, g, disk_dir, rebuild, show_progress):
+        """Build this cache (set up, no shard yet) into disk_dir, split over group `g`: the phases of
+        parallel.py's docstring, each ended by the group's wait_all."""
+        t0 = time.perf_counter()
+        path = os.path.abspath(os.fspath(disk_dir))
+        # 1. open
+        opened, err = None, None
+        if g.is_main:
+            try:
+                opened = self._open_as_main(path, rebuild, uuid.uuid4().hex[:12])
+            except BaseException as e:
+                err = e
+        got = g.wait_all("cache build: open the directory", {"path": path, "digest": self._digest(), "opened": opened,
+                                                              "kernels": parallel.kernels(self.encoder)}, failed=err)
+        if err is not None:
+            raise err
+        main = got[0]["opened"]
+        kinds = sorted({x["kernels"] for x in got})
+        if len(kinds) > 1 and g.is_main:
+            import warnings
+            warnings.warn("the ranks compute with different kernels (" + "; ".join(
+                f"{k}: ranks {[r for r, x in enumerate(got) if x['kernels'] == k]}" for k in kinds) + "): the cache is "
+                "correct, but its rows differ in the last bits from a build on one kind of machine", RuntimeWarning,
+                stacklevel=3)
+        # 2. check
+        problem = None
+        if any(x["path"] != path for x in got):
+            problem = ("the ranks passed different disk_dir paths (" + ", ".join(f"rank {r}: {x['path']}" for r, x in
+                                                                                enumerate(got)) + ")")
+        elif got[0]["digest"] != self._digest():
+            problem = (f"rank {g.rank} builds another cache than rank 0 (other inputs, model or settings); every rank must "
+                       "call build with the same arguments")
+        elif not g.is_main and not parallel.sees(path, main["token"]):
+            problem = (f"rank {g.rank} does not see the files rank 0 wrote into {path}: the directory is not shared "
+                       "between the ranks (another machine's local disk?)")
+        problems = g.wait_all("cache build: check the directory", problem)
+        if g.is_main:
+            try:
+                os.unlink(os.path.join(path, main["token"]))
+            except OSError:
+                pass
+        problems = [p for p in problems if p]
+        if problems:
+            cls = CacheMismatchError if "another cache" in problems[0] else InputError
+            raise cls(f"a cache build split over {g.world_size} ranks: {problems[0]}. A split build writes one cache "
+                      "into one directory that every rank sees; pass group=False to build one cache per rank")
+        self.path, man = path, main["manifest"]
+        self._manifest, self._err, self._build_seconds = man, man["error"], man["build_seconds"]
+        if man["complete"]:   # built already: open it
+            self._load_shards(man["shards"])
+            return
+        # 3. build this rank's part
+        done = {e["file"] for e in man["shards"]} | {e["file"] for e in main["journal"]}
+        todo = self._todo(done)
+        part = parallel.split(self._lengths, self.hidden, todo, g.world_size)[g.rank]
+        counter = f"cache build {main['run']}"
+        bar = None
+        if show_progress is not False and todo:
+            from .._progress import progress
+            bar = progress(total=len(todo), desc="build cache", unit="batch", delay=0 if show_progress else 2.0)
+
+        def show():
+            if bar is not None:
+                n = g.count(counter, 0)
+                if n != bar.n:
+                    bar.update(n - bar.n)
+
+        mine, err = [], None
+        journal = persist.journal_name(main["run"], g.rank)
+        try:
+            for b, idx in part:
+                vals, sc, e = self._encode_shard(idx)
+                entry = self._write_shard(b, idx, vals, sc)
+                entry["error"] = [float(x) for x in e]
+                mine.append(entry)
+                persist.write_journal(path, journal, man, mine)
+                g.count(counter, 1)
+                show()
+        except BaseException as e:   # Ctrl-C too: the other ranks stop at the next phase, naming it
+            err = e
+        try:
+            got = g.wait_all("cache build: shards", mine, failed=err, poll=show)
+        finally:
+            if bar is not None:
+                bar.close()
+        if err is not None:
+            raise err
+        # 4. the manifest
+        final = None
+        if g.is_main:
+            try:
+                extra = sorted(main["journal"] + [e for entries in got for e in entries], key=persist.shard_batch)
+                final = dict(man)
+                final["shards"] = sorted(man["shards"] + [{k: e[k] for k in ("file", "bytes", "crc32c", "rows")}
+                                                          for e in extra], key=persist.shard_batch)
+                error = man["error"]
+                for e in extra:   # plan order: the sums a one-process build makes, to the bit
+                    error = add_error(error, e["error"])
+                final.update(error=error, complete=True, build_seconds=man["build_seconds"] + time.perf_counter() - t0)
+                persist.write_manifest(path, final)
+                persist.remove_journals(path)
+            except BaseException as e:
+                err = e
+        final = g.wait_all("cache build: manifest", final, failed=err)
+        if err is not None:
+            raise err
+        final = final[0]
+        self._manifest, self._err, self._build_seconds = final, final["error"], final["build_seconds"]
+        self._load_shards(final["shards"])
 
     # ---- reading ---------------------------------------------------------------------------
     def _encoder_core(self):
