@@ -40,7 +40,9 @@ static void f32_encode(void *dst, float *scale, const float *x, int64_t C, doubl
     (void)me;
     (void)se;
     memcpy(dst, x, (size_t)C * sizeof(float));
-    for (int64_t c = 0; c < C; c++) *sr += (double)x[c] * x[c];
+    double r = *sr;
+    for (int64_t c = 0; c < C; c++) r += (double)x[c] * x[c];
+    *sr = r;
 }
 static inline void f32_decode(float *restrict o, const void *restrict src, float scale, int64_t C) {
     (void)scale;
@@ -53,14 +55,16 @@ static inline void f32_decode16(float *restrict o, const char *restrict s, float
 
 /* float16 / bfloat16: rounded to nearest even */
 static inline void half_encode(uint16_t *h, const float *x, int64_t C, int bf, double *me, double *se, double *sr) {
+    double m = *me, q = *se, r = *sr;   /* (accumulated in registers) */
     for (int64_t c = 0; c < C; c++) {
         h[c] = bf ? ft_f32_to_bf16(x[c]) : ft_f32_to_f16(x[c]);
         double back = bf ? ft_bf16_to_f32(h[c]) : ft_f16_to_f32(h[c]);
         double e = fabs(back - x[c]);
-        *me = e > *me ? e : *me;
-        *se += e * e;
-        *sr += (double)x[c] * x[c];
+        m = e > m ? e : m;
+        q += e * e;
+        r += (double)x[c] * x[c];
     }
+    *me = m, *se = q, *sr = r;
 }
 static void f16_encode(void *dst, float *scale, const float *x, int64_t C, double *me, double *se, double *sr) {
     (void)scale;
@@ -110,15 +114,17 @@ static void i8_encode(void *dst, float *scale, const float *x, int64_t C, double
     const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int8_t *q = dst;
     *scale = s;
+    double m = *me, sq = *se, r = *sr;   /* (accumulated in registers) */
     for (int64_t c = 0; c < C; c++) {
         float v = nearbyintf(x[c] * inv);
         v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
         q[c] = (int8_t)v;
         double e = fabs((double)v * s - x[c]);
-        *me = e > *me ? e : *me;
-        *se += e * e;
-        *sr += (double)x[c] * x[c];
+        m = e > m ? e : m;
+        sq += e * e;
+        r += (double)x[c] * x[c];
     }
+    *me = m, *se = sq, *sr = r;
 }
 static inline void i8_decode(float *restrict o, const void *restrict src, float scale, int64_t C) {
     const int8_t *q = src;
@@ -132,29 +138,8 @@ static inline void i8_decode16(float *restrict o, const char *restrict s, float 
     for (int k = 0; k < 16; k++) o[k] = (float)q[k] * scale;
 }
 
-/* Up to FT_CACHE_GROUP rows decoded in turns, 64 bytes of output of each at a time, the next
- * group's rows prefetched meanwhile: one function per codec, its 16-value step inlined. */
-#define FT_CODEC_GROUP_(tag, es)                                                                              \
-    static void tag##_group(float *const *dst, const char *const *src, const float *scale, int n,             \
-                            const char *const *next_src, int n_next, int64_t C) {                             \
-        int64_t c = 0;                                                                                         \
-        for (; c + 16 <= C; c += 16) {                                                                         \
-            const int64_t off = c * (es); /* source bytes of this step: 16 * es (16..64) */                    \
-            if (off % 64 == 0)                                                                                 \
-                for (int k = 0; k < n_next; k++) __builtin_prefetch(next_src[k] + off, 0, 3);                  \
-            for (int k = 0; k < n; k++) tag##_decode16(dst[k] + c, src[k] + off, scale[k]);                    \
-        }                                                                                                      \
-        if (c < C)                                                                                             \
-            for (int k = 0; k < n; k++) tag##_decode(dst[k] + c, src[k] + c * (es), scale[k], C - c);         \
-    }
-FT_CODEC_GROUP_(f32, 4)
-FT_CODEC_GROUP_(f16, 2)
-FT_CODEC_GROUP_(bf16, 2)
-FT_CODEC_GROUP_(i8, 1)
-#undef FT_CODEC_GROUP_
-
 #define FT_CODEC_ENTRY_(code, name, storage, scaled, lossless, tag) \
-    [code] = {code, name, storage, scaled, lossless, tag##_encode, tag##_decode, tag##_group},
+    [code] = {code, name, storage, scaled, lossless, tag##_encode, tag##_decode},
 static const ft_cache_codec CODECS[FT_DTYPE_COUNT] = {FT_CACHE_CODECS(FT_CODEC_ENTRY_)};
 #undef FT_CODEC_ENTRY_
 
@@ -209,9 +194,29 @@ void ft_cache_decode_row(float *restrict o, const void *restrict src, float scal
     ft_cache_codec_get(codec)->decode_row(o, src, scale, C);
 }
 
+/* 16 values (64 bytes of output) of one row, by codec (the cases generated from the list) */
+static inline void decode16(float *restrict o, const char *restrict s, float scale, ft_dtype codec) {
+    switch (codec) {
+#define FT_CODEC_CASE_(code, name, storage, scaled, lossless, tag) \
+    case code: tag##_decode16(o, s, scale); return;
+        FT_CACHE_CODECS(FT_CODEC_CASE_)
+#undef FT_CODEC_CASE_
+    default: return;
+    }
+}
+
 void ft_cache_decode_group(float *const *dst, const char *const *src, const float *scale, int n,
                            const char *const *next_src, int n_next, ft_dtype codec, int64_t C) {
-    ft_cache_codec_get(codec)->decode_group(dst, src, scale, n, next_src, n_next, C);
+    const int64_t es = (int64_t)ft_dtype_size(codec);
+    int64_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        const int64_t off = c * es;   /* source bytes of this step: 16 * es (16..64) */
+        if (off % 64 == 0)
+            for (int k = 0; k < n_next; k++) __builtin_prefetch(next_src[k] + off, 0, 3);
+        for (int k = 0; k < n; k++) decode16(dst[k] + c, src[k] + off, scale[k], codec);
+    }
+    if (c < C)
+        for (int k = 0; k < n; k++) ft_cache_decode_row(dst[k] + c, src[k] + c * es, scale[k], codec, C - c);
 }
 
 void ft_cache_decode(float *dst, const void *src, const float *scales, ft_dtype codec, int64_t n, int64_t C) {

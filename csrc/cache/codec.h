@@ -14,11 +14,9 @@ typedef struct {
      * the sums of err^2 and x^2 (exactly the codec's, for stats()) */
     void (*encode_row)(void *dst, float *scale, const float *x, int64_t C, double *max_err, double *sq_err,
                        double *sq_ref);
-    /* o (C) = the row at src (`scale`: its scale when scaled) */
+    /* o (C) = the row at src (`scale`: its scale when scaled); the 16-value step of
+     * ft_cache_decode_group is codec.c's <tag>_decode16, dispatched by the list */
     void (*decode_row)(float *restrict o, const void *restrict src, float scale, int64_t C);
-    /* ft_cache_decode_group for this codec (the 16-value steps inlined) */
-    void (*decode_group)(float *const *dst, const char *const *src, const float *scale, int n,
-                         const char *const *next_src, int n_next, int64_t C);
 } ft_cache_codec;
 
 /* the codec storing `c`, NULL when `c` is no codec */
