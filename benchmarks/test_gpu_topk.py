@@ -136,8 +136,8 @@ def test_topk_step_on_the_gpu(arch, k, tmp_path):
     enc, tr, cache, y, batches, loop = fasttran_setup(path, k, batches_of=2)
     layers, lin, drop, topt, params = torch_layers(path, k)
     with torch.no_grad():   # the same head weights
-        lin.weight.copy_(torch.from_numpy(tr.head.tensors["classifier.weight"]))
-        lin.bias.copy_(torch.from_numpy(tr.head.tensors["classifier.bias"]))
+        lin.weight.copy_(torch.from_numpy(np.array(tr.head.tensors["classifier.weight"])))
+        lin.bias.copy_(torch.from_numpy(np.array(tr.head.tensors["classifier.bias"])))
     ids0, (x0, off0), _ = batches[0]
     xt = torch.from_numpy(x0.numpy().reshape(B, T, -1)).to(TDEV)
     yt = torch.from_numpy(y[cache.index_of(ids0)].astype(np.int64)).to(TDEV)
