@@ -664,13 +664,10 @@ class Trainer:
         words: a token head's predictions per word instead of per token -- the WordTokens the cache
         was built from (Encoder.tokenize_words); with output="labels" the label names where the head
         has them."""
-        kinds = {"labels": lambda o: self.head.predict(o, squad), "logits": self.head.logits,
-                 "probabilities": self.head.probabilities} if self.head is not None else {}
         if output not in ("labels", "logits", "probabilities"):
             raise InputError(f"output must be 'labels', 'logits' or 'probabilities', got {output!r}")
-        if not kinds:
-            return self.head.predict(self._outputs(cache), squad)   # (the untrained trainer's error)
-        res = kinds[output](self._outputs(cache))
+        outs = self._outputs(cache)   # (refuses a trainer without a head)
+        res = (self.head.predict(outs, squad) if output == "labels" else getattr(self.head, output)(outs))
         return res if words is None else self.head.per_word(res, words, output)
 
     def evaluate(self, cache, targets):

@@ -138,7 +138,7 @@ class Head:
 
     @property
     def num_parameters(self):
-        return self.params.size
+        return sum(int(np.prod(shape)) for _, shape, _ in self._table)   # (no read of GPU memory)
 
     def named_parameters(self):
         return list(self.tensors.items())

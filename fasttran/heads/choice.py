@@ -13,7 +13,7 @@ import numpy as np
 from .. import metrics as M
 from ..errors import InputError, InputTypeError
 from .base import Head, Prepared
-from .sequence import softmax
+from .sequence import softmax, xent
 
 
 class MultipleChoiceHead(Head):
@@ -117,9 +117,7 @@ class MultipleChoiceHead(Head):
     def evaluate(self, outputs, targets, prep=None):
         """accuracy and the loss over the questions"""
         y = prep.targets if prep is not None and prep.targets is not None else self.check_targets(targets, len(outputs))
-        z = outputs - outputs.max(1, keepdims=True)
-        logp = z - np.log(np.exp(z).sum(1, keepdims=True))
-        return {"accuracy": M.accuracy(y, outputs.argmax(1)), "loss": float(-logp[np.arange(len(y)), y].mean())}
+        return {"accuracy": M.accuracy(y, outputs.argmax(1)), "loss": xent(outputs, y)}
 
     def step(self, x, targets=None, grads=None, dx=None, training=False, seed=0, step=0, lengths=None):
         """Forward over pooled rows x (B, C), B = questions x num_choices (or (N, C) rows with

@@ -109,6 +109,13 @@ def softmax(z, axis=-1):
     return (e / e.sum(axis, keepdims=True)).astype(np.float32)
 
 
+def xent(outputs, y):
+    """the mean softmax cross-entropy of rows of scores against their class ids y"""
+    z = outputs - outputs.max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return float(-logp[np.arange(len(y)), y].mean())
+
+
 def _where(example_ids, i):
     return f"of example {int(example_ids[i])}" if example_ids is not None else f"at position {int(i)}"
 
@@ -170,13 +177,11 @@ class ClassificationHead(_SequenceHead):
     def evaluate(self, outputs, targets, prep=None):
         """accuracy, F1 (binary: of class 1; else macro), Matthews correlation and the loss"""
         y = prep.targets if prep is not None and prep.targets is not None else self.check_targets(targets, len(outputs))
-        z = outputs - outputs.max(1, keepdims=True)
-        logp = z - np.log(np.exp(z).sum(1, keepdims=True))
         pred = outputs.argmax(1)
         f1 = M.f1_score(y, pred, average="binary" if self.num_labels == 2 else "macro",
                         **({"labels": list(range(self.num_labels))} if self.num_labels > 2 else {}))
         return {"accuracy": M.accuracy(y, pred), "f1": f1, "matthews_corrcoef": M.matthews_corrcoef(y, pred),
-                "loss": float(-logp[np.arange(len(y)), y].mean())}
+                "loss": xent(outputs, y)}
 
 
 class RegressionHead(_SequenceHead):
