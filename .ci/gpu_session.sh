@@ -22,7 +22,7 @@
 #                                      # training forward, deterministic backward twice)
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
 #   bash .ci/gpu_session.sh lease      # one call within LEASE_S (540) seconds: the steps of LEASE_STEPS
-#                                      # (default: build test cudnn profile sanitize topk cache base large);
+#                                      # (default: build cudnn base test topk table1 optim cache large sanitize);
 #                                      # logs packed in $OUT/gpu-logs.tgz
 #
 # cuDNN attention is built by the build step where the image's nvidia-cudnn-cu13 and nvidia-cuda-nvrtc
@@ -35,7 +35,9 @@
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 FASTTRAN_CUDA=1 FASTTRAN_CUDA_ARCHS=${FASTTRAN_CUDA_ARCHS:-90}
+# FASTTRAN_CUDA: 1 on the device; a rehearsal on a machine without a GPU sets it to "1,emu" and
+# FASTTRAN_CUDA_EMU=1 (the nvcc build compiles, the steps run on the emulator)
+export PYTHONUNBUFFERED=1 FASTTRAN_CUDA=${FASTTRAN_CUDA:-1} FASTTRAN_CUDA_ARCHS=${FASTTRAN_CUDA_ARCHS:-90}
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
@@ -45,6 +47,8 @@ export PYTHONPATH=/tmp/site:$PWD
 # its $ORIGIN rpath: put the wheel's folder on the loader's path
 CUBLAS_WHEEL_LIB=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.path.dirname(p) for s in site.getsitepackages() for p in glob.glob(s + '/nvidia/**/libcublasLt.so*', recursive=True)})))" 2>/dev/null)
 [ -n "$CUBLAS_WHEEL_LIB" ] && export LD_LIBRARY_PATH=$CUBLAS_WHEEL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# the SQuAD files travel compressed (the carry limit): .bench-data/squad.tar.xz holds squad/*.json
+[ -f .bench-data/squad.tar.xz ] && [ ! -f .bench-data/squad/dev-v1.1.json ] && tar xJf .bench-data/squad.tar.xz -C .bench-data
 [ -d .minilm-bf16 ] && export FASTTRAN_MINILM_BF16=$PWD/.minilm-bf16
 [ -d .cudnn-frontend/include ] && export FASTTRAN_CUDNN_FRONTEND_INCLUDE=$PWD/.cudnn-frontend/include
 CUDA_TESTS="tests/test_backend_ops.py tests/test_cuda.py tests/test_layer_training.py tests/test_cuda_training.py"
@@ -122,12 +126,13 @@ phase_table1() {
 # left is skipped and says so). Logs and JSON are packed into $OUT/gpu-logs.tgz after every step, so
 # a call stopped at its limit still brings back what finished. Steps: build, test, profile
 # (benchmarks/gpu_profile.py), sanitize (memcheck with the leak check, racecheck, synccheck,
-# initcheck on subsets), topk, cache, base, large (the encoder benchmark), optim, diag.
+# initcheck on subsets), topk, topk-cudnn (its steps with cuDNN training attention), table1, cache,
+# base, large (the encoder benchmark), optim, diag.
 phase_lease() {
     local end=$((SECONDS + ${LEASE_S:-540})) logs=/tmp/gpu-logs
     mkdir -p $logs
     export OUT CUDA_TESTS FASTTRAN_BENCH_ROUNDS=${FASTTRAN_BENCH_ROUNDS:-3}
-    export -f phase_build phase_test phase_bench phase_sanitize_short phase_cudnn
+    export -f phase_build phase_test phase_bench phase_sanitize_short phase_cudnn phase_table1
     pack() { cp "$OUT"/*.log "$OUT"/*.json "$OUT"/*.xml "$OUT"/*.txt benchmarks/last_gpu_*.json $logs/ 2>/dev/null
              rm -f "$OUT"/*.log "$OUT"/*.xml; tar czf "$OUT/gpu-logs.tgz" -C $logs . ; }
     step() {   # name, most seconds, command
@@ -139,7 +144,7 @@ phase_lease() {
         echo "== $name: exit $rc after ${SECONDS}s"; pack; return $rc
     }
     local t
-    for t in ${LEASE_STEPS:-build test cudnn profile sanitize topk cache base large}; do
+    for t in ${LEASE_STEPS:-build cudnn base test topk table1 optim cache large sanitize}; do
         case $t in
             build) step build 170 phase_build || { pack; return 1; } ;;
             test) step test 150 phase_test ;;
@@ -150,6 +155,8 @@ phase_lease() {
             cache) step cache 120 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_cache.py 2>&1 | tee "$OUT/gpu-cache.log" | tail -14' ;;
             base|large) step "bench-$t" 180 phase_bench $t ;;
             diag) step diag 80 phase_diag ;;
+            table1) step table1 150 phase_table1 ;;
+            topk-cudnn) step topk-cudnn 120 'FASTTRAN_CUDA_ATTENTION=cudnn python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py -k step 2>&1 | tee "$OUT/gpu-topk-cudnn.log" | tail -20; cp benchmarks/last_gpu_topk.json "$OUT/last_gpu_topk_cudnn.json"' ;;
             optim) step optim 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -15' ;;
             *) echo "unknown lease step $t" ;;
         esac

@@ -174,7 +174,7 @@ def _lengths():
 
 def test_cudnn_forward_and_backward_against_transformers(tmp_path, monkeypatch):
     """cuDNN's attention op by op against torch's float64 SDPA over the same bf16-rounded inputs:
-    head size 32, bf16, sequences of 192 (seq % 128 == 64), 1, 64 and 37 rows packed back to back;
+    head sizes 32 and 64, bf16 and fp16, sequences of 192 (seq % 128 == 64), 1, 64 and 37 rows packed back to back;
     forward (inference, half storage) and, with FASTTRAN_CUDA_ATTENTION=cudnn in a child process, the
     training forward and the deterministic backward (twice: the same bits)."""
     why = _cudnn_on_gpu()
@@ -203,29 +203,36 @@ def test_the_device_check_runs_on_the_emulator_against_fasttrans_kernels():
 
 def _device_check(expect_cudnn=True):
     """Run in a child with FASTTRAN_CUDA_ATTENTION=cudnn (read once per process by the backend);
-    expect_cudnn False: the rehearsal on the emulator (the calls go to fasttran's kernels)."""
+    expect_cudnn False: the rehearsal on the emulator (the calls go to fasttran's kernels). Head
+    sizes 32 (MiniLM) and 64 (BERT), bf16 and fp16."""
+    for NH, hs in ((4, 32), (12, 64)):
+        for dt in ("bfloat16", "float16"):
+            _device_case(NH, hs, dt, expect_cudnn)
+
+
+def _device_case(NH, hs, dt, expect_cudnn):
     import torch
     from test_backend_ops import Backend, Host, In, Out, Scratch, ScratchSize, run_case, DTYPE_CODES
 
     lens = np.asarray(_lengths(), np.int32)
-    NH, hs = 4, 32
     C, N = NH * hs, int(lens.sum())
     first = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(3 + hs)
     qkv = rng.standard_normal((N, 3 * C)).astype(np.float32)
     dctx = rng.standard_normal((N, C)).astype(np.float32)
-    bf = lambda x: torch.tensor(x).to(torch.bfloat16).to(torch.float64)
+    tdt = getattr(torch, dt)
+    half = lambda x: torch.tensor(x).to(tdt).to(torch.float64)
 
     def reference(x, dout):
-        """float64 SDPA per sequence on the bf16-rounded operands (transformers' attention is
+        """float64 SDPA per sequence on the half-rounded operands (transformers' attention is
         torch's SDPA) and its gradients"""
         outs, grads = [], []
         for f, n in zip(first, lens):
-            rows = bf(x[f:f + n]).requires_grad_(True)
+            rows = half(x[f:f + n]).requires_grad_(True)
             q, k, v = (rows[:, i * C:(i + 1) * C].reshape(n, NH, hs).transpose(0, 1) for i in range(3))
             o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]
             o = o.transpose(0, 1).reshape(n, C)
-            (o * bf(dout[f:f + n])).sum().backward()
+            (o * half(dout[f:f + n])).sum().backward()
             outs.append(o.detach().numpy())
             grads.append(rows.grad.numpy())
         return np.concatenate(outs), np.concatenate(grads)
@@ -234,33 +241,34 @@ def _device_check(expect_cudnn=True):
     gpu = Backend(0)
     before = _info.cuda_attention(0)["cudnn_calls"]
     seqs = np.stack([first, lens, lens], axis=1).astype(np.int32)
-    # inference forward in bf16 storage
-    x16 = torch.tensor(qkv).to(torch.bfloat16).view(torch.int16).numpy()
-    got = run_case(gpu, "attention_forward", dict(dt=DTYPE_CODES["bfloat16"], ctx=Out((N, C), np.int16),
+    tag = f"{dt} head size {hs}:"
+    # inference forward in half storage
+    x16 = torch.tensor(qkv).to(tdt).view(torch.int16).numpy()
+    got = run_case(gpu, "attention_forward", dict(dt=DTYPE_CODES[dt], ctx=Out((N, C), np.int16),
                                                   qkv=In(x16), seqs=Host(seqs), seqs_dev=None, B=len(lens), C=C,
                                                   NH=NH, scratch=Scratch(len(lens), int(lens.max()), NH)))
-    o = torch.tensor(got["ctx"]).view(torch.bfloat16).to(torch.float64).numpy()
+    o = torch.tensor(got["ctx"]).view(tdt).to(torch.float64).numpy()
     err = np.abs(o - ref_o).max()
-    print("forward bf16 max abs error", err)
-    assert np.isfinite(o).all() and err < 2e-2, err
+    print(tag, "forward max abs error", err)
+    assert np.isfinite(o).all() and err < 2e-2, (tag, err)
     # training forward (statistics) and the deterministic backward
-    common = dict(prec=DTYPE_CODES["bfloat16"], seqs=Host(seqs), B=len(lens), C=C, NH=NH, p=0.0, key=1,
+    common = dict(prec=DTYPE_CODES[dt], seqs=Host(seqs), B=len(lens), C=C, NH=NH, p=0.0, key=1,
                   scratch=Scratch(len(lens), int(lens.max()), NH, "attention_train_scratch_bytes"),
                   scratch_bytes=ScratchSize("scratch"))
     fwd = run_case(gpu, "attention_train_forward", dict(common, ctx=Out((N, C)), probs=None, stats=Out((N, NH, 2)),
                                                         dmask=None, qkv=In(qkv)))
-    assert np.abs(fwd["ctx"] - ref_o).max() < 2e-2
+    assert np.abs(fwd["ctx"] - ref_o).max() < 2e-2, tag
     runs = [run_case(gpu, "attention_backward", dict(common, dqkv=Out((N, 3 * C)), dctx=In(dctx), qkv=In(qkv),
                                                      probs=None, stats=In(fwd["stats"]), dmask=None))["dqkv"]
             for _ in range(2)]
-    assert np.array_equal(runs[0], runs[1]), "the deterministic backward gave other bits the second time"
+    assert np.array_equal(runs[0], runs[1]), tag + " the deterministic backward gave other bits the second time"
     d = runs[0]
     scale = np.abs(ref_d).max()
-    print("backward bf16 max abs error / max", np.abs(d - ref_d).max() / scale)
-    assert np.isfinite(d).all() and np.abs(d - ref_d).max() <= 3e-2 * scale
+    print(tag, "backward max abs error / max", np.abs(d - ref_d).max() / scale)
+    assert np.isfinite(d).all() and np.abs(d - ref_d).max() <= 3e-2 * scale, tag
     after = _info.cuda_attention(0)["cudnn_calls"]
     if not expect_cudnn:
         assert after == before, (before, after)
         return
-    assert after["forward"] > before["forward"] and after["forward_stats"] > before["forward_stats"]
-    assert after["backward"] >= before["backward"] + 2, (before, after)
+    assert after["forward"] > before["forward"] and after["forward_stats"] > before["forward_stats"], tag
+    assert after["backward"] >= before["backward"] + 2, (tag, before, after)
