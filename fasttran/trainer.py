@@ -57,6 +57,12 @@ DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
 _TEMPO = MEMORY_OPTIONS   # the Trainer's `tempo` keys: the layer stack's memory options
 
 
+#: The heads whose targets the C loop takes (their batch targets laid out one batch after another)
+_C_LOOP_HEADS = ("linear", "pooler", "token")
+#: features one Model.train_steps call reads and trains on (the batches of about this many bytes)
+_C_LOOP_CHUNK_BYTES = 32 << 20
+
+
 class TrainingInterrupted(Exception):
     pass
 
@@ -262,6 +268,7 @@ class Trainer:
         self.skipped_steps = 0       # float16: steps skipped for an overflow (this process)
         self._pos = (0, 0)           # (epoch, batch within it) of the next step
         self._interrupt = False
+        self._py_loop = False        # True: fit() keeps its per-step Python loop (see _c_loop_refusal)
 
     # ---- set-up ---------------------------------------------------------------------------------
     @property
@@ -531,6 +538,7 @@ class Trainer:
                                           "batch_size": self.batch_size, "seed": self.seed, "epochs": self.epochs,
                                           "head": self.head.config(), "train_layers": self.train_layers,
                                           "parameters": self.model.params.shape[0], "position": list(self._pos)})
+        c_loop = self._c_loop_refusal(cache) is None
         old_handler = None
         if threading.current_thread() is threading.main_thread():
             def on_sigint(signum, frame):   # finish the step in flight, then stop cleanly
@@ -546,13 +554,19 @@ class Trainer:
                 t0 = time.perf_counter()
                 start = first_batch if epoch == first_epoch else 0
                 order = cache.epoch_order(_epoch_seed(self.seed, epoch), group=self._group)   # every rank's
-                it = self._batches(cache, batch_size=self._batch_examples, shuffle=True,
-                                   seed=_epoch_seed(self.seed, epoch), start=start, group=self._group)
-                stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 bar = stack.enter_context(progress(total=steps_per_epoch, initial=start, unit="step",
                                                    desc=f"epoch {epoch + 1}/{self.epochs}",
                                                    disable=not self.show_progress, leave=True))
                 loss_sum, right, counted, seen, b = 0.0, 0, 0, 0, start
+                if c_loop:
+                    loss_sum, right, counted, seen, b = self._c_epoch(
+                        cache, prep, order, epoch, start, steps_per_epoch, total, warm, bar, checkpoint_dir,
+                        checkpoint_every, stop_at_step)
+                    it = ()
+                else:
+                    it = self._batches(cache, batch_size=self._batch_examples, shuffle=True,
+                                       seed=_epoch_seed(self.seed, epoch), start=start, group=self._group)
+                    stack.callback(it.close)   # an early stop (Ctrl-C, error) joins the reader thread
                 for ids, batch, where in it:
                     self._pos = (epoch, b)
                     n, loss, c = self._step(cache, prep, order, ids, batch, where, total, warm)
@@ -605,6 +619,129 @@ class Trainer:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
         return self.history
+
+    # ---- many steps per C call --------------------------------------------------------------------
+    def _c_loop_refusal(self, cache):
+        """Why fit() keeps its per-step Python loop for this run, or None: the C loop
+        (Model.train_steps over csrc/train/loop.c) then runs the epoch's steps, the same steps
+        bit for bit. Every condition is here."""
+        if os.environ.get("FASTTRAN_PY_LOOP", "") not in ("", "0") or self._py_loop:
+            return "asked for (FASTTRAN_PY_LOOP=1)"
+        if type(self.reduction) is not Reduction:
+            return "a gradient reduction (data-parallel) runs between the backward and the optimizer step"
+        if self.loss_scale is not None:
+            return "float16 loss scaling decides per step whether it is applied"
+        if self.head is None or self.optimizer is None:
+            return "the trainer is not built yet (fit() builds it)"
+        if self.head.kind not in _C_LOOP_HEADS or self._group != 1:
+            return f"the {self.head.kind} head's targets are not laid out one batch after another"
+        opt = self.optimizer
+        if type(opt)._torch_mode or not hasattr(opt, "_new_states"):
+            return "the optimizer is not fasttran's fused one over the model's table"
+        st = cache.stats()
+        if st["cached"] != st["examples"]:
+            return "some features are computed by the encoder as their batch is read"
+        return None
+
+    def _c_epoch(self, cache, prep, order, epoch, start, spe, total, warm, bar, checkpoint_dir, checkpoint_every,
+                 stop_at_step):
+        """One epoch's steps [start, spe) through Model.train_steps: the batches of up to
+        _C_LOOP_CHUNK_BYTES of features read in one call and trained on in one call, which stops at a
+        checkpoint step and at stop_at_step; every 20 steps (the bar's postfix) it calls back for the
+        bookkeeping the per-step loop does (loss curve, progress, Ctrl-C). Returns (loss_sum, right,
+        counted, seen, batches done)."""
+        bs, N = self._batch_examples, len(cache)
+        ragged = cache.positions == "all"
+        counts = np.add.reduceat(rows_of_lengths(cache)[order], np.arange(0, N, bs))   # rows per batch
+        opt, head, model = self.optimizer, self.head, self.model
+        if opt._table is None:
+            opt._build()
+        groups, grads = opt.param_groups, self._gviews
+        row_bytes = 4 * int(cache.hidden)
+        acc = {"loss_sum": 0.0, "right": 0, "counted": 0, "seen": 0, "b": start}
+        while acc["b"] < spe and not self._interrupt:
+            b0 = acc["b"]
+            self._pos = (epoch, b0)
+            n = int(np.searchsorted(np.cumsum(counts[b0:spe]), max(_C_LOOP_CHUNK_BYTES // row_bytes, 1), "right"))
+            n = max(1, min(n, spe - b0))
+            if checkpoint_every:
+                n = min(n, checkpoint_every - self.global_step % checkpoint_every)
+            if stop_at_step is not None:
+                n = min(n, max(1, stop_at_step - self.global_step))
+            glob = order[b0 * bs:min((b0 + n) * bs, N)]
+            batch = cache.get(cache.example_ids[glob], output="device", ragged=ragged, device=self.device)
+            x, lengths = rows_of(batch)
+            examples = np.minimum(np.arange(n + 1, dtype=np.int64) * bs, len(glob))
+            targets, _ = head.batch(prep, glob, lengths)
+            targets = np.ascontiguousarray(targets)
+            tcount = np.array([_C.head_counts(head._cfg, int(examples[k + 1] - examples[k]), int(counts[b0 + k]))[2]
+                               for k in range(n)], np.int64)
+            tsplit = np.split(targets.reshape(-1), np.cumsum(tcount)[:-1])
+            denominators = np.array([head.denominator(t) for t in tsplit], np.float64)
+            g0 = self.global_step
+            lrs = np.array([max(self.lr * schedule_factor(self.schedule, g0 + k, total, warm), 1e-30)
+                            for k in range(n)], np.float64)
+            losses = np.zeros(n, np.float64)
+            lcount = np.array([_C.head_counts(head._cfg, int(examples[k + 1] - examples[k]), int(counts[b0 + k]))[0]
+                               for k in range(n)], np.int64)
+            logits = np.empty(int(lcount.sum()), np.float32)
+            lsplit = np.cumsum(lcount)
+            done_py = [0]
+
+            def account(done):   # the per-step loop's bookkeeping for steps [done_py, done)
+                k0 = done_py[0]
+                if done <= k0:
+                    return
+                for k in range(k0, done):
+                    self.global_step += 1
+                    acc["b"] += 1
+                    loss = float(losses[k])
+                    self.loss_curve.append((self.global_step, loss))
+                    size = int(examples[k + 1] - examples[k])
+                    acc["loss_sum"] += loss * size
+                    acc["seen"] += size
+                self._pos = (epoch, acc["b"])
+                a, z = (int(lsplit[k0 - 1]) if k0 else 0), int(lsplit[done - 1])
+                t0 = int(np.sum(tcount[:k0]))
+                c = head.correct(logits[a:z], targets.reshape(-1)[t0:t0 + int(tcount[k0:done].sum())].reshape(
+                    (-1,) + targets.shape[1:]))
+                if c is not None:
+                    acc["right"] += c[0]
+                    acc["counted"] += c[1]
+                bar.update(done - k0)
+                if acc["b"] % 20 == 0:
+                    bar.set_postfix(self._postfix(acc["loss_sum"], acc["right"], acc["counted"], acc["seen"]),
+                                    refresh=False)
+                done_py[0] = done
+
+            def callback(done):
+                account(done)
+                return self._interrupt
+
+            done, stop, message = model._core.train_steps(
+                opt._table, groups, grads, float(opt.max_grad_norm or 0.0), opt.check_finite, x, lengths, examples,
+                targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback)
+            del batch
+            account(done)
+            if done:
+                opt.lr = float(lrs[done - 1])
+            opt._new_states()
+            opt._mark_updated(opt._table)
+            opt.last_grad_norm = opt._table.grad_norm
+            opt.last_kernel_launches = opt._table.kernel_launches
+            if stop in (1, 2):   # the step after the last one applied: as the per-step loop reports it
+                ids = cache.example_ids[glob[examples[done]:examples[done + 1]]]
+                if stop == 2:
+                    opt.lr = float(lrs[done])
+                    if "not finite" not in message:
+                        raise InputError(message)
+                    self._diverged(cache, ids, float(losses[done]), message)
+                self._diverged(cache, ids, float(losses[done]))
+            if checkpoint_every and self.global_step % checkpoint_every == 0:
+                self.save(checkpoint_dir)
+            if stop_at_step is not None and self.global_step >= stop_at_step:
+                self._interrupt = True
+        return acc["loss_sum"], acc["right"], acc["counted"], acc["seen"], acc["b"]
 
     _SHORT = {"accuracy": "dev_acc", "exact_match": "dev_em", "pearson": "dev_pearson", "micro_f1": "dev_micro_f1",
               "f1": "dev_f1", "token_accuracy": "dev_token_acc"}

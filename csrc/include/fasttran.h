@@ -747,6 +747,8 @@ float *ft_model_params(ft_model *m);   /* backend memory, ft_model_param_count f
 float *ft_model_grads(ft_model *m);
 /* the head's parameters start here in the flat table */
 size_t ft_model_head_offset(const ft_model *m);
+/* the model's head */
+const ft_head_config *ft_model_head(const ft_model *m);
 /* buckets: 0 = the head, 1 = the top layer, ..., count = the bottom layer */
 size_t ft_model_num_buckets(const ft_model *m);
 void ft_model_bucket(const ft_model *m, size_t i, size_t *offset, size_t *floats);
@@ -785,6 +787,46 @@ ft_status ft_model_step(ft_model *m, const ft_model_batch *b, double *loss, floa
 ft_status ft_model_forward(ft_model *m, const ft_model_batch *b, float *logits_host);
 /* bytes the model holds: parameters + gradients (the layers' too) and its per-batch buffers */
 size_t ft_model_allocated(const ft_model *m);
+
+/* Many training steps in one call (csrc/train/loop.c): per step k of the plan, the batch of
+ * examples [examples[k], examples[k + 1]) -- their rows packed one after another in x, `lengths`
+ * rows each --, its targets (the steps' targets one after another, ft_head_target_count each), the
+ * loss denominator denominator[k], then ft_model_step (dropout keys seed, first_step + k; a whole
+ * batch: no place in a global one) and ft_optim_table_step over every tensor of `opt` at
+ * lr[k] (each group's lr; the rest of cfg as given). The steps stop early, with FT_OK, at a
+ * non-finite loss (the step is not applied), at a refused optimizer step, or when the callback
+ * (called after step k when (phase + k + 1) % every == 0, and after the last) returns non-zero. */
+typedef struct {
+    int64_t steps;
+    const float *x;              /* every step's rows, the model's device memory */
+    const int32_t *lengths;      /* HOST: rows per example, every step's examples */
+    const int64_t *examples;     /* HOST (steps + 1): the first example of each step; [0] = 0 */
+    const void *targets;         /* HOST: every step's targets (int32 / float32 as the head takes) */
+    const double *denominator;   /* HOST (steps): the loss terms of each step's batch */
+    const double *lr;            /* HOST (steps): each step's learning rate */
+    uint64_t seed, first_step;   /* dropout keys: seed, and the global step number of step 0 */
+} ft_train_plan;
+
+typedef enum {
+    FT_TRAIN_DONE = 0,           /* every step of the plan ran */
+    FT_TRAIN_NONFINITE_LOSS = 1, /* step `done`'s loss is not finite: nothing of it applied */
+    FT_TRAIN_REFUSED = 2,        /* the optimizer refused step `done` (the message: ft_last_error) */
+    FT_TRAIN_STOPPED = 3         /* the callback asked to stop after `done` steps */
+} ft_train_stop;
+
+typedef struct {
+    double *loss;                /* HOST (steps): each step's loss (out) */
+    float *logits;               /* HOST: each step's logits one after another (ft_head_logits_count), or NULL */
+    int64_t done;                /* steps applied */
+    ft_train_stop stop;
+    ft_optim_info info;          /* of the last optimizer step (the refused one's after a refusal) */
+} ft_train_result;
+
+/* non-zero: stop after the `done` steps applied */
+typedef int (*ft_train_callback)(void *arg, int64_t done);
+ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_config *cfg,
+                               const ft_train_plan *plan, int64_t every, int64_t phase, ft_train_callback cb, void *arg,
+                               ft_train_result *out);
 
 /* ---- build and runtime information ------------------------------------------------------ */
 const char *ft_blas_name(void);          /* "OpenBLAS 0.3.x ... (core)"  */

@@ -94,6 +94,15 @@ int ft_py_get_buf(PyObject *o, const char *what, Py_ssize_t index, ft_dtype dtyp
 ft_encoder *ft_py_encoder_of(PyObject *obj);
 int ft_py_add_profile_functions(PyObject *module);
 int ft_py_add_optimizer_type(PyObject *module);
+/* An OptimizerTable (optim_type.c) made ready for steps outside its step(): the groups'
+ * hyper-parameters read, each gradient of `grads` pointed to and held. 1: ready (*table, *cfg
+ * filled; call ft_py_optim_finish after the steps); 0: an exception; -1: the groups no longer hold
+ * the table's parameters (the caller rebuilds it). GIL held. */
+int ft_py_optim_prepare(PyObject *obj, PyObject *groups, PyObject *grads, double max_norm, int check_finite,
+                        ft_optim_table **table, ft_optim_config *cfg);
+/* after the steps: the gradients let go; st's exception (NULL), else the number of tensors that
+ * made their first update (as step() returns) */
+PyObject *ft_py_optim_finish(PyObject *obj, ft_status st, const ft_optim_info *info);
 
 /* The ft_encoder of an initialised fasttran._C.EncoderCore, or NULL with an exception. */
 ft_encoder *ft_py_encoder_from(PyObject *obj);

@@ -2,6 +2,8 @@
  * behind fasttran/model.py. Buffers are NumPy arrays (host) or fasttran.Tensor on the model's
  * device, checked here once; a step runs in C with the GIL released, which it takes back only to
  * hand each finished gradient bucket to the Python callable `ready` (data-parallel reduction). */
+#include <math.h>
+
 #include "binding.h"
 
 typedef struct {
@@ -262,6 +264,148 @@ static PyObject *Model_forward(Model *self, PyObject *args, PyObject *kw) {
     return ft_py_none_or_raise(st);
 }
 
+/* the callback of train_steps: back on the GIL, Ctrl-C's handler (PyErr_CheckSignals), then
+ * callback(done); an exception or a true result stops the steps (the exception is raised after) */
+typedef struct { PyObject *callback, *error_type, *error_value, *error_tb; } steps_hook;
+static int on_steps(void *arg, int64_t done) {
+    steps_hook *h = arg;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int stop = 0;
+    if (PyErr_CheckSignals() < 0) {
+        stop = 1;
+    } else if (h->callback != Py_None) {
+        PyObject *r = PyObject_CallFunction(h->callback, "L", (long long)done);
+        if (r) {
+            stop = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (stop < 0) stop = 1;
+        } else {
+            stop = 1;
+        }
+    }
+    if (PyErr_Occurred()) PyErr_Fetch(&h->error_type, &h->error_value, &h->error_tb);
+    PyGILState_Release(g);
+    return stop;
+}
+
+/* a host array `o` of `npy`, C-contiguous, exactly `need` elements (need < 0: any), named `what` */
+static void *host_exact(PyObject *o, const char *what, int npy, int64_t need, int writeable, int64_t *size) {
+    PyArrayObject *a = ft_py_want_array(o, what, npy, -1, writeable);
+    if (!a) return NULL;
+    if (need >= 0 && (int64_t)PyArray_SIZE(a) != need) {
+        ft_py_fail(ft_errors.input, "%s has %lld elements, %lld expected", what, (long long)PyArray_SIZE(a),
+                   (long long)need);
+        return NULL;
+    }
+    if (size) *size = (int64_t)PyArray_SIZE(a);
+    return PyArray_DATA(a);
+}
+
+/* train_steps(optimizer, groups, grads, max_grad_norm, check_finite, x, lengths, examples, targets,
+ *             denominators, lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None)
+ *   -> (done, stop, message): ft_model_train_steps over the steps the arrays lay out (see
+ *   fasttran.h); stop 0 all done, 1 non-finite loss at step `done`, 2 the optimizer refused step
+ *   `done` (message: its error), 3 the callback stopped after `done` steps. */
+static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"optimizer", "groups", "grads", "max_grad_norm", "check_finite", "x", "lengths",
+                             "examples", "targets", "denominators", "lrs", "seed", "first_step", "losses", "logits",
+                             "every", "phase", "callback", NULL};
+    PyObject *opt_o, *groups, *grads, *xo, *lo, *eo, *to, *do_, *ro, *so, *zo = Py_None, *cb = Py_None;
+    double max_norm;
+    int check_finite;
+    unsigned long long seed, first_step;
+    long long every = 0, phase = 0;
+    if (!ready_model(self) ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLO", kwlist, &opt_o, &groups, &grads, &max_norm,
+                                     &check_finite, &xo, &lo, &eo, &to, &do_, &ro, &seed, &first_step, &so, &zo,
+                                     &every, &phase, &cb))
+        return NULL;
+    if (cb != Py_None && !PyCallable_Check(cb)) return ft_py_fail(ft_errors.input_type, "callback must be callable or None");
+    if (ft_head_needs(&self->head) & FT_HEAD_NEEDS_MASK)
+        return ft_py_fail(ft_errors.unsupported, "train_steps: a head with a row mask (QA) trains step by step");
+    int64_t n_lengths, n_examples;
+    const int32_t *lengths = host_exact(lo, "lengths", NPY_INT32, -1, 0, &n_lengths);
+    const int64_t *examples = lengths ? host_exact(eo, "examples", NPY_INT64, -1, 0, &n_examples) : NULL;
+    if (!examples) return NULL;
+    if (n_examples < 1 || examples[0] != 0 || examples[n_examples - 1] != n_lengths)
+        return ft_py_fail(ft_errors.input, "examples must run from 0 to the number of lengths (%lld)",
+                          (long long)n_lengths);
+    const int64_t steps = n_examples - 1;
+    int64_t N = 0, n_targets = 0, n_logits = 0;
+    for (int64_t k = 0; k < steps; k++) {
+        const int64_t B = examples[k + 1] - examples[k];
+        if (B < 1) return ft_py_fail(ft_errors.input, "step %lld has no examples", (long long)k);
+        int64_t n = 0;
+        for (int64_t i = examples[k]; i < examples[k + 1]; i++) {
+            if (lengths[i] < 1)
+                return ft_py_fail(ft_errors.input, "example %lld has %d rows; each needs at least one", (long long)i,
+                                  lengths[i]);
+            n += lengths[i];
+        }
+        N += n;
+        n_targets += ft_head_target_count(&self->head, B, n);
+        n_logits += ft_head_logits_count(&self->head, B, n);
+    }
+    ft_py_buf x;
+    if (!ft_py_get_buf(xo, "x", -1, FT_F32, 0, 0, &x)) return NULL;
+    if (x.device.kind != self->device.kind || (x.device.kind == FT_DEVICE_CUDA && x.device.index != self->device.index))
+        return ft_py_fail(ft_errors.input, "the batches are on another device than the model");
+    if (x.numel != N * self->hidden)
+        return ft_py_fail(ft_errors.input, "x has %lld elements; %lld rows of width %lld expected", (long long)x.numel,
+                          (long long)N, (long long)self->hidden);
+    const int fl = ft_head_float_targets(&self->head);
+    const void *targets = host_exact(to, "targets", fl ? NPY_FLOAT32 : NPY_INT32, n_targets, 0, NULL);
+    const double *denom = targets ? host_exact(do_, "denominators", NPY_FLOAT64, steps, 0, NULL) : NULL;
+    const double *lrs = denom ? host_exact(ro, "lrs", NPY_FLOAT64, steps, 0, NULL) : NULL;
+    double *losses = lrs ? host_exact(so, "losses", NPY_FLOAT64, steps, 1, NULL) : NULL;
+    if (!losses) return NULL;
+    float *logits = NULL;
+    if (zo != Py_None && !(logits = host_exact(zo, "logits", NPY_FLOAT32, n_logits, 1, NULL))) return NULL;
+    for (int64_t k = 0; k < steps; k++) {
+        if (!(denom[k] > 0.0) || !isfinite(denom[k]) || !(lrs[k] >= 0.0) || !isfinite(lrs[k]))
+            return ft_py_fail(ft_errors.input, "step %lld: the denominator must be > 0 and the lr >= 0, both finite",
+                              (long long)k);
+    }
+    ft_optim_table *table;
+    ft_optim_config cfg;
+    int r = ft_py_optim_prepare(opt_o, groups, grads, max_norm, check_finite, &table, &cfg);
+    if (r < 0) return ft_py_fail(ft_errors.input, "the optimizer's groups no longer hold its table's parameters");
+    if (r == 0) return NULL;
+    const ft_train_plan plan = {steps, x.data, lengths, examples, targets, denom, lrs, seed, first_step};
+    ft_train_result res = {.loss = losses, .logits = logits, .stop = FT_TRAIN_DONE};
+    res.info.bad_tensor = -1;
+    steps_hook hook = {cb, NULL, NULL, NULL};
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_train_steps(self->model, table, &cfg, &plan, every, phase, on_steps, &hook, &res);
+    Py_END_ALLOW_THREADS
+    PyObject *message = NULL;
+    if (st == FT_OK && res.stop == FT_TRAIN_REFUSED) {
+        /* the optimizer's own exception (naming the tensor), as its step() raises it, as a message */
+        PyObject *none = ft_py_optim_finish(opt_o, FT_ERR_INVALID_ARGUMENT, &res.info);
+        Py_XDECREF(none);
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        message = v ? PyObject_Str(v) : NULL;
+        Py_XDECREF(t); Py_XDECREF(v); Py_XDECREF(tb);
+        if (!message) return NULL;
+    } else {
+        PyObject *first = ft_py_optim_finish(opt_o, st, &res.info);
+        if (!first) {
+            Py_XDECREF(hook.error_type); Py_XDECREF(hook.error_value); Py_XDECREF(hook.error_tb);
+            return NULL;
+        }
+        Py_DECREF(first);
+    }
+    if (hook.error_type) {
+        Py_XDECREF(message);
+        PyErr_Restore(hook.error_type, hook.error_value, hook.error_tb);
+        return NULL;
+    }
+    if (!message) message = Py_NewRef(Py_None);
+    return Py_BuildValue("LiN", (long long)res.done, (int)res.stop, message);
+}
+
 static PyMethodDef Model_methods[] = {
     {"buckets", (PyCFunction)Model_buckets, METH_NOARGS,
      "(buckets, 2) int64 (offset, floats) of the gradient buckets: the head, then the top layer down to the bottom one."},
@@ -273,6 +417,10 @@ static PyMethodDef Model_methods[] = {
     {"step", (PyCFunction)(void (*)(void))Model_step, METH_VARARGS | METH_KEYWORDS,
      "step(x, lengths, targets, valid=None, denominator=0, seed=0, step=0, row_base=0, seq_base=0, sq_base=0, "
      "loss_scale=1.0, logits=None, ready=None) -> loss: forward, loss and every gradient."},
+    {"train_steps", (PyCFunction)(void (*)(void))Model_train_steps, METH_VARARGS | METH_KEYWORDS,
+     "train_steps(optimizer, groups, grads, max_grad_norm, check_finite, x, lengths, examples, targets, denominators, "
+     "lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None) -> (done, stop, message): many training "
+     "steps (model step + optimizer step each) in one call, the GIL released."},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x, lengths, logits, valid=None): the logits, no dropout."},
     {NULL, NULL, 0, NULL}};

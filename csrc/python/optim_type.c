@@ -50,6 +50,7 @@ static int64_t clock_ns(clockid_t c) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+static PyTypeObject *opt_table_type;   /* Model.train_steps checks its argument against it */
 static PyObject *s_params, *s_lr, *s_betas, *s_eps, *s_weight_decay, *s_bias_correction, *s_grad;
 
 /* ---- reading tensors in place ----------------------------------------------------------------- */
@@ -494,32 +495,23 @@ static void drop_grads(OptTableObject *self) {
     for (Py_ssize_t k = 0; k < self->count; k++) Py_CLEAR(self->grad_refs[k]);
 }
 
-/* step(param_groups, grads, max_grad_norm, check_finite)
- *   grads: None (read each parameter's .grad) or a sequence aligned with the table (None = no
- *   gradient: the tensor sits this step out).
- *   -> None when the groups no longer hold the table's parameters (rebuild), else the number of
- *      tensors that made their first update. The rest (grad_norm, clip_scale, kernel_launches,
- *      updated) are attributes: nothing is allocated for them on a step. */
-static PyObject *OptTable_step(OptTableObject *self, PyObject *args) {
-    PyObject *groups, *grads;
-    double max_norm;
-    int check_finite;
-    if (!PyArg_ParseTuple(args, "OOdp", &groups, &grads, &max_norm, &check_finite)) return NULL;
+/* A step's set-up, shared by step() and Model.train_steps: the groups' hyper-parameters read, each
+ * gradient read and pointed to (held in grad_refs until ft_py_optim_finish). 1: ready, cfg filled;
+ * 0: an exception; -1: the groups no longer hold the table's parameters (nothing held). */
+static int prepare(OptTableObject *self, PyObject *groups, PyObject *grads, double max_norm, int check_finite,
+                   ft_optim_config *cfg) {
     ft_optim_table *t = self->table;
     int r = read_groups(self, groups);
-    if (r <= 0) {
-        if (r < 0) Py_RETURN_NONE;
-        return NULL;
-    }
+    if (r <= 0) return r;
     PyObject *seq = NULL;
     if (grads != Py_None) {
         seq = PySequence_Fast(grads, "grads must be a list of gradients (or None to read each parameter's .grad)");
-        if (!seq) return NULL;
+        if (!seq) return 0;
         if (PySequence_Fast_GET_SIZE(seq) != self->count) {
             ft_py_fail(ft_errors.input, "got %zd gradients for %zd parameters", PySequence_Fast_GET_SIZE(seq),
                        self->count);
             Py_DECREF(seq);
-            return NULL;
+            return 0;
         }
     }
     PyObject *sync_with = NULL;   /* a CUDA gradient read through the exchange API */
@@ -565,37 +557,80 @@ static PyObject *OptTable_step(OptTableObject *self, PyObject *args) {
         if (!s) goto fail;
         Py_DECREF(s);
     }
-    ft_optim_config cfg = {(ft_optimizer)self->kind, self->groups, (size_t)self->num_groups, max_norm, check_finite};
-    ft_optim_info info;
-    ft_status st;
-    self->active = 0;
-    Py_BEGIN_ALLOW_THREADS
-    const int64_t w0 = clock_ns(CLOCK_MONOTONIC), c0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
-    st = ft_optim_table_step(t, &cfg, &info);
-    self->kernel_ns[1] = clock_ns(CLOCK_THREAD_CPUTIME_ID) - c0;
-    self->kernel_ns[0] = clock_ns(CLOCK_MONOTONIC) - w0;
-    Py_END_ALLOW_THREADS
+    Py_XDECREF(seq);
+    *cfg = (ft_optim_config){(ft_optimizer)self->kind, self->groups, (size_t)self->num_groups, max_norm, check_finite};
+    self->active = active;
+    return 1;
+fail:
     drop_grads(self);
     Py_XDECREF(seq);
+    return 0;
+}
+
+/* After the steps: the references dropped; st != FT_OK: its exception (a refused step names the
+ * tensor) and NULL; else the info kept and the number of tensors that made their first update. */
+static PyObject *finish(OptTableObject *self, ft_status st, const ft_optim_info *info) {
+    drop_grads(self);
     if (st != FT_OK) {
-        if (info.bad_tensor >= 0 && info.bad_tensor < self->count) {
+        self->active = 0;
+        if (info->bad_tensor >= 0 && info->bad_tensor < self->count) {
             PyObject *msg = PyUnicode_FromFormat("%s (parameter %R)", ft_last_error(),
-                                                 PyTuple_GET_ITEM(self->names, info.bad_tensor));
+                                                 PyTuple_GET_ITEM(self->names, info->bad_tensor));
             ft_clear_error();
             if (msg) { PyErr_SetObject(ft_errors.input, msg); Py_DECREF(msg); }
             return NULL;
         }
         return ft_py_raise(st);
     }
-    self->info = info;
-    self->active = active;
+    self->info = *info;
+    ft_optim_table *t = self->table;
     Py_ssize_t first = 0;
     for (Py_ssize_t k = 0; k < self->count; k++) first += t->active[k] && t->steps[k] == 1;
     return PyLong_FromSsize_t(first);
-fail:
-    drop_grads(self);
-    Py_XDECREF(seq);
-    return NULL;
+}
+
+/* step(param_groups, grads, max_grad_norm, check_finite)
+ *   grads: None (read each parameter's .grad) or a sequence aligned with the table (None = no
+ *   gradient: the tensor sits this step out).
+ *   -> None when the groups no longer hold the table's parameters (rebuild), else the number of
+ *      tensors that made their first update. The rest (grad_norm, clip_scale, kernel_launches,
+ *      updated) are attributes: nothing is allocated for them on a step. */
+static PyObject *OptTable_step(OptTableObject *self, PyObject *args) {
+    PyObject *groups, *grads;
+    double max_norm;
+    int check_finite;
+    if (!PyArg_ParseTuple(args, "OOdp", &groups, &grads, &max_norm, &check_finite)) return NULL;
+    ft_optim_config cfg;
+    int r = prepare(self, groups, grads, max_norm, check_finite, &cfg);
+    if (r <= 0) {
+        if (r < 0) Py_RETURN_NONE;
+        return NULL;
+    }
+    ft_optim_table *t = self->table;
+    ft_optim_info info;
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t w0 = clock_ns(CLOCK_MONOTONIC), c0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+    st = ft_optim_table_step(t, &cfg, &info);
+    self->kernel_ns[1] = clock_ns(CLOCK_THREAD_CPUTIME_ID) - c0;
+    self->kernel_ns[0] = clock_ns(CLOCK_MONOTONIC) - w0;
+    Py_END_ALLOW_THREADS
+    return finish(self, st, &info);
+}
+
+int ft_py_optim_prepare(PyObject *obj, PyObject *groups, PyObject *grads, double max_norm, int check_finite,
+                        ft_optim_table **table, ft_optim_config *cfg) {
+    if (!opt_table_type || !PyObject_TypeCheck(obj, opt_table_type) || !((OptTableObject *)obj)->table) {
+        ft_py_fail(ft_errors.input_type, "expected a fasttran.OptimizerTable, got %s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    OptTableObject *self = (OptTableObject *)obj;
+    *table = self->table;
+    return prepare(self, groups, grads, max_norm, check_finite, cfg);
+}
+
+PyObject *ft_py_optim_finish(PyObject *obj, ft_status st, const ft_optim_info *info) {
+    return finish((OptTableObject *)obj, st, info);
 }
 
 /* ---- state access ---------------------------------------------------------------------------- */
@@ -782,6 +817,7 @@ int ft_py_add_optimizer_type(PyObject *m) {
     PyObject *tp = PyType_FromModuleAndSpec(m, &OptTable_spec, NULL);
     if (!tp) return -1;
     int r = PyModule_AddObjectRef(m, "OptimizerTable", tp);
+    opt_table_type = (PyTypeObject *)tp;   /* the module holds it */
     Py_DECREF(tp);
     return r;
 }

@@ -37,6 +37,8 @@ struct ft_model {
 
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
+const ft_head_config *ft_model_head(const ft_model *m) { return &m->head; }
+
 void ft_model_free(ft_model *m) {
     if (!m) return;
     if (m->be) {

@@ -1,0 +1,218 @@
+"""Trainer.fit's C loop (Model.train_steps over csrc/train/loop.c: many steps per call) against its
+per-step Python loop (FASTTRAN_PY_LOOP=1 / trainer._py_loop): the same losses, weights, optimizer
+state, history and evaluation, bit for bit, for the heads it takes (linear and pooler sequence
+heads: classification, regression; the token head), with and without a trained top layer, dropout
+on, several epochs, an uneven last batch, checkpoints, resume, stop_at_step and Ctrl-C. Features of
+the real all-MiniLM-L6-v2 on random token ids. Runs on the CPU, and with device="cuda" on a GPU or
+the CUDA emulator (FASTTRAN_CUDA=emu build, FASTTRAN_CUDA_EMU=1)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import fasttran
+from fasttran import ActivationCache, Trainer
+from fasttran.optim import flat_state
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not fasttran.cuda_available(), reason="no usable CUDA device (or emulator)"))]
+N = 90   # examples: batches of 16 leave a last one of 10
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(3, 11, N)
+    ids = rng.integers(1000, 5000, (N, 10))
+    mask = (np.arange(10)[None, :] < lengths[:, None]).astype(np.int64)
+    return ids * mask, mask
+
+
+def _cache(enc, inputs, **kw):
+    ids, mask = inputs
+    return ActivationCache.build(enc, ids, mask, show_progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def caches(enc, inputs):
+    L = enc.num_layers
+    return {"mean": _cache(enc, inputs, positions="mean"), "cls": _cache(enc, inputs, positions="cls"),
+            "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1)}
+
+
+@pytest.fixture(scope="module")
+def targets(caches):
+    rng = np.random.default_rng(3)
+    lengths = np.asarray(caches["all"].lengths)
+    tok = [np.where(rng.random(n) < 0.2, -100, rng.integers(0, 3, n)) for n in lengths]
+    y = rng.integers(0, 3, N)
+    return {"classification": y, "classification-pooler": y, "regression": rng.normal(size=N).astype(np.float32),
+            "token-classification": tok}
+
+
+CASES = {   # name: (task, cache, Trainer arguments)
+    "linear": ("classification", "mean", dict(optimizer="lamb", dropout=0.1)),
+    "pooler": ("classification-pooler", "cls", dict(optimizer="adamw", dropout=0.1, schedule="cosine")),
+    "regression": ("regression", "mean", dict(optimizer="lamb", dropout=0.1, warmup=3)),
+    "token": ("token-classification", "all", dict(optimizer="adamw", dropout=0.1)),
+    "top1": ("classification", "top1", dict(optimizer="adamw", lr=1e-4, dropout=0.1, train_layers=1,
+                                            layer_dropout=0.1)),
+}
+
+
+def _trainer(case, device, py, **kw):
+    task, _, args = CASES[case]
+    args = dict(dict(epochs=3, batch_size=16, seed=5, show_progress=False, device=device, reduction=None), **args)
+    tr = Trainer(task, **dict(args, **kw))
+    tr._py_loop = py
+    return tr
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = Trainer._c_epoch
+
+    def spy(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(Trainer, "_c_epoch", spy)
+    return calls
+
+
+def _host(t):
+    return np.array(t.device.host(t) if hasattr(t, "device") and hasattr(t.device, "host") else t)
+
+
+def assert_same(a, b):
+    """two trainers that trained the same run: every bit of what they hold"""
+    assert a.global_step == b.global_step and a._pos == b._pos
+    assert a.loss_curve == b.loss_curve
+    strip = lambda h: [{k: v for k, v in r.items() if "seconds" not in k} for r in h]
+    assert strip(a.history) == strip(b.history)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert np.array_equal(np.asarray(a.device.host(p)), np.asarray(b.device.host(q))), n
+    sa, sb = flat_state(a.optimizer), flat_state(b.optimizer)
+    assert sa[0] == sb[0]
+    assert np.array_equal(sa[1], sb[1]) and np.array_equal(sa[2], sb[2])
+    assert a.optimizer.lr == b.optimizer.lr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_c_loop_equals_the_python_loop(case, device, caches, targets, monkeypatch):
+    task, source, _ = CASES[case]
+    cache, y = caches[source], targets[task]
+    calls = _spy(monkeypatch)
+    py = _trainer(case, device, True)
+    py.fit(cache, y, eval=(cache, y))
+    assert not calls
+    c = _trainer(case, device, False)
+    c.fit(cache, y, eval=(cache, y))
+    assert c._c_loop_refusal(cache) is None
+    assert len(calls) == 3   # one per epoch
+    py_eval = py.evaluate(cache, y)
+    assert_same(c, py)
+    assert c.evaluate(cache, y) == py_eval
+    assert all(np.isfinite(loss) for _, loss in c.loss_curve)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_env_var_forces_the_python_loop(caches, targets, monkeypatch, device):
+    calls = _spy(monkeypatch)
+    monkeypatch.setenv("FASTTRAN_PY_LOOP", "1")
+    tr = _trainer("linear", device, False, epochs=1)
+    tr.fit(caches["mean"], targets["classification"])
+    assert not calls and tr.global_step == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["linear", "top1"])
+def test_stop_checkpoints_and_resume(case, device, caches, targets, tmp_path, monkeypatch):
+    """stop_at_step mid-epoch with checkpoints every 4 steps, then resume: the Python loop's run,
+    its checkpoints, and the full run's end state, bit for bit"""
+    task, source, _ = CASES[case]
+    cache, y = caches[source], targets[task]
+    full = _trainer(case, device, True)
+    full.fit(cache, y)
+    runs = {}
+    for py in (True, False):
+        ck = str(tmp_path / f"ck{py}")
+        part = _trainer(case, device, py)
+        part.fit(cache, y, checkpoint_dir=ck, checkpoint_every=4, stop_at_step=9)
+        assert part.global_step == 9 and part._pos == (1, 3)
+        mid = Trainer.load(ck, show_progress=False)   # written at step 9 (stop), after 4 and 8
+        back = Trainer.load(ck, show_progress=False, reduction=None)
+        back._py_loop = py
+        back.fit(cache, y, checkpoint_dir=ck, resume=True)
+        runs[py] = (part, mid, back)
+    assert_same(runs[True][0], runs[False][0])
+    assert runs[True][1].global_step == runs[False][1].global_step == 9
+    assert_same(runs[True][2], runs[False][2])
+    for (n, p), (_, q) in zip(full.model.named_parameters(), runs[False][2].model.named_parameters()):
+        assert np.array_equal(np.asarray(full.device.host(p)), np.asarray(runs[False][2].device.host(q))), n
+    # a checkpoint step inside a C call: the file holds that step's state
+    calls = _spy(monkeypatch)
+    ck = str(tmp_path / "every")
+    c = _trainer(case, device, False, epochs=1)
+    c.fit(cache, y, checkpoint_dir=ck, checkpoint_every=4, stop_at_step=4)
+    assert calls and Trainer.load(ck).global_step == 4
+
+
+def test_refusals_keep_the_python_loop(caches, targets):
+    tr = _trainer("linear", "cpu", False)
+    tr.fit(caches["mean"], targets["classification"], stop_at_step=1)
+    assert tr._c_loop_refusal(caches["mean"]) is None
+    tr._py_loop = True
+    assert "FASTTRAN_PY_LOOP" in tr._c_loop_refusal(caches["mean"])
+
+
+def test_divergence_stops_the_c_loop_as_the_python_loop_does(enc, inputs, targets, monkeypatch):
+    cache = _cache(enc, inputs, positions="mean")
+    calls = _spy(monkeypatch)
+    for py in (True, False):
+        tr = _trainer("linear", "cpu", py, lr=1e30, optimizer="adamw")
+        with pytest.raises(FloatingPointError) as e:
+            tr.fit(cache, targets["classification"])
+        if py:
+            want, steps = str(e.value), tr.global_step
+        else:
+            assert str(e.value) == want and tr.global_step == steps and calls
+
+
+CTRL_C_SCRIPT = r"""
+import sys, numpy as np, fasttran
+from fasttran import ActivationCache, Trainer
+rng = np.random.default_rng(0)
+x_ids = rng.integers(1000, 2000, (400, 8)); mask = np.ones_like(x_ids)
+enc = fasttran.Encoder.from_pretrained(sys.argv[1])
+cache = ActivationCache.build(enc, x_ids, mask, positions="cls", show_progress=False)
+y = rng.integers(0, 2, 400)
+tr = Trainer("classification", epochs=100000, batch_size=4, show_progress=False, reduction=None)
+print("ready", flush=True)
+tr.fit(cache, y, checkpoint_dir=sys.argv[2])
+print("returned", tr.global_step, tr._c_loop_refusal(cache), flush=True)
+"""
+
+
+def test_ctrl_c_stops_the_c_loop_and_saves(minilm_dir, tmp_path, caches):
+    ck = str(tmp_path / "ck")
+    p = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, minilm_dir, ck], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    assert p.stdout.readline().split()[0] == "ready"
+    time.sleep(4)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "interrupted after step" in err and "returned" in out
+    step, refusal = out.split("returned")[1].split()[:2]
+    assert refusal == "None"   # the C loop ran
+    step = int(step)
+    assert step > 0
+    back = Trainer.load(ck)
+    assert back.global_step == step and back.optimizer.step_count == step
+    epoch, b = back._pos
+    assert epoch * 100 + b == step
