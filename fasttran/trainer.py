@@ -658,6 +658,13 @@ class Trainer:
             opt._build()
         groups, grads = opt.param_groups, self._gviews
         row_bytes = 4 * int(cache.hidden)
+        known = {}
+
+        def count_of(B, rows):   # (logits, loss terms, targets, float targets) of a batch
+            c = known.get((B, rows))
+            if c is None:
+                c = known[(B, rows)] = _C.head_counts(head._cfg, B, rows)
+            return c
         acc = {"loss_sum": 0.0, "right": 0, "counted": 0, "seen": 0, "b": start}
         while acc["b"] < spe and not self._interrupt:
             b0 = acc["b"]
@@ -674,16 +681,14 @@ class Trainer:
             examples = np.minimum(np.arange(n + 1, dtype=np.int64) * bs, len(glob))
             targets, _ = head.batch(prep, glob, lengths)
             targets = np.ascontiguousarray(targets)
-            tcount = np.array([_C.head_counts(head._cfg, int(examples[k + 1] - examples[k]), int(counts[b0 + k]))[2]
-                               for k in range(n)], np.int64)
-            tsplit = np.split(targets.reshape(-1), np.cumsum(tcount)[:-1])
-            denominators = np.array([head.denominator(t) for t in tsplit], np.float64)
+            sizes = [count_of(int(examples[k + 1] - examples[k]), int(counts[b0 + k])) for k in range(n)]
+            tcount = np.array([c[2] for c in sizes], np.int64)
+            lcount = np.array([c[0] for c in sizes], np.int64)
+            denominators = head.denominators(targets, tcount)
             g0 = self.global_step
             lrs = np.array([max(self.lr * schedule_factor(self.schedule, g0 + k, total, warm), 1e-30)
                             for k in range(n)], np.float64)
             losses = np.zeros(n, np.float64)
-            lcount = np.array([_C.head_counts(head._cfg, int(examples[k + 1] - examples[k]), int(counts[b0 + k]))[0]
-                               for k in range(n)], np.int64)
             logits = np.empty(int(lcount.sum()), np.float32)
             lsplit = np.cumsum(lcount)
             done_py = [0]

@@ -1,7 +1,7 @@
 """Trainer.fit's C loop (Model.train_steps over csrc/train/loop.c: many steps per call) against its
 per-step Python loop (FASTTRAN_PY_LOOP=1 / trainer._py_loop): the same losses, weights, optimizer
 state, history and evaluation, bit for bit, for the heads it takes (linear and pooler sequence
-heads: classification, regression; the token head), with and without a trained top layer, dropout
+heads: classification, regression, multi-label; the token head), with and without a trained top layer, dropout
 on, several epochs, an uneven last batch, checkpoints, resume, stop_at_step and Ctrl-C. Features of
 the real all-MiniLM-L6-v2 on random token ids. Runs on the CPU, and with device="cuda" on a GPU or
 the CUDA emulator (FASTTRAN_CUDA=emu build, FASTTRAN_CUDA_EMU=1)."""
@@ -51,13 +51,14 @@ def targets(caches):
     tok = [np.where(rng.random(n) < 0.2, -100, rng.integers(0, 3, n)) for n in lengths]
     y = rng.integers(0, 3, N)
     return {"classification": y, "classification-pooler": y, "regression": rng.normal(size=N).astype(np.float32),
-            "token-classification": tok}
+            "token-classification": tok, "multi-label": rng.integers(0, 2, (N, 4))}
 
 
 CASES = {   # name: (task, cache, Trainer arguments)
     "linear": ("classification", "mean", dict(optimizer="lamb", dropout=0.1)),
     "pooler": ("classification-pooler", "cls", dict(optimizer="adamw", dropout=0.1, schedule="cosine")),
     "regression": ("regression", "mean", dict(optimizer="lamb", dropout=0.1, warmup=3)),
+    "multilabel": ("multi-label", "mean", dict(optimizer="adamw", dropout=0.1)),
     "token": ("token-classification", "all", dict(optimizer="adamw", dropout=0.1)),
     "top1": ("classification", "top1", dict(optimizer="adamw", lr=1e-4, dropout=0.1, train_layers=1,
                                             layer_dropout=0.1)),

@@ -241,6 +241,12 @@ class Head:
     def denominator(self, targets):
         return float(targets.size)
 
+    def denominators(self, targets, counts):
+        """denominator() of each of several batches' targets laid out one after another (`counts`
+        elements each), as float64: the Trainer's C loop prepares its steps so"""
+        pieces = np.split(np.asarray(targets).reshape(-1), np.cumsum(counts)[:-1])
+        return np.array([self.denominator(t) for t in pieces], np.float64)
+
     def correct(self, logits, targets):
         return None
 

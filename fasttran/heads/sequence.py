@@ -67,6 +67,9 @@ class _SequenceHead(Head):
     def denominator(self, targets):
         return float(targets.size)
 
+    def denominators(self, targets, counts):
+        return np.asarray(counts, np.float64)   # each batch's targets.size
+
     def step(self, x, targets=None, grads=None, dx=None, training=False, seed=0, step=0, lengths=None):
         """Forward over features x: (B, C) pooled, or (N, C) rows with `lengths` (rows per example,
         pooled by `pooling`); with targets also the mean loss, with `grads` (like params) the backward

@@ -111,6 +111,11 @@ class TokenClassificationHead(Head):
     def denominator(self, targets):
         return float(max(1, int((targets >= 0).sum())))
 
+    def denominators(self, targets, counts):
+        counts = np.asarray(counts, np.int64)
+        labelled = np.add.reduceat((np.asarray(targets).reshape(-1) >= 0).astype(np.int64), np.cumsum(counts) - counts)
+        return np.maximum(labelled, 1).astype(np.float64)
+
     def correct(self, logits, targets):
         keep = targets >= 0
         return int((logits.reshape(len(targets), -1).argmax(1)[keep] == targets[keep]).sum()), int(keep.sum())
