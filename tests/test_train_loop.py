@@ -217,3 +217,41 @@ def test_ctrl_c_stops_the_c_loop_and_saves(minilm_dir, tmp_path, caches):
     assert back.global_step == step and back.optimizer.step_count == step
     epoch, b = back._pos
     assert epoch * 100 + b == step
+
+
+def test_train_steps_refuses_bad_plans(caches, targets):
+    tr = _trainer("linear", "cpu", False, epochs=1)
+    cache, y = caches["mean"], targets["classification"]
+    tr.fit(cache, y, stop_at_step=1)
+    core, opt = tr.model._core, tr.optimizer
+    x = np.ascontiguousarray(cache.get(cache.example_ids[:8]))
+    good = dict(optimizer=opt._table, groups=opt.param_groups, grads=tr._gviews, max_grad_norm=1.0, check_finite=True,
+                x=x, lengths=np.ones(8, np.int32), examples=np.array([0, 4, 8], np.int64),
+                targets=np.zeros(8, np.int32), denominators=np.full(2, 4.0), lrs=np.full(2, 1e-3), seed=0,
+                first_step=0, losses=np.zeros(2))
+    before = np.array(tr.model.params)
+    bad = {"examples": dict(examples=np.array([1, 4, 8], np.int64)),
+           "an empty step": dict(examples=np.array([0, 8, 8], np.int64)),
+           "targets": dict(targets=np.zeros(7, np.int32)),
+           "x": dict(x=x[:7]),
+           "denominator": dict(denominators=np.array([4.0, 0.0])),
+           "lr": dict(lrs=np.array([1e-3, np.nan])),
+           "losses": dict(losses=np.zeros(3))}
+    for what, change in bad.items():
+        with pytest.raises(fasttran.InputError):
+            core.train_steps(**dict(good, **change))
+    with pytest.raises(fasttran.InputTypeError):
+        core.train_steps(**dict(good, targets=np.zeros(8, np.float32)))
+    with pytest.raises(fasttran.InputTypeError):
+        core.train_steps(**dict(good, optimizer=object()))
+    assert np.array_equal(np.array(tr.model.params), before)   # nothing ran
+
+    def boom(done):
+        raise ValueError("from the callback")
+    with pytest.raises(ValueError, match="from the callback"):
+        core.train_steps(**good, every=1, callback=boom)
+    assert good["losses"][0] != 0 and good["losses"][1] == 0   # the first step ran, then the callback stopped it
+    done, stop, msg = core.train_steps(**dict(good, losses=np.zeros(2)), every=1, callback=lambda d: True)
+    assert (done, stop, msg) == (1, 3, None)
+    done, stop, msg = core.train_steps(**dict(good, losses=np.zeros(2)))
+    assert (done, stop, msg) == (2, 0, None)
