@@ -631,6 +631,9 @@ class Trainer:
         bit for bit. Every condition is here."""
         if os.environ.get("FASTTRAN_PY_LOOP", "") not in ("", "0") or self._py_loop:
             return "asked for (FASTTRAN_PY_LOOP=1)"
+        for name in ("_step", "_optimizer_step"):   # a hook on each step (a subclass's, or set on the trainer)
+            if name in self.__dict__ or getattr(type(self), name) is not getattr(Trainer, name):
+                return f"the per-step method {name} is replaced on this trainer"
         if type(self.reduction) is not Reduction:
             return "a gradient reduction (data-parallel) runs between the backward and the optimizer step"
         if self.loss_scale is not None:

@@ -163,12 +163,26 @@ def test_stop_checkpoints_and_resume(case, device, caches, targets, tmp_path, mo
     assert calls and Trainer.load(ck).global_step == 4
 
 
-def test_refusals_keep_the_python_loop(caches, targets):
+def test_refusals_keep_the_python_loop(enc, inputs, caches, targets):
     tr = _trainer("linear", "cpu", False)
     tr.fit(caches["mean"], targets["classification"], stop_at_step=1)
     assert tr._c_loop_refusal(caches["mean"]) is None
     tr._py_loop = True
     assert "FASTTRAN_PY_LOOP" in tr._c_loop_refusal(caches["mean"])
+    tr._py_loop = False
+    tr._optimizer_step = lambda total, warm: None   # a per-step hook keeps every step in Python
+    assert "_optimizer_step" in tr._c_loop_refusal(caches["mean"])
+    del tr._optimizer_step
+    assert tr._c_loop_refusal(caches["mean"]) is None
+
+    class Sub(Trainer):
+        def _step(self, *a):
+            return super()._step(*a)
+    sub = Sub("classification", epochs=1, show_progress=False, reduction=None)
+    sub.fit(caches["mean"], targets["classification"], stop_at_step=1)
+    assert "_step" in sub._c_loop_refusal(caches["mean"])
+    uncached = ActivationCache.uncached(enc, *inputs, positions="mean")
+    assert "encoder" in tr._c_loop_refusal(uncached)
 
 
 def test_divergence_stops_the_c_loop_as_the_python_loop_does(enc, inputs, targets, monkeypatch):
