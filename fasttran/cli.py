@@ -8,6 +8,9 @@ workflow (--model defaults to all-MiniLM-L6-v2, see fasttran.models):
   fasttran export   --checkpoint ck --output model-dir        # loads in transformers' AutoModelFor*
   fasttran encode   --input texts.tsv --output emb.npy       # sentence embeddings only
 
+all of it in one command on a task's files (GLUE, CoNLL-2003, SQuAD), keeping the best epoch:
+  fasttran finetune --task mrpc --data DIR [--train-layers 2]   # DIR/MRPC/ or DIR/glue/MRPC/ -> ./finetuned-mrpc
+
 tasks (--task on cache, train and evaluate; the cache remembers it):
   classification   one text, a class (TSV / JSONL; GLUE's SST-2 and CoLA files as GLUE ships them)
   pair             two texts, a class ([CLS] a [SEP] b [SEP]; GLUE's MRPC, RTE, QNLI, MNLI files)
@@ -524,31 +527,34 @@ def _version():
             f"Python {info['python']})")
 
 
+def _common(sp, batch=64, data=True, input_required=True):
+    """the options every command shares: the model and device, and (data) the input file, its columns,
+    --limit and --batch-size"""
+    sp.add_argument("--model", default=None,
+                    help="checkpoint directory (config.json + model.safetensors), or a Hub id; default: "
+                         "all-MiniLM-L6-v2 (installed package or fasttran's model cache)")
+    sp.add_argument("--device", default=None, help="cpu or cuda:N (default: a GPU if usable, else cpu)")
+    if not data:
+        return
+    sp.add_argument("--input", required=input_required, default=None,
+                    help="JSONL, TSV (GLUE's files as they are) or CoNLL file of examples (QA: SQuAD JSON)")
+    sp.add_argument("--text-field", default=None, help="text field/column (default: found by name: text, "
+                    "sentence, sentence1, #1 String, question, ...)")
+    sp.add_argument("--pair-field", default=None, help="second text field/column of pairs (default: found by name)")
+    sp.add_argument("--label-field", default="label", help="label field/column (TSV: found by name when 'label')")
+    sp.add_argument("--limit", type=int, default=None, metavar="N", help="use the first N examples (QA: questions)")
+    sp.add_argument("--batch-size", type=int, default=batch, help="examples per batch")
+
+
 def build_parser():
     from .trainer import DEFAULT_LR
     p = argparse.ArgumentParser(prog="fasttran", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_VersionAction, help="show the version and build, then exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate,export,compress}")
-
-    def common(sp, batch=64, data=True):
-        sp.add_argument("--model", default=None,
-                        help="checkpoint directory (config.json + model.safetensors), or a Hub id; default: "
-                             "all-MiniLM-L6-v2 (installed package or fasttran's model cache)")
-        sp.add_argument("--device", default=None, help="cpu or cuda:N (default: a GPU if usable, else cpu)")
-        if not data:
-            return
-        sp.add_argument("--input", required=True,
-                        help="JSONL, TSV (GLUE's files as they are) or CoNLL file of examples (QA: SQuAD JSON)")
-        sp.add_argument("--text-field", default=None, help="text field/column (default: found by name: text, "
-                        "sentence, sentence1, #1 String, question, ...)")
-        sp.add_argument("--pair-field", default=None, help="second text field/column of pairs (default: found by name)")
-        sp.add_argument("--label-field", default="label", help="label field/column (TSV: found by name when 'label')")
-        sp.add_argument("--limit", type=int, default=None, metavar="N", help="use the first N examples (QA: questions)")
-        sp.add_argument("--batch-size", type=int, default=batch, help="examples per batch")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate,export,compress,finetune}")
 
     tasks = list(_TASKS)
     e = sub.add_parser("encode", help="embed texts with a frozen encoder into .npy or .safetensors", formatter_class=_Fmt)
-    common(e)
+    _common(e)
     e.add_argument("--output", required=True, help="OUT.npy or OUT.safetensors")
     e.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="mean of the tokens, or the [CLS] row")
     e.add_argument("--layer", type=int, default=-1, help="layer to pool (-1: the last)")
@@ -557,7 +563,7 @@ def build_parser():
 
     c = sub.add_parser("cache", help="build a persistent activation cache directory (the encoder runs once)",
                        formatter_class=_Fmt)
-    common(c)
+    _common(c)
     c.add_argument("--output", required=True, help="cache directory")
     c.add_argument("--task", default="classification", choices=tasks + ["qa"],
                    help="what the file holds (see fasttran --help); qa: --input is SQuAD JSON, cut into question + "
@@ -577,7 +583,7 @@ def build_parser():
 
     lrs = ", ".join(f"{o}/{h} {v:g}" for (o, h), v in DEFAULT_LR.items())
     t = sub.add_parser("train", help="train a head from a cache; checkpoints to --output", formatter_class=_Fmt)
-    common(t, batch=32)
+    _common(t, batch=32)
     t.add_argument("--cache", required=True, help="cache directory of --input (fasttran cache)")
     t.add_argument("--output", required=True, help="checkpoint directory (written every epoch and on Ctrl-C)")
     t.add_argument("--task", default=None, choices=tasks,
@@ -616,7 +622,7 @@ def build_parser():
 
     v = sub.add_parser("evaluate", help="accuracy/F1 (QA: exact match/F1) of a trained head on a cache",
                        formatter_class=_Fmt)
-    common(v)
+    _common(v)
     v.add_argument("--cache", required=True, help="cache directory of --input")
     v.add_argument("--checkpoint", required=True, help="checkpoint directory (fasttran train --output)")
     v.add_argument("--task", default=None, choices=tasks, help="the task (default: the one the cache was built for)")
@@ -625,11 +631,13 @@ def build_parser():
 
     x = sub.add_parser("export", help="write a trained checkpoint as a model directory transformers (or "
                        "sentence-transformers) loads", formatter_class=_Fmt)
-    common(x, data=False)
+    _common(x, data=False)
     x.add_argument("--checkpoint", required=True, help="checkpoint directory (fasttran train --output)")
     x.add_argument("--output", required=True, help="model directory to write")
     x.set_defaults(func=cmd_export)
     _compress_parser(sub)
+    from .finetune_cli import add_parser as _finetune_parser
+    _finetune_parser(sub, _common)
     return p
 
 
