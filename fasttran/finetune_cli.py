@@ -202,8 +202,8 @@ def _fmt(v):
 def results_table(history, metric, best_epoch):
     """The epochs as a text table: epoch, train loss, dev metric, seconds; * marks the epoch kept."""
     key = f"eval_{metric}"
-    lines = [f"  {'epoch':>5}  {'train loss':>10}  {'dev ' + metric:>{max(10, len(metric) + 4)}}  {'seconds':>8}"]
     w = max(10, len(metric) + 4)
+    lines = [f"  {'epoch':>5}  {'train loss':>10}  {'dev ' + metric:>{w}}  {'seconds':>8}"]
     for r in history:
         mark = "*" if r["epoch"] == best_epoch else " "
         secs = r["seconds"] + r.get("eval_seconds", 0.0)
