@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from . import cli
+from . import cli_io
 
 #: CoNLL-2003's entity tags, in the order fasttran.readers.read_conll numbers them
 CONLL_TAGS = ("O", "B-LOC", "I-LOC", "B-MISC", "I-MISC", "B-ORG", "I-ORG", "B-PER", "I-PER")
@@ -117,7 +117,7 @@ def task_spec(task):
 
 def kinds():
     """the --task values that name a kind of task for files of one's own (--input)"""
-    return list(cli._TASKS) + ["qa"]
+    return list(cli_io.CLI_TASKS) + ["qa"]
 
 
 def read_split(task, path, label_names=None, limit=None):
@@ -157,24 +157,24 @@ def _load(args):
     """_Data of the command's arguments: a known task's files, or --input / --eval-input"""
     if args.input:
         if args.task not in kinds():
-            cli._fail(f"--input takes --task naming the kind of task ({', '.join(kinds())}); "
+            cli_io.fail(f"--input takes --task naming the kind of task ({', '.join(kinds())}); "
                       f"{args.task!r} is {'a known task: use --data DIR' if args.task in TASKS else 'unknown'}")
         if not args.eval_input:
-            cli._fail("--input needs --eval-input FILE: the dev split the best epoch is picked on")
+            cli_io.fail("--input needs --eval-input FILE: the dev split the best epoch is picked on")
         if args.data:
-            cli._fail("give either --data (a known task's files) or --input / --eval-input, not both")
+            cli_io.fail("give either --data (a known task's files) or --input / --eval-input, not both")
         files = {"train": args.input, "dev": args.eval_input}
         if args.task == "qa":
             return _Data("qa", None, None, None, files, args.metric or "f1")
-        train = cli._read_data(args, args.input, args.task)
-        dev = cli._read_data(args, args.eval_input, args.task, label_names=train.label_names)
-        main = cli._TASKS[args.task][1]
+        train = cli_io.read_data(args, args.input, args.task)
+        dev = cli_io.read_data(args, args.eval_input, args.task, label_names=train.label_names)
+        main = cli_io.CLI_TASKS[args.task][1]
         from .heads import head_class
         return _Data(args.task, train, dev, train.label_names, files, args.metric or head_class(main).main_metric)
     from .errors import FastTranError
     spec = TASKS.get(args.task)
     if spec is None:
-        cli._fail(f"unknown task {args.task!r}; known tasks: {', '.join(TASKS)}; or --input FILE --eval-input FILE "
+        cli_io.fail(f"unknown task {args.task!r}; known tasks: {', '.join(TASKS)}; or --input FILE --eval-input FILE "
                   f"with --task one of {', '.join(kinds())}")
     try:
         files = task_files(spec.name, args.data)
@@ -183,7 +183,7 @@ def _load(args):
         train = read_split(spec.name, files["train"], limit=args.limit)
         dev = read_split(spec.name, files["dev"], label_names=train.label_names, limit=args.limit)
     except FastTranError as e:
-        cli._fail(str(e))
+        cli_io.fail(str(e))
     return _Data(spec.kind, train, dev, train.label_names, files, args.metric or spec.metric)
 
 
@@ -218,10 +218,10 @@ def run(args):
     from . import Trainer
     from .export import how_to_load, layout_of
     data = _load(args)
-    enc = cli._encoder(args)
+    enc = cli_io.encoder(args)
     K = args.train_layers
     if K < 0 or K > enc.num_layers:
-        cli._fail(f"--train-layers {K}: the model has {enc.num_layers} layers")
+        cli_io.fail(f"--train-layers {K}: the model has {enc.num_layers} layers")
     layer = enc.num_layers - K if K else -1
     sequence = data.kind not in ("token", "qa")
     positions = "all" if (K or not sequence) else "mean"
@@ -234,9 +234,9 @@ def run(args):
     try:
         if data.kind == "qa":
             st = {"max_length": args.max_length or 384, "doc_stride": 128}
-            tr_feats = cli._squad_features(argparse.Namespace(input=data.files["train"], limit=args.limit), enc,
+            tr_feats = cli_io.squad_features(argparse.Namespace(input=data.files["train"], limit=args.limit), enc,
                                            dict(st, answers_only=True))
-            dev_feats = cli._squad_features(argparse.Namespace(input=data.files["dev"], limit=args.limit), enc,
+            dev_feats = cli_io.squad_features(argparse.Namespace(input=data.files["dev"], limit=args.limit), enc,
                                             dict(st, answers_only=False))
             print(f"train: {tr_feats!r}\ndev:   {dev_feats!r}", file=sys.stderr)
             train_cache = _cache(enc, tr_feats.input_ids, tr_feats.attention_mask, tr_feats.token_type_ids, layer,
@@ -248,10 +248,10 @@ def run(args):
             print(f"train: {data.train!r}\ndev:   {data.dev!r}", file=sys.stderr)
             caches = []
             for split, ex in (("train", data.train), ("dev", data.dev)):
-                ids, mask, types, tok = cli._inputs(enc, ex, args.max_length)
+                ids, mask, types, tok = cli_io.inputs(enc, ex, args.max_length)
                 c = _cache(enc, ids, mask, types, layer, positions, "float32",
                            os.path.join(work, split) if work else None, args.cache_batch_size)
-                caches.append((c, cli._targets(ex, tok)))
+                caches.append((c, cli_io.targets(ex, tok)))
             (train_cache, targets), ev = caches
         cache_seconds = time.perf_counter() - t0
         n_train, n_dev = len(train_cache), len(ev[0])
@@ -261,7 +261,7 @@ def run(args):
             kw["label_names"] = list(data.label_names)
         if sequence and K:   # BERT's pooler on [CLS]: the layout transformers' pipelines load, head in place
             kw.update(pooling="cls", pooler=True)
-        head = "qa" if data.kind == "qa" else cli._TASKS[data.kind][1]
+        head = "qa" if data.kind == "qa" else cli_io.CLI_TASKS[data.kind][1]
         tr = Trainer(head, **kw)
         print(f"{tr!r}", file=sys.stderr)
         tr.fit(train_cache, targets, eval=ev, keep_best=data.metric)
@@ -294,12 +294,12 @@ def cmd_finetune(args):
     run(args)
 
 
-def add_parser(sub, common):
-    """the `finetune` subcommand on the CLI's subparsers; `common` adds the shared options"""
+def add_parser(sub):
+    """the `finetune` subcommand on the CLI's subparsers"""
     from .trainer import DEFAULT_LR, DEFAULT_TOPK_LR
     table = "\n".join(f"  {t.name:<6} {t.what}" for t in TASKS.values())
     f = sub.add_parser(
-        "finetune", formatter_class=cli._Fmt,
+        "finetune", formatter_class=cli_io.Fmt,
         help="one command from a task's files (GLUE, CoNLL-2003, SQuAD) to an exported model",
         description="Read the task's train and dev files, build the caches, train with the defaults, evaluate on "
                     "dev every epoch, keep the best epoch's weights and export them.\n\nknown tasks (--data DIR "
@@ -309,7 +309,7 @@ def add_parser(sub, common):
     f.add_argument("--task", required=True, metavar="TASK",
                    help=f"{', '.join(TASKS)}; with --input: {', '.join(kinds())}")
     f.add_argument("--data", default=None, metavar="DIR", help="directory holding the task's folder (or glue/<folder>)")
-    common(f, batch=32, input_required=False)
+    cli_io.common_options(f, batch=32, input_required=False)
     f.add_argument("--eval-input", default=None, help="dev file of --input (the best epoch is picked on it)")
     f.add_argument("--output", default=None, help="exported model directory (default: ./finetuned-<task>)")
     f.add_argument("--train-layers", type=int, default=0, metavar="K",
