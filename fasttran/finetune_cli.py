@@ -146,7 +146,7 @@ def read_split(task, path, label_names=None, limit=None):
 @dataclass
 class _Data:
     kind: str          # the cli --task
-    train: object      # Examples, or SquadFeatures (qa)
+    train: object      # Examples (qa: None, the windows are cut once the tokenizer is there)
     dev: object
     label_names: list
     files: dict
@@ -158,12 +158,15 @@ def _load(args):
     if args.input:
         if args.task not in kinds():
             cli_io.fail(f"--input takes --task naming the kind of task ({', '.join(kinds())}); "
-                      f"{args.task!r} is {'a known task: use --data DIR' if args.task in TASKS else 'unknown'}")
+                        f"{args.task!r} is {'a known task: use --data DIR' if args.task in TASKS else 'unknown'}")
         if not args.eval_input:
             cli_io.fail("--input needs --eval-input FILE: the dev split the best epoch is picked on")
         if args.data:
             cli_io.fail("give either --data (a known task's files) or --input / --eval-input, not both")
         files = {"train": args.input, "dev": args.eval_input}
+        for what, path in (("--input", args.input), ("--eval-input", args.eval_input)):
+            if not os.path.isfile(path):
+                cli_io.fail(f"{what} {path}: no such file")
         if args.task == "qa":
             return _Data("qa", None, None, None, files, args.metric or "f1")
         train = cli_io.read_data(args, args.input, args.task)
@@ -175,7 +178,7 @@ def _load(args):
     spec = TASKS.get(args.task)
     if spec is None:
         cli_io.fail(f"unknown task {args.task!r}; known tasks: {', '.join(TASKS)}; or --input FILE --eval-input FILE "
-                  f"with --task one of {', '.join(kinds())}")
+                    f"with --task one of {', '.join(kinds())}")
     try:
         files = task_files(spec.name, args.data)
         if spec.kind == "qa":

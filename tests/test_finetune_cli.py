@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fasttran
-from fasttran import ActivationCache, Trainer, finetune_cli
+from fasttran import ActivationCache, Trainer, cli, finetune_cli
 from fasttran.errors import InputError
 from fasttran.finetune_cli import TASKS, read_split, task_files
 
@@ -144,7 +144,7 @@ def test_errors_name_what_to_fix(tmp_path):
 
 def cli_error(capsys, *argv):
     with pytest.raises(SystemExit) as e:
-        fasttran.cli.main(["finetune", *argv])
+        cli.main(["finetune", *argv])
     return str(e.value.code) + capsys.readouterr().err
 
 
@@ -159,6 +159,8 @@ def test_command_errors(tmp_path, capsys):
     assert "--input needs --eval-input" in err
     err = cli_error(capsys, "--task", "mrpc", "--input", str(tmp_path / "x.tsv"), "--eval-input", "y")
     assert "is a known task: use --data DIR" in err
+    err = cli_error(capsys, "--task", "qa", "--input", str(tmp_path / "train.json"), "--eval-input", "dev.json")
+    assert f"--input {tmp_path / 'train.json'}: no such file" in err
 
 
 def lines(path):
@@ -238,7 +240,7 @@ def test_keep_best_restores_the_best_epochs_weights(enc, sst_small, layers):
 
 # ---- the command end to end ---------------------------------------------------------------------------
 def finetune(capsys, *argv):
-    args = fasttran.cli.build_parser().parse_args(["finetune", *argv])
+    args = cli.build_parser().parse_args(["finetune", *argv])
     res = finetune_cli.run(args)
     return res, capsys.readouterr().out
 
