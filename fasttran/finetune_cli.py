@@ -45,7 +45,18 @@ class Task:
 
     @property
     def reader(self):
-        return {"token": "conll", "qa": "squad"}.get(self.kind, "glue")
+        return reader_of(self.kind)
+
+
+def reader_of(kind):
+    """how a kind of task's files read: SQuAD JSON (answer windows cut once the tokenizer is there),
+    CoNLL columns, or GLUE-style rows"""
+    return {"token": "conll", "qa": "squad"}.get(kind, "glue")
+
+
+def head_task(kind):
+    """the Trainer task of a --task kind"""
+    return cli_io.CLI_TASKS[kind][1] if kind in cli_io.CLI_TASKS else kind
 
 
 def _glue(name, folder, kind, metric, columns, label_names, what, dev="dev.tsv", more=()):
@@ -167,8 +178,8 @@ def _load(args):
         for what, path in (("--input", args.input), ("--eval-input", args.eval_input)):
             if not os.path.isfile(path):
                 cli_io.fail(f"{what} {path}: no such file")
-        if args.task == "qa":
-            return _Data("qa", None, None, None, files, args.metric or "f1")
+        if reader_of(args.task) == "squad":
+            return _Data(args.task, None, None, None, files, args.metric or "f1")
         train = cli_io.read_data(args, args.input, args.task)
         dev = cli_io.read_data(args, args.eval_input, args.task, label_names=train.label_names)
         main = cli_io.CLI_TASKS[args.task][1]
@@ -181,8 +192,8 @@ def _load(args):
                     f"with --task one of {', '.join(kinds())}")
     try:
         files = task_files(spec.name, args.data)
-        if spec.kind == "qa":
-            return _Data("qa", None, None, None, files, args.metric or spec.metric)
+        if spec.reader == "squad":
+            return _Data(spec.kind, None, None, None, files, args.metric or spec.metric)
         train = read_split(spec.name, files["train"], limit=args.limit)
         dev = read_split(spec.name, files["dev"], label_names=train.label_names, limit=args.limit)
     except FastTranError as e:
@@ -226,16 +237,19 @@ def run(args):
     if K < 0 or K > enc.num_layers:
         cli_io.fail(f"--train-layers {K}: the model has {enc.num_layers} layers")
     layer = enc.num_layers - K if K else -1
-    sequence = data.kind not in ("token", "qa")
+    from .heads import head_class
+    head = head_task(data.kind)
+    squad = reader_of(data.kind) == "squad"
+    sequence = not head_class(head).takes_tokens
     positions = "all" if (K or not sequence) else "mean"
     work = args.cache_dir
     tmp = None
-    if work is None and data.kind == "qa":   # QA windows keep every token: on disk, not in memory
+    if work is None and squad:   # QA windows keep every token: on disk, not in memory
         tmp = tempfile.TemporaryDirectory(prefix="fasttran-finetune-")
         work = tmp.name
     t0 = time.perf_counter()
     try:
-        if data.kind == "qa":
+        if squad:
             st = {"max_length": args.max_length or 384, "doc_stride": 128}
             tr_feats = cli_io.squad_features(argparse.Namespace(input=data.files["train"], limit=args.limit), enc,
                                            dict(st, answers_only=True))
@@ -264,7 +278,6 @@ def run(args):
             kw["label_names"] = list(data.label_names)
         if sequence and K:   # BERT's pooler on [CLS]: the layout transformers' pipelines load, head in place
             kw.update(pooling="cls", pooler=True)
-        head = "qa" if data.kind == "qa" else cli_io.CLI_TASKS[data.kind][1]
         tr = Trainer(head, **kw)
         print(f"{tr!r}", file=sys.stderr)
         tr.fit(train_cache, targets, eval=ev, keep_best=data.metric)
