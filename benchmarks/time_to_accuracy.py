@@ -181,16 +181,10 @@ def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
         kw["label_names"] = names
     proto = fasttran.Trainer(head_task, seed=0, **kw)
 
-    def cache_of(inputs):
-        if k:
-            return proto.cache_for(enc, *inputs, show_progress=False)
-        # the frozen encoder's features: every token for token and span heads, else mean pooling
-        return fasttran.ActivationCache.build(enc, *inputs, positions="all" if head_task in ("token-classification", "qa")
-                                              else "mean", show_progress=False)
     t0 = time.perf_counter()
-    cache = cache_of(tr_in)
+    cache = proto.cache_for(enc, *tr_in, show_progress=False)   # k = 0: the frozen encoder's features
     build = time.perf_counter() - t0
-    dev = cache_of(dv_in)   # evaluation: not counted
+    dev = proto.cache_for(enc, *dv_in, show_progress=False)   # evaluation: not counted
     curves = {}
     for seed in seeds:
         t = fasttran.Trainer(head_task, seed=seed, **kw)

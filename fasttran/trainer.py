@@ -353,9 +353,13 @@ class Trainer:
 
     def cache_for(self, encoder, input_ids, attention_mask=None, token_type_ids=None, **cache_kwargs):
         """The ActivationCache top-layer training reads: every real token's state at layer
-        L - train_layers (positions='all'), built once, or reused from `disk_dir` when it holds it."""
+        L - train_layers (positions='all'), built once, or reused from `disk_dir` when it holds it.
+        With train_layers=0, the frozen encoder's last layer as the head reads it: every token for
+        token and span heads, else pooled with the Trainer's `pooling`."""
         if not self.train_layers:
-            raise InputError("cache_for() is for train_layers > 0; frozen-encoder heads take pooled features")
+            return ActivationCache.build(encoder, input_ids, attention_mask, token_type_ids,
+                                         positions="all" if self._head_class().takes_tokens else self.pooling,
+                                         **cache_kwargs)
         L = encoder.num_layers
         if self.train_layers > L:
             raise InputError(f"train_layers={self.train_layers} but the encoder has {L} layers")
