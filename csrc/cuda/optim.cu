@@ -18,14 +18,20 @@
 // FASTTRAN_CUDA_OPT_GROUP_BYTES overrides the size, for tests), and launch i runs the apply chunks
 // of group i-1 (blocks [0, a)) AND the moments chunks of group i (blocks [a, a + b)): group i-1's
 // m, v, w are re-read from the L2 right after launch i-1 wrote them, so a step streams device
-// memory about once. A tensor larger than a group is a group by itself; its apply pass then reads
-// most of m, v, w from device memory again (BERT-base's word embeddings: 23M of the 110M
-// parameters keep 40 bytes instead of 28). The trust ratios of group i-1 are final before launch i
-// starts: within launch i-1, the last block to finish a chunk of a tensor (a per-tensor atomic
-// counter after a __threadfence, reset by that block) sums the tensor's chunk partials in chunk
-// order, in double, with a fixed 256-lane tree -- the same order whatever the schedule, so the
-// result is deterministic and bit-identical for any group size (and to the earlier separate
-// moments / trust-ratio / apply kernels, whose arithmetic this keeps element for element).
+// memory about once. The apply blocks take their chunks last to first, so the ones written last
+// (the likeliest still in the L2) go first. A tensor larger than a group is a group by itself: its
+// apply pass reads from the L2 only what is left of it there and the rest from device memory
+// again (up to 40 bytes a parameter instead of 28: on an H100, L2 / 3 = 16.7 MB, BERT-base's word
+// embeddings (23M parameters) and its 24 feed-forward matrices (2.4M each, 38 MB of w, m, v, g)).
+// A group is then only some 64 chunks, so a launch has about 128 blocks: each thread loads a batch
+// of its elements before computing them (more bytes in flight; the same operations in the same
+// order). FASTTRAN_CUDA_OPT_GROUP_BYTES also lets a device run compare group sizes.
+// The trust ratios of group i-1 are final before launch i starts: within launch i-1, the last
+// block to finish a chunk of a tensor (a per-tensor atomic counter after a __threadfence, reset by
+// that block) sums the tensor's chunk partials in chunk order, in double, with a fixed 256-lane
+// tree -- the same order whatever the schedule, so the result is deterministic and bit-identical
+// for any group size (and to the earlier separate moments / trust-ratio / apply kernels, whose
+// arithmetic this keeps element for element).
 //
 // The tables stay on the device between steps: the tensor table (addresses, sizes,
 // chunk ranges) and the chunk table are uploaded only when an address or a size changes (a
@@ -119,7 +125,11 @@ __device__ inline void store_copy(const opt_tensor_dev &t, int64_t i, float w) {
     else static_cast<__half *>(t.copy)[i] = __float2half(w);
 }
 
-constexpr int TR_LANES = 256;   // the trust ratio's reduction: lane k sums chunks k, k + 256, ..., then a tree
+constexpr int TR_LANES = 256;
+// A LAMB launch holds a group's chunks only (about 128 blocks on an H100), so each thread loads
+// LAMB_BATCH elements (its next ones, stride blockDim.x) before using them: more bytes in flight
+// per thread, the same operations in the same order as one element at a time
+constexpr int LAMB_BATCH = 4;   // the trust ratio's reduction: lane k sums chunks k, k + 256, ..., then a tree
 
 // LAMB apply of one chunk: w -= step * u, u recomputed from m, v exactly as the moments pass made it
 __device__ inline void lamb_apply_chunk(const opt_tensor_dev *T, const opt_coef_dev *K, const int32_t *coef_of,
@@ -127,13 +137,22 @@ __device__ inline void lamb_apply_chunk(const opt_tensor_dev *T, const opt_coef_
     const opt_tensor_dev t = T[c.t];
     const opt_coef_dev k = K[coef_of[c.t]];
     const float s = step[c.t];
-    const int64_t end = c.start + OPT_CHUNK < t.n ? c.start + OPT_CHUNK : t.n;
-    for (int64_t i = c.start + threadIdx.x; i < end; i += blockDim.x) {
-        float w = t.p[i];
-        float u = (t.m[i] * k.ibc1) / (sqrtf(t.v[i] * k.ibc2) + k.eps) + k.wd * w;
-        w -= s * u;
-        t.p[i] = w;
-        store_copy(t, i, w);
+    const int64_t end = c.start + OPT_CHUNK < t.n ? c.start + OPT_CHUNK : t.n, stride = blockDim.x;
+    for (int64_t i0 = c.start + threadIdx.x; i0 < end; i0 += LAMB_BATCH * stride) {
+        float w[LAMB_BATCH], m[LAMB_BATCH], v[LAMB_BATCH];
+#pragma unroll
+        for (int r = 0; r < LAMB_BATCH; r++)
+            if (i0 + r * stride < end) { w[r] = t.p[i0 + r * stride]; m[r] = t.m[i0 + r * stride]; v[r] = t.v[i0 + r * stride]; }
+#pragma unroll
+        for (int r = 0; r < LAMB_BATCH; r++) {
+            const int64_t i = i0 + r * stride;
+            if (i < end) {
+                float u = (m[r] * k.ibc1) / (sqrtf(v[r] * k.ibc2) + k.eps) + k.wd * w[r];
+                const float wn = w[r] - s * u;
+                t.p[i] = wn;
+                store_copy(t, i, wn);
+            }
+        }
     }
 }
 
@@ -149,16 +168,29 @@ __device__ inline void lamb_moments_chunk(const opt_tensor_dev *T, const opt_coe
     const opt_tensor_dev t = T[c.t];
     const opt_coef_dev k = K[coef_of[c.t]];
     const int64_t end = c.start + OPT_CHUNK < t.n ? c.start + OPT_CHUNK : t.n;
+    const int64_t stride = blockDim.x;
     float su = 0.0f, sw = 0.0f;
-    for (int64_t i = c.start + threadIdx.x; i < end; i += blockDim.x) {
-        float g = t.g[i] * clip, w = t.p[i];
-        float m = k.b1 * t.m[i] + k.omb1 * g;
-        float v = k.b2 * t.v[i] + k.omb2 * g * g;
-        t.m[i] = m;
-        t.v[i] = v;
-        float u = (m * k.ibc1) / (sqrtf(v * k.ibc2) + k.eps) + k.wd * w;
-        su += u * u;
-        sw += w * w;
+    for (int64_t i0 = c.start + threadIdx.x; i0 < end; i0 += LAMB_BATCH * stride) {
+        float gb[LAMB_BATCH], wb[LAMB_BATCH], mb[LAMB_BATCH], vb[LAMB_BATCH];
+#pragma unroll
+        for (int r = 0; r < LAMB_BATCH; r++) {
+            const int64_t i = i0 + r * stride;
+            if (i < end) { gb[r] = t.g[i]; wb[r] = t.p[i]; mb[r] = t.m[i]; vb[r] = t.v[i]; }
+        }
+#pragma unroll
+        for (int r = 0; r < LAMB_BATCH; r++) {   // in element order: the sums as one element at a time
+            const int64_t i = i0 + r * stride;
+            if (i < end) {
+                float g = gb[r] * clip, w = wb[r];
+                float m = k.b1 * mb[r] + k.omb1 * g;
+                float v = k.b2 * vb[r] + k.omb2 * g * g;
+                t.m[i] = m;
+                t.v[i] = v;
+                float u = (m * k.ibc1) / (sqrtf(v * k.ibc2) + k.eps) + k.wd * w;
+                su += u * u;
+                sw += w * w;
+            }
+        }
     }
     su = block_sum(su, sh);
     sw = block_sum(sw, sh);
@@ -202,7 +234,8 @@ lamb_kernel(const opt_tensor_dev *T, const opt_coef_dev *K, const int32_t *coef_
             float2 *partial, float *step, unsigned *done) {
     if (skip_step(sc, have_scalars)) return;
     if ((int64_t)blockIdx.x < napply) {
-        lamb_apply_chunk(T, K, coef_of, C[apply0 + blockIdx.x], step);
+        // backwards: the chunks the previous launch wrote last are the likeliest still in the L2
+        lamb_apply_chunk(T, K, coef_of, C[apply0 + napply - 1 - blockIdx.x], step);
         return;
     }
     const float clip = have_scalars ? sc->clip : 1.0f;
