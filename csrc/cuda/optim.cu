@@ -125,11 +125,12 @@ __device__ inline void store_copy(const opt_tensor_dev &t, int64_t i, float w) {
     else static_cast<__half *>(t.copy)[i] = __float2half(w);
 }
 
-constexpr int TR_LANES = 256;
-// A LAMB launch holds a group's chunks only (about 128 blocks on an H100), so each thread loads
+constexpr int TR_LANES = 256;   // the trust ratio's reduction: lane k sums chunks k, k + 256, ..., then a tree
+// A LAMB launch holds one group's chunks (about 72 to 128 blocks on an H100), so each thread loads
 // LAMB_BATCH elements (its next ones, stride blockDim.x) before using them: more bytes in flight
-// per thread, the same operations in the same order as one element at a time
-constexpr int LAMB_BATCH = 4;   // the trust ratio's reduction: lane k sums chunks k, k + 256, ..., then a tree
+// per thread, the same operations in the same order as one element at a time. (8: 120 registers,
+// one block a multiprocessor; 4: 63, two.)
+constexpr int LAMB_BATCH = 4;
 
 // LAMB apply of one chunk: w -= step * u, u recomputed from m, v exactly as the moments pass made it
 __device__ inline void lamb_apply_chunk(const opt_tensor_dev *T, const opt_coef_dev *K, const int32_t *coef_of,
@@ -140,10 +141,10 @@ __device__ inline void lamb_apply_chunk(const opt_tensor_dev *T, const opt_coef_
     const int64_t end = c.start + OPT_CHUNK < t.n ? c.start + OPT_CHUNK : t.n, stride = blockDim.x;
     for (int64_t i0 = c.start + threadIdx.x; i0 < end; i0 += LAMB_BATCH * stride) {
         float w[LAMB_BATCH], m[LAMB_BATCH], v[LAMB_BATCH];
-#pragma unroll
-        for (int r = 0; r < LAMB_BATCH; r++)
-            if (i0 + r * stride < end) { w[r] = t.p[i0 + r * stride]; m[r] = t.m[i0 + r * stride]; v[r] = t.v[i0 + r * stride]; }
-#pragma unroll
+        for (int r = 0; r < LAMB_BATCH; r++) {
+            const int64_t i = i0 + r * stride;
+            if (i < end) { w[r] = t.p[i]; m[r] = t.m[i]; v[r] = t.v[i]; }
+        }
         for (int r = 0; r < LAMB_BATCH; r++) {
             const int64_t i = i0 + r * stride;
             if (i < end) {
@@ -172,12 +173,10 @@ __device__ inline void lamb_moments_chunk(const opt_tensor_dev *T, const opt_coe
     float su = 0.0f, sw = 0.0f;
     for (int64_t i0 = c.start + threadIdx.x; i0 < end; i0 += LAMB_BATCH * stride) {
         float gb[LAMB_BATCH], wb[LAMB_BATCH], mb[LAMB_BATCH], vb[LAMB_BATCH];
-#pragma unroll
         for (int r = 0; r < LAMB_BATCH; r++) {
             const int64_t i = i0 + r * stride;
             if (i < end) { gb[r] = t.g[i]; wb[r] = t.p[i]; mb[r] = t.m[i]; vb[r] = t.v[i]; }
         }
-#pragma unroll
         for (int r = 0; r < LAMB_BATCH; r++) {   // in element order: the sums as one element at a time
             const int64_t i = i0 + r * stride;
             if (i < end) {
