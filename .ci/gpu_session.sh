@@ -143,7 +143,8 @@ phase_residual() {
 # (benchmarks/gpu_profile.py), sanitize (memcheck with the leak check, racecheck, synccheck,
 # initcheck on subsets), topk, topk-cudnn (its steps with cuDNN training attention, dropout 0), table1, residual (the
 # residual projections' two forms), cache,
-# base, large (the encoder benchmark), optim, diag.
+# base, large (the encoder benchmark), optim, optim-groups (LAMB's tensor-group size swept:
+# FASTTRAN_CUDA_OPT_GROUP_BYTES), diag.
 phase_lease() {
     local end=$((SECONDS + ${LEASE_S:-540})) logs=/tmp/gpu-logs
     mkdir -p $logs
@@ -174,6 +175,7 @@ phase_lease() {
             table1) step table1 150 phase_table1 ;;
             residual) step residual 120 phase_residual ;;
             topk-cudnn) step topk-cudnn 120 'FASTTRAN_BENCH_DROPOUT=0 FASTTRAN_CUDA_ATTENTION=cudnn python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py -k step 2>&1 | tee "$OUT/gpu-topk-cudnn.log" | tail -20; cp benchmarks/last_gpu_topk.json "$OUT/last_gpu_topk_cudnn.json"' ;;
+            optim-groups) step optim-groups 120 'for g in 8000000 16000000 33000000; do echo "FASTTRAN_CUDA_OPT_GROUP_BYTES=$g"; FASTTRAN_CUDA_OPT_GROUP_BYTES=$g python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | grep "fasttran_lamb \|LAMB"; done 2>&1 | tee "$OUT/gpu-optim-groups.log"' ;;
             optim) step optim 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -15' ;;
             *) echo "unknown lease step $t" ;;
         esac
