@@ -20,6 +20,7 @@
 #                                      # why, the host-side graph checks, and cuDNN against transformers'
 #                                      # SDPA (bf16, head size 32, seq % 128 == 64 and length 1; forward,
 #                                      # training forward, deterministic backward twice)
+#   bash .ci/gpu_session.sh residual   # FASTTRAN_CUDA_RESIDUAL_LN=epilogue against rowpass (BERT-base bf16), profile
 #   bash .ci/gpu_session.sh all        # build + test + sanitize (bench separately: it takes minutes)
 #   bash .ci/gpu_session.sh lease      # one call within LEASE_S (540) seconds: the steps of LEASE_STEPS
 #                                      # (default: build cudnn base test topk table1 optim cache large sanitize);
@@ -121,18 +122,34 @@ phase_table1() {
         --json "$OUT/table1_accuracy.json" 2>&1 | tee "$OUT/table1_accuracy.log" | tail -20
 }
 
+# the residual projections' two forms (FASTTRAN_CUDA_RESIDUAL_LN: the residual as cuBLASLt's C operand,
+# or added in the LayerNorm's row pass) on BERT-base's full batches, same call, then the profile of the
+# row-pass form: which one should be the default
+phase_residual() {
+    local m
+    for m in epilogue rowpass; do
+        FASTTRAN_CUDA_RESIDUAL_LN=$m FASTTRAN_BENCH_COMPILE=0 FASTTRAN_BENCH_MODELS=base python3 -m pytest -q -s \
+            -p no:cacheprovider benchmarks/test_gpu_encoder.py -k "full or squad" 2>&1 | tee "$OUT/gpu-encoder-residual-$m.log" | grep "|"
+        cp benchmarks/last_gpu_encoder.json "$OUT/last_gpu_encoder_residual_$m.json" 2>/dev/null || true
+    done
+    FASTTRAN_CUDA_RESIDUAL_LN=rowpass python3 benchmarks/gpu_profile.py --json "$OUT/gpu_profile_rowpass.json" 2>&1 \
+        | tee "$OUT/gpu-profile-rowpass.log" | grep -A3 "^== \|fasttran wall"
+}
+
 # One lease in one call (a lent machine now gives 15 minutes in all, start included): the steps of
 # LEASE_STEPS in order, each cut to the time left before LEASE_S seconds (a step with under 25 s
 # left is skipped and says so). Logs and JSON are packed into $OUT/gpu-logs.tgz after every step, so
 # a call stopped at its limit still brings back what finished. Steps: build, test, profile
 # (benchmarks/gpu_profile.py), sanitize (memcheck with the leak check, racecheck, synccheck,
-# initcheck on subsets), topk, topk-cudnn (its steps with cuDNN training attention), table1, cache,
-# base, large (the encoder benchmark), optim, diag.
+# initcheck on subsets), topk, topk-cudnn (its steps with cuDNN training attention, dropout 0), table1, residual (the
+# residual projections' two forms), cache,
+# base, large (the encoder benchmark), optim, optim-groups (LAMB's tensor-group size swept:
+# FASTTRAN_CUDA_OPT_GROUP_BYTES), diag.
 phase_lease() {
     local end=$((SECONDS + ${LEASE_S:-540})) logs=/tmp/gpu-logs
     mkdir -p $logs
     export OUT CUDA_TESTS FASTTRAN_BENCH_ROUNDS=${FASTTRAN_BENCH_ROUNDS:-3}
-    export -f phase_build phase_test phase_bench phase_sanitize_short phase_cudnn phase_table1
+    export -f phase_build phase_test phase_bench phase_sanitize_short phase_cudnn phase_table1 phase_residual
     pack() { cp "$OUT"/*.log "$OUT"/*.json "$OUT"/*.xml "$OUT"/*.txt benchmarks/last_gpu_*.json $logs/ 2>/dev/null
              rm -f "$OUT"/*.log "$OUT"/*.xml; tar czf "$OUT/gpu-logs.tgz" -C $logs . ; }
     step() {   # name, most seconds, command
@@ -156,7 +173,9 @@ phase_lease() {
             base|large) step "bench-$t" 180 phase_bench $t ;;
             diag) step diag 80 phase_diag ;;
             table1) step table1 150 phase_table1 ;;
-            topk-cudnn) step topk-cudnn 120 'FASTTRAN_CUDA_ATTENTION=cudnn python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py -k step 2>&1 | tee "$OUT/gpu-topk-cudnn.log" | tail -20; cp benchmarks/last_gpu_topk.json "$OUT/last_gpu_topk_cudnn.json"' ;;
+            residual) step residual 120 phase_residual ;;
+            topk-cudnn) step topk-cudnn 120 'FASTTRAN_BENCH_DROPOUT=0 FASTTRAN_CUDA_ATTENTION=cudnn python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py -k step 2>&1 | tee "$OUT/gpu-topk-cudnn.log" | tail -20; cp benchmarks/last_gpu_topk.json "$OUT/last_gpu_topk_cudnn.json"' ;;
+            optim-groups) step optim-groups 120 'for g in 8000000 16000000 33000000; do echo "FASTTRAN_CUDA_OPT_GROUP_BYTES=$g"; FASTTRAN_CUDA_OPT_GROUP_BYTES=$g python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | grep "fasttran_lamb \|LAMB"; done 2>&1 | tee "$OUT/gpu-optim-groups.log"' ;;
             optim) step optim 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -15' ;;
             *) echo "unknown lease step $t" ;;
         esac
@@ -214,8 +233,10 @@ PY
             -k "cuda and (attention_train or attention_backward) and bfloat16" >"$OUT/sanitize-$t.log" 2>&1
         echo "$t: exit $?; $(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitize-$t.log" | tail -1); $(grep -m1 'ERROR SUMMARY' "$OUT/sanitize-$t.log")"
     done
-    timeout 40 $cs --tool initcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py \
-        -k "half_precision_outputs or awkward_fp32" >"$OUT/sanitize-initcheck.log" 2>&1
+    # our kernels only (cuDNN's and cuBLASLt's writes are invisible to initcheck on Hopper, and
+    # tracking cuDNN under it ran past the step's time)
+    FASTTRAN_CUDA_ATTENTION=wmma timeout 70 $cs --tool initcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        -x tests/test_cuda.py -k "half_precision_outputs or awkward_fp32" >"$OUT/sanitize-initcheck.log" 2>&1
     echo "initcheck: exit $?; $(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitize-initcheck.log" | tail -1); $(grep -m1 'ERROR SUMMARY' "$OUT/sanitize-initcheck.log")"
 }
 
@@ -242,7 +263,8 @@ case "${1:-all}" in
           cp benchmarks/last_train_attention.json "$OUT/" 2>/dev/null || true ;;
     table1) phase_table1 ;;
     cudnn) phase_cudnn ;;
+    residual) phase_residual ;;
     lease) phase_lease ;;
     all) phase_build && phase_test && phase_sanitize ;;
-    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|cudnn|lease|all" >&2; exit 2 ;;
+    *) echo "usage: $0 build|test|sanitize|bench [base|large]|optim|cache|topk|table1|cudnn|residual|lease|all" >&2; exit 2 ;;
 esac

@@ -7,7 +7,8 @@ probabilities recomputed in the backward (recompute_attention_probs), against Py
 
     python -m pytest benchmarks/test_gpu_topk.py -s          (bash .ci/gpu_session.sh topk)
 
-Step: batches of 32 x 128 tokens (every token real), dropout 0.1 in the layers and the head,
+Step: batches of 32 x 128 tokens (every token real), dropout 0.1 in the layers and the head
+(FASTTRAN_BENCH_DROPOUT),
 AdamW with clipping at 1.0; `FASTTRAN_BENCH_STEPS` steps per round (default 10), the rounds
 interleaved, the median round reported per step. Both sides start from the same weights and the
 layers' eval-mode outputs are checked to agree before anything is timed.
@@ -38,6 +39,9 @@ pytestmark = pytest.mark.skipif(not GPU and not (SMOKE and fasttran.cuda_availab
                                 reason=f"needs a real GPU (or FASTTRAN_BENCH_SMOKE=1 on the emulator): {WHY}")
 TDEV = "cuda" if GPU else "cpu"
 B, T = (4, 16) if SMOKE else (32, 128)
+# FASTTRAN_BENCH_DROPOUT (default 0.1) on both sides; 0 lets FASTTRAN_CUDA_ATTENTION=cudnn's training
+# path run (it takes no dropout)
+DROPOUT = float(os.environ.get("FASTTRAN_BENCH_DROPOUT", "0.1"))
 STEPS = int(os.environ.get("FASTTRAN_BENCH_STEPS", "2" if SMOKE else "10"))
 ROUNDS = int(os.environ.get("FASTTRAN_BENCH_ROUNDS", "2" if SMOKE else "5"))
 SMALL = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, intermediate_size=128)
@@ -66,7 +70,7 @@ def fasttran_setup(path, k, batches_of, tempo=None, batch=B, seq=T, precision="f
     """a CUDA Trainer prepared for steps, its cache of layer L - k, and device batches"""
     enc = fasttran.Encoder.from_pretrained(path, load_tokenizer=False)
     tr = fasttran.Trainer("classification", device="cuda", train_layers=k, optimizer="adamw", lr=5e-5,
-                          num_labels=2, layer_dropout=0.1, dropout=0.1, batch_size=batch, tempo=tempo,
+                          num_labels=2, layer_dropout=DROPOUT, dropout=DROPOUT, batch_size=batch, tempo=tempo,
                           max_grad_norm=1.0, show_progress=False, precision=precision)
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 20000, (batches_of * batch, seq))
@@ -81,13 +85,14 @@ def fasttran_setup(path, k, batches_of, tempo=None, batch=B, seq=T, precision="f
 
 def torch_layers(path, k):
     from transformers import BertModel
-    ref = BertModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).to(TDEV)   # fp32 master
+    ref = BertModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32, hidden_dropout_prob=DROPOUT,
+                                    attention_probs_dropout_prob=DROPOUT).to(TDEV)   # fp32 master
     L = ref.config.num_hidden_layers
     layers = torch.nn.ModuleList(ref.encoder.layer[L - k:]).train()
     lin = torch.nn.Linear(ref.config.hidden_size, 2).to(TDEV)
     params = list(layers.parameters()) + list(lin.parameters())
     opt = torch.optim.AdamW(params, lr=5e-5, weight_decay=0.01, fused=GPU)
-    return layers, lin, torch.nn.Dropout(0.1), opt, params
+    return layers, lin, torch.nn.Dropout(DROPOUT), opt, params
 
 
 def run_layers(layers, h):

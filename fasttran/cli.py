@@ -8,6 +8,9 @@ workflow (--model defaults to all-MiniLM-L6-v2, see fasttran.models):
   fasttran export   --checkpoint ck --output model-dir        # loads in transformers' AutoModelFor*
   fasttran encode   --input texts.tsv --output emb.npy       # sentence embeddings only
 
+all of it in one command on a task's files (GLUE, CoNLL-2003, SQuAD), keeping the best epoch:
+  fasttran finetune --task mrpc --data DIR [--train-layers 2]   # DIR/MRPC/ or DIR/glue/MRPC/ -> ./finetuned-mrpc
+
 tasks (--task on cache, train and evaluate; the cache remembers it):
   classification   one text, a class (TSV / JSONL; GLUE's SST-2 and CoLA files as GLUE ships them)
   pair             two texts, a class ([CLS] a [SEP] b [SEP]; GLUE's MRPC, RTE, QNLI, MNLI files)
@@ -45,20 +48,15 @@ import sys
 
 import numpy as np
 
-
-class _Fmt(argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default (when it has one)."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        d = action.default
-        if action.option_strings and d is not None and d is not False and d != argparse.SUPPRESS and "%(default)" not in h:
-            h += " (default: %(default)s)"
-        return h
-
-
-def _fail(msg):
-    sys.exit(f"fasttran: {msg}")
+from .cli_io import CLI_TASKS as _TASKS
+from .cli_io import Fmt as _Fmt
+from .cli_io import common_options as _common
+from .cli_io import encoder as _encoder
+from .cli_io import fail as _fail
+from .cli_io import inputs as _inputs
+from .cli_io import read_data as _read_data
+from .cli_io import squad_features as _squad_features
+from .cli_io import targets as _targets
 
 
 def read_examples(path, text_field=None, label_field="label", limit=None):
@@ -68,107 +66,8 @@ def read_examples(path, text_field=None, label_field="label", limit=None):
     return ex.texts, ex.labels
 
 
-#: --task -> (fasttran.readers task, Trainer task)
-def _cli_tasks():
-    from .heads import REGISTRY   # each head class names its --task values (Head.cli_tasks)
-    return {name: (reader, cls.task) for cls in REGISTRY for name, reader in cls.cli_tasks.items()}
-
-
-_TASKS = _cli_tasks()
-
-
-def _read_data(args, path, task, label_names=None, labelled=True):
-    """fasttran.readers.Examples of a data file for a --task (labelled: True = labels required, None =
-    if present, False = none read), errors as one line"""
-    from . import readers
-    from .errors import FastTranError
-    if not os.path.exists(path):
-        _fail(f"input file {path} not found")
-    rtask = _TASKS[task][0]
-    try:
-        if task == "token" or path.endswith((".conll", ".txt")):
-            if task != "token":
-                _fail(f"{path}: a CoNLL column file is for --task token")
-            ex = readers.read_conll(path, label_names=label_names, limit=args.limit)
-        elif path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8-sig") as f:
-                rows = []
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except ValueError as e:
-                        _fail(f"{path}:{n}: not JSON lines ({e}); SQuAD JSON files need --task qa / --head qa")
-                    if not isinstance(row, dict):
-                        _fail(f"{path}:{n}: expected a JSON object per line")
-                    rows.append(row)
-                    if args.limit and len(rows) >= args.limit:
-                        break
-            if not rows:
-                _fail(f"{path}: no examples")
-            tf = args.text_field or next((k for k in ("text", "sentence", "sentence1") if k in rows[0]), "text")
-            pf = args.pair_field or (next((k for k in ("text_pair", "sentence2") if k in rows[0]), None)
-                                     if task == "pair" else None)
-            lf = args.label_field if (labelled is not False and any(args.label_field in r for r in rows)) else None
-            ex = readers.from_records(rows, text=tf, text_pair=pf, label=lf,
-                                      task=None if rtask == "classification" else rtask, label_names=label_names,
-                                      source=path)
-        else:
-            ex = readers.read_glue_tsv(path, text=args.text_field, text_pair=args.pair_field,
-                                       label=args.label_field if args.text_field else None,
-                                       task=None if rtask == "classification" else rtask, label_names=label_names,
-                                       limit=args.limit)
-    except FastTranError as e:
-        _fail(str(e))
-    if labelled is False:
-        ex.labels = None
-    if labelled and ex.labels is None:
-        _fail(f"{path} has no labels (column/field {args.label_field!r})")
-    if ex.labels is not None and ex.task not in (rtask, None) and not (rtask == "classification" and ex.task is None):
-        hint = {"regression": "--task regression", "classification": "--task classification or pair",
-                "multilabel": "--task multi-label"}.get(ex.task, "")
-        _fail(f"{path}: its labels read as {ex.task} but --task is {task}" + (f" (use {hint})" if hint else ""))
-    if task == "pair" and ex.text_pairs is None:
-        _fail(f"{path}: --task pair needs two text columns (e.g. sentence1 / sentence2, or --text-field and "
-              "--pair-field)")
-    return ex
-
-
-def _inputs(enc, ex, max_length=None):
-    """(input_ids, attention_mask, token_type_ids, token labels or None) of Examples"""
-    if ex.words is not None:
-        tok = enc.tokenize_words(ex.words, ex.labels, max_length=max_length)
-        return tok.input_ids, tok.attention_mask, tok.token_type_ids, tok.labels
-    ids, mask, types = enc.tokenize(ex.texts, ex.text_pairs, max_length=max_length)
-    return ids, mask, types, None
-
-
-def _targets(ex, tok_labels):
-    return tok_labels if ex.words is not None else ex.labels
-
-
-def _encoder(args, device=None):
-    import fasttran
-    model = args.model or fasttran.models.minilm_path()
-    device = device or args.device or ("cuda:0" if fasttran.cuda_available() else "cpu")
-    return fasttran.Encoder.from_pretrained(model, device=device)
-
-
 # ---- QA files ----------------------------------------------------------------------------------
 _TASK_FILE = "fasttran-task.json"
-
-
-def _squad_features(args, enc, settings):
-    from .squad import SquadFeatures, load_squad
-    examples = load_squad(args.input)
-    if args.limit:
-        examples = examples[:args.limit]
-    if not examples:
-        _fail(f"{args.input} holds no questions")
-    feats = SquadFeatures(examples, enc.tokenizer, max_length=settings["max_length"],
-                          doc_stride=settings["doc_stride"])
-    return feats.with_answers() if settings["answers_only"] else feats
 
 
 def _task_settings(cache_dir):
@@ -528,27 +427,11 @@ def build_parser():
     from .trainer import DEFAULT_LR
     p = argparse.ArgumentParser(prog="fasttran", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_VersionAction, help="show the version and build, then exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate,export,compress}")
-
-    def common(sp, batch=64, data=True):
-        sp.add_argument("--model", default=None,
-                        help="checkpoint directory (config.json + model.safetensors), or a Hub id; default: "
-                             "all-MiniLM-L6-v2 (installed package or fasttran's model cache)")
-        sp.add_argument("--device", default=None, help="cpu or cuda:N (default: a GPU if usable, else cpu)")
-        if not data:
-            return
-        sp.add_argument("--input", required=True,
-                        help="JSONL, TSV (GLUE's files as they are) or CoNLL file of examples (QA: SQuAD JSON)")
-        sp.add_argument("--text-field", default=None, help="text field/column (default: found by name: text, "
-                        "sentence, sentence1, #1 String, question, ...)")
-        sp.add_argument("--pair-field", default=None, help="second text field/column of pairs (default: found by name)")
-        sp.add_argument("--label-field", default="label", help="label field/column (TSV: found by name when 'label')")
-        sp.add_argument("--limit", type=int, default=None, metavar="N", help="use the first N examples (QA: questions)")
-        sp.add_argument("--batch-size", type=int, default=batch, help="examples per batch")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{encode,cache,train,evaluate,export,compress,finetune}")
 
     tasks = list(_TASKS)
     e = sub.add_parser("encode", help="embed texts with a frozen encoder into .npy or .safetensors", formatter_class=_Fmt)
-    common(e)
+    _common(e)
     e.add_argument("--output", required=True, help="OUT.npy or OUT.safetensors")
     e.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="mean of the tokens, or the [CLS] row")
     e.add_argument("--layer", type=int, default=-1, help="layer to pool (-1: the last)")
@@ -557,7 +440,7 @@ def build_parser():
 
     c = sub.add_parser("cache", help="build a persistent activation cache directory (the encoder runs once)",
                        formatter_class=_Fmt)
-    common(c)
+    _common(c)
     c.add_argument("--output", required=True, help="cache directory")
     c.add_argument("--task", default="classification", choices=tasks + ["qa"],
                    help="what the file holds (see fasttran --help); qa: --input is SQuAD JSON, cut into question + "
@@ -577,7 +460,7 @@ def build_parser():
 
     lrs = ", ".join(f"{o}/{h} {v:g}" for (o, h), v in DEFAULT_LR.items())
     t = sub.add_parser("train", help="train a head from a cache; checkpoints to --output", formatter_class=_Fmt)
-    common(t, batch=32)
+    _common(t, batch=32)
     t.add_argument("--cache", required=True, help="cache directory of --input (fasttran cache)")
     t.add_argument("--output", required=True, help="checkpoint directory (written every epoch and on Ctrl-C)")
     t.add_argument("--task", default=None, choices=tasks,
@@ -616,7 +499,7 @@ def build_parser():
 
     v = sub.add_parser("evaluate", help="accuracy/F1 (QA: exact match/F1) of a trained head on a cache",
                        formatter_class=_Fmt)
-    common(v)
+    _common(v)
     v.add_argument("--cache", required=True, help="cache directory of --input")
     v.add_argument("--checkpoint", required=True, help="checkpoint directory (fasttran train --output)")
     v.add_argument("--task", default=None, choices=tasks, help="the task (default: the one the cache was built for)")
@@ -625,11 +508,13 @@ def build_parser():
 
     x = sub.add_parser("export", help="write a trained checkpoint as a model directory transformers (or "
                        "sentence-transformers) loads", formatter_class=_Fmt)
-    common(x, data=False)
+    _common(x, data=False)
     x.add_argument("--checkpoint", required=True, help="checkpoint directory (fasttran train --output)")
     x.add_argument("--output", required=True, help="model directory to write")
     x.set_defaults(func=cmd_export)
     _compress_parser(sub)
+    from .finetune_cli import add_parser as _finetune_parser
+    _finetune_parser(sub)
     return p
 
 

@@ -266,6 +266,7 @@ class Trainer:
         self._encoder = None         # the encoder the top layers come from (the cache's)
         self._resume_from = None     # a checkpoint's layers and optimizer state, for _build to put in place
         self.history = []            # one dict per finished epoch (train_loss, seconds, eval_* ...)
+        self.best_epoch = None       # fit(keep_best=...): the epoch whose weights were kept
         self.loss_curve = []         # (step, loss) of every step of this process's fit() calls
         self.features = None         # what the head was trained on: fingerprint, layer, positions, hidden
         self.global_step = 0
@@ -363,9 +364,13 @@ class Trainer:
 
     def cache_for(self, encoder, input_ids, attention_mask=None, token_type_ids=None, **cache_kwargs):
         """The ActivationCache top-layer training reads: every real token's state at layer
-        L - train_layers (positions='all'), built once, or reused from `disk_dir` when it holds it."""
+        L - train_layers (positions='all'), built once, or reused from `disk_dir` when it holds it.
+        With train_layers=0, the frozen encoder's last layer as the head reads it: every token for
+        token and span heads, else pooled with the Trainer's `pooling`."""
         if not self.train_layers:
-            raise InputError("cache_for() is for train_layers > 0; frozen-encoder heads take pooled features")
+            return ActivationCache.build(encoder, input_ids, attention_mask, token_type_ids,
+                                         positions="all" if self._head_class().takes_tokens else self.pooling,
+                                         **cache_kwargs)
         L = encoder.num_layers
         if self.train_layers > L:
             raise InputError(f"train_layers={self.train_layers} but the encoder has {L} layers")
@@ -508,7 +513,7 @@ class Trainer:
 
     # ---- training -------------------------------------------------------------------------------
     def fit(self, cache, targets, eval=None, checkpoint_dir=None, resume=False, stop_at_step=None,
-            checkpoint_every=None):
+            checkpoint_every=None, keep_best=False):
         """Train for `epochs` over `cache` (targets in the cache's example order: class labels,
         scores, 0/1 label columns, token labels, or (starts, ends) for QA -- what the head takes).
         `eval`: (cache, targets) evaluated after every epoch ((cache, squad_features) for QA). With
@@ -516,16 +521,29 @@ class Trainer:
         continues from it exactly (at any number of processes); `checkpoint_every=n` also saves
         every n steps (a killed job loses at most n steps). `stop_at_step` stops like Ctrl-C once
         that many steps are done (the schedule stays the full run's). Progress: one bar per epoch, left on screen with its
-        loss, accuracy and eval metric. Returns the history (one dict per epoch, also `self.history`)."""
+        loss, accuracy and eval metric. `keep_best` (with `eval`): True (the head's main metric:
+        accuracy, Pearson, entity F1, exact match ...) or the name of an eval metric ("f1",
+        "matthews_corrcoef", "loss" ...; loss and mse: lower is better): after the last epoch the
+        weights (head and trained layers) of the epoch that scored best go back in place (ties keep
+        the earlier epoch; an interrupted run keeps its last weights), `best_epoch` says which, and
+        the checkpoint is written again with them; the optimizer state stays the last epoch's.
+        Returns the history (one dict per epoch, also `self.history`)."""
         if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(
                 checkpoint_every, (int, np.integer)) or checkpoint_every < 1 or not checkpoint_dir):
             raise InputError(f"checkpoint_every must be a positive int of steps, with checkpoint_dir; got "
                              f"{checkpoint_every!r}")
+        if keep_best is not False and keep_best is not None and not (keep_best is True or isinstance(keep_best, str)):
+            raise InputError(f"keep_best must be True, False or the name of an eval metric, got {keep_best!r}")
+        if keep_best and eval is None:
+            raise InputError("keep_best needs eval=(cache, targets): the best epoch is the one scoring best on it")
         prep = self._prepare(cache, targets)
         if eval is not None:
             if not (isinstance(eval, (tuple, list)) and len(eval) == 2):
                 raise InputError("eval must be a pair (cache, targets), or (cache, squad_features) for QA")
             self._check_source(eval[0], "eval features")
+        best_metric = (self.head.main_metric if keep_best is True else keep_best) if keep_best else None
+        best = None   # (epoch, value, weights) of the best epoch so far
+        self.best_epoch = None
         if resume:
             if checkpoint_dir is None:
                 raise InputError("resume=True needs checkpoint_dir")
@@ -615,6 +633,10 @@ class Trainer:
                 bar.set_postfix(self._postfix(loss_sum, right, counted, seen, rec), refresh=False)
                 bar.close()   # leaves the epoch's line: steps, time, loss, accuracy, eval metric
                 self.history.append(rec)
+                if best_metric is not None:
+                    value = self._metric_of(rec, best_metric)
+                    if best is None or _better(best_metric, value, best[1]):
+                        best = (epoch + 1, value, self._weights())
                 if checkpoint_dir:
                     self.save(checkpoint_dir)
                 first_batch = 0
@@ -622,7 +644,34 @@ class Trainer:
             stack.close()
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
+        if best is not None and not self._interrupt:
+            self.best_epoch = best[0]
+            if best[0] != self.history[-1]["epoch"]:
+                self._set_weights(best[2])
+                if checkpoint_dir:
+                    self.save(checkpoint_dir)
         return self.history
+
+    @staticmethod
+    def _metric_of(rec, metric):
+        key = f"eval_{metric}"
+        if key not in rec:
+            have = sorted(k[5:] for k, v in rec.items() if k.startswith("eval_") and k != "eval_seconds"
+                          and isinstance(v, (int, float)))
+            raise InputError(f"keep_best={metric!r}: the evaluation gives no such metric; it gives {have}")
+        return float(rec[key])
+
+    def _weights(self):
+        """a copy of the trained weights: the head's, and the top layers' (train_layers > 0)"""
+        layers = None if self.top is None else {n: np.array(t, dtype=np.float32, copy=True)
+                                                for n, t in self.top.named_parameters()}
+        return self.head.state_dict(), layers
+
+    def _set_weights(self, weights):
+        head, layers = weights
+        self.head.load_state_dict(head)
+        if layers is not None:
+            self.top.load_state(layers, "the best epoch's layers")
 
     # ---- many steps per C call --------------------------------------------------------------------
     def _c_loop_refusal(self, cache):
@@ -1109,6 +1158,19 @@ class Trainer:
                                         for v in r.values()) + "</tr>" for r in self.history)
         head = "".join(f"<th>{html.escape(k)}</th>" for k in (self.history[0] if self.history else {}))
         return f"<b>{html.escape(repr(self))}</b><table><tr>{head}</tr>{rows}</table>"
+
+
+#: eval metrics where lower is better (keep_best); every other metric: higher is better
+_LOWER_IS_BETTER = ("loss", "mse")
+
+
+def _better(metric, value, than):
+    """`value` of an eval metric beats `than` (NaN never does; anything beats NaN)"""
+    if math.isnan(value):
+        return False
+    if math.isnan(than):
+        return True
+    return value < than if metric in _LOWER_IS_BETTER else value > than
 
 
 def rows_of_lengths(cache):

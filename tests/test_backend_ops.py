@@ -1435,3 +1435,109 @@ def test_cuda_refuses_sign_matching():
     args = dict(CASES["attention_heads_forward"])[ident](np.random.default_rng(0))
     with pytest.raises(AssertionError, match="sign-matching attention, which runs on the CPU only"):
         run_case(Backend(0), "attention_heads_forward", args)
+
+
+# ---- LAMB on CUDA in groups of tensors (cuda/optim.cu) ---------------------------------------------
+# sizes: past a chunk (16384) and several chunks, one element, all-zero weights (trust ratio 1)
+LAMB_SIZES = [7, 16385, 3, 100, 40000, 1, 16384 * 2 + 5, 64, 129]
+LAMB_ZERO = 3   # this tensor starts at zero
+FT_F16, FT_BF16 = 1, 2   # ft_dtype
+
+
+def lamb_sits_out(step, i):   # steps 2 and 3: a third of the tensors have no gradient
+    return step in (2, 3) and i % 3 == 1
+
+
+def lamb_steps(be, clip, copy, steps=5, sizes=LAMB_SIZES):
+    """`steps` LAMB steps through backend `be`'s optim_step over persistent buffers: two parameter
+    groups (the second without weight decay or bias correction), decay on or off per tensor, per-tensor
+    update counts, some tensors sitting two steps out (the table changes, then stays for a step). Returns the final weights,
+    moments and copies and, per step, (grad_norm, clip_scale, kernel_launches, tensors in the step)."""
+    rng = np.random.default_rng(11)
+    host = []
+    for i, n in enumerate(sizes):
+        p = np.zeros(n, np.float32) if i == LAMB_ZERO else f32(rng, n)
+        host.append((p, f32(rng, n, scale=0.01), np.abs(f32(rng, n, scale=0.01))))
+    try:
+        return _lamb_steps(be, clip, copy, steps, sizes, rng, host)
+    finally:
+        be.free_all()
+
+
+def _lamb_steps(be, clip, copy, steps, sizes, rng, host):
+    bufs = [tuple(be.upload(a) for a in h) for h in host]
+    grad = [be.alloc(4 * n) for n in sizes]
+    cbuf = [be.upload(np.zeros(n, np.uint16)) if copy else None for n in sizes]
+    groups = (OptimGroup * 2)(OptimGroup(1e-2, 0.9, 0.999, 1e-6, 0.01, 1), OptimGroup(3e-3, 0.8, 0.99, 1e-8, 0.0, 0))
+    cfg = OptimConfig(kind=1, groups=groups, num_groups=2, max_grad_norm=clip, check_finite=int(clip > 0))
+    counts = [2 + i % 3 for i in range(len(sizes))]
+    infos = []
+    for s in range(steps):
+        active = [i for i in range(len(sizes)) if not lamb_sits_out(s, i)]
+        arr = (OptimTensor * len(active))()
+        for j, i in enumerate(active):
+            g = f32(rng, sizes[i], scale=0.5 + i)
+            be.check(be.fn["upload"](be.addr, grad[i], g.ctypes.data, g.nbytes), "upload")
+            counts[i] += 1
+            p, m, v = bufs[i]
+            arr[j] = OptimTensor(p, grad[i], m, v, cbuf[i], FT_BF16 if copy == "bf16" else FT_F16, sizes[i],
+                                 counts[i], i % 2, int(i % 3 != 2))
+        info = OptimInfo()
+        be.check(be.fn["optim_step"](be.addr, ctypes.addressof(cfg), arr, len(active), ctypes.byref(info)),
+                 "optim_step")
+        infos.append((info.grad_norm, info.clip_scale, info.kernel_launches, len(active)))
+    be.sync()
+    out = {f"{what}{i}": be.download(b, (n,), np.float32)
+           for i, (n, bb) in enumerate(zip(sizes, bufs)) for what, b in zip("pmv", bb)}
+    if copy:
+        out.update({f"c{i}": be.download(b, (n,), np.uint16) for i, (n, b) in enumerate(zip(sizes, cbuf))})
+    return out, infos
+
+
+@cuda
+@pytest.mark.parametrize("clip,copy", [(0.0, None), (1.0, "bf16"), (50.0, "f16")])
+def test_cuda_lamb_in_groups_is_bit_for_bit_one_pass(monkeypatch, clip, copy):
+    """LAMB on CUDA cut into groups of tensors (launch q: apply of group q - 1 + moments of group
+    q): any group size gives the same bits -- a tensor per group, tensors larger than a group, a
+    few tensors per group, all in one -- with groups + 1 launches, and matches the CPU's LAMB."""
+    be = Backend(0)
+    nbytes = [n * (16 + (2 if copy else 0)) for n in LAMB_SIZES]
+    runs = {}
+    for gb in (None, 1, 16 * 20000, 16 * 70000):
+        if gb is None:
+            monkeypatch.delenv("FASTTRAN_CUDA_OPT_GROUP_BYTES", raising=False)
+        else:
+            monkeypatch.setenv("FASTTRAN_CUDA_OPT_GROUP_BYTES", str(gb))
+        runs[gb] = lamb_steps(be, clip, copy)
+        for s, (_, _, launches, count) in enumerate(runs[gb][1] if gb else []):   # default: the device's L2
+            active = [b for i, b in enumerate(nbytes) if not lamb_sits_out(s, i)]
+            groups, acc = 0, 0   # the greedy cut: whole tensors, at most gb bytes unless a tensor alone is more
+            for b in active:
+                if acc and acc + b > gb:
+                    acc = 0
+                if not acc:
+                    groups += 1
+                acc += b
+            assert launches == groups + 1 + (2 if clip else 0), (gb, s, launches, groups)
+    assert runs[1][1][0][2] == len(LAMB_SIZES) + 1 + (2 if clip else 0)   # a group per tensor
+    base_out, base_info = runs[None]
+    for gb, (out, info) in runs.items():
+        assert np.array_equal([x[:2] for x in info], [x[:2] for x in base_info], equal_nan=True), gb
+        for k in base_out:
+            assert np.array_equal(out[k].view(np.uint8), base_out[k].view(np.uint8)), (gb, k)
+    ref, ref_info = lamb_steps(Backend(-1), clip, copy)
+    for k in ref:
+        if k.startswith("c"):   # the half copy of a weight within float32 rounding of the CPU's
+            assert np.mean(base_out[k] != ref[k]) < 0.01, k
+        else:
+            assert np.allclose(base_out[k], ref[k], rtol=2e-5, atol=2e-6), k
+    for (gn, cs, _, _), (rgn, rcs, _, _) in zip(base_info, ref_info):
+        assert (np.isnan(gn) and np.isnan(rgn)) or abs(gn - rgn) <= 1e-5 * rgn
+        assert abs(cs - rcs) <= 1e-5
+
+
+@cuda
+def test_cuda_lamb_group_size_knob_is_checked(monkeypatch):
+    monkeypatch.setenv("FASTTRAN_CUDA_OPT_GROUP_BYTES", "lots")
+    with pytest.raises(AssertionError, match="FASTTRAN_CUDA_OPT_GROUP_BYTES=lots is not a positive number"):
+        lamb_steps(Backend(0), 0.0, None, steps=1, sizes=[5])

@@ -256,3 +256,23 @@ def test_text_bars_in_a_kernel_without_ipywidgets(monkeypatch):
         list(bar)
     assert _progress.bar_class().__module__ == "tqdm.std"
     monkeypatch.setattr(_progress, "_CLS", None)
+
+
+def test_cache_for_a_frozen_encoder_builds_what_the_head_reads(enc, sst):
+    """train_layers=0: cache_for gives the last layer pooled as the Trainer pools (mean or cls), or
+    every token for a token head -- the same features ActivationCache.build gives -- and fit runs
+    on it"""
+    ids, mask, types = (a[:24] for a in sst[:3])
+    for task, kw, positions in (("classification", {}, "mean"), ("classification", {"pooling": "cls"}, "cls"),
+                                ("token-classification", {"num_labels": 2}, "all")):
+        tr = Trainer(task, show_progress=False, epochs=1, **kw)
+        c = tr.cache_for(enc, ids, mask, types, show_progress=False)
+        want = ActivationCache.build(enc, ids, mask, types, positions=positions, show_progress=False)
+        assert c.positions == positions and c.layer == want.layer == enc.num_layers
+        every = np.arange(len(c))
+        got, ref = (c.get(every, ragged=True)[0], want.get(every, ragged=True)[0]) if positions == "all" else \
+            (c.get(every), want.get(every))
+        assert np.array_equal(np.asarray(got), np.asarray(ref))
+        y = [np.arange(n) % 2 for n in c.lengths] if positions == "all" else sst[3][:24]
+        tr.fit(c, y)
+        assert len(tr.history) == 1

@@ -1,0 +1,334 @@
+"""Time to accuracy: what a user gets at convergence, and how fast, against transformers' Trainer
+fine-tuning every layer of the same checkpoint on the same machine and threads.
+
+    python benchmarks/time_to_accuracy.py [--tasks mrpc stsb cola sst2 conll squad] [--seeds 0 1 2]
+        [--ref-lrs 2e-5 5e-5 1e-4] [--ks 0 1 2 3 6] [--epochs 3] [--threads 2] [--train-limit N]
+        [--dev-limit N] [--no-reference] [--json benchmarks/last_time_to_accuracy.json]
+        [--plot benchmarks/time_to_accuracy.png]
+
+Tasks (from $FASTTRAN_DATA, default ../shared/data; all-MiniLM-L6-v2), data and metrics as in
+benchmarks/tasks.py, plus SST-2 (accuracy): MRPC F1, STS-B Pearson, CoLA Matthews, SST-2 accuracy,
+CoNLL-2003 entity F1 (valid.txt), SQuAD F1 (FastTran's small split: the first 3,433 answer windows
+of the training subset; the first 1,000 dev questions). Scores are x 100.
+
+The reference: transformers' `Trainer` fine-tuning every layer, the standard recipe -- AdamW, each
+learning rate of --ref-lrs, --epochs epochs, batch 32, 10% linear warm-up then linear decay, weight
+decay 0.01, dynamic padding -- with AutoModelFor{SequenceClassification, TokenClassification,
+QuestionAnswering}. Its best lr is the one with the best mean (over seeds) of its best epoch.
+
+fasttran: `Trainer(task, train_layers=k)` at its defaults (what a user gets without choosing
+anything) for --epochs epochs, k in --ks (0: the frozen encoder and a head; 6: every layer of
+MiniLM), its cache of layer L - k built once per k and counted in every seed's time.
+
+Every run records the dev score after each epoch and the wall time to that point: training only,
+evaluation time taken out, the cache build included for fasttran, tokenisation excluded for both
+(the same token ids feed both). Summary per task: the reference's best score; for each fasttran k
+the best score and the time to reach the reference's best minus one point (mean over the seeds
+that reach it; `None` when none does), and that time against the reference's own. Writes the JSON
+after every run and a plot of score against time (matplotlib) at the end."""
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tasks as task_data  # noqa: E402  (benchmarks/tasks.py: the data loading)
+from torch_topk import engines, out_path  # noqa: E402
+
+task_data.TASKS.setdefault("sst2", ("classification", "accuracy", "sst2"))
+ALL = ("mrpc", "stsb", "cola", "sst2", "conll", "squad")
+
+
+def x100(task, v):
+    return float(v) if task == "squad" else 100.0 * float(v)   # squad_metrics already in percent
+
+
+# ---- the reference: transformers' Trainer over every layer -----------------------------------------
+class _Rows:
+    """the same token ids as fasttran's, unpadded (the collator pads per batch)"""
+
+    def __init__(self, inputs, targets, kind):
+        ids, mask, types = (np.asarray(a) for a in inputs)
+        n = mask.sum(1)
+        self.rows = []
+        for i in range(len(ids)):
+            r = {"input_ids": ids[i, :n[i]], "attention_mask": mask[i, :n[i]], "token_type_ids": types[i, :n[i]]}
+            if kind == "qa" and targets is not None:
+                r["start_positions"], r["end_positions"] = int(targets[0][i]), int(targets[1][i])
+            elif kind == "token":
+                r["labels"] = np.asarray(targets[i])[:n[i]]
+            elif targets is not None:
+                r["labels"] = targets[i]
+            self.rows.append(r)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _collate(rows):
+    import torch
+    T = max(len(r["input_ids"]) for r in rows)
+    out = {}
+    for k in rows[0]:
+        if np.ndim(rows[0][k]) == 0:
+            v = np.asarray([r[k] for r in rows])
+            out[k] = torch.tensor(v, dtype=torch.float32 if v.dtype.kind == "f" else torch.long)
+            continue
+        fill = -100 if k == "labels" else 0
+        out[k] = torch.tensor(np.stack([np.pad(np.asarray(r[k]), (0, T - len(r[k])), constant_values=fill)
+                                        for r in rows]), dtype=torch.long)
+    return out
+
+
+def _logits(model, dev, kind, batch=128):
+    import torch
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for i in range(0, len(dev), batch):
+            b = _collate(dev.rows[i:i + batch])
+            b = {k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+            o = model(**b)
+            if kind == "qa":
+                outs += [np.stack([s, e]) for s, e in zip(o.start_logits.numpy(), o.end_logits.numpy())]
+            else:
+                outs += list(o.logits.numpy())
+    model.train()
+    return outs
+
+
+def score_reference(task, kind, outs, dev, ydev, names):
+    from fasttran import metrics
+    from fasttran.squad import squad_metrics
+    main = task_data.TASKS[task][1]
+    if kind == "qa":
+        lg = []
+        for f, o in enumerate(outs):
+            o = o.copy()
+            n = min(o.shape[1], ydev.offsets.shape[1])
+            o[:, :n][:, ydev.offsets[f, :n, 0] < 0] = -np.inf   # answers only inside the context
+            o[:, n:] = -np.inf
+            lg.append(o)
+        return x100(task, squad_metrics(ydev.postprocess(lg), ydev.examples)[main])
+    if kind == "token":
+        true, pred = [], []
+        for r, o in zip(dev.rows, outs):
+            keep = np.asarray(r["labels"]) >= 0
+            true.append([names[t] for t in np.asarray(r["labels"])[keep]])
+            pred.append([names[t] for t in o[:len(keep)][keep].argmax(-1)])
+        return x100(task, metrics.entity_scores(true, pred)[main])
+    y = np.asarray(ydev)
+    p = np.stack(outs)
+    p = p[:, 0] if kind == "regression" else p.argmax(-1)
+    return x100(task, metrics.glue_metrics(task, y, p)[main])
+
+
+def run_reference(task, path, train, dev, ydev, names, lr, seed, args):
+    """[(seconds, score) after each epoch] of transformers' Trainer over every layer"""
+    import torch
+    import transformers as tf
+    kind = {"classification": "cls", "regression": "regression", "token-classification": "token", "qa": "qa"}[
+        task_data.TASKS[task][0]]
+    tf.set_seed(seed)
+    if kind == "qa":
+        model = tf.AutoModelForQuestionAnswering.from_pretrained(path)
+    elif kind == "token":
+        model = tf.AutoModelForTokenClassification.from_pretrained(path, num_labels=len(names))
+    else:
+        model = tf.AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1 if kind == "regression" else len(names),
+            problem_type="regression" if kind == "regression" else "single_label_classification")
+    steps = -(-len(train) // 32) * args.epochs
+    curve, clock = [], {"eval": 0.0}
+
+    class Epochs(tf.TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            clock["t0"] = time.perf_counter()
+
+        def on_epoch_end(self, a, state, control, model=None, **kw):
+            t1 = time.perf_counter()
+            trained = t1 - clock["t0"] - clock["eval"]   # the earlier epochs' evaluations taken out
+            curve.append((trained, score_reference(task, kind, _logits(model, dev, kind), dev, ydev, names)))
+            clock["eval"] += time.perf_counter() - t1
+
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = tf.TrainingArguments(
+            output_dir=tmp, learning_rate=lr, num_train_epochs=args.epochs, per_device_train_batch_size=32,
+            warmup_steps=int(0.1 * steps), weight_decay=0.01, lr_scheduler_type="linear", eval_strategy="no",
+            save_strategy="no", logging_strategy="no", report_to=[], seed=seed, use_cpu=True, disable_tqdm=True,
+            dataloader_num_workers=0)
+        torch.set_num_threads(args.threads)
+        tf.Trainer(model=model, args=targs, train_dataset=train, data_collator=_collate,
+                   callbacks=[Epochs()]).train()
+    return curve
+
+
+# ---- fasttran ------------------------------------------------------------------------------------
+def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
+    """(cache build seconds, {seed: [(seconds, score) after each epoch]}) for train_layers=k"""
+    import fasttran
+    head_task, main, _ = task_data.TASKS[task]
+    kw = dict(epochs=args.epochs, train_layers=k, show_progress=False)
+    if names is not None and head_task not in ("regression", "qa"):
+        kw["label_names"] = names
+    proto = fasttran.Trainer(head_task, seed=0, **kw)
+
+    t0 = time.perf_counter()
+    cache = proto.cache_for(enc, *tr_in, show_progress=False)   # k = 0: the frozen encoder's features
+    build = time.perf_counter() - t0
+    dev = proto.cache_for(enc, *dv_in, show_progress=False)   # evaluation: not counted
+    curves = {}
+    for seed in seeds:
+        t = fasttran.Trainer(head_task, seed=seed, **kw)
+        hist = t.fit(cache, y, eval=(dev, ydev))
+        evals = np.cumsum([0.0] + [h.get("eval_seconds", 0.0) for h in hist[:-1]])   # earlier epochs' evaluations
+        curves[seed] = [(build + h["seconds"] - e, x100(task, h["eval_" + main])) for h, e in zip(hist, evals)]
+    return build, curves
+
+
+# ---- the summary ---------------------------------------------------------------------------------
+def first_time(curve, target):
+    return next((s for s, v in curve if v >= target), None)
+
+
+def summarize(row):
+    ref = {lr: c for lr, c in row.get("reference", {}).items() if c}   # learning rates with finished runs
+    out = {}
+    if ref:
+        best_lr = max(ref, key=lambda lr: np.mean([max(v for _, v in c) for c in ref[lr].values()]))
+        rbest = float(np.mean([max(v for _, v in c) for c in ref[best_lr].values()]))
+        target = rbest - 1.0
+        rt = [first_time(c, target) for c in ref[best_lr].values()]
+        rt = [t for t in rt if t is not None]
+        out.update(reference_best_lr=float(best_lr), reference_best=rbest, target=target,
+                   reference_time_to_target=float(np.mean(rt)) if rt else None)
+    for k, (build, curves) in row["fasttran"].items():
+        best = float(np.mean([max(v for _, v in c) for c in curves.values()]))
+        d = {"best": best, "cache_build_s": build, "total_s": float(np.mean([c[-1][0] for c in curves.values()]))}
+        if ref:
+            ts = [first_time(c, out["target"]) for c in curves.values()]
+            reached = [t for t in ts if t is not None]
+            d["seeds_reaching_target"] = len(reached)
+            d["time_to_target"] = float(np.mean(reached)) if reached else None
+            if reached and out["reference_time_to_target"]:
+                d["speedup_to_target"] = out["reference_time_to_target"] / d["time_to_target"]
+            d["gap_to_reference"] = best - out["reference_best"]
+        out[f"k={k}"] = d
+    return out
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        s = row["summary"]
+        if row.get("reference"):
+            lr = str(s["reference_best_lr"]) if str(s["reference_best_lr"]) in row["reference"] else \
+                next(iter(row["reference"]))
+            for c in row["reference"][lr].values():
+                ax.plot(*zip(*c), "k.-", alpha=0.6, label=f"transformers Trainer, all layers, lr {lr}")
+            ax.axhline(s["target"], color="k", lw=0.6, ls=":")
+        for i, (k, (_, curves)) in enumerate(row["fasttran"].items()):
+            for j, c in enumerate(curves.values()):
+                ax.plot(*zip(*c), ".-", color=f"C{i}", alpha=0.7, label=f"fasttran k={k}" if j == 0 else None)
+        ax.set_xscale("log")
+        ax.set_title(f"{row['task']} ({row['metric']} x 100)")
+        ax.set_xlabel("seconds (training, cache build included)")
+        h, lab = ax.get_legend_handles_labels()
+        uniq = dict(zip(lab, h))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", nargs="*", default=list(ALL), choices=list(ALL))
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    ap.add_argument("--ref-lrs", type=float, nargs="*", default=[2e-5, 5e-5, 1e-4])
+    ap.add_argument("--ks", type=int, nargs="*", default=None, help="layers fasttran trains (default 0 1 2 L/2 L)")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--train-limit", type=int, default=None, help="the first N training examples of each task")
+    ap.add_argument("--dev-limit", type=int, default=None, help="the first N dev examples (not SQuAD's questions)")
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--json", default=out_path("last_time_to_accuracy.json"))
+    ap.add_argument("--plot", default=out_path("time_to_accuracy.png"))
+    args = ap.parse_args()
+    import fasttran
+    import torch
+    import transformers
+    path, enc = engines(args.threads)
+    L = enc.num_layers
+    ks = args.ks if args.ks is not None else sorted({0, 1, 2, L // 2, L})
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "threads": args.threads, "epochs": args.epochs, "seeds": args.seeds,
+            "ref_lrs": args.ref_lrs, "ks": ks, "torch": torch.__version__, "transformers": transformers.__version__,
+            "fasttran": fasttran.__version__, "command": " ".join(sys.argv)}
+    rows = []
+    for task in args.tasks:
+        tr_in, y, dv_in, ydev, names = task_data.load(task, enc, args.train_limit)
+        if args.dev_limit and task != "squad":
+            dv_in = tuple(np.asarray(a)[:args.dev_limit] for a in dv_in)
+            ydev = ydev[:args.dev_limit]
+        row = {"task": task, "metric": task_data.TASKS[task][1], "train": len(tr_in[0]), "dev": len(dv_in[0]),
+               "load_avg_before": os.getloadavg(), "fasttran": {}, "reference": {}}
+        rows.append(row)
+        kind = task_data.TASKS[task][0]
+        for k in ks:
+            build, curves = run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, args.seeds, args)
+            row["fasttran"][k] = (build, curves)
+            print(f"{task} fasttran k={k}: cache {build:.1f} s; " + "; ".join(
+                f"seed {s}: " + " ".join(f"{v:.1f}@{t:.0f}s" for t, v in c) for s, c in curves.items()), flush=True)
+            _save(args.json, meta, rows)
+        if not args.no_reference:
+            tkind = {"classification": "cls", "regression": "regression", "token-classification": "token",
+                     "qa": "qa"}[kind]
+            train = _Rows(tr_in, y, tkind)
+            dev = _Rows(dv_in, None if tkind == "qa" else ydev, tkind)
+            for lr in args.ref_lrs:
+                row["reference"][str(lr)] = {}
+                for seed in args.seeds:
+                    c = run_reference(task, path, train, dev, ydev, names, lr, seed, args)
+                    row["reference"][str(lr)][seed] = c
+                    print(f"{task} transformers lr {lr:g} seed {seed}: " + " ".join(f"{v:.1f}@{t:.0f}s" for t, v in c),
+                          flush=True)
+                    _save(args.json, meta, rows)
+        row["load_avg_after"] = os.getloadavg()
+        _save(args.json, meta, rows)
+    print("\n| task | reference best (lr) | its time to best - 1 | fasttran k: best, time to best - 1, speed-up |")
+    print("|---|---|---|---|")
+    for r in rows:
+        s = r["summary"]
+        ref = (f"{s['reference_best']:.1f} ({s['reference_best_lr']:g}) | "
+               f"{s['reference_time_to_target'] or float('nan'):.0f} s") if "reference_best" in s else "- | -"
+        fast = "; ".join(f"{k}: {d['best']:.1f}, " + (f"{d['time_to_target']:.0f} s, {d.get('speedup_to_target', 0):.1f}x"
+                                                      if d.get("time_to_target") else "not reached")
+                         for k, d in s.items() if k.startswith("k="))
+        print(f"| {r['task']} | {ref} | {fast} |")
+    if args.plot:
+        plot(rows, args.plot)
+        print("plot:", args.plot)
+
+
+def _save(path, meta, rows):
+    for r in rows:
+        r["summary"] = summarize(r)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()
