@@ -122,6 +122,24 @@ def test_c_loop_equals_the_python_loop(case, device, caches, targets, monkeypatc
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["linear", "token"])
+def test_many_calls_per_epoch(case, device, caches, targets, monkeypatch):
+    """calls of a few batches each (read ahead on the CPU), stop_at_step and checkpoints between"""
+    import fasttran.trainer as trainer_module
+    task, source, _ = CASES[case]
+    cache, y = caches[source], targets[task]
+    monkeypatch.setattr(trainer_module, "_C_LOOP_CHUNK_BYTES", 2 * 16 * 4 * cache.hidden)
+    monkeypatch.setattr(trainer_module, "_C_LOOP_STEPS", 3)
+    py = _trainer(case, device, True)
+    py.fit(cache, y, stop_at_step=14)
+    py.fit(cache, y)
+    c = _trainer(case, device, False)
+    c.fit(cache, y, stop_at_step=14)
+    c.fit(cache, y)
+    assert_same(c, py)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_env_var_forces_the_python_loop(caches, targets, monkeypatch, device):
     calls = _spy(monkeypatch)
     monkeypatch.setenv("FASTTRAN_PY_LOOP", "1")
