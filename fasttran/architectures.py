@@ -54,7 +54,11 @@ class Architecture:
     fixed: dict = dataclasses.field(default_factory=dict)         # values the config cannot change
     layer_prefix: str = _TABLE_LAYER      # the checkpoint's "encoder.layer." for layer tensors
     names: dict = dataclasses.field(default_factory=dict)         # fasttran's name -> the checkpoint's
-    prefixes: tuple = ("",)               # what wrappers put before the names ("bert." ...): detected
+    prefixes: tuple = ("",)               # what wrappers put before the names ("bert." ...): detected;
+                                          # the first is what the architecture's *For* classes put
+    #: export: {layout: {BertFor*'s tensor name: this architecture's}} where the head's tensors are named
+    #: otherwise, or {layout: why no class of this architecture holds fasttran's head}
+    heads: dict = dataclasses.field(default_factory=dict)
 
     def unsupported(self):
         """Why the C encoder cannot run this architecture ([] when it can)."""
@@ -97,6 +101,24 @@ class Architecture:
     def layer_index_pattern(self, prefix):
         return re.compile(re.escape(prefix + self.layer_prefix) + r"(\d+)\.")
 
+    # ---- export --------------------------------------------------------------------------------
+    def export_class(self, layout, bert_class, bert_names):
+        """(the architecture's class, {its tensor name: head tensor name}) for a head that exports as
+        BERT's `bert_class` with `bert_names`; None, with the reason, where it has no such class."""
+        how = self.heads.get(layout, {})
+        if isinstance(how, str):
+            return None, how
+        wrapper = self.prefixes[0]
+        names = {}
+        for hf, ours in bert_names.items():
+            hf = how.get(hf, hf)
+            names[wrapper + hf[len("bert."):] if hf.startswith("bert.") else hf] = ours
+        return self.hf_class[:-len("Model")] + bert_class[len("Bert"):], names
+
+    def exported_name(self, name):
+        """fasttran's encoder tensor `name` in the architecture's *For* classes"""
+        return self.prefixes[0] + self.checkpoint_name(name)
+
     # ---- config --------------------------------------------------------------------------------
     def config_value(self, cfg, key):
         if key in self.fixed:
@@ -111,7 +133,12 @@ class Architecture:
 
 
 _ROBERTA = dict(position_ids="after_padding", token_types="zero", prefixes=("roberta.", ""),
-                defaults={"pad_token_id": 1})
+                defaults={"pad_token_id": 1},
+                # RobertaClassificationHead: dense + tanh + out_proj on the first token = fasttran's pooler head
+                heads={"sequence-classification": {"bert.pooler.dense.weight": "classifier.dense.weight",
+                                                   "bert.pooler.dense.bias": "classifier.dense.bias",
+                                                   "classifier.weight": "classifier.out_proj.weight",
+                                                   "classifier.bias": "classifier.out_proj.bias"}})
 
 #: every architecture fasttran knows, supported or refused (with its reason)
 ARCHITECTURES = (
@@ -125,6 +152,10 @@ ARCHITECTURES = (
                               "intermediate_size": "hidden_dim", "hidden_act": "activation"},
                  defaults={"num_hidden_layers": 6}, fixed={"layer_norm_eps": 1e-12, "type_vocab_size": 0},
                  layer_prefix="transformer.layer.", prefixes=("distilbert.", ""),
+                 heads={"sequence-classification": "DistilBertForSequenceClassification's pre_classifier is followed by "
+                                                   "ReLU, fasttran's pooler by tanh",
+                        "multiple-choice": "DistilBertForMultipleChoice's pre_classifier is followed by ReLU, fasttran's "
+                                           "pooler by tanh"},
                  names={"attention.self.query.weight": "attention.q_lin.weight",
                         "attention.self.query.bias": "attention.q_lin.bias",
                         "attention.self.key.weight": "attention.k_lin.weight",
@@ -141,7 +172,11 @@ ARCHITECTURES = (
                         "output.LayerNorm.bias": "output_layer_norm.bias"}),
     Architecture("electra", ("electra",), "ElectraModel", embedding_projection=True, pooler=False,
                  defaults={"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024,
-                           "embedding_size": 128}, prefixes=("electra.", "")),
+                           "embedding_size": 128}, prefixes=("electra.", ""),
+                 heads={"sequence-classification": "ElectraClassificationHead's dense layer is followed by GELU, "
+                                                   "fasttran's pooler by tanh",
+                        "multiple-choice": "ElectraForMultipleChoice's summary layer is followed by GELU, fasttran's "
+                                           "pooler by tanh"}),
     Architecture("modernbert", ("modernbert",), "ModernBertModel", norm="pre", positions="rotary",
                  gated_activation=True, biases=False, attention_window=True, pooler=False),
 )
@@ -175,13 +210,11 @@ def of_config(cfg, source="config.json"):
 def parse_fields(arch, cfg, source):
     """The config's values of fasttran's keys, under the architecture's names and defaults."""
     out = {k: arch.config_value(cfg, k) for k in _BERT_DEFAULTS}
-    if arch.embedding_projection:
+    if arch.embedding_projection:   # the embeddings' width; a projection to hidden_size where they differ
         emb = arch.config_value(cfg, "embedding_size")
-        if emb is not None and emb != out["hidden_size"]:
-            raise UnsupportedModelError(
-                f"{source}: model_type {cfg.get('model_type')!r} with embedding_size {emb} != hidden_size "
-                f"{out['hidden_size']} (an embeddings_project layer) is not supported yet; checkpoints whose "
-                "embedding_size equals hidden_size (electra-base, electra-large) load")
+        if isinstance(emb, bool) or not isinstance(emb, int) or emb < 1:
+            raise CheckpointError(f"{source}: embedding_size must be a positive integer, got {emb!r}")
+        out["embedding_size"] = emb
     return out
 
 

@@ -331,7 +331,7 @@ class Encoder:
             layer_intermediate=c.get("fasttran_layer_intermediate"),
             head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
             sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0), vocab_map=vmap, vocab_rows=vrows,
-            position_ids=_C.POSITION_IDS[self.architecture.position_ids])
+            position_ids=_C.POSITION_IDS[self.architecture.position_ids], embedding_size=int(c.get("embedding_size", 0)))
         if self.dtype == "int8":   # a blank int8 encoder: zero weights, quantized (load_state_dict fills it)
             core.quantize(embeddings=True)
         if self.allow_tf32:
@@ -415,8 +415,9 @@ class Encoder:
         self.tokenizer = tok
 
     def save_pretrained(self, path, dtype="float32"):
-        """Write config.json + model.safetensors (Hugging Face BertModel names) into directory
-        `path`, atomically; loadable by transformers' BertModel.from_pretrained. A compressed
+        """Write config.json + model.safetensors (Hugging Face BertModel names; another architecture's
+        base model, RobertaModel, DistilBertModel..., in its own names) into directory `path`,
+        atomically; loadable by transformers' AutoModel.from_pretrained. A compressed
         encoder (fasttran.compress: per-layer heads / widths, a pruned vocabulary) keeps its
         structure in config.json's fasttran_* keys and its smaller tensors: fasttran loads it back;
         for transformers write it with fasttran.compress.export_transformers."""
@@ -427,9 +428,16 @@ class Encoder:
                 "dtype='int8')), or keep state_dict(): its int8 weights with their '<name>_scale' tensors")
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
-        self._core.save(os.path.join(path, "model.safetensors"), dtype=dtype)
-        c = self.config
+        arch, c = self.architecture, self.config
         out = {k: v for k, v in self._raw_config.items() if not k.startswith("_")}
+        if arch is not _arch.BERT:   # its own layout: the base model's names and its config, as it came
+            names = [arch.checkpoint_name(n) for n, _ in self._core.tensors()] if arch.renames else None
+            self._core.save(os.path.join(path, "model.safetensors"), dtype=dtype, names=names)
+            out.update({"architectures": [arch.hf_class], "torch_dtype": dtype})
+            out.update({k: c[k] for k in STRUCTURE_KEYS if k in c})
+            _C.atomic_write(os.path.join(path, "config.json"), [json.dumps(out, indent=2, sort_keys=True).encode()])
+            return path
+        self._core.save(os.path.join(path, "model.safetensors"), dtype=dtype)
         out.update({
             "architectures": ["BertModel"], "model_type": "bert", "position_embedding_type": "absolute",
             "vocab_size": c["vocab_size"], "hidden_size": c["hidden_size"],

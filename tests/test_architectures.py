@@ -29,14 +29,17 @@ SHAPES = {
                    dict(vocab_size=V, dim=768, n_heads=12, hidden_dim=3072, n_layers=2, pad_token_id=0)),
     "electra": ("ElectraConfig", "ElectraModel", "ElectraForPreTraining",                          # electra-base
                 dict(_BASE, vocab_size=V, embedding_size=768, pad_token_id=0)),
+    "electra-small": ("ElectraConfig", "ElectraModel", "ElectraForPreTraining",   # embeddings_project 128 -> 256
+                      dict(vocab_size=V, embedding_size=128, hidden_size=256, num_attention_heads=4,
+                           intermediate_size=1024, num_hidden_layers=2, pad_token_id=0)),
 }
 ARCHS = sorted(SHAPES)
 
 
-def make_model(path, model_type, wrapper=False, seed=0, **over):
-    """A random-weight checkpoint of `model_type` (its base model, or the wrapper class with its
+def make_model(path, case, wrapper=False, seed=0, **over):
+    """A random-weight checkpoint of SHAPES[case] (its base model, or the wrapper class with its
     prefix) saved by transformers (safetensors) into `path`."""
-    cfg_cls, base_cls, wrap_cls, kw = SHAPES[model_type]
+    cfg_cls, base_cls, wrap_cls, kw = SHAPES[case]
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_cls)(**dict(kw, **over))
     model = getattr(transformers, wrap_cls if wrapper else base_cls)(config)
@@ -95,7 +98,8 @@ def models(tmp_path_factory):
 def test_every_layer_matches_transformers(models, model_type):
     path = models[model_type]
     enc = fasttran.Encoder.from_pretrained(path)
-    assert enc.architecture.name == model_type and model_type in architectures.supported()
+    t = json.loads(open(os.path.join(path, "config.json")).read())["model_type"]
+    assert enc.architecture.name == t and t in architectures.supported()
     pad = enc.config["pad_token_id"]
     ids, mask = ragged(np.random.default_rng(1), pad, [23, 9, 1, 17], 23)   # ragged, right-padded
     ours = enc.forward(ids, mask, output_layers=list(range(enc.num_layers + 1)))
@@ -131,8 +135,6 @@ def test_unpadded_and_left_padded(models, model_type):
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_wrapper_checkpoints_load_with_their_prefix(tmp_path, model_type):
     path = make_model(tmp_path / "wrapped", model_type, wrapper=True, seed=3)
-    names = json.loads(open(os.path.join(path, "config.json")).read())
-    assert names["model_type"] == model_type
     enc = fasttran.Encoder.from_pretrained(path)
     ids, mask = ragged(np.random.default_rng(4), enc.config["pad_token_id"], [7, 3], 7)
     assert_layers_match(enc.forward(ids, mask, output_layers=[0, 1, 2]), path, ids, mask)
@@ -232,3 +234,232 @@ def test_cuda_forward(models, model_type):
     assert_layers_match(out, path, ids, mask)
     np.testing.assert_allclose(gpu.forward(ids, mask, pooling="mean"), cpu.forward(ids, mask, pooling="mean"),
                                atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["distilbert", "xlm-roberta", "electra-small"])
+def test_save_pretrained_in_the_architectures_own_layout(tmp_path, model_type):
+    path = make_model(tmp_path / "src", model_type, seed=9)
+    enc = fasttran.Encoder.from_pretrained(path)
+    out = enc.save_pretrained(str(tmp_path / "out"))
+    cfg = json.loads(open(os.path.join(out, "config.json")).read())
+    assert cfg["model_type"] == json.loads(open(os.path.join(path, "config.json")).read())["model_type"]
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, "model.safetensors"), "np") as a, safe_open(os.path.join(out, "model.safetensors"), "np") as b:
+        assert set(b.keys()) <= set(a.keys())   # the base model's own names
+        for k in b.keys():
+            assert np.array_equal(a.get_tensor(k), b.get_tensor(k)), k
+    ids, mask = ragged(np.random.default_rng(10), enc.config["pad_token_id"], [6, 2], 6)
+    assert_layers_match(fasttran.Encoder.from_pretrained(out).forward(ids, mask, output_layers=[0, 1, 2]), out, ids, mask)
+
+
+def test_projected_embeddings_refuse_int8_and_compression(tmp_path):
+    enc = fasttran.Encoder.from_pretrained(make_model(tmp_path / "small", "electra-small"))
+    assert enc.config["embedding_size"] == 128
+    with pytest.raises(fasttran.UnsupportedError, match="embedding_size 128 != hidden_size 256"):
+        enc.quantize()
+
+
+# ---- everything else that works on BERT: top-k training, heads, cache, export, int8 ---------------------
+
+def torch_top_layers(model, arch, first, count, x, lengths):
+    """the layers [first, first + count) in float64 autograd over the transformers model's own
+    parameters, found through the architecture's name map (the post-LN layer, written out)"""
+    params = dict(model.named_parameters())
+    prefix = next(p for p in ("",) + arch.prefixes
+                  if prefix_ok(params, p + arch.checkpoint_name("encoder.layer.0.attention.self.query.weight")))
+
+    def P(name):
+        return params[prefix + arch.checkpoint_name(name)]
+    C, hs = x.shape[1], 64
+    NH = C // hs
+    h = x
+    for l in range(first, first + count):
+        def lin(x, what):
+            return x @ P(f"encoder.layer.{l}.{what}.weight").T + P(f"encoder.layer.{l}.{what}.bias")
+
+        def ln(x, what):
+            return torch.nn.functional.layer_norm(x, (C,), P(f"encoder.layer.{l}.{what}.weight"),
+                                                  P(f"encoder.layer.{l}.{what}.bias"), model.config_eps)
+        q, k, v = (lin(h, f"attention.self.{n}") for n in ("query", "key", "value"))
+        ctx, r = [], 0
+        for n in lengths:
+            qb, kb, vb = (t[r:r + n].reshape(n, NH, hs).transpose(0, 1) for t in (q, k, v))
+            ctx.append((torch.softmax(qb @ kb.transpose(1, 2) / hs ** 0.5, -1) @ vb).transpose(0, 1).reshape(n, C))
+            r += n
+        h1 = ln(lin(torch.cat(ctx), "attention.output.dense") + h, "attention.output.LayerNorm")
+        f = torch.nn.functional.gelu(lin(h1, "intermediate.dense"))
+        h = ln(lin(f, "output.dense") + h1, "output.LayerNorm")
+    return h, P
+
+
+def prefix_ok(params, name):
+    return name in params
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "distilbert", "electra"])
+def test_top_layer_gradients_match_autograd(models, model_type):
+    from fasttran import _C
+    path = models[model_type]
+    enc = fasttran.Encoder.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).double()
+    model.config_eps = enc.config["layer_norm_eps"]
+    lengths = [5, 1, 9]
+    rng = np.random.default_rng(11)
+    ids, mask = ragged(rng, enc.config["pad_token_id"], lengths, 9)
+    first = 1
+    hid = enc.forward(ids, mask, output_layers=[first])[0]
+    x = np.ascontiguousarray(np.concatenate([hid[b, :n] for b, n in enumerate(lengths)])).astype(np.float32)
+    dout = rng.standard_normal(x.shape).astype(np.float32)
+    st = _C.LayerStack(enc._core, first, 1, -1)
+    out = np.zeros_like(x)
+    st.forward(x, np.asarray(lengths, np.int32), out, training=True, seed=1, step=0)
+    dx = np.zeros_like(x)
+    st.backward(dout, dx)
+    names, _ = st.tensors()
+    grads = np.asarray(st.grads)
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    ref, P = torch_top_layers(model, enc.architecture, first, 1, xt, lengths)
+    (ref * torch.from_numpy(dout).double()).sum().backward()
+    assert np.abs(out - ref.detach().numpy()).max() <= 1e-4
+    # the top layer's output is the encoder's own forward
+    last = enc.forward(ids, mask)
+    assert np.abs(np.concatenate([last[b, :n] for b, n in enumerate(lengths)]) - out).max() <= 1e-5
+    assert len(names) == 16
+    for name, shape, off in names:
+        g = grads[off:off + int(np.prod(shape))].reshape(shape)
+        want = P(name).grad.numpy()
+        scale = np.abs(P(name.replace(".bias", ".weight")).grad.numpy()).max() if "key.bias" in name else \
+            np.abs(want).max()
+        assert np.abs(g - want).max() <= 1e-4 * scale, name
+    assert np.abs(dx - xt.grad.numpy()).max() <= 1e-4 * np.abs(xt.grad.numpy()).max()
+
+
+def _fit(enc, task, k, ids, mask, targets, pooling="cls", **kw):
+    tr = fasttran.Trainer(task, epochs=1, batch_size=8, show_progress=False, seed=1, train_layers=k, pooling=pooling,
+                          **kw)
+    if k:
+        cache = tr.cache_for(enc, ids, mask, show_progress=False)
+    else:
+        positions = "all" if task in ("token-classification", "qa") else pooling
+        cache = fasttran.ActivationCache.build(enc, ids, mask, positions=positions, show_progress=False)
+    tr.fit(cache, targets)
+    return tr, cache
+
+
+def _batch(enc, n=24, T=12, seed=12):
+    rng = np.random.default_rng(seed)
+    return ragged(rng, enc.config["pad_token_id"], list(rng.integers(3, T + 1, n)), T)
+
+
+@pytest.mark.parametrize("model_type,k", [("roberta", 0), ("roberta", 2), ("xlm-roberta", 1), ("camembert", 1)])
+def test_pooler_head_exports_as_roberta_for_sequence_classification(models, tmp_path, model_type, k):
+    """RobertaForSequenceClassification's head (dense, tanh, out_proj on the first token) is fasttran's
+    pooler head"""
+    enc = fasttran.Encoder.from_pretrained(models[model_type])
+    ids, mask = _batch(enc)
+    y = np.arange(len(ids)) % 2
+    tr, cache = _fit(enc, "classification", k, ids, mask, y, pooler=True, label_names=["neg", "pos"])
+    tr.export(tmp_path / "m")
+    m = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "m").eval()
+    assert type(m).__name__ == SHAPES[model_type][1].replace("Model", "ForSequenceClassification")
+    with torch.no_grad():
+        theirs = m(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    assert np.abs(tr._outputs(cache) - theirs).max() <= 1e-4
+    assert m.config.id2label == {0: "neg", 1: "pos"}
+    back = fasttran.Encoder.from_pretrained(str(tmp_path / "m"))   # fasttran reads its encoder back
+    from fasttran.export import fine_tuned_encoder
+    assert np.abs(back.forward(ids, mask) - fine_tuned_encoder(enc, tr.top).forward(ids, mask)).max() <= 1e-6
+
+
+@pytest.mark.parametrize("model_type", ["distilbert", "electra"])
+def test_pooler_head_without_a_counterpart_goes_out_as_sentence_transformers(models, tmp_path, model_type):
+    from fasttran.export import _layout, how_to_load, layout_of
+    enc = fasttran.Encoder.from_pretrained(models[model_type])
+    ids, mask = _batch(enc)
+    tr, _ = _fit(enc, "classification", 1, ids, mask, np.arange(len(ids)) % 2, pooler=True)
+    assert layout_of(tr.head) == "sequence-classification"   # as BERT
+    assert _layout(enc, tr.head)[0] == "sentence-transformers"   # no class of this architecture holds it
+    assert "sentence-transformers layout" in how_to_load(tr.head, "m", enc)
+    tr.export(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "modules.json").read_text())[0]["path"] == ""
+    inner = transformers.AutoModel.from_pretrained(tmp_path / "m").eval()   # the Transformer module: its own class
+    assert type(inner).__name__ == SHAPES[model_type][1]
+    choice = fasttran.heads.make_head("multiple-choice", enc.hidden_size, num_labels=2)
+    with pytest.raises(fasttran.UnsupportedModelError, match="multiple-choice head is not supported for "
+                       + SHAPES[model_type][1] + ".*tanh"):
+        fasttran.export.export(tmp_path / "c", enc, choice)
+
+
+@pytest.mark.parametrize("model_type,k", [("distilbert", 0), ("electra", 1), ("xlm-roberta", 1)])
+def test_token_head_exports_in_the_architectures_class(models, tmp_path, model_type, k):
+    enc = fasttran.Encoder.from_pretrained(models[model_type])
+    ids, mask = _batch(enc, seed=13)
+    labels = np.where(mask == 1, np.arange(ids.size).reshape(ids.shape) % 3, -100)
+    tr, cache = _fit(enc, "token-classification", k, ids, mask, labels, label_names=["O", "B", "I"])
+    tr.export(tmp_path / "m")
+    m = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "m").eval()
+    assert type(m).__name__.endswith("ForTokenClassification") and not type(m).__name__.startswith("Bert")
+    with torch.no_grad():
+        theirs = m(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    ours = tr._outputs(cache)
+    assert max(np.abs(o - theirs[b, :int(mask[b].sum())]).max() for b, o in enumerate(ours)) <= 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["electra-small", "roberta", "distilbert"])
+def test_qa_head_exports_in_the_architectures_class(tmp_path, model_type):
+    path = make_model(tmp_path / "src", model_type, seed=14)
+    enc = fasttran.Encoder.from_pretrained(path)
+    rng = np.random.default_rng(14)
+    ids, mask = ragged(rng, enc.config["pad_token_id"], list(rng.integers(6, 15, 16)), 14)
+    spans = (np.full(16, 2), 2 + np.arange(16) % 3)
+    if enc.architecture.token_types != "segments":   # the context is token type 1: refused, naming the class
+        with pytest.raises(fasttran.UnsupportedModelError, match="question answering over " + SHAPES[model_type][1]):
+            _fit(enc, "qa", 1, ids, mask, spans, lr=1e-3)
+        return
+    types = (np.arange(ids.shape[1])[None] >= 2).astype(np.int64) * mask   # the context from the third token
+    tr = fasttran.Trainer("qa", epochs=1, batch_size=8, show_progress=False, seed=1, train_layers=1, lr=1e-3)
+    cache = tr.cache_for(enc, ids, mask, types, show_progress=False)
+    tr.fit(cache, spans)
+    tr.export(tmp_path / "m")
+    m = transformers.AutoModelForQuestionAnswering.from_pretrained(tmp_path / "m").eval()
+    assert not type(m).__name__.startswith("Bert")
+    with torch.no_grad():
+        out = m(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), token_type_ids=torch.as_tensor(types))
+    for b, o in enumerate(tr._outputs(cache)):
+        ctx = np.isfinite(o[0])
+        w = o.shape[1]
+        assert np.abs(o[0][ctx] - out.start_logits.numpy()[b, :w][ctx]).max() <= 1e-4
+        assert np.abs(o[1][ctx] - out.end_logits.numpy()[b, :w][ctx]).max() <= 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "distilbert"])
+def test_cache_gives_the_encoders_rows(models, tmp_path, model_type):
+    enc = fasttran.Encoder.from_pretrained(models[model_type])
+    ids, mask = _batch(enc, n=6, seed=15)
+    cache = fasttran.ActivationCache.build(enc, ids, mask, positions="all", show_progress=False,
+                                           disk_dir=tmp_path / "c")
+    again = fasttran.ActivationCache.open(tmp_path / "c", encoder=enc)
+    full = enc.forward(ids, mask)
+    assert len(again) == 6 and cache.model_fingerprint == again.model_fingerprint
+    values, got_mask = again.get(np.arange(6))
+    for b in range(6):
+        n = int(mask[b].sum())
+        assert got_mask[b].sum() == n and np.array_equal(values[b, :n], full[b, :n])
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "distilbert"])
+def test_int8_within_berts_error(models, model_type):
+    enc = fasttran.Encoder.from_pretrained(models[model_type])
+    ids, mask = _batch(enc, n=8, seed=16)
+    ref = enc.forward(ids, mask, pooling="mean")
+    q = enc.quantize().forward(ids, mask, pooling="mean")
+    cos = (q * ref).sum(1) / np.linalg.norm(q, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99 and cos.mean() >= 0.997   # BERT's bound (tests/test_lowp.py, MiniLM)
+
+
+def test_compression_refuses_other_architectures(models):
+    from fasttran.compress import TaskModel
+    enc = fasttran.Encoder.from_pretrained(models["roberta"])
+    head = fasttran.heads.make_head("classification", enc.hidden_size, num_labels=2)
+    with pytest.raises(fasttran.UnsupportedModelError, match="compression .* not supported for RobertaModel"):
+        TaskModel(enc, head)

@@ -81,6 +81,9 @@ typedef struct {
     ft_activation activation;
     int64_t pad_token_id;
     ft_position_ids position_ids;
+    int64_t embedding_size;       /* E, the embeddings' width (word, position, type tables, their LayerNorm); 0:
+                                   * hidden_size. E != C: a linear layer embeddings_project (C, E) + bias maps
+                                   * the LayerNorm's output to the layers' width (ELECTRA) */
     /* Structure of a compressed model (fasttran.compress); all NULL / 0 for a model as pretrained.
      * The head size is hidden_size / num_heads in every layer; a pruned layer keeps fewer heads
      * (its Q, K, V projections have layer_heads[l] * head size rows, its output projection as many
@@ -112,7 +115,8 @@ int64_t ft_config_layer_heads(const ft_bert_config *c, int64_t layer);
 int64_t ft_config_layer_intermediate(const ft_bert_config *c, int64_t layer);
 int64_t ft_config_total_heads(const ft_bert_config *c);
 int64_t ft_config_vocab_rows(const ft_bert_config *c);   /* rows of the word embeddings */
-int64_t ft_config_max_tokens(const ft_bert_config *c);   /* real tokens a sequence may hold (positions) */
+int64_t ft_config_max_tokens(const ft_bert_config *c);
+int64_t ft_config_embedding_size(const ft_bert_config *c);   /* E (hidden_size when the config says 0) */   /* real tokens a sequence may hold (positions) */
 int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b);
 
 typedef enum { FT_POOL_NONE = 0, FT_POOL_CLS = 1, FT_POOL_MEAN = 2 } ft_pooling;
@@ -170,6 +174,9 @@ ft_status ft_encoder_load_safetensors_expect(ft_encoder *enc, const char *path, 
 ft_status ft_encoder_load_safetensors_named(ft_encoder *enc, const char *path, const char *prefix,
                                             const char *const *names, const char *layer_prefix,
                                             int64_t expect_bytes, int64_t expect_crc32c);
+/* names (one per view, as for ft_encoder_load_safetensors_named; NULL: the views' own) names the tensors */
+ft_status ft_encoder_save_safetensors_named(const ft_encoder *enc, const char *path, ft_dtype dtype,
+                                            const char *const *names, uint64_t *bytes, uint32_t *crc32c);
 ft_status ft_encoder_save_safetensors_record(const ft_encoder *enc, const char *path, ft_dtype dtype,
                                              uint64_t *bytes, uint32_t *crc32c);
 
