@@ -790,11 +790,12 @@ class Encoder:
             raise InputTypeError(f"max_length must be an int, got {type(max_length).__name__}")
         max_length = int(max_length)
         special = tok.post_processor.num_special_tokens_to_add(pair) if tok.post_processor else 0
-        limit = self.config["max_position_embeddings"]
+        limit = self.architecture.max_tokens(self.config)
         if not special <= max_length <= limit:
             raise InputError(
                 f"max_length={max_length} is out of range: at least the {special} special tokens "
-                f"{'a pair' if pair else 'a text'} gets, at most the model's {limit} positions (max_position_embeddings)")
+                f"{'a pair' if pair else 'a text'} gets, at most the model's {limit} positions (max_position_embeddings"
+                f"{'' if limit == self.config['max_position_embeddings'] else ' less those before the first token'})")
         before = tok.truncation
         tok.enable_truncation(max_length=max_length, strategy="longest_first")
         try:
