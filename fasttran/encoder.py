@@ -766,6 +766,7 @@ class Encoder:
         enc = Encoder.__new__(Encoder)
         enc.config = parse_bert_config(raw, "compressed config")
         enc._raw_config = raw
+        enc.architecture = self.architecture
         enc.dtype, enc.allow_tf32 = self.dtype, self.allow_tf32
         enc._core = core
         enc.path, enc.tokenizer, enc.max_seq_length = None, self.tokenizer, self.max_seq_length
