@@ -28,10 +28,11 @@ from .safetensors_io import write_safetensors
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
-def layout_of(head):
+def layout_of(head, encoder=None):
     """'sequence-classification', 'token-classification', 'question-answering', ... or
-    'sentence-transformers': where export() puts this head (the head says: Head.export_layout)"""
-    return head.export_layout()[0]
+    'sentence-transformers': where export() puts this head (the head says: Head.export_layout;
+    over `encoder`, in its architecture's classes)"""
+    return (head.export_layout() if encoder is None else _layout(encoder, head))[0]
 
 
 def how_to_load(head, path, encoder=None):

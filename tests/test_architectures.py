@@ -366,6 +366,8 @@ def test_pooler_head_exports_as_roberta_for_sequence_classification(models, tmp_
         theirs = m(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
     assert np.abs(tr._outputs(cache) - theirs).max() <= 1e-4
     assert m.config.id2label == {0: "neg", 1: "pos"}
+    from fasttran.export import how_to_load
+    assert f"({type(m).__name__}, the head in place)" in how_to_load(tr.head, "m", enc)
     back = fasttran.Encoder.from_pretrained(str(tmp_path / "m"))   # fasttran reads its encoder back
     from fasttran.export import fine_tuned_encoder
     assert np.abs(back.forward(ids, mask) - fine_tuned_encoder(enc, tr.top).forward(ids, mask)).max() <= 1e-6
@@ -373,12 +375,12 @@ def test_pooler_head_exports_as_roberta_for_sequence_classification(models, tmp_
 
 @pytest.mark.parametrize("model_type", ["distilbert", "electra"])
 def test_pooler_head_without_a_counterpart_goes_out_as_sentence_transformers(models, tmp_path, model_type):
-    from fasttran.export import _layout, how_to_load, layout_of
+    from fasttran.export import how_to_load, layout_of
     enc = fasttran.Encoder.from_pretrained(models[model_type])
     ids, mask = _batch(enc)
     tr, _ = _fit(enc, "classification", 1, ids, mask, np.arange(len(ids)) % 2, pooler=True)
     assert layout_of(tr.head) == "sequence-classification"   # as BERT
-    assert _layout(enc, tr.head)[0] == "sentence-transformers"   # no class of this architecture holds it
+    assert layout_of(tr.head, enc) == "sentence-transformers"   # no class of this architecture holds it
     assert "sentence-transformers layout" in how_to_load(tr.head, "m", enc)
     tr.export(tmp_path / "m")
     assert json.loads((tmp_path / "m" / "modules.json").read_text())[0]["path"] == ""
