@@ -1,4 +1,5 @@
-"""fasttran.Encoder: a Hugging Face BERT-family checkpoint on fasttran's C core.
+"""fasttran.Encoder: a Hugging Face BERT-family checkpoint (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT,
+ELECTRA: fasttran/architectures.py) on fasttran's C core.
 
 The Python side only parses config.json, finds files, converts inputs to arrays, and adds
 conveniences (encode, reprs). Weights are read by the C safetensors reader; the forward pass
@@ -364,7 +365,8 @@ class Encoder:
     # ---- loading and saving ---------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, device="cpu", prefix=None, load_tokenizer=True, dtype="float32", allow_tf32=False):
-        """Load a Hugging Face BERT checkpoint directory (config.json + model.safetensors), a
+        """Load a Hugging Face checkpoint directory of a supported architecture (config.json +
+        model.safetensors; docs/models.md), a
         sentence-transformers directory, or a model.safetensors file with config.json beside
         it; a Hugging Face Hub id ("sentence-transformers/all-MiniLM-L6-v2") is fetched into the
         Hub cache through huggingface_hub when that is installed (configs, safetensors and
@@ -938,7 +940,7 @@ class Encoder:
     def __repr__(self):
         c = self.config
         src = f", path={self.path!r}" if self.path else ""
-        return (f"Encoder(bert, layers={c['num_hidden_layers']}, hidden={c['hidden_size']}, "
+        return (f"Encoder({self.architecture.name}, layers={c['num_hidden_layers']}, hidden={c['hidden_size']}, "
                 f"heads={c['num_attention_heads']}, intermediate={c['intermediate_size']}, "
                 f"params={self.num_parameters / 1e6:.1f}M, device={self.device!r}"
                 + (f", dtype={self.dtype!r}" if self.dtype != "float32" else "")

@@ -100,6 +100,7 @@ def test_every_layer_matches_transformers(models, model_type):
     enc = fasttran.Encoder.from_pretrained(path)
     t = json.loads(open(os.path.join(path, "config.json")).read())["model_type"]
     assert enc.architecture.name == t and t in architectures.supported()
+    assert repr(enc).startswith(f"Encoder({t}, layers=2, hidden=")
     pad = enc.config["pad_token_id"]
     ids, mask = ragged(np.random.default_rng(1), pad, [23, 9, 1, 17], 23)   # ragged, right-padded
     ours = enc.forward(ids, mask, output_layers=list(range(enc.num_layers + 1)))
@@ -296,7 +297,7 @@ def prefix_ok(params, name):
     return name in params
 
 
-@pytest.mark.parametrize("model_type", ["roberta", "distilbert", "electra"])
+@pytest.mark.parametrize("model_type", ARCHS)
 def test_top_layer_gradients_match_autograd(models, model_type):
     from fasttran import _C
     path = models[model_type]
@@ -465,3 +466,16 @@ def test_compression_refuses_other_architectures(models):
     head = fasttran.heads.make_head("classification", enc.hidden_size, num_labels=2)
     with pytest.raises(fasttran.UnsupportedModelError, match="compression .* not supported for RobertaModel"):
         TaskModel(enc, head)
+
+
+@pytest.mark.skipif(not fasttran._C.cpu_features()[1].get("avx512_bf16"), reason="bf16 on the CPU needs AVX512_BF16")
+@pytest.mark.parametrize("model_type", ["electra-small", "distilbert", "roberta"])
+def test_bfloat16_on_the_cpu(models, tmp_path, model_type):
+    path = models.get(model_type) or make_model(tmp_path / "m", model_type)
+    f32 = fasttran.Encoder.from_pretrained(path)
+    bf16 = fasttran.Encoder.from_pretrained(path, dtype="bfloat16")
+    ids, mask = _batch(f32, n=8, seed=17)
+    a, b = f32.forward(ids, mask, pooling="mean"), bf16.forward(ids, mask, pooling="mean")
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert cos.min() >= 0.9999   # BERT's bound for bf16 (tests/test_lowp.py, MiniLM)
+    assert bf16.memory_report()["weights"] != f32.memory_report()["weights"]   # bf16 kernels ran
