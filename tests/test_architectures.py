@@ -479,3 +479,28 @@ def test_bfloat16_on_the_cpu(models, tmp_path, model_type):
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert cos.min() >= 0.9999   # BERT's bound for bf16 (tests/test_lowp.py, MiniLM)
     assert bf16.memory_report()["weights"] != f32.memory_report()["weights"]   # bf16 kernels ran
+
+
+def test_bad_descriptions_refused_at_the_boundary(models):
+    from fasttran import _C
+    base = dict(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=8,
+                max_position_embeddings=8, type_vocab_size=1, layer_norm_eps=1e-5, activation=0, pad_token_id=1)
+    with pytest.raises(fasttran.InputError, match="unknown position_ids 7"):
+        _C.EncoderCore(**base, position_ids=7)
+    with pytest.raises(fasttran.InputError, match="embedding_size must be in"):
+        _C.EncoderCore(**base, embedding_size=-1)
+    with pytest.raises(fasttran.InputError, match="pad_token_id < max_position_embeddings - 1"):
+        _C.EncoderCore(**dict(base, pad_token_id=7), position_ids=_C.POSITION_IDS["after_padding"])
+    core = _C.EncoderCore(**base, position_ids=_C.POSITION_IDS["after_padding"])
+    n = len(core.tensors())
+    with pytest.raises(fasttran.InputError, match=f"names must be a list of {n} tensor names"):
+        core.load(os.path.join(models["roberta"], "model.safetensors"), names=["x"])
+    with pytest.raises(fasttran.InputError, match="names\\[0\\] must be a str"):
+        core.save("/nonexistent/x.safetensors", names=[0] * n)
+    with pytest.raises(fasttran.CheckpointError, match="no tensor named '\\[prefix\\]nope'"):
+        core.load(os.path.join(models["roberta"], "model.safetensors"), names=["nope"] * n)
+    # a config whose fields contradict themselves
+    with pytest.raises(fasttran.CheckpointError, match="leaves no position after pad_token_id"):
+        fasttran.Encoder({"model_type": "roberta", "max_position_embeddings": 2, "pad_token_id": 1, "vocab_size": 5})
+    with pytest.raises(fasttran.CheckpointError, match="embedding_size must be a positive integer"):
+        fasttran.Encoder({"model_type": "electra", "embedding_size": 0})
