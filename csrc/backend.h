@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 12
+#define FT_BACKEND_ABI 13
 
 typedef struct ft_backend ft_backend;
 
