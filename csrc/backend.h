@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 12
+#define FT_BACKEND_ABI 13
 
 typedef struct ft_backend ft_backend;
 
@@ -125,7 +125,7 @@ typedef struct {
                                    const void *w, const float *w_packed, const void *bias,          \
                                    const void *residual, const void *gamma, const void *beta,       \
                                    int64_t M, int64_t K, int64_t N, float eps), (be, dt, out, x, w, w_packed, bias, residual, gamma, beta, M, K, N, eps)) \
-    /* out (N, C) row r = LayerNorm(word[ids[r]] + type[types[r]] + pos[positions[r]]); types NULL: 0 */\
+    /* out (N, C) row r = LayerNorm(word[ids[r]] + type[types[r]] + pos[positions[r]]); types NULL: 0; type NULL: no type term */\
     X(embed_ln_forward, (ft_backend *be, ft_dtype dt, void *out, const int32_t *ids,               \
                          const int32_t *types, const int32_t *positions, const void *word,         \
                          const void *pos, const void *type, const void *gamma, const void *beta,   \

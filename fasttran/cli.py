@@ -305,8 +305,8 @@ def cmd_export(args):
     tr = Trainer.load(args.checkpoint, device="cpu")
     tr.export(args.output, encoder=enc)
     from .export import how_to_load, layout_of
-    print(f"wrote {layout_of(tr.head)} model to {args.output}")
-    print(how_to_load(tr.head, args.output))
+    print(f"wrote {layout_of(tr.head, enc)} model to {args.output}")
+    print(how_to_load(tr.head, args.output, enc))
 
 
 # ---- compress -------------------------------------------------------------------------------------------

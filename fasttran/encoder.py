@@ -1,4 +1,5 @@
-"""fasttran.Encoder: a Hugging Face BERT-family checkpoint on fasttran's C core.
+"""fasttran.Encoder: a Hugging Face BERT-family checkpoint (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT,
+ELECTRA: fasttran/architectures.py) on fasttran's C core.
 
 The Python side only parses config.json, finds files, converts inputs to arrays, and adds
 conveniences (encode, reprs). Weights are read by the C safetensors reader; the forward pass
@@ -11,6 +12,7 @@ import re
 import numpy as np
 
 from . import _C
+from . import architectures as _arch
 from . import tokens as _tokens
 from .device import CPU, parse_device
 from .errors import (
@@ -29,24 +31,15 @@ _ACTIVATIONS = {"gelu": _C.ACTIVATIONS["gelu"], "gelu_new": _C.ACTIVATIONS["gelu
                 "gelu_pytorch_tanh": _C.ACTIVATIONS["gelu_tanh"], "relu": _C.ACTIVATIONS["relu"]}
 _POOLING = {None: _C.POOLINGS["none"], **_C.POOLINGS}
 
-# transformers.BertConfig defaults, used when a field is absent (as transformers does)
-_BERT_DEFAULTS = {
-    "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-    "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512,
-    "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
-}
 
 
 def parse_bert_config(cfg, source="config.json"):
     """Validate a config dict and return the fields fasttran uses. Anything the C encoder does
-    not implement is refused by name."""
+    not implement is refused by name. The architecture (fasttran/architectures.py, from model_type)
+    says where its config keeps each field; a non-BERT one is named under "architecture"."""
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
-    model_type = cfg.get("model_type", "bert")
-    if model_type != "bert":
-        raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} is not supported; fasttran implements BERT "
-            "(model_type 'bert')")
+    arch = _arch.of_config(cfg, source)
     pos_type = cfg.get("position_embedding_type", "absolute")
     if pos_type != "absolute":
         raise UnsupportedModelError(
@@ -54,7 +47,7 @@ def parse_bert_config(cfg, source="config.json"):
     for flag in ("is_decoder", "add_cross_attention"):
         if cfg.get(flag):
             raise UnsupportedModelError(f"{source}: {flag}=true is not supported (encoders only)")
-    out = {k: cfg.get(k, v) for k, v in _BERT_DEFAULTS.items()}
+    out = _arch.parse_fields(arch, cfg, source)
     act = out["hidden_act"]
     if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise UnsupportedModelError(
@@ -62,7 +55,8 @@ def parse_bert_config(cfg, source="config.json"):
     for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "intermediate_size", "max_position_embeddings", "type_vocab_size"):
         v = out[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k == "num_hidden_layers" else 1):
+        least = 0 if k == "num_hidden_layers" or (k == "type_vocab_size" and arch.token_types == "none") else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
             raise CheckpointError(f"{source}: {k} must be a positive integer, got {v!r}")
     if out["hidden_size"] % out["num_attention_heads"]:
         raise CheckpointError(
@@ -73,6 +67,14 @@ def parse_bert_config(cfg, source="config.json"):
         raise CheckpointError(f"{source}: layer_norm_eps must be a positive number, got {eps!r}")
     if out["pad_token_id"] is None:
         out["pad_token_id"] = 0
+    pad = out["pad_token_id"]
+    if arch.position_ids != "index" and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < out["vocab_size"]):
+        raise CheckpointError(f"{source}: pad_token_id must be a token id in [0, vocab_size), got {pad!r}")
+    if arch.max_tokens(out) < 1:
+        raise CheckpointError(f"{source}: max_position_embeddings {out['max_position_embeddings']} leaves no position "
+                              f"after pad_token_id {pad}")
+    if arch is not _arch.BERT:   # (BERT's config dict, and so its fingerprint, stay as they were)
+        out["architecture"] = arch.name
     out.update(_parse_structure(cfg, out, source))
     return out
 
@@ -285,6 +287,7 @@ class Encoder:
         the last hidden states of BERT-size models); off by default (true fp32). No effect on the
         CPU or in half precision."""
         self.config = parse_bert_config(config, _source)
+        self.architecture = _arch.of_config(config, _source)
         self._raw_config = dict(config)
         self.dtype = self._parse_dtype(dtype)
         if not isinstance(allow_tf32, bool):
@@ -293,7 +296,7 @@ class Encoder:
         self._core = self._make_core(self._parse_device(device))
         self.path = None
         self.tokenizer = None
-        self.max_seq_length = self.config["max_position_embeddings"]
+        self.max_seq_length = self.architecture.max_tokens(self.config)
 
     @property
     def device(self):
@@ -328,7 +331,8 @@ class Encoder:
             dtype="float32" if self.dtype == "int8" else self.dtype, layer_heads=c.get("fasttran_layer_heads"),
             layer_intermediate=c.get("fasttran_layer_intermediate"),
             head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
-            sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0), vocab_map=vmap, vocab_rows=vrows)
+            sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0), vocab_map=vmap, vocab_rows=vrows,
+            position_ids=_C.POSITION_IDS[self.architecture.position_ids], embedding_size=int(c.get("embedding_size", 0)))
         if self.dtype == "int8":   # a blank int8 encoder: zero weights, quantized (load_state_dict fills it)
             core.quantize(embeddings=True)
         if self.allow_tf32:
@@ -361,7 +365,8 @@ class Encoder:
     # ---- loading and saving ---------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, device="cpu", prefix=None, load_tokenizer=True, dtype="float32", allow_tf32=False):
-        """Load a Hugging Face BERT checkpoint directory (config.json + model.safetensors), a
+        """Load a Hugging Face checkpoint directory of a supported architecture (config.json +
+        model.safetensors; docs/models.md), a
         sentence-transformers directory, or a model.safetensors file with config.json beside
         it; a Hugging Face Hub id ("sentence-transformers/all-MiniLM-L6-v2") is fetched into the
         Hub cache through huggingface_hub when that is installed (configs, safetensors and
@@ -380,15 +385,25 @@ class Encoder:
             raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
         int8 = cls._parse_dtype(dtype) == "int8"
         enc = cls(raw, device, "float32" if int8 else dtype, allow_tf32, _source=config_file)
-        enc._core.load(weights, prefix=prefix)
+        enc._load_checkpoint(weights, prefix)
         if int8:
             enc.quantize(inplace=True)
         enc.path = os.path.abspath(os.fspath(path))
         if max_len:
-            enc.max_seq_length = min(int(max_len), enc.config["max_position_embeddings"])
+            enc.max_seq_length = min(int(max_len), enc.architecture.max_tokens(enc.config))
         if load_tokenizer and tok_dir:
             enc._load_tokenizer(tok_dir)
         return enc
+
+    def _load_checkpoint(self, weights, prefix):
+        """Read a checkpoint's weights by the C reader: BertModel's names, or the architecture's
+        (its name map), after any wrapper prefix ("bert.", "roberta.", "distilbert." ...: detected)."""
+        arch = self.architecture
+        if not arch.renames:
+            self._core.load(weights, prefix=prefix)
+            return
+        names = [arch.checkpoint_name(name) for name, _ in self._core.tensors()]
+        self._core.load(weights, prefix=prefix, names=names, layer_prefix=arch.layer_prefix)
 
     def _load_tokenizer(self, tok_dir):
         try:
@@ -402,8 +417,9 @@ class Encoder:
         self.tokenizer = tok
 
     def save_pretrained(self, path, dtype="float32"):
-        """Write config.json + model.safetensors (Hugging Face BertModel names) into directory
-        `path`, atomically; loadable by transformers' BertModel.from_pretrained. A compressed
+        """Write config.json + model.safetensors (Hugging Face BertModel names; another architecture's
+        base model, RobertaModel, DistilBertModel..., in its own names) into directory `path`,
+        atomically; loadable by transformers' AutoModel.from_pretrained. A compressed
         encoder (fasttran.compress: per-layer heads / widths, a pruned vocabulary) keeps its
         structure in config.json's fasttran_* keys and its smaller tensors: fasttran loads it back;
         for transformers write it with fasttran.compress.export_transformers."""
@@ -414,9 +430,16 @@ class Encoder:
                 "dtype='int8')), or keep state_dict(): its int8 weights with their '<name>_scale' tensors")
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
-        self._core.save(os.path.join(path, "model.safetensors"), dtype=dtype)
-        c = self.config
+        arch, c = self.architecture, self.config
         out = {k: v for k, v in self._raw_config.items() if not k.startswith("_")}
+        if arch is not _arch.BERT:   # its own layout: the base model's names and its config, as it came
+            names = [arch.checkpoint_name(n) for n, _ in self._core.tensors()] if arch.renames else None
+            self._core.save(os.path.join(path, "model.safetensors"), dtype=dtype, names=names)
+            out.update({"architectures": [arch.hf_class], "torch_dtype": dtype})
+            out.update({k: c[k] for k in STRUCTURE_KEYS if k in c})
+            _C.atomic_write(os.path.join(path, "config.json"), [json.dumps(out, indent=2, sort_keys=True).encode()])
+            return path
+        self._core.save(os.path.join(path, "model.safetensors"), dtype=dtype)
         out.update({
             "architectures": ["BertModel"], "model_type": "bert", "position_embedding_type": "absolute",
             "vocab_size": c["vocab_size"], "hidden_size": c["hidden_size"],
@@ -745,6 +768,7 @@ class Encoder:
         enc = Encoder.__new__(Encoder)
         enc.config = parse_bert_config(raw, "compressed config")
         enc._raw_config = raw
+        enc.architecture = self.architecture
         enc.dtype, enc.allow_tf32 = self.dtype, self.allow_tf32
         enc._core = core
         enc.path, enc.tokenizer, enc.max_seq_length = None, self.tokenizer, self.max_seq_length
@@ -769,11 +793,12 @@ class Encoder:
             raise InputTypeError(f"max_length must be an int, got {type(max_length).__name__}")
         max_length = int(max_length)
         special = tok.post_processor.num_special_tokens_to_add(pair) if tok.post_processor else 0
-        limit = self.config["max_position_embeddings"]
+        limit = self.architecture.max_tokens(self.config)
         if not special <= max_length <= limit:
             raise InputError(
                 f"max_length={max_length} is out of range: at least the {special} special tokens "
-                f"{'a pair' if pair else 'a text'} gets, at most the model's {limit} positions (max_position_embeddings)")
+                f"{'a pair' if pair else 'a text'} gets, at most the model's {limit} positions (max_position_embeddings"
+                f"{'' if limit == self.config['max_position_embeddings'] else ' less those before the first token'})")
         before = tok.truncation
         tok.enable_truncation(max_length=max_length, strategy="longest_first")
         try:
@@ -826,14 +851,15 @@ class Encoder:
         sents = _tokens.word_lists(words)
         labs = _tokens.word_labels(labels, sents) if labels is not None else False
         encs, max_length = self._encode_batch(sents, max_length, words=True)
-        out = _tokens.pad_encodings(encs, self.config["pad_token_id"], labs)
+        out = _tokens.pad_encodings(encs, self.config["pad_token_id"], labs,
+                                    types=self.architecture.token_types == "segments")
         return _tokens.WordTokens(*out, num_words=np.array([len(s) for s in sents], np.int64), max_length=max_length)
 
     words_from_tokens = staticmethod(_tokens.words_from_tokens)
 
     def _pad(self, encs):
         """(input_ids, attention_mask, token_type_ids) int64 arrays padded to the longest."""
-        return _tokens.pad_encodings(encs, self.config["pad_token_id"])
+        return _tokens.pad_encodings(encs, self.config["pad_token_id"], types=self.architecture.token_types == "segments")
 
     def encode(self, texts, batch_size=32, pooling="mean", normalize=False, layer=-1, show_progress=None):
         """Embed texts like sentence-transformers' ``encode``: tokenize, batch by length (so
@@ -914,7 +940,7 @@ class Encoder:
     def __repr__(self):
         c = self.config
         src = f", path={self.path!r}" if self.path else ""
-        return (f"Encoder(bert, layers={c['num_hidden_layers']}, hidden={c['hidden_size']}, "
+        return (f"Encoder({self.architecture.name}, layers={c['num_hidden_layers']}, hidden={c['hidden_size']}, "
                 f"heads={c['num_attention_heads']}, intermediate={c['intermediate_size']}, "
                 f"params={self.num_parameters / 1e6:.1f}M, device={self.device!r}"
                 + (f", dtype={self.dtype!r}" if self.dtype != "float32" else "")

@@ -20,21 +20,24 @@ import json
 import os
 
 from . import _C
-from .errors import InputError
+from .architectures import BERT
+from .errors import InputError, UnsupportedModelError
+from .heads.base import Head
 from .safetensors_io import write_safetensors
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
-def layout_of(head):
+def layout_of(head, encoder=None):
     """'sequence-classification', 'token-classification', 'question-answering', ... or
-    'sentence-transformers': where export() puts this head (the head says: Head.export_layout)"""
-    return head.export_layout()[0]
+    'sentence-transformers': where export() puts this head (the head says: Head.export_layout;
+    over `encoder`, in its architecture's classes)"""
+    return (head.export_layout() if encoder is None else _layout(encoder, head))[0]
 
 
-def how_to_load(head, path):
-    """One line telling a user what loads an export of `head` in `path`, and with what."""
-    layout, arch, _, _ = head.export_layout()
+def how_to_load(head, path, encoder=None):
+    """One line telling a user what loads an export of `head` (over `encoder`) in `path`, and with what."""
+    layout, arch, _, _ = head.export_layout() if encoder is None else _layout(encoder, head)
     if arch is None:
         return (f"{path}: sentence-transformers layout -- transformers has no class for this head ({head.pooling} "
                 f"pooling{'' if 'pooler.dense.weight' in head.tensors else ', no pooler'}); load it with "
@@ -60,12 +63,37 @@ def _bert_config(encoder, architecture, extra):
     return cfg
 
 
+def _own_config(encoder, architecture, extra):
+    """another architecture's config: its own, as it came, naming the class"""
+    cfg = {k: v for k, v in encoder._raw_config.items() if not k.startswith("_")}
+    cfg.update({"architectures": [architecture], "torch_dtype": "float32"})
+    cfg.update(extra)
+    return cfg
+
+
+def _layout(encoder, head):
+    """head.export_layout() in the encoder's architecture: RobertaForSequenceClassification ... for
+    BertFor*; a sequence head whose class has no counterpart goes out as sentence-transformers'
+    layout, any other such head is refused with the reason"""
+    layout, cls, extra, names = head.export_layout()
+    if cls is None or encoder.architecture is BERT:
+        return layout, cls, extra, names
+    own, how = encoder.architecture.export_class(layout, cls, names)
+    if own is not None:
+        return layout, own, extra, how
+    if layout == "sequence-classification":
+        return Head.export_layout(head)
+    raise UnsupportedModelError(f"export of a {layout} head is not supported for {encoder.architecture.hf_class}: {how}")
+
+
 def export(path, encoder, head, pooling="mean"):
     """Write `encoder` (the fine-tuned one: frozen layers + trained top layers) with `head` into
-    directory `path` (see the module's table). Returns the layout written."""
+    directory `path` (see the module's table; another architecture's encoder goes out in its own
+    classes: RobertaForSequenceClassification's head is fasttran's pooler head, dense + tanh +
+    out_proj on the first token). Returns the layout written."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    layout, arch, extra, names = head.export_layout()
+    layout, arch, extra, names = _layout(encoder, head)
     state = {k: v for k, v in encoder.state_dict().items() if not k.startswith("pooler.")}
     heads = head.state_dict()
     if arch is None:
@@ -98,10 +126,11 @@ def export(path, encoder, head, pooling="mean"):
                     {"__version__": {"fasttran": _C.version}, "prompts": {}, "default_prompt_name": None,
                      "similarity_fn_name": None})
     else:
-        tensors = {f"bert.{k}": v for k, v in state.items()}
+        tensors = {encoder.architecture.exported_name(k): v for k, v in state.items()}
         tensors.update({hf: heads[name] for hf, name in names.items()})
         write_safetensors(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
-        _write_json(os.path.join(path, "config.json"), _bert_config(encoder, arch, extra))
+        _write_json(os.path.join(path, "config.json"), (_bert_config if encoder.architecture is BERT else _own_config)(
+            encoder, arch, extra))
     if encoder.path:
         base = encoder.path if os.path.isdir(encoder.path) else os.path.dirname(encoder.path)
         for name in _TOKENIZER_FILES:

@@ -131,9 +131,11 @@ def first_positions(word_ids):
     return (w >= 0) & (w != prev)
 
 
-def pad_encodings(encs, pad_id, labels=None):
+def pad_encodings(encs, pad_id, labels=None, types=True):
     """tokenizers Encodings -> (ids, mask, types) int64 padded to the longest; with labels (per-word
-    ids per sentence) also (token labels, word ids)."""
+    ids per sentence) also (token labels, word ids). types=False: zeros (an architecture whose
+    tokenizer gives no token types: RoBERTa's, DistilBERT's)."""
+    with_types = types
     T = max((len(e.ids) for e in encs), default=0)
     B = len(encs)
     ids = np.full((B, T), pad_id, np.int64)
@@ -143,7 +145,8 @@ def pad_encodings(encs, pad_id, labels=None):
         n = len(e.ids)
         ids[i, :n] = e.ids
         mask[i, :n] = e.attention_mask
-        types[i, :n] = e.type_ids
+        if with_types:
+            types[i, :n] = e.type_ids
     if labels is None:
         return ids, mask, types
     wids = np.full((B, T), -1, np.int64)

@@ -254,9 +254,9 @@ def test_header_not_json(tmp_path):
 
 def test_unsupported_models_named(tmp_path):
     d = make_dir(tmp_path)
-    cfg = dict(SMALL, model_type="roberta")
+    cfg = dict(SMALL, model_type="deberta-v2")
     open(os.path.join(d, "config.json"), "w").write(json.dumps(cfg))
-    with pytest.raises(fasttran.UnsupportedModelError, match="model_type 'roberta' is not supported"):
+    with pytest.raises(fasttran.UnsupportedModelError, match="model_type 'deberta-v2' is not supported"):
         fasttran.Encoder.from_pretrained(d)
     cfg = dict(SMALL, position_embedding_type="relative_key")
     open(os.path.join(d, "config.json"), "w").write(json.dumps(cfg))

@@ -72,3 +72,23 @@ def test_no_codec_switch_outside_the_codec_list():
     names = re.compile(r"""(==|!=)\s*["'](float16|bfloat16|int8)["']|["'](float16|bfloat16|int8)["']\s*(==|!=)""")
     found = [(p, names.search(t).group(0)) for p, t in _files(os.path.join("fasttran", "cache"), ".py") if names.search(t)]
     assert not found, found
+
+
+def test_no_model_type_switch_outside_the_architecture_table():
+    """architectures are fasttran/architectures.py's entries: no other code compares a model_type, or a
+    string naming an architecture, to choose what to do (it reads the entry's fields)"""
+    from fasttran.architectures import ARCHITECTURES
+    names = sorted({t for a in ARCHITECTURES for t in a.model_types + (a.name,)} | {"deberta-v2"}, key=len, reverse=True)
+    assert {"bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "modernbert"} <= set(names)
+    quoted = "|".join(re.escape(n) for n in names)
+    cmp = re.compile(r"""(==|!=|\bin\b|\bis\b)\s*[(\[{]?\s*["'](%s)["']|["'](%s)["']\s*(==|!=|\bin\b)|\bmodel_type\b["']?\]?\s*(==|!=|\bin\b)"""
+                     % (quoted, quoted))
+    found = [(p.replace(os.sep, "/"), m.group(0)) for p, text in _files("fasttran", ".py")
+             if p.replace(os.sep, "/") != "fasttran/architectures.py" for m in cmp.finditer(text)]
+    found += [(p, m.group(0)) for ext in (".c", ".h", ".cu", ".cpp") for p, text in _files("csrc", ext)
+              for m in re.finditer(r'"(%s)"' % quoted, _code(text))]
+    assert not found, found
+    # the pattern catches the switches it is there for
+    for bad in ('if cfg["model_type"] == "roberta":', "if model_type != 'bert':", 'x = t in ("distilbert", "bert")',
+                'if "electra" == kind:'):
+        assert cmp.search(bad), bad

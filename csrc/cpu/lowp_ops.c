@@ -216,10 +216,15 @@ ft_status cpu_embed_i8_ln_forward(ft_backend *be, float *out, const int32_t *ids
         const int8_t *w = word + (int64_t)ids[r] * C;
         const float s = word_scale[ids[r]];
         const float *p = pos + (int64_t)positions[r] * C;
-        const float *ty = type + (types ? (int64_t)types[r] * C : 0);
         float *o = out + r * C;
+        if (type) {
+            const float *ty = type + (types ? (int64_t)types[r] * C : 0);
 #pragma omp simd
-        for (int64_t c = 0; c < C; c++) o[c] = ((float)w[c] * s + ty[c]) + p[c];   /* embed_ln_forward's order */
+            for (int64_t c = 0; c < C; c++) o[c] = ((float)w[c] * s + ty[c]) + p[c];   /* embed_ln_forward's order */
+        } else {   /* no token types */
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) o[c] = (float)w[c] * s + p[c];
+        }
         ft_layernorm_row(o, gamma, beta, C, eps);
     }
     return FT_OK;

@@ -19,10 +19,15 @@ ft_status cpu_embed_ln_forward(ft_backend *be, ft_dtype dt, void *out_, const in
     for (int64_t r = 0; r < N; r++) {
         const float *w = word + (int64_t)ids[r] * C;
         const float *p = pos + (int64_t)positions[r] * C;
-        const float *ty = type + (types ? (int64_t)types[r] * C : 0);
         float *o = out + r * C;
+        if (type) {
+            const float *ty = type + (types ? (int64_t)types[r] * C : 0);
 #pragma omp simd
-        for (int64_t c = 0; c < C; c++) o[c] = w[c] + ty[c] + p[c];   /* HF's order of sums */
+            for (int64_t c = 0; c < C; c++) o[c] = w[c] + ty[c] + p[c];   /* HF's order of sums */
+        } else {   /* no token types (DistilBERT) */
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) o[c] = w[c] + p[c];
+        }
         ft_layernorm_row(o, gamma, beta, C, eps);
     }
     return FT_OK;

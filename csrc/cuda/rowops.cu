@@ -30,11 +30,11 @@ __global__ void embed_ln_kernel(T *out, const int32_t *ids, const int32_t *types
     __shared__ float sh[32];
     const int64_t r = blockIdx.x;
     const T *w = word + (int64_t)ids[r] * C, *p = pos + (int64_t)positions[r] * C;
-    const T *ty = type + (types ? (int64_t)types[r] * C : 0);
+    const T *ty = type ? type + (types ? (int64_t)types[r] * C : 0) : NULL;   // NULL: no token types
     T *o = out + r * C;
     float sum = 0.0f;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        float v = (to_f(w[c]) + to_f(ty[c])) + to_f(p[c]);   // HF's order of sums
+        float v = ty ? (to_f(w[c]) + to_f(ty[c])) + to_f(p[c]) : to_f(w[c]) + to_f(p[c]);   // HF's order of sums
         o[c] = from_f<T>(v);
         sum += to_f(o[c]);
     }

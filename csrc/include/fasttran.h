@@ -62,6 +62,13 @@ typedef struct {
 /* ---- model description --------------------------------------------------------------- */
 typedef enum { FT_ACT_GELU_ERF = 0, FT_ACT_GELU_TANH = 1, FT_ACT_RELU = 2, FT_ACT_TANH = 3 } ft_activation;
 
+/* How a token's position id is found (fasttran/architectures.py names the one each architecture uses):
+ *   FT_POS_INDEX: its index t in the row (BERT, DistilBERT, ELECTRA);
+ *   FT_POS_AFTER_PADDING: transformers' create_position_ids_from_input_ids (RoBERTa, XLM-R, CamemBERT):
+ *     pad_token_id + 1 + the number of real tokens before it whose id is not pad_token_id; a token whose
+ *     id is pad_token_id takes pad_token_id. Left or right padding leaves every position unchanged. */
+typedef enum { FT_POS_INDEX = 0, FT_POS_AFTER_PADDING = 1 } ft_position_ids;
+
 typedef struct {
     int64_t vocab_size;
     int64_t hidden_size;          /* C */
@@ -69,10 +76,14 @@ typedef struct {
     int64_t num_heads;            /* NH, C % NH == 0 */
     int64_t intermediate_size;    /* I */
     int64_t max_position_embeddings;
-    int64_t type_vocab_size;
+    int64_t type_vocab_size;      /* 0: no token types (no type table; token_type_ids must be 0) */
     float layer_norm_eps;
     ft_activation activation;
     int64_t pad_token_id;
+    ft_position_ids position_ids;
+    int64_t embedding_size;       /* E, the embeddings' width (word, position, type tables, their LayerNorm); 0:
+                                   * hidden_size. E != C: a linear layer embeddings_project (C, E) + bias maps
+                                   * the LayerNorm's output to the layers' width (ELECTRA) */
     /* Structure of a compressed model (fasttran.compress); all NULL / 0 for a model as pretrained.
      * The head size is hidden_size / num_heads in every layer; a pruned layer keeps fewer heads
      * (its Q, K, V projections have layer_heads[l] * head size rows, its output projection as many
@@ -104,6 +115,8 @@ int64_t ft_config_layer_heads(const ft_bert_config *c, int64_t layer);
 int64_t ft_config_layer_intermediate(const ft_bert_config *c, int64_t layer);
 int64_t ft_config_total_heads(const ft_bert_config *c);
 int64_t ft_config_vocab_rows(const ft_bert_config *c);   /* rows of the word embeddings */
+int64_t ft_config_max_tokens(const ft_bert_config *c);
+int64_t ft_config_embedding_size(const ft_bert_config *c);   /* E (hidden_size when the config says 0) */   /* real tokens a sequence may hold (positions) */
 int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b);
 
 typedef enum { FT_POOL_NONE = 0, FT_POOL_CLS = 1, FT_POOL_MEAN = 2 } ft_pooling;
@@ -154,6 +167,16 @@ ft_status ft_encoder_save_safetensors(const ft_encoder *enc, const char *path, f
  * checked) before its header is read; the save returns them (bytes / crc may be NULL). */
 ft_status ft_encoder_load_safetensors_expect(ft_encoder *enc, const char *path, const char *prefix,
                                              int64_t expect_bytes, int64_t expect_crc32c);
+/* The same for a checkpoint that names its tensors otherwise: names[k] is view k's name in the file
+ * (without the prefix; ft_encoder_num_tensors entries, NULL: the views' own names), layer_prefix what
+ * precedes a layer's index in them ("encoder.layer.", DistilBERT's "transformer.layer."); a NULL
+ * prefix is detected from names[0] (the word embeddings). */
+ft_status ft_encoder_load_safetensors_named(ft_encoder *enc, const char *path, const char *prefix,
+                                            const char *const *names, const char *layer_prefix,
+                                            int64_t expect_bytes, int64_t expect_crc32c);
+/* names (one per view, as for ft_encoder_load_safetensors_named; NULL: the views' own) names the tensors */
+ft_status ft_encoder_save_safetensors_named(const ft_encoder *enc, const char *path, ft_dtype dtype,
+                                            const char *const *names, uint64_t *bytes, uint32_t *crc32c);
 ft_status ft_encoder_save_safetensors_record(const ft_encoder *enc, const char *path, ft_dtype dtype,
                                              uint64_t *bytes, uint32_t *crc32c);
 

@@ -36,14 +36,21 @@ static ft_status add_view(ft_encoder *e, size_t *cap, size_t *off, const char *n
 
 static ft_status build_layout(ft_encoder *e) {
     const ft_bert_config *c = &e->cfg;
-    const int64_t C = c->hidden_size, hs = c->hidden_size / c->num_heads;
+    const int64_t C = c->hidden_size, hs = c->hidden_size / c->num_heads, E = ft_config_embedding_size(c);
     size_t cap = 0, off = 0, dummy;
     char nm[96];
-    FT_TRY(add_view(e, &cap, &off, "embeddings.word_embeddings.weight", 2, ft_config_vocab_rows(c), C, 0, &e->word));
-    FT_TRY(add_view(e, &cap, &off, "embeddings.position_embeddings.weight", 2, c->max_position_embeddings, C, 0, &e->pos));
-    FT_TRY(add_view(e, &cap, &off, "embeddings.token_type_embeddings.weight", 2, c->type_vocab_size, C, 0, &e->type));
-    FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.weight", 1, C, 0, 0, &e->emb_ln_g));
-    FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.bias", 1, C, 0, 0, &e->emb_ln_b));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.word_embeddings.weight", 2, ft_config_vocab_rows(c), E, 0, &e->word));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.position_embeddings.weight", 2, c->max_position_embeddings, E, 0, &e->pos));
+    e->type = FT_NO_OFFSET;   /* an architecture without token types has no type table */
+    if (c->type_vocab_size > 0)
+        FT_TRY(add_view(e, &cap, &off, "embeddings.token_type_embeddings.weight", 2, c->type_vocab_size, E, 0, &e->type));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.weight", 1, E, 0, 0, &e->emb_ln_g));
+    FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.bias", 1, E, 0, 0, &e->emb_ln_b));
+    e->proj_w = e->proj_b = FT_NO_OFFSET;
+    if (E != C) {   /* ELECTRA's embeddings_project: (N, E) -> (N, C) */
+        FT_TRY(add_view(e, &cap, &off, "embeddings_project.weight", 2, C, E, 0, &e->proj_w));
+        FT_TRY(add_view(e, &cap, &off, "embeddings_project.bias", 1, C, 0, 0, &e->proj_b));
+    }
     e->layers = calloc((size_t)c->num_layers, sizeof *e->layers);
     if (!e->layers) return ft_error(FT_ERR_NOMEM, "out of memory");
     for (int64_t l = 0; l < c->num_layers; l++) {
@@ -87,7 +94,13 @@ static ft_status check_config(const ft_bert_config *c) {
     REQ(c->intermediate_size >= 1 && c->intermediate_size <= 1 << 20, "intermediate_size must be in [1, 2^20], got %lld", (long long)c->intermediate_size);
     REQ(c->max_position_embeddings >= 1 && c->max_position_embeddings <= 1 << 20,
         "max_position_embeddings must be in [1, 2^20], got %lld", (long long)c->max_position_embeddings);
-    REQ(c->type_vocab_size >= 1 && c->type_vocab_size <= 1 << 20, "type_vocab_size must be in [1, 2^20], got %lld", (long long)c->type_vocab_size);
+    REQ(c->type_vocab_size >= 0 && c->type_vocab_size <= 1 << 20, "type_vocab_size must be in [0, 2^20] (0: no token types), got %lld", (long long)c->type_vocab_size);
+    REQ(c->embedding_size >= 0 && c->embedding_size <= 65536, "embedding_size must be in [0, 65536] (0: hidden_size), "
+        "got %lld", (long long)c->embedding_size);
+    REQ(c->position_ids == FT_POS_INDEX || c->position_ids == FT_POS_AFTER_PADDING, "unknown position_ids %d", (int)c->position_ids);
+    REQ(c->position_ids != FT_POS_AFTER_PADDING || (c->pad_token_id >= 0 && c->pad_token_id + 1 < c->max_position_embeddings),
+        "positions after the padding id need 0 <= pad_token_id < max_position_embeddings - 1, got pad_token_id %lld",
+        (long long)c->pad_token_id);
     REQ(c->layer_norm_eps > 0.0f, "layer_norm_eps must be > 0, got %g", (double)c->layer_norm_eps);
     REQ(c->activation >= FT_ACT_GELU_ERF && c->activation <= FT_ACT_RELU, "unknown activation %d", (int)c->activation);
     int sign_match = 0;
@@ -127,6 +140,12 @@ int64_t ft_config_layer_intermediate(const ft_bert_config *c, int64_t l) {
     return c->layer_intermediate ? c->layer_intermediate[l] : c->intermediate_size;
 }
 
+int64_t ft_config_embedding_size(const ft_bert_config *c) {
+    return c->embedding_size > 0 ? c->embedding_size : c->hidden_size;
+}
+int64_t ft_config_max_tokens(const ft_bert_config *c) {
+    return c->max_position_embeddings - (c->position_ids == FT_POS_AFTER_PADDING ? c->pad_token_id + 1 : 0);
+}
 int64_t ft_config_vocab_rows(const ft_bert_config *c) { return c->vocab_map ? c->vocab_rows : c->vocab_size; }
 
 int64_t ft_config_total_heads(const ft_bert_config *c) {
@@ -139,7 +158,8 @@ int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b) {
     if (a->vocab_size != b->vocab_size || a->hidden_size != b->hidden_size || a->num_layers != b->num_layers ||
         a->num_heads != b->num_heads || a->intermediate_size != b->intermediate_size ||
         a->max_position_embeddings != b->max_position_embeddings || a->type_vocab_size != b->type_vocab_size ||
-        a->layer_norm_eps != b->layer_norm_eps || a->activation != b->activation || a->pad_token_id != b->pad_token_id)
+        a->layer_norm_eps != b->layer_norm_eps || a->activation != b->activation || a->pad_token_id != b->pad_token_id ||
+        a->position_ids != b->position_ids || ft_config_embedding_size(a) != ft_config_embedding_size(b))
         return 0;
     for (int64_t l = 0; l < a->num_layers; l++)
         if (ft_config_layer_heads(a, l) != ft_config_layer_heads(b, l) ||
@@ -375,9 +395,8 @@ static const char *shape_str(int ndim, const int64_t *shape, char *buf) {
     return buf;
 }
 
-static ft_status detect_prefix(const ft_st_file *f, char *prefix, size_t len) {
-    static const char key[] = "embeddings.word_embeddings.weight";
-    const size_t kl = sizeof key - 1;
+static ft_status detect_prefix(const ft_st_file *f, const char *key, char *prefix, size_t len) {
+    const size_t kl = strlen(key);
     for (size_t k = 0; k < f->n_entries; k++) {
         size_t nl = strlen(f->entries[k].name);
         if (nl >= kl && strcmp(f->entries[k].name + nl - kl, key) == 0 && nl - kl < len) {
@@ -386,7 +405,7 @@ static ft_status detect_prefix(const ft_st_file *f, char *prefix, size_t len) {
             return FT_OK;
         }
     }
-    return ft_error(FT_ERR_FORMAT, "%s: no tensor named '[prefix]%s': not a BERT checkpoint", f->path, key);
+    return ft_error(FT_ERR_FORMAT, "%s: no tensor named '[prefix]%s': not a checkpoint of this architecture", f->path, key);
 }
 
 ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const char *prefix_in) {
@@ -395,6 +414,12 @@ ft_status ft_encoder_load_safetensors(ft_encoder *e, const char *path, const cha
 
 ft_status ft_encoder_load_safetensors_expect(ft_encoder *e, const char *path, const char *prefix_in,
                                              int64_t expect_bytes, int64_t expect_crc32c) {
+    return ft_encoder_load_safetensors_named(e, path, prefix_in, NULL, "encoder.layer.", expect_bytes, expect_crc32c);
+}
+
+ft_status ft_encoder_load_safetensors_named(ft_encoder *e, const char *path, const char *prefix_in,
+                                            const char *const *names, const char *layer_prefix,
+                                            int64_t expect_bytes, int64_t expect_crc32c) {
     if (e->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "%s: this encoder is int8; load float weights into a float32 encoder, then "
                         "quantize it", path);
@@ -403,13 +428,15 @@ ft_status ft_encoder_load_safetensors_expect(ft_encoder *e, const char *path, co
     char prefix[128];
     ft_status st = FT_OK;
     if (prefix_in) snprintf(prefix, sizeof prefix, "%s", prefix_in);
-    else st = detect_prefix(&f, prefix, sizeof prefix);
-    size_t plen = strlen(prefix);
+    else st = detect_prefix(&f, names ? names[0] : e->views[0].name, prefix, sizeof prefix);
+    size_t plen = strlen(prefix), lplen = strlen(layer_prefix);
     /* a checkpoint with more layers than the config is a mismatch, not something to ignore */
     for (size_t k = 0; st == FT_OK && k < f.n_entries; k++) {
         const char *nm = f.entries[k].name;
         long long idx;
-        if (strncmp(nm, prefix, plen) == 0 && sscanf(nm + plen, "encoder.layer.%lld.", &idx) == 1 &&
+        char dot;
+        if (strncmp(nm, prefix, plen) == 0 && strncmp(nm + plen, layer_prefix, lplen) == 0 &&
+            sscanf(nm + plen + lplen, "%lld%c", &idx, &dot) == 2 && dot == '.' &&
             (idx < 0 || idx >= e->cfg.num_layers))
             st = ft_error(FT_ERR_FORMAT, "%s: tensor '%s' belongs to layer %lld but the config has num_hidden_layers = %lld",
                           path, nm, idx, (long long)e->cfg.num_layers);
@@ -418,7 +445,7 @@ ft_status ft_encoder_load_safetensors_expect(ft_encoder *e, const char *path, co
     int pooler_found = 0;
     for (size_t k = 0; st == FT_OK && k < e->n_views; k++) {
         const ft_param_view *v = &e->views[k];
-        snprintf(full, sizeof full, "%s%s", prefix, v->name);
+        snprintf(full, sizeof full, "%s%s", prefix, names ? names[k] : v->name);
         const ft_st_entry *t = ft_st_find(&f, full);
         if (!t) {
             if (v->optional) continue;
@@ -454,6 +481,11 @@ ft_status ft_encoder_save_safetensors(const ft_encoder *e, const char *path, ft_
 
 ft_status ft_encoder_save_safetensors_record(const ft_encoder *e, const char *path, ft_dtype dtype, uint64_t *bytes,
                                              uint32_t *crc32c) {
+    return ft_encoder_save_safetensors_named(e, path, dtype, NULL, bytes, crc32c);
+}
+
+ft_status ft_encoder_save_safetensors_named(const ft_encoder *e, const char *path, ft_dtype dtype,
+                                            const char *const *names, uint64_t *bytes, uint32_t *crc32c) {
     if (e->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "%s: an int8 encoder has no float32 weights to write in Hugging Face's "
                         "layout; its int8 weights and scales are named tensors (ft_encoder_tensor_int8)", path);
@@ -470,7 +502,7 @@ ft_status ft_encoder_save_safetensors_record(const ft_encoder *e, const char *pa
     }
     for (size_t k = 0; k < n; k++) {
         const ft_param_view *v = &e->views[k];
-        ts[k].name = v->name;
+        ts[k].name = names ? names[k] : v->name;
         ts[k].dtype = dtype;
         ts[k].ndim = v->ndim;
         ts[k].shape[0] = v->shape[0];
@@ -527,7 +559,9 @@ static ft_status pack_one(ft_encoder *e, float *dst, int64_t l, int k, int64_t N
 static ft_status ensure_packed(ft_encoder *e) {
     if (e->packed_ok) return FT_OK;
     ft_backend *be = e->be;
-    size_t total = 0;
+    const int64_t C = e->cfg.hidden_size, E = ft_config_embedding_size(&e->cfg);
+    /* the embeddings' projection first (float32 or bf16 only: an int8 encoder has none) */
+    size_t total = e->proj_w != FT_NO_OFFSET ? packed_floats_of(e, C, E) : 0;
     for (int64_t l = 0; l < e->cfg.num_layers; l++) {
         int64_t shapes[4][2];   /* a pruned layer's are smaller */
         ft_encoder_layer_shapes(e, l, shapes);
@@ -541,6 +575,13 @@ static ft_status ensure_packed(ft_encoder *e) {
         e->packed_floats = total;
     }
     size_t off = 0;
+    if (e->proj_w != FT_NO_OFFSET) {
+        const size_t size = packed_floats_of(e, C, E);
+        const float *w = (const float *)e->params + e->proj_w;
+        e->pproj = 0;
+        if (size) FT_TRY(e->lowp ? be->pack_weight_bf16(be, e->packed, w, C, E) : be->pack_weight(be, e->packed, w, C, E));
+        off = size;
+    }
     for (int64_t l = 0; l < e->cfg.num_layers; l++) {
         int64_t shapes[4][2];
         ft_encoder_layer_shapes(e, l, shapes);
@@ -612,6 +653,8 @@ static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffe
         wide = 3 * A > wide ? 3 * A : wide;
     }
     if (wide < C) wide = C;
+    if (wide < ft_config_embedding_size(&e->cfg)) wide = ft_config_embedding_size(&e->cfg);   /* the embeddings before
+                                                                                               * their projection */
     const int host_mem = e->be->device.kind == FT_DEVICE_CPU;
     const size_t es = e->esz;
     enum { NW = 14 };
@@ -704,6 +747,7 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
         h->pool_first[b] = (int32_t)first;
         /* pass 0: check every position, add the real tokens; pass 1: add the wanted padded ones */
         for (int pass = 0; pass < 2; pass++) {
+            int64_t before = 0;   /* FT_POS_AFTER_PADDING: real tokens so far whose id is not the padding id */
             for (int64_t t = 0; t < T; t++) {
                 const float m = mask_at(mask, b, t);
                 const int64_t id = ft_index2d_get(ids, b, t);
@@ -715,17 +759,33 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
                     if (id < 0 || id >= c->vocab_size)
                         return ft_error(FT_ERR_OUT_OF_RANGE, "input_ids[%lld, %lld] = %lld is out of range for vocab_size %lld",
                                         (long long)b, (long long)t, (long long)id, (long long)c->vocab_size);
-                    if (ty < 0 || ty >= c->type_vocab_size)
+                    if (ty != 0 && c->type_vocab_size == 0)
+                        return ft_error(FT_ERR_OUT_OF_RANGE, "token_type_ids[%lld, %lld] = %lld: this model has no token types "
+                                        "(pass zeros or no token_type_ids)", (long long)b, (long long)t, (long long)ty);
+                    if (ty < 0 || (c->type_vocab_size > 0 && ty >= c->type_vocab_size))
                         return ft_error(FT_ERR_OUT_OF_RANGE, "token_type_ids[%lld, %lld] = %lld is out of range for type_vocab_size %lld",
                                         (long long)b, (long long)t, (long long)ty, (long long)c->type_vocab_size);
+                }
+                int64_t pos = t;
+                if (c->position_ids == FT_POS_AFTER_PADDING) {
+                    pos = id == c->pad_token_id ? c->pad_token_id : c->pad_token_id + 1 + before;
+                    if (m != 0.0f && id != c->pad_token_id) before++;
+                }
+                if (pass == 0) {
                     if (m == 0.0f) continue;
+                    if (pos >= c->max_position_embeddings)
+                        return ft_error(FT_ERR_INVALID_ARGUMENT, "input_ids[%lld, %lld]: position %lld exceeds "
+                                        "max_position_embeddings %lld (sequence %lld is too long: at most %lld tokens)",
+                                        (long long)b, (long long)t, (long long)pos, (long long)c->max_position_embeddings,
+                                        (long long)b, (long long)ft_config_max_tokens(c));
                 } else {
                     if (m != 0.0f || !(with_pad || (cls_pad && t == 0))) continue;
+                    if (pos >= c->max_position_embeddings) pos = c->pad_token_id;   /* a padded row: any valid one */
                     if (t == 0) h->pool_first[b] = (int32_t)r;   /* a padded CLS row */
                 }
                 h->ids[r] = c->vocab_map ? c->vocab_map[id] : (int32_t)id;   /* a pruned vocabulary's row */
                 h->types[r] = (int32_t)ty;
-                h->positions[r] = (int32_t)t;
+                h->positions[r] = (int32_t)pos;
                 h->src[r] = (int32_t)(b * T + t);
                 if (h->src[r] != r) h->identity = 0;
                 r++;
@@ -803,7 +863,7 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     uint8_t modes[NH];
     if (B < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "empty batch: batch size must be >= 1");
     if (T < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "empty sequences: sequence length must be >= 1");
-    if (T > c->max_position_embeddings)
+    if (c->position_ids == FT_POS_INDEX && T > c->max_position_embeddings)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "sequence length %lld exceeds max_position_embeddings %lld",
                         (long long)T, (long long)c->max_position_embeddings);
     if (B * T > INT32_MAX) return ft_error(FT_ERR_INVALID_ARGUMENT, "batch of %lld x %lld tokens is too large",
@@ -843,13 +903,18 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     const ft_dtype dt = e->dtype;
     const char *Pb = e->params;
 #define P(off) ((const void *)(Pb + (off) * e->esz))
+#define TYPES (e->type == FT_NO_OFFSET ? NULL : P(e->type))   /* no token types: no type table */
+    const int64_t E = ft_config_embedding_size(c);
+    void *emb = e->proj_w != FT_NO_OFFSET ? w.big : w.x;   /* (N, E): projected into x when E != C */
     if (N > 0 && start == 0 && e->int8 && e->int8->word)   /* int8 word embeddings (per-row scales) */
-        FT_TRY(be->embed_i8_ln_forward(be, w.x, w.ids, w.types, w.positions, e->int8->data + e->int8->word_q,
-                                       e->int8->scale + e->int8->word_s, P(e->pos), P(e->type), P(e->emb_ln_g),
-                                       P(e->emb_ln_b), N, C, c->layer_norm_eps));
+        FT_TRY(be->embed_i8_ln_forward(be, emb, w.ids, w.types, w.positions, e->int8->data + e->int8->word_q,
+                                       e->int8->scale + e->int8->word_s, P(e->pos), TYPES, P(e->emb_ln_g),
+                                       P(e->emb_ln_b), N, E, c->layer_norm_eps));
     else if (N > 0 && start == 0)
-        FT_TRY(be->embed_ln_forward(be, dt, w.x, w.ids, w.types, w.positions, P(e->word), P(e->pos), P(e->type),
-                                    P(e->emb_ln_g), P(e->emb_ln_b), N, C, c->layer_norm_eps));
+        FT_TRY(be->embed_ln_forward(be, dt, emb, w.ids, w.types, w.positions, P(e->word), P(e->pos), TYPES,
+                                    P(e->emb_ln_g), P(e->emb_ln_b), N, E, c->layer_norm_eps));
+    if (N > 0 && start == 0 && e->proj_w != FT_NO_OFFSET)   /* x (N, C) = emb W^T + b (ELECTRA) */
+        FT_TRY(linear(e, w.x, emb, e->proj_w, e->pproj, P(e->proj_b), N, E, C, -1));
     if (N > 0 && start > 0) {   /* x = the given layer's rows, gathered into the packed order */
         float *rows = host_mem ? (float *)w.x : malloc((size_t)N * (size_t)C * sizeof(float));
         if (!rows) return ft_error(FT_ERR_NOMEM, "out of memory staging start_hidden");
@@ -902,6 +967,7 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
             if (dst != pooled_out[l]) FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
         }
     }
+#undef TYPES
 #undef P
     return be->synchronize(be);
 }

@@ -63,6 +63,7 @@ struct ft_encoder {
     ft_param_view *views;
     size_t n_views;
     size_t word, pos, type, emb_ln_g, emb_ln_b, pooler_w, pooler_b;
+    size_t proj_w, proj_b, pproj;   /* embeddings_project (embedding_size != hidden_size), else FT_NO_OFFSET */
     ft_layer_offsets *layers;
     /* the structure of a compressed model: per layer its heads and FFN width, per head its
      * attention mode (the config's arrays point here); head_first[l] = the layer's first head */

@@ -21,6 +21,10 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     if (e->be->device.kind != FT_DEVICE_CPU)
         return ft_error(FT_ERR_UNSUPPORTED, "int8 encoders run on the CPU backend; quantize a CPU encoder");
     if (e->int8) return ft_error(FT_ERR_INVALID_ARGUMENT, "this encoder is already int8");
+    if (e->proj_w != FT_NO_OFFSET)
+        return ft_error(FT_ERR_UNSUPPORTED, "int8 quantization of an encoder whose embeddings are projected "
+                        "(embedding_size %lld != hidden_size %lld, ELECTRA-small) is not supported",
+                        (long long)ft_config_embedding_size(&e->cfg), (long long)e->cfg.hidden_size);
     if (e->wtype != FT_F32 || e->dtype != FT_F32)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "quantize a float32 encoder (this one is %s)",
                         ft_dtype_name(ft_encoder_dtype(e)));

@@ -70,19 +70,21 @@ static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                              "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "activation",
                              "pad_token_id", "device_index", "dtype", "layer_heads", "layer_intermediate",
-                             "head_attention", "sign_match_keys", "vocab_map", "vocab_rows", NULL};
+                             "head_attention", "sign_match_keys", "vocab_map", "vocab_rows", "position_ids", "embedding_size", NULL};
     ft_bert_config c;
-    int act = 0, device_index = -1;
+    int act = 0, device_index = -1, position_ids = FT_POS_INDEX;
     const char *dtype = "float32";
     PyObject *heads_o = Py_None, *inter_o = Py_None, *attn_o = Py_None, *vmap_o = Py_None;
-    long long sign_keys = 0, vocab_rows = 0;
+    long long sign_keys = 0, vocab_rows = 0, embedding_size = 0;
     memset(&c, 0, sizeof c);
-    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|isOOOLOL", kwlist, &c.vocab_size, &c.hidden_size,
+    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|isOOOLOLiL", kwlist, &c.vocab_size, &c.hidden_size,
                                      &c.num_layers, &c.num_heads, &c.intermediate_size,
                                      &c.max_position_embeddings, &c.type_vocab_size, &c.layer_norm_eps, &act,
                                      &c.pad_token_id, &device_index, &dtype, &heads_o, &inter_o, &attn_o, &sign_keys,
-                                     &vmap_o, &vocab_rows))
+                                     &vmap_o, &vocab_rows, &position_ids, &embedding_size))
         return -1;
+    c.position_ids = (ft_position_ids)position_ids;   /* checked in C */
+    c.embedding_size = embedding_size;
     if (vmap_o != Py_None) {   /* a pruned vocabulary: one int32 row per token id (checked for sense in C) */
         PyArrayObject *a = (PyArrayObject *)vmap_o;
         if (!PyArray_Check(vmap_o) || PyArray_TYPE(a) != NPY_INT32 || PyArray_NDIM(a) != 1 ||
@@ -157,32 +159,69 @@ static int ready(EncoderCore *self) {
     return 1;
 }
 
+/* names_o: None, or a list of one str per tensor (ft_encoder_num_tensors): the checkpoint's name of each
+ * view. *out: NULL for None, else an array to PyMem_Free (its strings live as long as the list). 0: failed */
+static int tensor_names(EncoderCore *self, PyObject *names_o, const char ***out) {
+    const size_t n = ft_encoder_num_tensors(self->enc);
+    *out = NULL;
+    if (names_o == Py_None) return 1;
+    if (!PyList_Check(names_o) || (size_t)PyList_GET_SIZE(names_o) != n) {
+        ft_py_fail(ft_errors.input, "names must be a list of %zu tensor names (one per parameter)", n);
+        return 0;
+    }
+    const char **names = PyMem_Calloc(n + 1, sizeof *names);
+    if (!names) { PyErr_NoMemory(); return 0; }
+    for (size_t k = 0; k < n; k++) {
+        PyObject *o = PyList_GET_ITEM(names_o, (Py_ssize_t)k);
+        names[k] = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+        if (!names[k]) {
+            if (!PyErr_Occurred()) ft_py_fail(ft_errors.input, "names[%zu] must be a str", k);
+            PyMem_Free(names);
+            return 0;
+        }
+    }
+    *out = names;
+    return 1;
+}
+
+/* load(path, prefix=None, expect_bytes=-1, expect_crc32c=-1, names=None, layer_prefix="encoder.layer."):
+ * names (tensor_names) the checkpoint's name of each view, without the prefix */
 static PyObject *EncoderCore_load(EncoderCore *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"path", "prefix", "expect_bytes", "expect_crc32c", NULL};
-    const char *path, *prefix = NULL;
+    static char *kwlist[] = {"path", "prefix", "expect_bytes", "expect_crc32c", "names", "layer_prefix", NULL};
+    const char *path, *prefix = NULL, *layer_prefix = "encoder.layer.";
     long long eb = -1, ec = -1;
-    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|zLL", kwlist, &path, &prefix, &eb, &ec)) return NULL;
+    PyObject *names_o = Py_None;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|zLLOs", kwlist, &path, &prefix, &eb, &ec, &names_o,
+                                                     &layer_prefix))
+        return NULL;
+    const char **names;
+    if (!tensor_names(self, names_o, &names)) return NULL;
     ft_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = ft_encoder_load_safetensors_expect(self->enc, path, prefix, eb, ec);
+    Py_BEGIN_ALLOW_THREADS   /* names stays alive: the list holds its strings, and the call holds the list */
+    st = ft_encoder_load_safetensors_named(self->enc, path, prefix, names, layer_prefix, eb, ec);
     Py_END_ALLOW_THREADS
+    PyMem_Free(names);
     if (st != FT_OK) return ft_py_raise(st);
     Py_RETURN_NONE;
 }
 
 static PyObject *EncoderCore_save(EncoderCore *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"path", "dtype", NULL};
+    static char *kwlist[] = {"path", "dtype", "names", NULL};
     const char *path, *dtype = "float32";
-    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|s", kwlist, &path, &dtype)) return NULL;
+    PyObject *names_o = Py_None;
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "s|sO", kwlist, &path, &dtype, &names_o)) return NULL;
     const ft_dtype dt = float_dtype_named(dtype);
     if (dt == FT_DTYPE_COUNT)
         return ft_py_fail(ft_errors.input_type, "save dtype must be 'float32', 'float16' or 'bfloat16', got '%s'", dtype);
+    const char **names;
+    if (!tensor_names(self, names_o, &names)) return NULL;
     ft_status st;
     uint64_t bytes = 0;
     uint32_t crc = 0;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_encoder_save_safetensors_record(self->enc, path, dt, &bytes, &crc);
+    st = ft_encoder_save_safetensors_named(self->enc, path, dt, names, &bytes, &crc);
     Py_END_ALLOW_THREADS
+    PyMem_Free(names);
     if (st != FT_OK) return ft_py_raise(st);
     return Py_BuildValue("(KI)", (unsigned long long)bytes, (unsigned int)crc);
 }
@@ -672,10 +711,11 @@ static PyObject *EncoderCore_get_workspace_bytes(EncoderCore *self, void *c) {
 
 static PyMethodDef EncoderCore_methods[] = {
     {"load", (PyCFunction)(void (*)(void))EncoderCore_load, METH_VARARGS | METH_KEYWORDS,
-     "load(path, prefix=None, expect_bytes=-1, expect_crc32c=-1): read a safetensors file (its size and CRC-32C "
-     "checked first when given)."},
+     "load(path, prefix=None, expect_bytes=-1, expect_crc32c=-1, names=None, layer_prefix='encoder.layer.'): read a "
+     "safetensors file (its size and CRC-32C checked first when given; names: each tensor's name in the file)."},
     {"save", (PyCFunction)(void (*)(void))EncoderCore_save, METH_VARARGS | METH_KEYWORDS,
-     "save(path, dtype='float32') -> (bytes, crc32c): write safetensors atomically."},
+     "save(path, dtype='float32', names=None) -> (bytes, crc32c): write safetensors atomically (names: each "
+     "tensor's name in the file)."},
     {"forward", (PyCFunction)(void (*)(void))EncoderCore_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(*, input_ids, attention_mask, token_type_ids, layers, pooling, want_hidden, on_device=False, "
      "skip_layers=None, head_keep=None, ffn_keep=None, ffn_group=0) -> (hidden, pooled)."},

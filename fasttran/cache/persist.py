@@ -225,7 +225,7 @@ def check_manifest(man, p):
     if not isinstance(c, dict):
         raise bad("config", "is not an object")
     for k in ("vocab_size", "type_vocab_size", "max_position_embeddings"):
-        need_int(c, k, 1, 1 << 40, "config.")
+        need_int(c, k, 0 if k == "type_vocab_size" else 1, 1 << 40, "config.")   # 0: no token types (DistilBERT)
     if need_int(c, "hidden_size", 1, 1 << 16, "config.") != s["hidden"]:
         raise bad("settings.hidden", f"is {s['hidden']} but config.hidden_size is {c['hidden_size']}")
     if need_int(c, "num_hidden_layers", 0, 1000, "config.") < s["layer"]:
@@ -369,8 +369,8 @@ def read_index(d, man):
     tok, typ = out["tokens"], out["types"]
     if T and (tok.min() < 0 or tok.max() >= c["vocab_size"]):
         raise bad("tokens", f"hold ids outside [0, {c['vocab_size']})")
-    if T and (typ.min() < 0 or typ.max() >= c["type_vocab_size"]):
-        raise bad("types", f"hold type ids outside [0, {c['type_vocab_size']})")
+    if T and (typ.min() < 0 or typ.max() >= max(c["type_vocab_size"], 1)):   # no token types: zeros
+        raise bad("types", f"hold type ids outside [0, {max(c['type_vocab_size'], 1)})")
     if len(np.unique(out["example_ids"])) != N:
         raise bad("example_ids", "are not distinct")
     if not np.array_equal(input_fingerprints(tok, typ, off), out["fingerprints"]):

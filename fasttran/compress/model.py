@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from ..architectures import require_bert_layout
 from ..encoder import ATTENTION_MODES, STRUCTURE_KEYS, Encoder, vocab_map
 from ..errors import CheckpointError, CheckpointNotFoundError, InputError, InputTypeError, UnsupportedError
 from ..heads import ClassificationHead, Head
@@ -126,6 +127,7 @@ class TaskModel:
     def __init__(self, encoder, head, pooling="mean", origin=None, info=None):
         if not isinstance(encoder, Encoder):
             raise InputTypeError(f"encoder must be a fasttran.Encoder, got {type(encoder).__name__}")
+        require_bert_layout(encoder.architecture, "compression (fasttran.compress)")
         if not isinstance(head, ClassificationHead):
             raise InputTypeError(f"compression takes a classification head, got {type(head).__name__}")
         if head.hidden_size != encoder.hidden_size:

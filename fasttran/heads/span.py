@@ -8,7 +8,7 @@ back to text and scores it with SQuAD's official exact match and F1.
 """
 import numpy as np
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, UnsupportedModelError
 from .base import Head, Prepared, gather_rows, token_offsets
 
 
@@ -57,6 +57,11 @@ class QAHead(Head):
         return ""
 
     def prepare(self, cache, targets):
+        arch = getattr(getattr(cache, "encoder", None), "architecture", None)
+        if arch is not None and arch.token_types != "segments":
+            raise UnsupportedModelError(
+                f"question answering over {arch.hf_class} is not supported yet: the QA head finds the context by "
+                "token type 1, and this architecture's inputs carry no token types")
         ctx = context_rows(cache)
         offsets = token_offsets(cache.lengths)
         if targets is None:

@@ -1,0 +1,227 @@
+"""The encoder architectures fasttran loads, declared once: one :class:`Architecture` entry each.
+
+An entry says which Hugging Face ``model_type`` values it covers, how its config names the sizes,
+and how its layers differ from BERT's: layer norm placement, position ids, token types, activation,
+embedding projection, pooler, and the checkpoint's tensor names (mapped onto fasttran's parameter
+table, whose names are BertModel's). Nothing outside this file asks which model type it has: code
+reads the entry's fields (tests/test_kinds.py greps for model-type strings elsewhere).
+
+An entry whose fields name something the C encoder does not implement (pre-LN, rotary positions,
+gated activations, layers without biases, local attention windows) is refused with that reason.
+"""
+import dataclasses
+import re
+
+from .errors import CheckpointError, UnsupportedModelError
+
+#: a layer's parameters in fasttran's table (BertModel's names after "encoder.layer.<i>.")
+LAYER_TENSORS = (
+    "attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight",
+    "attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias",
+    "attention.output.dense.weight", "attention.output.dense.bias",
+    "attention.output.LayerNorm.weight", "attention.output.LayerNorm.bias",
+    "intermediate.dense.weight", "intermediate.dense.bias", "output.dense.weight", "output.dense.bias",
+    "output.LayerNorm.weight", "output.LayerNorm.bias")
+_TABLE_LAYER = "encoder.layer."
+_WORDS = "embeddings.word_embeddings.weight"
+
+# transformers.BertConfig's defaults, used when a field is absent (as transformers does)
+_BERT_DEFAULTS = {
+    "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512,
+    "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """How one family of checkpoints maps onto fasttran's encoder."""
+    name: str
+    model_types: tuple                    # config.json model_type values it covers
+    hf_class: str                         # transformers' base model class (export, messages)
+    norm: str = "post"                    # "post": LN(x + f(x)) (BERT); "pre": x + f(LN(x)) (ModernBERT)
+    positions: str = "absolute"           # "absolute" learned table; "rotary" (RoPE)
+    position_ids: str = "index"           # "index": t; "after_padding": RoBERTa's padding_idx + 1 + count
+    token_types: str = "segments"         # "segments": types from the tokenizer (A 0, B 1); "zero": a type
+                                          # table read at 0 for every token; "none": no type table
+    gated_activation: bool = False        # GeGLU / SwiGLU FFNs
+    biases: bool = True                   # linear layers and LayerNorms with biases
+    attention_window: bool = False        # per-layer local / global attention
+    embedding_projection: bool = False    # embedding_size may differ from hidden_size (ELECTRA)
+    pooler: bool = True                   # the base model has a pooler (dense + tanh on the first token)
+    config_keys: dict = dataclasses.field(default_factory=dict)   # fasttran's key -> the config's key
+    defaults: dict = dataclasses.field(default_factory=dict)      # config defaults besides BERT's
+    fixed: dict = dataclasses.field(default_factory=dict)         # values the config cannot change
+    layer_prefix: str = _TABLE_LAYER      # the checkpoint's "encoder.layer." for layer tensors
+    names: dict = dataclasses.field(default_factory=dict)         # fasttran's name -> the checkpoint's
+    prefixes: tuple = ("",)               # what wrappers put before the names ("bert." ...): detected;
+                                          # the first is what the architecture's *For* classes put
+    #: export: {layout: {BertFor*'s tensor name: this architecture's}} where the head's tensors are named
+    #: otherwise, or {layout: why no class of this architecture holds fasttran's head}
+    heads: dict = dataclasses.field(default_factory=dict)
+
+    def unsupported(self):
+        """Why the C encoder cannot run this architecture ([] when it can)."""
+        why = []
+        if self.norm != "post":
+            why.append(f"{self.norm}-LN layers (fasttran's layers are post-LN)")
+        if self.positions != "absolute":
+            why.append(f"{self.positions} position embeddings (fasttran has learned absolute ones)")
+        if self.gated_activation:
+            why.append("gated FFN activations (GeGLU)")
+        if not self.biases:
+            why.append("layers without biases")
+        if self.attention_window:
+            why.append("local / global attention windows per layer")
+        return why
+
+    # ---- tensor names ------------------------------------------------------------------------
+    def checkpoint_name(self, name):
+        """The checkpoint's name (without a wrapper prefix) of fasttran's tensor `name`."""
+        if name in self.names:
+            return self.names[name]
+        if name.startswith(_TABLE_LAYER):
+            i, _, rest = name[len(_TABLE_LAYER):].partition(".")
+            return f"{self.layer_prefix}{i}.{self.names.get(rest, rest)}"
+        return name
+
+    @property
+    def renames(self):
+        """True when some tensor is named otherwise than in fasttran's (BertModel's) table."""
+        return bool(self.names) or self.layer_prefix != _TABLE_LAYER
+
+    def detect_prefix(self, tensor_names, source):
+        """The wrapper prefix ("roberta.", "distilbert.", "" ...) of a checkpoint's tensor names."""
+        key = self.checkpoint_name(_WORDS)
+        found = sorted(n[:-len(key)] for n in tensor_names if n.endswith(key))
+        if not found:
+            raise CheckpointError(f"{source}: no tensor named '[prefix]{key}': not a {self.hf_class} checkpoint")
+        return found[0]
+
+    def layer_index_pattern(self, prefix):
+        return re.compile(re.escape(prefix + self.layer_prefix) + r"(\d+)\.")
+
+    # ---- export --------------------------------------------------------------------------------
+    def export_class(self, layout, bert_class, bert_names):
+        """(the architecture's class, {its tensor name: head tensor name}) for a head that exports as
+        BERT's `bert_class` with `bert_names`; None, with the reason, where it has no such class."""
+        how = self.heads.get(layout, {})
+        if isinstance(how, str):
+            return None, how
+        wrapper = self.prefixes[0]
+        names = {}
+        for hf, ours in bert_names.items():
+            hf = how.get(hf, hf)
+            names[wrapper + hf[len("bert."):] if hf.startswith("bert.") else hf] = ours
+        return self.hf_class[:-len("Model")] + bert_class[len("Bert"):], names
+
+    def exported_name(self, name):
+        """fasttran's encoder tensor `name` in the architecture's *For* classes"""
+        return self.prefixes[0] + self.checkpoint_name(name)
+
+    # ---- config --------------------------------------------------------------------------------
+    def config_value(self, cfg, key):
+        if key in self.fixed:
+            return self.fixed[key]
+        k = self.config_keys.get(key, key)
+        return cfg.get(k, self.defaults.get(key, _BERT_DEFAULTS.get(key)))
+
+    def max_tokens(self, config):
+        """Real tokens one sequence may hold: the positions minus those the padding id reserves."""
+        off = config["pad_token_id"] + 1 if self.position_ids == "after_padding" else 0
+        return config["max_position_embeddings"] - off
+
+
+_ROBERTA = dict(position_ids="after_padding", token_types="zero", prefixes=("roberta.", ""),
+                defaults={"pad_token_id": 1},
+                # RobertaClassificationHead: dense + tanh + out_proj on the first token = fasttran's pooler head
+                heads={"sequence-classification": {"bert.pooler.dense.weight": "classifier.dense.weight",
+                                                   "bert.pooler.dense.bias": "classifier.dense.bias",
+                                                   "classifier.weight": "classifier.out_proj.weight",
+                                                   "classifier.bias": "classifier.out_proj.bias"}})
+
+#: every architecture fasttran knows, supported or refused (with its reason)
+ARCHITECTURES = (
+    Architecture("bert", ("bert",), "BertModel", prefixes=("bert.", "")),
+    Architecture("roberta", ("roberta",), "RobertaModel", **dict(_ROBERTA, defaults={"vocab_size": 50265,
+                                                                                      "pad_token_id": 1})),
+    Architecture("xlm-roberta", ("xlm-roberta",), "XLMRobertaModel", **_ROBERTA),
+    Architecture("camembert", ("camembert",), "CamembertModel", **_ROBERTA),
+    Architecture("distilbert", ("distilbert",), "DistilBertModel", token_types="none", pooler=False,
+                 config_keys={"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                              "intermediate_size": "hidden_dim", "hidden_act": "activation"},
+                 defaults={"num_hidden_layers": 6}, fixed={"layer_norm_eps": 1e-12, "type_vocab_size": 0},
+                 layer_prefix="transformer.layer.", prefixes=("distilbert.", ""),
+                 heads={"sequence-classification": "DistilBertForSequenceClassification's pre_classifier is followed by "
+                                                   "ReLU, fasttran's pooler by tanh",
+                        "multiple-choice": "DistilBertForMultipleChoice's pre_classifier is followed by ReLU, fasttran's "
+                                           "pooler by tanh"},
+                 names={"attention.self.query.weight": "attention.q_lin.weight",
+                        "attention.self.query.bias": "attention.q_lin.bias",
+                        "attention.self.key.weight": "attention.k_lin.weight",
+                        "attention.self.key.bias": "attention.k_lin.bias",
+                        "attention.self.value.weight": "attention.v_lin.weight",
+                        "attention.self.value.bias": "attention.v_lin.bias",
+                        "attention.output.dense.weight": "attention.out_lin.weight",
+                        "attention.output.dense.bias": "attention.out_lin.bias",
+                        "attention.output.LayerNorm.weight": "sa_layer_norm.weight",
+                        "attention.output.LayerNorm.bias": "sa_layer_norm.bias",
+                        "intermediate.dense.weight": "ffn.lin1.weight", "intermediate.dense.bias": "ffn.lin1.bias",
+                        "output.dense.weight": "ffn.lin2.weight", "output.dense.bias": "ffn.lin2.bias",
+                        "output.LayerNorm.weight": "output_layer_norm.weight",
+                        "output.LayerNorm.bias": "output_layer_norm.bias"}),
+    Architecture("electra", ("electra",), "ElectraModel", embedding_projection=True, pooler=False,
+                 defaults={"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024,
+                           "embedding_size": 128}, prefixes=("electra.", ""),
+                 heads={"sequence-classification": "ElectraClassificationHead's dense layer is followed by GELU, "
+                                                   "fasttran's pooler by tanh",
+                        "multiple-choice": "ElectraForMultipleChoice's summary layer is followed by GELU, fasttran's "
+                                           "pooler by tanh"}),
+    Architecture("modernbert", ("modernbert",), "ModernBertModel", norm="pre", positions="rotary",
+                 gated_activation=True, biases=False, attention_window=True, pooler=False),
+)
+
+BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
+BERT = BY_MODEL_TYPE["bert"]
+
+
+def supported():
+    """The model_type values fasttran loads, sorted."""
+    return sorted(t for a in ARCHITECTURES if not a.unsupported() for t in a.model_types)
+
+
+def of_config(cfg, source="config.json"):
+    """The Architecture of a config dict (a config without model_type is BERT's), or
+    UnsupportedModelError naming the model_type and what fasttran supports."""
+    model_type = cfg.get("model_type", "bert")
+    arch = BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    listed = ", ".join(supported())
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{source}: model_type {model_type!r} is not supported; supported model types: {listed}")
+    why = arch.unsupported()
+    if why:
+        raise UnsupportedModelError(
+            f"{source}: model_type {model_type!r} is not supported yet: its {'; '.join(why)}. Supported model "
+            f"types: {listed}")
+    return arch
+
+
+def parse_fields(arch, cfg, source):
+    """The config's values of fasttran's keys, under the architecture's names and defaults."""
+    out = {k: arch.config_value(cfg, k) for k in _BERT_DEFAULTS}
+    if arch.embedding_projection:   # the embeddings' width; a projection to hidden_size where they differ
+        emb = arch.config_value(cfg, "embedding_size")
+        if isinstance(emb, bool) or not isinstance(emb, int) or emb < 1:
+            raise CheckpointError(f"{source}: embedding_size must be a positive integer, got {emb!r}")
+        out["embedding_size"] = emb
+    return out
+
+
+def require_bert_layout(arch, operation):
+    """Raise UnsupportedModelError when `operation` (which writes or reads BertModel's layout)
+    meets another architecture."""
+    if arch is not BERT:
+        raise UnsupportedModelError(
+            f"{operation} is not supported for {arch.hf_class} (model_type {arch.model_types[0]!r}) yet: it "
+            "writes or reads BertModel's layout")
