@@ -189,8 +189,8 @@ def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
     for seed in seeds:
         t = fasttran.Trainer(head_task, seed=seed, **kw)
         hist = t.fit(cache, y, eval=(dev, ydev))
-        evals = np.cumsum([0.0] + [h.get("eval_seconds", 0.0) for h in hist[:-1]])   # earlier epochs' evaluations
-        curves[seed] = [(build + h["seconds"] - e, x100(task, h["eval_" + main])) for h, e in zip(hist, evals)]
+        trained = build + np.cumsum([h["seconds"] for h in hist])   # each epoch's training, its evaluation apart
+        curves[seed] = [(float(s), x100(task, h["eval_" + main])) for s, h in zip(trained, hist)]
     return build, curves
 
 
