@@ -182,9 +182,9 @@ def _load(args):
             return _Data(args.task, None, None, None, files, args.metric or "f1")
         train = cli_io.read_data(args, args.input, args.task)
         dev = cli_io.read_data(args, args.eval_input, args.task, label_names=train.label_names)
-        main = cli_io.CLI_TASKS[args.task][1]
         from .heads import head_class
-        return _Data(args.task, train, dev, train.label_names, files, args.metric or head_class(main).main_metric)
+        return _Data(args.task, train, dev, train.label_names, files,
+                     args.metric or head_class(head_task(args.task)).main_metric)
     from .errors import FastTranError
     spec = TASKS.get(args.task)
     if spec is None:

@@ -477,12 +477,15 @@ class Trainer:
         raise FloatingPointError(f"the loss is {loss} at step {self.global_step + 1} (epoch {epoch + 1}, "
                                  f"batch {b + 1}); training stopped before applying it{hint}")
 
+    def _lr_at(self, step, total, warm):
+        """the learning rate of global step `step` (the schedule's; never 0, which the optimizer refuses)"""
+        return max(self.lr * schedule_factor(self.schedule, step, total, warm), 1e-30)
+
     def _optimizer_step(self, total, warm):
         """The optimizer's step with the schedule's lr and float16's loss scaling; returns None, or the
         optimizer's refusal of non-finite gradients (nothing updated) outside loss scaling."""
-        lr = self.lr * schedule_factor(self.schedule, self.global_step, total, warm)
         try:
-            self.optimizer.step(self._gviews, lr=max(lr, 1e-30))
+            self.optimizer.step(self._gviews, lr=self._lr_at(self.global_step, total, warm))
             if self.loss_scale is not None:
                 self.loss_scale[1] += 1
                 if self.loss_scale[1] >= _SCALE_GROWTH_STEPS:
@@ -772,8 +775,7 @@ class Trainer:
             lcount = np.array([c[0] for c in sizes], np.int64)
             denominators = head.denominators(targets, tcount)
             g0 = self.global_step
-            lrs = np.array([max(self.lr * schedule_factor(self.schedule, g0 + k, total, warm), 1e-30)
-                            for k in range(n)], np.float64)
+            lrs = np.array([self._lr_at(g0 + k, total, warm) for k in range(n)], np.float64)
             losses = np.zeros(n, np.float64)
             logits = np.empty(int(lcount.sum()), np.float32)
             lsplit = np.cumsum(lcount)
