@@ -226,7 +226,7 @@ def cmd_train(args):
     enc = _encoder(args)
     if args.head == "qa":
         cache, feats = _qa_source(args, enc, args.cache, args.input, True, "--cache")
-        targets = (feats.start_positions, feats.end_positions)
+        targets = feats   # spans and the context tokens
         ev = _qa_source(args, enc, args.eval_cache, args.eval_input, False, "--eval-cache") if args.eval_cache else None
         task, head, names = "qa", "qa", None
     else:

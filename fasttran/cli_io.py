@@ -117,7 +117,7 @@ def squad_features(args, enc, settings):
         examples = examples[:args.limit]
     if not examples:
         fail(f"{args.input} holds no questions")
-    feats = SquadFeatures(examples, enc.tokenizer, max_length=settings["max_length"],
+    feats = SquadFeatures(examples, enc, max_length=settings["max_length"],
                           doc_stride=settings["doc_stride"])
     return feats.with_answers() if settings["answers_only"] else feats
 

@@ -260,7 +260,7 @@ def run(args):
                                  "all", "float16", os.path.join(work, "train"), args.cache_batch_size)
             dev_cache = _cache(enc, dev_feats.input_ids, dev_feats.attention_mask, dev_feats.token_type_ids, layer,
                                "all", "float16", os.path.join(work, "dev"), args.cache_batch_size)
-            targets, ev = (tr_feats.start_positions, tr_feats.end_positions), (dev_cache, dev_feats)
+            targets, ev = tr_feats, (dev_cache, dev_feats)   # (the features: spans and context)
         else:
             print(f"train: {data.train!r}\ndev:   {data.dev!r}", file=sys.stderr)
             caches = []

@@ -34,13 +34,22 @@ def load_squad(path):
 class SquadFeatures:
     """Tokenised windows of SQuAD examples. One example gives one or more features (windows of
     the context with `doc_stride` tokens of overlap). Attributes: input_ids, attention_mask,
-    token_type_ids (F, L) padded to the longest window; example_index (F,); offsets (F, L, 2)
-    character spans in the context (-1 outside it); start_positions, end_positions (F,) token
-    positions of the first reference answer, -1 where the window does not contain it."""
+    token_type_ids (F, L) padded to the longest window; context_mask (F, L) 1 on the context's
+    tokens (the tokenizer's sequence id 1: the pair's second text, no special token), which a QA
+    head's softmax runs over; example_index (F,); offsets (F, L, 2) character spans in the context
+    (-1 outside it); start_positions, end_positions (F,) token positions of the first reference
+    answer, -1 where the window does not contain it.
+
+    `tokenizer`: a `tokenizers.Tokenizer`, or an Encoder (its tokenizer; token_type_ids are then
+    zeros where its architecture has no segment types: RoBERTa, XLM-R, CamemBERT, DistilBERT)."""
 
     def __init__(self, examples, tokenizer, max_length=384, doc_stride=128, max_query_length=64):
         if max_length <= doc_stride:
             raise InputError(f"max_length ({max_length}) must exceed doc_stride ({doc_stride})")
+        arch = getattr(tokenizer, "architecture", None)
+        if arch is not None:   # an Encoder
+            tokenizer = tokenizer._need_tokenizer()
+        segments = arch is None or arch.token_types == "segments"
         self.examples = list(examples)
         self.max_length, self.doc_stride = int(max_length), int(doc_stride)
         saved = tokenizer.truncation
@@ -62,6 +71,7 @@ class SquadFeatures:
         self.input_ids = np.zeros((F, L), np.int32)
         self.attention_mask = np.zeros((F, L), np.int32)
         self.token_type_ids = np.zeros((F, L), np.int32)
+        self.context_mask = np.zeros((F, L), np.int32)
         self.offsets = np.full((F, L, 2), -1, np.int64)
         self.example_index = np.array(ex_index, np.int64)
         self.start_positions = np.full(F, -1, np.int64)
@@ -70,9 +80,10 @@ class SquadFeatures:
             n = len(w.ids)
             self.input_ids[f, :n] = w.ids
             self.attention_mask[f, :n] = 1
-            self.token_type_ids[f, :n] = w.type_ids
-            seq = w.sequence_ids
-            ctx = np.array([s == 1 for s in seq])
+            if segments:
+                self.token_type_ids[f, :n] = w.type_ids
+            ctx = np.array([s == 1 for s in w.sequence_ids], bool)
+            self.context_mask[f, :n] = ctx
             offs = np.array(w.offsets, np.int64)
             self.offsets[f, :n][ctx] = offs[ctx]
             ex = self.examples[ex_index[f]]
@@ -95,7 +106,7 @@ class SquadFeatures:
         idx = np.asarray(idx)
         out = object.__new__(SquadFeatures)
         out.__dict__.update(self.__dict__)
-        for k in ("input_ids", "attention_mask", "token_type_ids", "offsets", "example_index", "start_positions",
+        for k in ("input_ids", "attention_mask", "token_type_ids", "context_mask", "offsets", "example_index", "start_positions",
                   "end_positions"):
             setattr(out, k, getattr(self, k)[idx])
         return out

@@ -896,7 +896,9 @@ class Trainer:
         has them."""
         if output not in ("labels", "logits", "probabilities"):
             raise InputError(f"output must be 'labels', 'logits' or 'probabilities', got {output!r}")
-        outs = self._outputs(cache)   # (refuses a trainer without a head)
+        # (the SquadFeatures say which tokens are context; _outputs refuses a trainer without a head)
+        prep = self.head.prepare_eval(cache, squad) if squad is not None and self.head is not None else None
+        outs = self._outputs(cache, prep)
         res = (self.head.predict(outs, squad) if output == "labels" else getattr(self.head, output)(outs))
         return res if words is None else self.head.per_word(res, words, output)
 

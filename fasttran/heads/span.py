@@ -2,25 +2,51 @@
 transformers' BertForQuestionAnswering, with the start and end softmax over the context only.
 
 Inputs are question + context windows (fasttran.squad.SquadFeatures); the context rows of an
-example are its tokens of type 1 but the final [SEP]. Targets are (start_positions, end_positions),
-token positions within each example; evaluation maps the best span of all windows of a question
-back to text and scores it with SQuAD's official exact match and F1.
+example are the features' context_mask (the tokenizer's sequence id 1) when the SquadFeatures are
+given (targets, evaluation, predict(squad=...)), else its tokens of type 1 but the final [SEP] (the
+same rows for BERT; an architecture without segment types needs the SquadFeatures). Targets are
+(start_positions, end_positions), token positions within each example, or the SquadFeatures
+(their positions); evaluation maps the best span of all windows of a question back to text and
+scores it with SQuAD's official exact match and F1.
 """
 import numpy as np
 
-from ..errors import InputError, InputTypeError, UnsupportedModelError
+from ..errors import InputError, InputTypeError
 from .base import Head, Prepared, gather_rows, token_offsets
 
 
-def context_rows(cache, idx=None):
+def context_rows(cache, idx=None, squad=None):
     """float32 flat over the tokens of examples idx (None: all), one example after another: 1 where
-    a token is context (type 1, not the final [SEP])"""
-    ids = None if idx is None else cache.example_ids[idx]
-    _, types, offsets = cache.inputs(ids, ragged=True)
+    a token is context -- the `squad` features' context_mask (the cache's example ids index them),
+    else type 1 but not the final [SEP]"""
+    ids = cache.example_ids if idx is None else cache.example_ids[idx]
+    tokens, types, offsets = cache.inputs(None if idx is None else ids, ragged=True)
+    if squad is not None:
+        return _squad_context(squad, np.asarray(ids, np.int64), np.asarray(tokens), np.asarray(offsets, np.int64))
     ctx = (np.asarray(types) == 1).astype(np.float32)
     last = np.asarray(offsets[1:], np.int64) - 1
     ctx[last[last >= np.asarray(offsets[:-1], np.int64)]] = 0.0
     return ctx
+
+
+def _squad_context(squad, ids, tokens, offsets):
+    """the features' context_mask over the cache's examples `ids`, flat; the features must hold the
+    cache's tokens (they are what it was built from)"""
+    ctx_mask, input_ids = np.asarray(squad.context_mask), np.asarray(squad.input_ids)
+    lengths = np.diff(offsets)
+    if len(ids) and (ids.min() < 0 or ids.max() >= len(ctx_mask) or lengths.max() > ctx_mask.shape[1]):
+        raise InputError(f"the SquadFeatures ({len(ctx_mask)} features of at most {ctx_mask.shape[1]} tokens) are not "
+                         "the ones this cache was built from: its example ids or lengths lie outside them")
+    real = np.arange(ctx_mask.shape[1])[None, :] < lengths[:, None]
+    if not np.array_equal(input_ids[ids][real], tokens):
+        raise InputError("the SquadFeatures are not the ones this cache was built from: their input_ids differ from "
+                         "the cache's tokens")
+    return (ctx_mask[ids][real] != 0).astype(np.float32)
+
+
+def _squad_of(targets):
+    """the SquadFeatures given as targets (they carry a context_mask), else None"""
+    return targets if hasattr(targets, "context_mask") and hasattr(targets, "postprocess") else None
 
 
 class QAHead(Head):
@@ -57,12 +83,20 @@ class QAHead(Head):
         return ""
 
     def prepare(self, cache, targets):
+        """targets: (start_positions, end_positions), or the SquadFeatures (their positions and context)"""
+        squad = _squad_of(targets)
+        if squad is not None:
+            targets = (squad.start_positions, squad.end_positions)
+        return self._prepare(cache, targets, squad)
+
+    def _prepare(self, cache, targets, squad):
         arch = getattr(getattr(cache, "encoder", None), "architecture", None)
-        if arch is not None and arch.token_types != "segments":
-            raise UnsupportedModelError(
-                f"question answering over {arch.hf_class} is not supported yet: the QA head finds the context by "
-                "token type 1, and this architecture's inputs carry no token types")
-        ctx = context_rows(cache)
+        if squad is None and arch is not None and arch.token_types != "segments":
+            raise InputError(
+                f"question answering over {arch.hf_class} needs the SquadFeatures the cache was built from: its "
+                "inputs carry no token types, and the features' context_mask says which tokens are context. Pass "
+                "them: fit(cache, features), evaluate(cache, features), predict(cache, squad=features)")
+        ctx = context_rows(cache, squad=squad)
         offsets = token_offsets(cache.lengths)
         if targets is None:
             return Prepared(None, ctx, offsets)
@@ -85,7 +119,8 @@ class QAHead(Head):
         if len(bad):
             i = int(bad[0])
             raise InputError(f"example {int(cache.example_ids[i])}: answer span ({int(s[i])}, {int(e[i])}) "
-                             "is not in the context (token type 1)")
+                             + ("is not in the context (the features' context_mask)" if squad is not None else
+                                "is not in the context (token type 1)"))
         return Prepared(np.stack([s, e]).astype(np.int32), ctx, offsets)
 
     def batch(self, prep, idx, lengths):
@@ -105,7 +140,7 @@ class QAHead(Head):
         return [a for c in chunks for a in c]
 
     def prepare_eval(self, cache, targets):
-        return self.prepare(cache, None)   # (QA evaluates against the SquadFeatures)
+        return self._prepare(cache, None, _squad_of(targets))   # (QA evaluates against the SquadFeatures)
 
     def predict(self, outputs, targets=None):
         """per example (start, end) logits, or with the SquadFeatures the answer text per question id"""
