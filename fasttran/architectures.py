@@ -126,6 +126,10 @@ class Architecture:
         k = self.config_keys.get(key, key)
         return cfg.get(k, self.defaults.get(key, _BERT_DEFAULTS.get(key)))
 
+    def config_key(self, key):
+        """The config's name of fasttran's key `key` (DistilBERT's "n_layers" for "num_hidden_layers")."""
+        return self.config_keys.get(key, key)
+
     def max_tokens(self, config):
         """Real tokens one sequence may hold: the positions minus those the padding id reserves."""
         off = config["pad_token_id"] + 1 if self.position_ids == "after_padding" else 0

@@ -680,13 +680,17 @@ class Encoder:
         return self
 
     def save_weights(self, path):
-        """Write the float32 weights alone to the safetensors file ``path`` (Hugging Face names),
-        atomically; returns {"bytes": size, "crc32c": CRC-32C} of the file, for a record. (An int8
-        encoder's weights: :meth:`state_dict`.)"""
+        """Write the float32 weights alone to the safetensors file ``path`` (Hugging Face names: the
+        base model's of the architecture), atomically; returns {"bytes": size, "crc32c": CRC-32C} of the
+        file, for a record. (An int8 encoder's weights: :meth:`state_dict`.)"""
         if self.dtype == "int8":
             raise UnsupportedError("save_weights writes float weights and an int8 encoder has none; write its "
                                    "state_dict() (int8 tensors with their '<name>_scale')")
-        size, crc = self._core.save(os.fspath(path))
+        arch = self.architecture
+        if arch.renames:
+            size, crc = self._core.save(os.fspath(path), names=[arch.checkpoint_name(n) for n, _ in self._core.tensors()])
+        else:
+            size, crc = self._core.save(os.fspath(path))
         return {"bytes": int(size), "crc32c": int(crc)}
 
     def load_weights(self, path, expect=None):
@@ -699,7 +703,12 @@ class Encoder:
                 eb, ec = int(expect["bytes"]), int(expect["crc32c"])
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"the record of {path} ({expect!r}) is not {{'bytes': int, 'crc32c': int}}") from None
-        self._core.load(os.fspath(path), expect_bytes=eb, expect_crc32c=ec)
+        arch = self.architecture
+        if arch.renames:   # the architecture's names, after any wrapper prefix
+            self._core.load(os.fspath(path), expect_bytes=eb, expect_crc32c=ec, layer_prefix=arch.layer_prefix,
+                            names=[arch.checkpoint_name(n) for n, _ in self._core.tensors()])
+        else:
+            self._core.load(os.fspath(path), expect_bytes=eb, expect_crc32c=ec)
         self.__dict__.pop("_ft_fingerprint", None)
         return self
 
@@ -753,7 +762,7 @@ class Encoder:
         if keep_tokens is not None:
             raw["fasttran_vocab_kept"] = np.flatnonzero(kw["keep_tokens"]).tolist()
             raw["fasttran_vocab_unknown"] = kw["unknown_token"]
-        raw["num_hidden_layers"] = len(st["layer_heads"])
+        raw[self.architecture.config_key("num_hidden_layers")] = len(st["layer_heads"])
         raw["fasttran_layer_heads"] = st["layer_heads"]
         raw["fasttran_layer_intermediate"] = st["layer_intermediate"]
         per_layer, k = [], 0

@@ -461,12 +461,12 @@ def test_int8_within_berts_error(models, model_type):
     assert cos.min() >= 0.99 and cos.mean() >= 0.997   # BERT's bound (tests/test_lowp.py, MiniLM)
 
 
-def test_compression_refuses_other_architectures(models):
+def test_compression_takes_other_architectures(models):
+    """(pruning, files, export and int8 per architecture: tests/test_compress_architectures.py)"""
     from fasttran.compress import TaskModel
     enc = fasttran.Encoder.from_pretrained(models["roberta"])
     head = fasttran.heads.make_head("classification", enc.hidden_size, num_labels=2)
-    with pytest.raises(fasttran.UnsupportedModelError, match="compression .* not supported for RobertaModel"):
-        TaskModel(enc, head)
+    assert TaskModel(enc, head).encoder.architecture.name == "roberta"
 
 
 @pytest.mark.skipif(not fasttran._C.cpu_features()[1].get("avx512_bf16"), reason="bf16 on the CPU needs AVX512_BF16")

@@ -1,5 +1,7 @@
 """The model compression works on: a fine-tuned encoder with its task head and pooling (what
-`Trainer.export` writes), its data, its own file format and the export to transformers' layout.
+`Trainer.export` writes), its data, its own file format and the export to transformers' layout --
+each architecture's own (BertModel, RobertaModel, DistilBertModel, ElectraModel ...: config keys and
+tensor names through fasttran/architectures.py).
 
     >>> model = TaskModel.load("finetuned")               # a Trainer.export directory, or a compressed model
     >>> dev = TaskData.from_texts(model, texts, labels)    # tokenized once, batched by length
@@ -11,7 +13,7 @@ import os
 
 import numpy as np
 
-from ..architectures import require_bert_layout
+from ..architectures import BERT
 from ..encoder import ATTENTION_MODES, STRUCTURE_KEYS, Encoder, vocab_map
 from ..errors import CheckpointError, CheckpointNotFoundError, InputError, InputTypeError, UnsupportedError
 from ..heads import ClassificationHead, Head
@@ -55,17 +57,21 @@ class TaskData:
         texts = list(texts)
         if pairs is not None and len(pairs) != len(texts):
             raise InputError(f"{len(texts)} first sentences but {len(pairs)} second ones")
+        enc = model.encoder if isinstance(model, TaskModel) else model
         tok.enable_truncation(max_length=int(max_length))
         try:
             encs = tok.encode_batch(texts if pairs is None else list(zip(texts, pairs)))
         finally:
-            tok.enable_truncation(max_length=(model.encoder if isinstance(model, TaskModel) else model).max_seq_length)
+            tok.enable_truncation(max_length=enc.max_seq_length)
+        segments = enc.architecture.token_types == "segments"   # (else zeros, as the encoder takes them)
         T = max(len(e.ids) for e in encs)
         ids = np.zeros((len(encs), T), np.int64)
         mask, types = np.zeros_like(ids), np.zeros_like(ids)
         for i, e in enumerate(encs):
             n = len(e.ids)
-            ids[i, :n], mask[i, :n], types[i, :n] = e.ids, 1, e.type_ids
+            ids[i, :n], mask[i, :n] = e.ids, 1
+            if segments:
+                types[i, :n] = e.type_ids
         return cls(ids, mask, types, labels)
 
     def __len__(self):
@@ -127,7 +133,11 @@ class TaskModel:
     def __init__(self, encoder, head, pooling="mean", origin=None, info=None):
         if not isinstance(encoder, Encoder):
             raise InputTypeError(f"encoder must be a fasttran.Encoder, got {type(encoder).__name__}")
-        require_bert_layout(encoder.architecture, "compression (fasttran.compress)")
+        emb = encoder.config.get("embedding_size", encoder.hidden_size)
+        if emb != encoder.hidden_size:
+            raise UnsupportedError(
+                f"compression of an encoder whose embeddings are projected (embedding_size {emb} != hidden_size "
+                f"{encoder.hidden_size}, {encoder.architecture.hf_class}) is not supported")
         if not isinstance(head, ClassificationHead):
             raise InputTypeError(f"compression takes a classification head, got {type(head).__name__}")
         if head.hidden_size != encoder.hidden_size:
@@ -259,10 +269,14 @@ class TaskModel:
             files["model.safetensors"] = self.encoder.save_weights(os.path.join(path, "model.safetensors"))
         files["head.safetensors"] = write_safetensors(os.path.join(path, "head.safetensors"), self.head.state_dict(),
                                                       {"format": "fasttran-head"})
-        c = self.encoder.config
+        c, arch = self.encoder.config, self.encoder.architecture
         cfg = {k: v for k, v in self.encoder.raw_config.items() if not k.startswith("_")}
-        cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": c["num_hidden_layers"],
-                    "add_pooling_layer": self.encoder.has_pooler})
+        if arch is BERT:
+            cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": c["num_hidden_layers"],
+                        "add_pooling_layer": self.encoder.has_pooler})
+        else:   # its own config and names (save_weights), as its base model's checkpoint
+            cfg.update({"architectures": [arch.hf_class], arch.config_key("num_hidden_layers"): c["num_hidden_layers"],
+                        "add_pooling_layer": self.encoder.has_pooler})
         for k in STRUCTURE_KEYS:
             cfg.pop(k, None)
             if k in c:
@@ -359,8 +373,9 @@ def _read_record(path):
 
 # ---- transformers' layout ---------------------------------------------------------------------
 def export_transformers(model, path):
-    """Write the encoder in the layout transformers' `BertModel` loads (config.json, model.safetensors,
-    tokenizer files) with outputs equal to fasttran's, and the head beside it (head.safetensors,
+    """Write the encoder in the layout transformers' base model class of its architecture loads
+    (`BertModel`, `RobertaModel`, `DistilBertModel` ...: config.json in its keys, model.safetensors in
+    its names, tokenizer files) with outputs equal to fasttran's, and the head beside it (head.safetensors,
     head.json). transformers 5 has no per-layer head counts or FFN widths (prune_heads and head_mask
     are gone), so every layer gets the uniform shapes back: a pruned head's Q, K, V rows and biases and
     its columns of the output projection are zeros (its attention output is exactly zero, whatever its
@@ -408,10 +423,20 @@ def export_transformers(model, path):
             out[p + k] = sd[p + k]
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
+    arch = enc.architecture
+    if arch is not BERT:   # the base model's own names
+        out = {arch.checkpoint_name(k): v for k, v in out.items()}
     write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
     cfg = {k: v for k, v in enc.raw_config.items() if not k.startswith("_") and k not in STRUCTURE_KEYS}
-    cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": enc.num_layers,
-                "intermediate_size": I, "num_attention_heads": NH, "torch_dtype": "float32"})
+    if arch is BERT:
+        cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": enc.num_layers,
+                    "intermediate_size": I, "num_attention_heads": NH, "torch_dtype": "float32"})
+    else:
+        cfg.pop("fasttran_weights", None)
+        cfg.pop("fasttran_int8_embeddings", None)
+        cfg.update({"architectures": [arch.hf_class], arch.config_key("num_hidden_layers"): enc.num_layers,
+                    arch.config_key("intermediate_size"): I, arch.config_key("num_attention_heads"): NH,
+                    "torch_dtype": "float32"})
     _write_json(os.path.join(path, "config.json"), cfg)
     write_safetensors(os.path.join(path, "head.safetensors"), model.head.state_dict(), {"format": "fasttran-head"})
     _write_json(os.path.join(path, "head.json"), {"head": model.head.config(), "pooling": model.pooling})
@@ -440,7 +465,7 @@ def export_onnx(model, path, opset=17):
     axes dynamic. Needs torch, transformers and onnx. Returns `path`."""
     try:
         import torch
-        from transformers import BertModel
+        from transformers import AutoModel
     except ImportError:
         from ..errors import MissingDependencyError
         raise MissingDependencyError("ONNX export needs torch and transformers: pip install 'fasttran[test]'") from None
@@ -451,6 +476,7 @@ def export_onnx(model, path, opset=17):
     if "pooler.dense.weight" in model.head.tensors:
         pooler = (torch.tensor(model.head.tensors["pooler.dense.weight"]), torch.tensor(model.head.tensors["pooler.dense.bias"]))
     cls = model.pooling == "cls"
+    types = model.encoder.architecture.token_types != "none"   # (DistilBERT's model takes no token types)
 
     class Wrap(torch.nn.Module):
         def __init__(self, bert):
@@ -458,7 +484,10 @@ def export_onnx(model, path, opset=17):
             self.bert = bert
 
         def forward(self, input_ids, attention_mask, token_type_ids):
-            h = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+            kw = {"token_type_ids": token_type_ids} if types else {}
+            h = self.bert(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
+            if not types:   # the input stays in the graph, unused
+                h = h + 0 * token_type_ids[:, :1, None].to(h.dtype)
             if cls:
                 x = h[:, 0]
             else:
@@ -470,7 +499,7 @@ def export_onnx(model, path, opset=17):
 
     with tempfile.TemporaryDirectory(prefix="fasttran-onnx-") as d:
         export_transformers(model, d)
-        bert = BertModel.from_pretrained(d, attn_implementation="eager").eval()
+        bert = AutoModel.from_pretrained(d, attn_implementation="eager").eval()
     x = torch.ones((2, 8), dtype=torch.long)
     path = os.fspath(path)
     axes = {0: "batch", 1: "sequence"}

@@ -229,10 +229,11 @@ def in_original_numbering(model):
     return out
 
 
-def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"), unknown=None, size=None,
-               min_count=1):
+def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "<s>", "<pad>", "</s>", "<unk>",
+                                      "<mask>"), unknown=None, size=None, min_count=1):
     """A plan's 'vocabulary' entry keeping the token ids `data` (TaskData) uses and the tokenizer's special
-    tokens; every other id reads the unknown token's row (the tokenizer's [UNK], or `unknown`). Build it
+    tokens (BERT's and RoBERTa's names, those the vocabulary has); every other id reads the unknown token's
+    row (the tokenizer's [UNK] or <unk>, or `unknown`). Build it
     from the training data only: ids that appear only in evaluation data then read [UNK], as they would
     in serving.
 
@@ -263,6 +264,8 @@ def vocabulary(model, *data, special=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK
         always.update(i for i in (tok.token_to_id(t) for t in special) if i is not None)
         if unknown is None:
             unknown = tok.token_to_id("[UNK]")
+            if unknown is None:
+                unknown = tok.token_to_id("<unk>")
     if unknown is None:
         raise InputError("vocabulary(): the model has no tokenizer to name its unknown token: pass unknown=<id>")
     always.add(int(unknown))
