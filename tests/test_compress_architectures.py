@@ -1,4 +1,4 @@
-"""fasttran.compress beyond BERT: a random-weight RoBERTa and DistilBERT (small widths, three layers)
+"""fasttran.compress beyond BERT: a random-weight RoBERTa, DistilBERT and ELECTRA (small widths, three layers)
 pruned, saved in their own layout (config keys, tensor names), loaded back with the same outputs bit
 for bit, exported to their own transformers base class with equal hidden states, in int8 within
 BERT's error (tests/test_compress.py), and re-fine-tuned through Trainer.export (distillation) and
@@ -21,7 +21,9 @@ from test_architectures import SHAPES, make_model   # noqa: E402
 C = 48
 #: small widths of each architecture (its own config keys), three layers
 SMALL = {"roberta": dict(hidden_size=C, num_attention_heads=4, intermediate_size=64, num_hidden_layers=3),
-         "distilbert": dict(dim=C, n_heads=4, hidden_dim=64, n_layers=3)}
+         "distilbert": dict(dim=C, n_heads=4, hidden_dim=64, n_layers=3),
+         "electra": dict(hidden_size=C, embedding_size=C, num_attention_heads=4, intermediate_size=64,
+                         num_hidden_layers=3)}
 PLAN = {"ffn_group_size": 16, "layers": {"1": "prune",
                                          "0": {"heads": {"1": "prune", "3": "prune"}, "ffn_groups": {"0": "prune"}},
                                          "2": {"heads": {"0": "prune"}, "ffn_groups": {"1": "prune", "3": "prune"}}}}
@@ -130,6 +132,18 @@ def test_retraining_goes_through_the_export_and_back(case):
     tuned = _retrain(pruned, train, 3, None, 1e-3, 16, 0, False, "adamw", teacher)
     assert tuned.encoder.architecture is model.encoder.architecture and tuned.structure == pruned.structure
     assert float(np.mean((tuned.logits(train) - teacher) ** 2)) < 0.5 * before
+
+
+def test_onnx_export_runs_in_onnx_runtime(case, tmp_path):
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    t, path = case
+    small = compress.apply(task_model(path), PLAN)
+    sess = ort.InferenceSession(compress.export_onnx(small, str(tmp_path / "m.onnx")), providers=["CPUExecutionProvider"])
+    data = task_data(small.encoder, 14)
+    ids, mask, types = data.padded()
+    got = sess.run(None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})[0]
+    np.testing.assert_allclose(got, small.logits(data), atol=1e-4, rtol=0)
 
 
 def test_projected_embeddings_are_refused(tmp_path):
