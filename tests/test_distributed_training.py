@@ -104,6 +104,28 @@ def test_ranks_equal_one_process_and_each_other(tiny_dir, world, head, transport
     assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-3)
 
 
+@pytest.fixture(scope="module", params=["roberta", "distilbert"])
+def tiny_arch_dir(request, tmp_path_factory):
+    """a tiny random RoBERTa / DistilBERT (their own config keys, names, positions and token types)"""
+    pytest.importorskip("transformers")
+    from test_architectures import make_model
+    kw = {"roberta": dict(vocab_size=99, hidden_size=32, num_attention_heads=4, intermediate_size=48,
+                          num_hidden_layers=3, max_position_embeddings=66),
+          "distilbert": dict(vocab_size=99, dim=32, n_heads=4, hidden_dim=48, n_layers=3, max_position_embeddings=64)}
+    return make_model(tmp_path_factory.mktemp(request.param), request.param, seed=2, **kw[request.param])
+
+
+def test_other_architectures_ranks_equal_one_process(tiny_arch_dir):
+    """the top layer and head of a RoBERTa / DistilBERT over two ranks: as BERT's (above)"""
+    one = train_and_record(0, 1, tiny_arch_dir, "classification", 8)
+    ranks = run_ranks(train_and_record, 2, tiny_arch_dir, "classification", 8, transport="shared_memory", timeout=300)
+    assert ranks[1]["hashes"] == ranks[0]["hashes"] and ranks[1]["loss_curve"] == ranks[0]["loss_curve"]
+    assert len(ranks[0]["hashes"]) == len(one["hashes"]) == 8
+    d1 = np.abs(ranks[0]["first"] - one["first"])
+    assert np.median(d1) == 0.0 and d1.max() <= 1e-3 * 3e-3, (np.median(d1), d1.max())
+    assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-3)
+
+
 def unshared_table(rank, world, tiny_dir, transport):
     """a model whose gradient table is made outside shared memory (gradient tables are shared only
     once a DataParallel of several ranks exists): `transport` "auto" sums through the group;
