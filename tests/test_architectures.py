@@ -253,11 +253,30 @@ def test_save_pretrained_in_the_architectures_own_layout(tmp_path, model_type):
     assert_layers_match(fasttran.Encoder.from_pretrained(out).forward(ids, mask, output_layers=[0, 1, 2]), out, ids, mask)
 
 
-def test_projected_embeddings_refuse_int8_and_compression(tmp_path):
-    enc = fasttran.Encoder.from_pretrained(make_model(tmp_path / "small", "electra-small"))
+@pytest.mark.parametrize("embeddings", [True, False])
+def test_projected_embeddings_in_int8(tmp_path, embeddings):
+    """ELECTRA-small in int8: the layers (and the 128-wide word embeddings) int8, embeddings_project
+    float32; within BERT's int8 error, and its state_dict loads back into a quantized copy bit for bit
+    (compression refuses it: tests/test_compress_architectures.py)"""
+    path = make_model(tmp_path / "small", "electra-small")
+    enc = fasttran.Encoder.from_pretrained(path)
     assert enc.config["embedding_size"] == 128
-    with pytest.raises(fasttran.UnsupportedError, match="embedding_size 128 != hidden_size 256"):
-        enc.quantize()
+    ids, mask = _batch(enc, n=8, seed=16)
+    ref = enc.forward(ids, mask, pooling="mean")
+    q = enc.quantize(embeddings=embeddings)
+    assert q.dtype == "int8" and q.int8_embeddings == embeddings
+    sd = q.state_dict()
+    assert sd["embeddings_project.weight"].dtype == np.float32 and sd["embeddings_project.weight"].shape == (256, 128)
+    assert (sd["embeddings.word_embeddings.weight"].dtype == np.int8) == embeddings
+    got = q.forward(ids, mask, pooling="mean")
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99 and cos.mean() >= 0.997   # BERT's bound (tests/test_lowp.py, MiniLM)
+    back = fasttran.Encoder.from_pretrained(path).quantize(embeddings=embeddings)
+    back.load_state_dict(sd)
+    assert np.array_equal(back.forward(ids, mask, pooling="mean"), got)
+    if embeddings:
+        assert np.array_equal(fasttran.Encoder.from_pretrained(path, dtype="int8").forward(ids, mask, pooling="mean"),
+                              got)
 
 
 # ---- everything else that works on BERT: top-k training, heads, cache, export, int8 ---------------------

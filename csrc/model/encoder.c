@@ -556,12 +556,20 @@ static ft_status pack_one(ft_encoder *e, float *dst, int64_t l, int k, int64_t N
     return st;
 }
 
+/* the packed floats of the embeddings' projection: float32 in an int8 encoder (its weights stay float32),
+ * else as the layers' */
+static size_t proj_packed_floats(const ft_encoder *e) {
+    const int64_t C = e->cfg.hidden_size, E = ft_config_embedding_size(&e->cfg);
+    if (e->proj_w == FT_NO_OFFSET) return 0;
+    return e->int8 ? (e->be->packed_weight_bytes(e->be, C, E) + 63) / 64 * 16 : packed_floats_of(e, C, E);
+}
+
 static ft_status ensure_packed(ft_encoder *e) {
     if (e->packed_ok) return FT_OK;
     ft_backend *be = e->be;
     const int64_t C = e->cfg.hidden_size, E = ft_config_embedding_size(&e->cfg);
-    /* the embeddings' projection first (float32 or bf16 only: an int8 encoder has none) */
-    size_t total = e->proj_w != FT_NO_OFFSET ? packed_floats_of(e, C, E) : 0;
+    /* the embeddings' projection first (float32 or bf16; float32 in an int8 encoder) */
+    size_t total = proj_packed_floats(e);
     for (int64_t l = 0; l < e->cfg.num_layers; l++) {
         int64_t shapes[4][2];   /* a pruned layer's are smaller */
         ft_encoder_layer_shapes(e, l, shapes);
@@ -576,10 +584,11 @@ static ft_status ensure_packed(ft_encoder *e) {
     }
     size_t off = 0;
     if (e->proj_w != FT_NO_OFFSET) {
-        const size_t size = packed_floats_of(e, C, E);
+        const size_t size = proj_packed_floats(e);
         const float *w = (const float *)e->params + e->proj_w;
         e->pproj = 0;
-        if (size) FT_TRY(e->lowp ? be->pack_weight_bf16(be, e->packed, w, C, E) : be->pack_weight(be, e->packed, w, C, E));
+        if (size)
+            FT_TRY(e->lowp && !e->int8 ? be->pack_weight_bf16(be, e->packed, w, C, E) : be->pack_weight(be, e->packed, w, C, E));
         off = size;
     }
     for (int64_t l = 0; l < e->cfg.num_layers; l++) {
@@ -913,7 +922,10 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     else if (N > 0 && start == 0)
         FT_TRY(be->embed_ln_forward(be, dt, emb, w.ids, w.types, w.positions, P(e->word), P(e->pos), TYPES,
                                     P(e->emb_ln_g), P(e->emb_ln_b), N, E, c->layer_norm_eps));
-    if (N > 0 && start == 0 && e->proj_w != FT_NO_OFFSET)   /* x (N, C) = emb W^T + b (ELECTRA) */
+    if (N > 0 && start == 0 && e->proj_w != FT_NO_OFFSET && e->int8)   /* float32 in an int8 encoder */
+        FT_TRY(be->linear_forward(be, FT_F32, w.x, emb, P(e->proj_w), e->packed ? e->packed + e->pproj : NULL,
+                                  P(e->proj_b), N, E, C, -1));
+    else if (N > 0 && start == 0 && e->proj_w != FT_NO_OFFSET)   /* x (N, C) = emb W^T + b (ELECTRA) */
         FT_TRY(linear(e, w.x, emb, e->proj_w, e->pproj, P(e->proj_b), N, E, C, -1));
     if (N > 0 && start > 0) {   /* x = the given layer's rows, gathered into the packed order */
         float *rows = host_mem ? (float *)w.x : malloc((size_t)N * (size_t)C * sizeof(float));

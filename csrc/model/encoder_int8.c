@@ -1,7 +1,8 @@
 /* int8 encoders: a float32 CPU encoder quantized in place -- each layer's four
  * projection matrices, and optionally the word embeddings, become int8 with one float32 scale per
- * output channel (row); their float32 copies are freed, the other tensors stay float32 -- and the
- * named int8 tensors (read, write) that saving and loading go through. */
+ * output channel (row); their float32 copies are freed, the other tensors stay float32 (ELECTRA's
+ * embeddings_project among them: one small linear layer, run in float32) -- and the named int8
+ * tensors (read, write) that saving and loading go through. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,15 +22,12 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     if (e->be->device.kind != FT_DEVICE_CPU)
         return ft_error(FT_ERR_UNSUPPORTED, "int8 encoders run on the CPU backend; quantize a CPU encoder");
     if (e->int8) return ft_error(FT_ERR_INVALID_ARGUMENT, "this encoder is already int8");
-    if (e->proj_w != FT_NO_OFFSET)
-        return ft_error(FT_ERR_UNSUPPORTED, "int8 quantization of an encoder whose embeddings are projected "
-                        "(embedding_size %lld != hidden_size %lld, ELECTRA-small) is not supported",
-                        (long long)ft_config_embedding_size(&e->cfg), (long long)e->cfg.hidden_size);
     if (e->wtype != FT_F32 || e->dtype != FT_F32)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "quantize a float32 encoder (this one is %s)",
                         ft_dtype_name(ft_encoder_dtype(e)));
     ft_backend *be = e->be;
-    const int64_t L = e->cfg.num_layers, C = e->cfg.hidden_size, V = ft_config_vocab_rows(&e->cfg);
+    /* word embeddings are E wide (ELECTRA-small: embedding_size, projected to hidden_size after them) */
+    const int64_t L = e->cfg.num_layers, E = ft_config_embedding_size(&e->cfg), V = ft_config_vocab_rows(&e->cfg);
     int64_t shapes[4][2];   /* each layer's own (a pruned layer's are smaller): ft_encoder_layer_shapes */
     ft_encoder_int8 *q = calloc(1, sizeof *q);
     if (!q || !(q->layer = calloc(L ? (size_t)L : 1, sizeof *q->layer))) {
@@ -50,7 +48,7 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     if (q->word) {
         q->word_q = qb;
         q->word_s = sc;
-        qb += (size_t)(V * C);
+        qb += (size_t)(V * E);
         sc += (size_t)V;
     }
     q->data = aligned_alloc(64, (qb + 63) & ~(size_t)63);
@@ -83,7 +81,7 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
                                      e->host_params + src[k], shapes[k][0], shapes[k][1]);
     }
     if (st == FT_OK && q->word)
-        st = be->quantize_weight(be, q->data + q->word_q, q->scale + q->word_s, e->host_params + e->word, V, C);
+        st = be->quantize_weight(be, q->data + q->word_q, q->scale + q->word_s, e->host_params + e->word, V, E);
     if (st != FT_OK) {
         ft_encoder_int8_free(q);
         return st;
@@ -139,7 +137,7 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     /* every offset the encoder keeps names a view's start: move it with its view (int8: gone) */
 #define MOVE(field) do { const int64_t vk = view_at(e, field); field = vk < 0 ? FT_NO_OFFSET : moved[vk]; } while (0)
     MOVE(e->word); MOVE(e->pos); MOVE(e->type); MOVE(e->emb_ln_g); MOVE(e->emb_ln_b);
-    MOVE(e->pooler_w); MOVE(e->pooler_b);
+    MOVE(e->pooler_w); MOVE(e->pooler_b); MOVE(e->proj_w); MOVE(e->proj_b);
     for (int64_t l = 0; l < L; l++) {
         ft_layer_offsets *o = &e->layers[l];
         MOVE(o->wqkv); MOVE(o->bqkv); MOVE(o->wo); MOVE(o->bo); MOVE(o->ln1_g); MOVE(o->ln1_b);
