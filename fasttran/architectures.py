@@ -221,11 +221,3 @@ def parse_fields(arch, cfg, source):
         out["embedding_size"] = emb
     return out
 
-
-def require_bert_layout(arch, operation):
-    """Raise UnsupportedModelError when `operation` (which writes or reads BertModel's layout)
-    meets another architecture."""
-    if arch is not BERT:
-        raise UnsupportedModelError(
-            f"{operation} is not supported for {arch.hf_class} (model_type {arch.model_types[0]!r}) yet: it "
-            "writes or reads BertModel's layout")

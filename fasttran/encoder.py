@@ -688,7 +688,8 @@ class Encoder:
                                    "state_dict() (int8 tensors with their '<name>_scale')")
         arch = self.architecture
         if arch.renames:
-            size, crc = self._core.save(os.fspath(path), names=[arch.checkpoint_name(n) for n, _ in self._core.tensors()])
+            names = [arch.checkpoint_name(n) for n, _ in self._core.tensors()]
+            size, crc = self._core.save(os.fspath(path), names=names)
         else:
             size, crc = self._core.save(os.fspath(path))
         return {"bytes": int(size), "crc32c": int(crc)}

@@ -106,8 +106,8 @@ class SquadFeatures:
         idx = np.asarray(idx)
         out = object.__new__(SquadFeatures)
         out.__dict__.update(self.__dict__)
-        for k in ("input_ids", "attention_mask", "token_type_ids", "context_mask", "offsets", "example_index", "start_positions",
-                  "end_positions"):
+        for k in ("input_ids", "attention_mask", "token_type_ids", "context_mask", "offsets", "example_index",
+                  "start_positions", "end_positions"):
             setattr(out, k, getattr(self, k)[idx])
         return out
 

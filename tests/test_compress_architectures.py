@@ -139,7 +139,8 @@ def test_onnx_export_runs_in_onnx_runtime(case, tmp_path):
     ort = pytest.importorskip("onnxruntime")
     t, path = case
     small = compress.apply(task_model(path), PLAN)
-    sess = ort.InferenceSession(compress.export_onnx(small, str(tmp_path / "m.onnx")), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(compress.export_onnx(small, str(tmp_path / "m.onnx")),
+                                providers=["CPUExecutionProvider"])
     data = task_data(small.encoder, 14)
     ids, mask, types = data.padded()
     got = sess.run(None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})[0]

@@ -272,8 +272,8 @@ class TaskModel:
         c, arch = self.encoder.config, self.encoder.architecture
         cfg = {k: v for k, v in self.encoder.raw_config.items() if not k.startswith("_")}
         if arch is BERT:
-            cfg.update({"architectures": ["BertModel"], "model_type": "bert", "num_hidden_layers": c["num_hidden_layers"],
-                        "add_pooling_layer": self.encoder.has_pooler})
+            cfg.update({"architectures": ["BertModel"], "model_type": "bert",
+                        "num_hidden_layers": c["num_hidden_layers"], "add_pooling_layer": self.encoder.has_pooler})
         else:   # its own config and names (save_weights), as its base model's checkpoint
             cfg.update({"architectures": [arch.hf_class], arch.config_key("num_hidden_layers"): c["num_hidden_layers"],
                         "add_pooling_layer": self.encoder.has_pooler})
