@@ -134,6 +134,19 @@ def test_retraining_goes_through_the_export_and_back(case):
     assert float(np.mean((tuned.logits(train) - teacher) ** 2)) < 0.5 * before
 
 
+def test_search_meets_a_budget_and_its_result_loads_back(case, tmp_path):
+    t, path = case
+    model = task_model(path)
+    train, select = task_data(model.encoder, 10, n=48), task_data(model.encoder, 11, n=24)
+    res = compress.search(model, train, select, max_drop=100.0, steps=4, ffn_group_size_=16, latency_examples=8,
+                          latency_batch=4, show_progress=False)
+    assert res.met and res.model.size_bytes < model.size_bytes
+    assert {"pruned", "re-fine-tuned"} <= {p["stage"] for p in res.points}
+    back = compress.TaskModel.load(compress.save_result(res, tmp_path / "s"))
+    assert back.encoder.architecture is model.encoder.architecture and back.structure == res.model.structure
+    assert np.array_equal(back.logits(select), res.model.logits(select))
+
+
 def test_onnx_export_runs_in_onnx_runtime(case, tmp_path):
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
