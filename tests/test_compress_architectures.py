@@ -164,3 +164,32 @@ def test_projected_embeddings_are_refused(tmp_path):
     enc = fasttran.Encoder.from_pretrained(make_model(tmp_path / "e", "electra-small"))
     with pytest.raises(fasttran.UnsupportedError, match="embedding_size 128 != hidden_size 256"):
         compress.TaskModel(enc, ClassificationHead(enc.hidden_size, 2))
+
+
+def test_roberta_vocabulary_keeps_its_special_tokens_and_reads_unk(tmp_path):
+    """vocabulary() over RoBERTa's tokenizer: <s> <pad> </s> <unk> <mask> kept, removed ids read <unk>;
+    the pruned model saved and exported in RobertaModel's layout with every id's row back"""
+    from test_architecture_tokens import CORPUS, roberta_bpe
+    tok, _ = roberta_bpe()
+    path = make_model(tmp_path / "r", "roberta", seed=5, vocab_size=tok.get_vocab_size(), **SMALL["roberta"])
+    tok.save(str(tmp_path / "r" / "tokenizer.json"))
+    model = task_model(path)
+    data = compress.TaskData.from_texts(model, CORPUS[:4], [0, 1, 0, 1], max_length=32)
+    assert not data.types.any()   # no segment types
+    voc = compress.vocabulary(model, data)
+    specials = [tok.token_to_id(t) for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")]
+    assert voc["unknown"] == tok.token_to_id("<unk>") and set(specials) <= set(voc["keep"])
+    assert set(np.unique(data.ids).tolist()) <= set(voc["keep"]) and len(voc["keep"]) < tok.get_vocab_size()
+    small = compress.apply(model, dict(PLAN, vocabulary=voc))
+    assert np.array_equal(small.logits(data), compress.apply(model, PLAN).logits(data))
+    back = compress.TaskModel.load(small.save(tmp_path / "v"))
+    assert np.array_equal(back.logits(data), small.logits(data))
+    gone = next(i for i in range(tok.get_vocab_size()) if i not in voc["keep"])
+    ids, mask, _ = data.padded()
+    odd = ids.copy()
+    odd[0, 1] = gone
+    m = transformers.AutoModel.from_pretrained(compress.export_transformers(small, tmp_path / "hf")).eval()
+    assert type(m).__name__ == "RobertaModel"
+    with torch.no_grad():
+        ref = m(input_ids=torch.tensor(odd), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+    assert np.abs(hidden(small.encoder, odd, mask)[-1] - ref)[mask.astype(bool)].max() <= 1e-4
