@@ -53,6 +53,8 @@ CUBLAS_WHEEL_LIB=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.
 [ -d .minilm-bf16 ] && export FASTTRAN_MINILM_BF16=$PWD/.minilm-bf16
 [ -d .cudnn-frontend/include ] && export FASTTRAN_CUDNN_FRONTEND_INCLUDE=$PWD/.cudnn-frontend/include
 CUDA_TESTS="tests/test_backend_ops.py tests/test_cuda.py tests/test_layer_training.py tests/test_cuda_training.py"
+# the C training loop and the architectures on the device (their CUDA cases; CPU cases run in CI)
+LOOP_ARCH_TESTS="tests/test_train_loop.py tests/test_architectures.py $(ls tests/test_modernbert*.py 2>/dev/null)"
 
 phase_build() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
@@ -144,11 +146,11 @@ phase_residual() {
 # initcheck on subsets), topk, topk-cudnn (its steps with cuDNN training attention, dropout 0), table1, residual (the
 # residual projections' two forms), cache,
 # base, large (the encoder benchmark), optim, optim-groups (LAMB's tensor-group size swept:
-# FASTTRAN_CUDA_OPT_GROUP_BYTES), diag.
+# FASTTRAN_CUDA_OPT_GROUP_BYTES), loop-arch (the C training loop's and the architectures' CUDA tests), diag.
 phase_lease() {
     local end=$((SECONDS + ${LEASE_S:-540})) logs=/tmp/gpu-logs
     mkdir -p $logs
-    export OUT CUDA_TESTS FASTTRAN_BENCH_ROUNDS=${FASTTRAN_BENCH_ROUNDS:-3}
+    export OUT CUDA_TESTS LOOP_ARCH_TESTS FASTTRAN_BENCH_ROUNDS=${FASTTRAN_BENCH_ROUNDS:-3}
     export -f phase_build phase_test phase_bench phase_sanitize_short phase_cudnn phase_table1 phase_residual
     pack() { cp "$OUT"/*.log "$OUT"/*.json "$OUT"/*.xml "$OUT"/*.txt benchmarks/last_gpu_*.json $logs/ 2>/dev/null
              rm -f "$OUT"/*.log "$OUT"/*.xml; tar czf "$OUT/gpu-logs.tgz" -C $logs . ; }
@@ -176,6 +178,7 @@ phase_lease() {
             residual) step residual 120 phase_residual ;;
             topk-cudnn) step topk-cudnn 120 'FASTTRAN_BENCH_DROPOUT=0 FASTTRAN_CUDA_ATTENTION=cudnn python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_topk.py -k step 2>&1 | tee "$OUT/gpu-topk-cudnn.log" | tail -20; cp benchmarks/last_gpu_topk.json "$OUT/last_gpu_topk_cudnn.json"' ;;
             optim-groups) step optim-groups 120 'for g in 8000000 16000000 33000000; do echo "FASTTRAN_CUDA_OPT_GROUP_BYTES=$g"; FASTTRAN_CUDA_OPT_GROUP_BYTES=$g python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | grep "fasttran_lamb \|LAMB"; done 2>&1 | tee "$OUT/gpu-optim-groups.log"' ;;
+            loop-arch) step loop-arch 150 'python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/loop-arch-tests.xml" -k "cuda or gpu or device" $LOOP_ARCH_TESTS 2>&1 | tee "$OUT/loop-arch-tests.log" | tail -20' ;;
             optim) step optim 45 'python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_optim.py 2>&1 | tee "$OUT/gpu-optim.log" | tail -15' ;;
             *) echo "unknown lease step $t" ;;
         esac
