@@ -21,6 +21,8 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     if (e->be->device.kind != FT_DEVICE_CPU)
         return ft_error(FT_ERR_UNSUPPORTED, "int8 encoders run on the CPU backend; quantize a CPU encoder");
     if (e->int8) return ft_error(FT_ERR_INVALID_ARGUMENT, "this encoder is already int8");
+    if (e->cfg.norm != FT_NORM_POST)   /* its ops are post-LN BERT layers' */
+        return ft_error(FT_ERR_UNSUPPORTED, "int8 quantization is not supported for pre-LN encoders (ModernBERT) yet");
     if (e->proj_w != FT_NO_OFFSET)
         return ft_error(FT_ERR_UNSUPPORTED, "int8 quantization of an encoder whose embeddings are projected "
                         "(embedding_size %lld != hidden_size %lld, ELECTRA-small) is not supported",

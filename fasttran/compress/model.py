@@ -127,6 +127,7 @@ class TaskModel:
     def __init__(self, encoder, head, pooling="mean", origin=None, info=None):
         if not isinstance(encoder, Encoder):
             raise InputTypeError(f"encoder must be a fasttran.Encoder, got {type(encoder).__name__}")
+        encoder.architecture.require("compression")
         require_bert_layout(encoder.architecture, "compression (fasttran.compress)")
         if not isinstance(head, ClassificationHead):
             raise InputTypeError(f"compression takes a classification head, got {type(head).__name__}")
