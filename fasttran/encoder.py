@@ -546,6 +546,7 @@ class Encoder:
         float32 kernels, never slower than float32 (``memory_report()["weights"]`` says which).
         A token's result still depends only on its own sequence. Error against float32 on
         all-MiniLM-L6-v2: benchmarks/RESULTS.md, "Compression: reduced-precision kernels"."""
+        self.architecture.require("int8")
         if self.dtype != "float32":
             raise UnsupportedError(f"quantize() takes a float32 encoder; this one is {self.dtype}")
         if self.device.is_cuda:
