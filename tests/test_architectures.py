@@ -194,7 +194,7 @@ def test_positions_limit_sequence_length(models):
 
 
 def test_refused_model_types(tmp_path):
-    supported = "bert, camembert, distilbert, electra, roberta, xlm-roberta"
+    supported = "bert, camembert, distilbert, electra, modernbert, roberta, xlm-roberta"
     assert ", ".join(architectures.supported()) == supported
     for cfg, why in [({"model_type": "deberta-v2"}, "model_type 'deberta-v2' is not supported; supported model "
                       "types: " + supported),
