@@ -259,3 +259,15 @@ def test_the_same_forward_on_cuda(tmp_path):
     gpu = fasttran.Encoder.from_pretrained(path, device="cuda").forward(ids, mask, output_layers=[0, 2, 4])
     for a, b in zip(cpu, gpu):
         assert_close(b, a, mask, tol=1e-4, what="cuda vs cpu")
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    """save_pretrained writes ModernBertModel's names and config: transformers and fasttran load it back"""
+    path = make_model(tmp_path / "m", num_hidden_layers=3, seed=4)
+    enc = fasttran.Encoder.from_pretrained(path)
+    enc.save_pretrained(tmp_path / "again")
+    ids, mask = ragged(np.random.default_rng(4), [150, 20], 150)
+    ref = hf_layers(str(tmp_path / "again"), ids, mask)
+    assert_close(enc.forward(ids, mask), ref[-1], mask)
+    assert np.array_equal(fasttran.Encoder.from_pretrained(str(tmp_path / "again")).forward(ids, mask),
+                          enc.forward(ids, mask))
