@@ -271,3 +271,17 @@ def test_save_pretrained_round_trip(tmp_path):
     assert_close(enc.forward(ids, mask), ref[-1], mask)
     assert np.array_equal(fasttran.Encoder.from_pretrained(str(tmp_path / "again")).forward(ids, mask),
                           enc.forward(ids, mask))
+
+
+def test_8192_tokens(tmp_path):
+    """the longest sequence a ModernBERT config allows, on a narrow model (the layers' code is the
+    base model's): within 1e-4 of transformers' SDPA path; the workspace reported grows to it"""
+    path = make_model(tmp_path / "m", hidden_size=64, num_attention_heads=2, intermediate_size=96,
+                      num_hidden_layers=3, seed=5)
+    ids, mask = ragged(np.random.default_rng(5), [8192], 8192)
+    ref = hf_layers(path, ids, mask, "sdpa")
+    enc = fasttran.Encoder.from_pretrained(path)
+    ours = enc.forward(ids, mask, output_layers=[1, 3])
+    assert_close(ours[0], ref[1], mask, what="layer 1")
+    assert_close(ours[1], ref[3], mask, what="layer 3")
+    assert enc.memory_report()["workspace"] >= 8192 * (3 * 64 + 3 * 96) * 4
