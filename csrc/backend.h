@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 13
+#define FT_BACKEND_ABI 14
 
 typedef struct ft_backend ft_backend;
 
@@ -125,7 +125,8 @@ typedef struct {
                                    const void *w, const float *w_packed, const void *bias,          \
                                    const void *residual, const void *gamma, const void *beta,       \
                                    int64_t M, int64_t K, int64_t N, float eps), (be, dt, out, x, w, w_packed, bias, residual, gamma, beta, M, K, N, eps)) \
-    /* out (N, C) row r = LayerNorm(word[ids[r]] + type[types[r]] + pos[positions[r]]); types NULL: 0; type NULL: no type term */\
+    /* out (N, C) row r = LayerNorm(word[ids[r]] + type[types[r]] + pos[positions[r]]); types NULL: 0; type NULL: no type term; \
+     * pos NULL: no position term (rotary models); beta NULL: a LayerNorm without bias */         \
     X(embed_ln_forward, (ft_backend *be, ft_dtype dt, void *out, const int32_t *ids,               \
                          const int32_t *types, const int32_t *positions, const void *word,         \
                          const void *pos, const void *type, const void *gamma, const void *beta,   \
@@ -139,11 +140,29 @@ typedef struct {
      * gets a zero output. seqs_dev: the same table in the backend's memory, or NULL (a backend   \
      * that reads it on the device then copies it into scratch, a host-ordered copy that may wait  \
      * for the stream: the encoder uploads it once per forward). scratch:                          \
-     * attention_scratch_bytes(dt, B, max query rows, NH). */                                      \
+     * attention_scratch_bytes(dt, B, max query rows, NH). window > 0: query row i of a sequence  \
+     * (its index among the sequence's rows) sees only the keys j with |i - j| <= window / 2       \
+     * (local attention; a query with no key in reach gets zeros); 0: every key. */               \
     X(attention_forward, (ft_backend *be, ft_dtype dt, void *ctx, const void *qkv,                 \
                           const int32_t *seqs, const int32_t *seqs_dev, int64_t B, int64_t C,      \
-                          int64_t NH, void *scratch),                                              \
-      (be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, scratch))                                       \
+                          int64_t NH, int64_t window, void *scratch),                              \
+      (be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, window, scratch))                               \
+    /* rotary position embeddings in place on the Q and K columns of qkv (N, 3C), NH heads of     \
+     * hs = C / NH: row r at position positions[r] (backend memory), for i < hs / 2 the pair       \
+     * (x_i, x_{i + hs/2}) rotated by the angle p f_i, f_i = 1 / theta^(2i / hs) (transformers'    \
+     * rotate_half layout; f_i, the angle and cos / sin as float32 values, as transformers has    \
+     * them). V untouched. */                                                                      \
+    X(rotary_forward, (ft_backend *be, ft_dtype dt, void *qkv, const int32_t *positions, int64_t N, \
+                       int64_t C, int64_t NH, double theta), (be, dt, qkv, positions, N, C, NH, theta)) \
+    /* out (N, K) = act(h[:, :K]) * h[:, K:] for h (N, 2K): a gated FFN's activation (GeGLU with   \
+     * GELU); out must not alias h */                                                              \
+    X(gated_act_forward, (ft_backend *be, ft_dtype dt, void *out, const void *h, int64_t N,        \
+                          int64_t K, ft_activation act), (be, dt, out, h, N, K, act))              \
+    /* a pre-LN residual: x (N, C) += y (y NULL: x unchanged), then h (N, C) = LayerNorm(x) with   \
+     * gamma and beta (NULL: no bias); h must not alias x or y */                                  \
+    X(residual_ln_forward, (ft_backend *be, ft_dtype dt, void *x, void *h, const void *y,          \
+                            const void *gamma, const void *beta, int64_t N, int64_t C, float eps), \
+      (be, dt, x, h, y, gamma, beta, N, C, eps))                                                   \
     /* h (N, K) = act(h + bias) in place */                                                        \
     X(bias_act_forward, (ft_backend *be, float *h, const float *bias, int64_t N, int64_t K,       \
                          ft_activation act), (be, h, bias, N, K, act))                                                       \

@@ -6,8 +6,11 @@ embedding projection, pooler, and the checkpoint's tensor names (mapped onto fas
 table, whose names are BertModel's). Nothing outside this file asks which model type it has: code
 reads the entry's fields (tests/test_kinds.py greps for model-type strings elsewhere).
 
-An entry whose fields name something the C encoder does not implement (pre-LN, rotary positions,
-gated activations, layers without biases, local attention windows) is refused with that reason.
+An entry whose fields name something the C encoder does not implement is refused with that reason.
+The C encoder runs BERT's post-LN layers and ModernBERT's (pre-LN, rotary positions, GeGLU, no biases,
+local / global attention): its forward, and what stands on it (encode, the cache, heads trained on the
+cache). The operations that run BERT's layer code besides the forward (training encoder layers, int8,
+compression, export of task heads) are refused for other layers by one check, :meth:`Architecture.require`.
 """
 import dataclasses
 import re
@@ -47,6 +50,7 @@ class Architecture:
     gated_activation: bool = False        # GeGLU / SwiGLU FFNs
     biases: bool = True                   # linear layers and LayerNorms with biases
     attention_window: bool = False        # per-layer local / global attention
+    fused_qkv: bool = False               # Q, K, V in one (3C, C) tensor (fasttran's attention.self.qkv.weight)
     embedding_projection: bool = False    # embedding_size may differ from hidden_size (ELECTRA)
     pooler: bool = True                   # the base model has a pooler (dense + tanh on the first token)
     config_keys: dict = dataclasses.field(default_factory=dict)   # fasttran's key -> the config's key
@@ -63,17 +67,40 @@ class Architecture:
     def unsupported(self):
         """Why the C encoder cannot run this architecture ([] when it can)."""
         why = []
+        if self.norm not in NORMS:
+            why.append(f"{self.norm}-LN layers (fasttran's layers are post-LN or pre-LN)")
+        if self.positions not in ("absolute", "rotary"):
+            why.append(f"{self.positions} position embeddings (fasttran has learned absolute and rotary ones)")
+        if self.norm == "post" and (self.positions != "absolute" or self.gated_activation or not self.biases or
+                                    self.attention_window or self.fused_qkv):
+            why.append("post-LN layers with ModernBERT's parts (rotary positions, GeGLU, no biases, windows)")
+        return why
+
+    def layer_differences(self):
+        """How this architecture's layers differ from BERT's post-LN ones ([] for none)."""
+        why = []
         if self.norm != "post":
-            why.append(f"{self.norm}-LN layers (fasttran's layers are post-LN)")
+            why.append(f"{self.norm}-LN layers")
         if self.positions != "absolute":
-            why.append(f"{self.positions} position embeddings (fasttran has learned absolute ones)")
+            why.append(f"{self.positions} position embeddings")
         if self.gated_activation:
             why.append("gated FFN activations (GeGLU)")
         if not self.biases:
             why.append("layers without biases")
         if self.attention_window:
-            why.append("local / global attention windows per layer")
+            why.append("local / global attention windows")
         return why
+
+    def require(self, operation):
+        """The one capability check: raise UnsupportedModelError naming the architecture and `operation`
+        when the operation (one of OPERATIONS) cannot run its layers."""
+        if operation not in OPERATIONS:
+            raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
+        why = self.layer_differences()
+        if why:
+            raise UnsupportedModelError(
+                f"{OPERATIONS[operation]} is not supported for {self.hf_class} (model_type {self.model_types[0]!r}) "
+                f"yet: it runs BERT's post-LN layer code and {self.hf_class} has {'; '.join(why)}")
 
     # ---- tensor names ------------------------------------------------------------------------
     def checkpoint_name(self, name):
@@ -136,6 +163,19 @@ class Architecture:
         return config["max_position_embeddings"] - off
 
 
+#: the layer norm placements the C encoder runs (ft_norm_placement)
+NORMS = ("post", "pre")
+
+#: operations that run BERT's post-LN layer code besides the forward: Architecture.require refuses them for
+#: other layers (ModernBERT's), naming the operation
+OPERATIONS = {
+    "train_layers": "training encoder layers (Trainer(train_layers > 0), TopLayers)",
+    "int8": "int8 quantization (dtype='int8', Encoder.quantize)",
+    "compression": "compression (fasttran.compress)",
+    "export": "export of a task model (fasttran.export)",
+    "reduced_precision": "half-precision and bfloat16 encoders",
+}
+
 _ROBERTA = dict(position_ids="after_padding", token_types="zero", prefixes=("roberta.", ""),
                 defaults={"pad_token_id": 1},
                 # RobertaClassificationHead: dense + tanh + out_proj on the first token = fasttran's pooler head
@@ -182,7 +222,21 @@ ARCHITECTURES = (
                         "multiple-choice": "ElectraForMultipleChoice's summary layer is followed by GELU, fasttran's "
                                            "pooler by tanh"}),
     Architecture("modernbert", ("modernbert",), "ModernBertModel", norm="pre", positions="rotary",
-                 gated_activation=True, biases=False, attention_window=True, pooler=False),
+                 gated_activation=True, biases=False, attention_window=True, fused_qkv=True, pooler=False,
+                 token_types="none", prefixes=("model.", ""), layer_prefix="layers.",
+                 config_keys={"hidden_act": "hidden_activation", "layer_norm_eps": "norm_eps"},
+                 defaults={"vocab_size": 50368, "num_hidden_layers": 22, "intermediate_size": 1152,
+                           "max_position_embeddings": 8192, "pad_token_id": 50283, "layer_norm_eps": 1e-5},
+                 fixed={"type_vocab_size": 0},
+                 heads={layout: "ModernBERT's task classes put a dense + GELU + LayerNorm head on the pooled "
+                                "output, fasttran's heads differ" for layout in ("sequence-classification",
+                                                                             "multiple-choice")},
+                 names={"embeddings.word_embeddings.weight": "embeddings.tok_embeddings.weight",
+                        "embeddings.LayerNorm.weight": "embeddings.norm.weight",
+                        "attention.self.qkv.weight": "attn.Wqkv.weight", "attention.LayerNorm.weight": "attn_norm.weight",
+                        "attention.output.dense.weight": "attn.Wo.weight",
+                        "intermediate.LayerNorm.weight": "mlp_norm.weight", "intermediate.dense.weight": "mlp.Wi.weight",
+                        "output.dense.weight": "mlp.Wo.weight"}),
 )
 
 BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
@@ -211,9 +265,56 @@ def of_config(cfg, source="config.json"):
     return arch
 
 
+_ROPE_DEFAULTS = {"full_attention": 160000.0, "sliding_attention": 10000.0}   # ModernBertConfig's default thetas
+
+
+def _rotary_fields(cfg, num_layers, source):
+    """A rotary, windowed config's thetas per layer type, window and global layer period (ModernBertConfig:
+    rope_parameters, or the older global_rope_theta / local_rope_theta; layer_types, or
+    global_attn_every_n_layers)."""
+    for key in ("attention_bias", "mlp_bias", "norm_bias"):
+        if cfg.get(key):
+            raise UnsupportedModelError(f"{source}: {key}=true is not supported (fasttran's ModernBERT layers have no "
+                                        "biases)")
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{source}: rope_parameters must be an object, got {params!r}")
+    old = {"full_attention": cfg.get("global_rope_theta"), "sliding_attention": cfg.get("local_rope_theta")}
+    theta = {}
+    for kind, default in _ROPE_DEFAULTS.items():
+        p = params.get(kind) or {}
+        if p.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"{source}: rope_type {p.get('rope_type')!r} ({kind}) is not supported; only "
+                                        "'default'")
+        t = p.get("rope_theta", old[kind] if old[kind] is not None else default)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise CheckpointError(f"{source}: rope_theta of {kind} must be a positive number, got {t!r}")
+        theta[kind] = float(t)
+    window = cfg.get("local_attention", 128)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise CheckpointError(f"{source}: local_attention must be an integer >= 2, got {window!r}")
+    every = cfg.get("global_attn_every_n_layers", 3)
+    types = cfg.get("layer_types")
+    if types is not None:   # the explicit list: fasttran runs the "global every n" pattern it spells
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in _ROPE_DEFAULTS for t in types):
+            raise CheckpointError(f"{source}: layer_types must list {num_layers} of {sorted(_ROPE_DEFAULTS)}, got {types!r}")
+        globals_ = [i for i, t in enumerate(types) if t == "full_attention"]
+        every = globals_[1] - globals_[0] if len(globals_) > 1 else num_layers
+        if [t == "full_attention" for t in types] != [i % every == 0 for i in range(num_layers)]:
+            raise UnsupportedModelError(f"{source}: layer_types {types!r}: fasttran runs global attention every n layers "
+                                        "from layer 0 (global_attn_every_n_layers), not this pattern")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise CheckpointError(f"{source}: global_attn_every_n_layers must be a positive integer, got {every!r}")
+    return {"rope_theta": theta["full_attention"], "rope_theta_local": theta["sliding_attention"],
+            "attention_window": window, "global_every": every}
+
+
 def parse_fields(arch, cfg, source):
     """The config's values of fasttran's keys, under the architecture's names and defaults."""
     out = {k: arch.config_value(cfg, k) for k in _BERT_DEFAULTS}
+    if arch.positions == "rotary":
+        n = out["num_hidden_layers"]
+        out.update(_rotary_fields(cfg, n if isinstance(n, int) and not isinstance(n, bool) else 0, source))
     if arch.embedding_projection:   # the embeddings' width; a projection to hidden_size where they differ
         emb = arch.config_value(cfg, "embedding_size")
         if isinstance(emb, bool) or not isinstance(emb, int) or emb < 1:

@@ -320,6 +320,11 @@ class Encoder:
         if device.is_cuda and self.dtype != "float32" and c["hidden_size"] // c["num_attention_heads"] > 128:
             raise UnsupportedError(f"dtype={self.dtype!r}: head size {c['hidden_size'] // c['num_attention_heads']}; "
                                    "half-precision attention takes head sizes up to 128. Use dtype='float32'")
+        arch = self.architecture
+        if self.dtype == "int8":
+            arch.require("int8")
+        elif self.dtype != "float32":
+            arch.require("reduced_precision")
         modes = c.get("fasttran_head_attention")
         vmap, vrows = vocab_map(c)
         core = _C.EncoderCore(
@@ -332,7 +337,13 @@ class Encoder:
             layer_intermediate=c.get("fasttran_layer_intermediate"),
             head_attention=None if modes is None else [ATTENTION_MODES.index(m) for row in modes for m in row],
             sign_match_keys=int(c.get("fasttran_sign_match_keys") or 0), vocab_map=vmap, vocab_rows=vrows,
-            position_ids=_C.POSITION_IDS[self.architecture.position_ids], embedding_size=int(c.get("embedding_size", 0)))
+            position_ids=_C.POSITION_IDS[arch.position_ids], embedding_size=int(c.get("embedding_size", 0)),
+            # ModernBERT's layers (architectures.py's fields, config.json's thetas and window); 0 for BERT's
+            norm=_C.NORMS[arch.norm], rope_theta=float(c.get("rope_theta", 0.0)),
+            rope_theta_local=float(c.get("rope_theta_local", 0.0)), gated_ffn=arch.gated_activation,
+            no_bias=not arch.biases, qkv_fused=arch.fused_qkv,
+            attention_window=int(c.get("attention_window", 0)) if arch.attention_window else 0,
+            global_every=int(c.get("global_every", 0)) if arch.attention_window else 0)
         if self.dtype == "int8":   # a blank int8 encoder: zero weights, quantized (load_state_dict fills it)
             core.quantize(embeddings=True)
         if self.allow_tf32:
@@ -535,6 +546,7 @@ class Encoder:
         float32 kernels, never slower than float32 (``memory_report()["weights"]`` says which).
         A token's result still depends only on its own sequence. Error against float32 on
         all-MiniLM-L6-v2: benchmarks/RESULTS.md, "Compression: reduced-precision kernels"."""
+        self.architecture.require("int8")
         if self.dtype != "float32":
             raise UnsupportedError(f"quantize() takes a float32 encoder; this one is {self.dtype}")
         if self.device.is_cuda:

@@ -91,6 +91,7 @@ def export(path, encoder, head, pooling="mean"):
     directory `path` (see the module's table; another architecture's encoder goes out in its own
     classes: RobertaForSequenceClassification's head is fasttran's pooler head, dense + tanh +
     out_proj on the first token). Returns the layout written."""
+    encoder.architecture.require("export")
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     layout, arch, extra, names = _layout(encoder, head)

@@ -67,6 +67,8 @@ class TopLayers:
         buffer in memory the other processes of this machine can map (a data-parallel rank's, whose
         reduction sums the ranks' tables in place: fasttran.distributed.DataParallel)."""
         L = encoder.num_layers
+        if getattr(encoder, "architecture", None) is not None:
+            encoder.architecture.require("train_layers")
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= L:
             raise InputError(f"k (the number of top layers to train) must be an integer in [1, {L}], got {k!r}")
         device = parse_device(encoder.device if device is None else device)

@@ -26,7 +26,7 @@ OPS = [name for name, e in REGISTRY.items() if e[1] == "op"]
 SIZES = _C._abi_sizes()
 
 # ---- calling a backend table through ctypes ------------------------------------------------------
-_SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "uint64_t": ctypes.c_uint64,
+_SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double, "uint64_t": ctypes.c_uint64,
             "size_t": ctypes.c_size_t, "ft_activation": ctypes.c_int, "ft_pooling": ctypes.c_int,
             "ft_dtype": ctypes.c_int, "uintptr_t": ctypes.c_size_t}
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 6}   # ft_dtype
@@ -204,6 +204,9 @@ def run_case(be, op, args):
             call.append(be.addr)
             continue
         if name == "dt" and name not in args:   # the encoder ops' storage type: float32 unless the case says
+            call.append(0)
+            continue
+        if name == "window" and name not in args:   # attention: every key unless the case says
             call.append(0)
             continue
         assert name in args, f"the case for {op} has no argument {name!r}"
@@ -440,17 +443,20 @@ def _lengths(rng, B, T, padding):
     return rng.integers(1, T + 1, B)     # "ragged"
 
 
-def _attention(lengths, NH, hs, padded_queries=0):
+def _attention(lengths, NH, hs, padded_queries=0, window=0):
     """packed sequences: sequence b has lengths[b] real tokens (its keys) and lengths[b] +
-    padded_queries query rows (padded rows the caller asked for)"""
+    padded_queries query rows (padded rows the caller asked for); window > 0: local attention"""
     def build(rng):
         lens = np.asarray(lengths, np.int64)
         nq = lens + padded_queries * (lens > 0)
         first = np.concatenate([[0], np.cumsum(nq)[:-1]])
         seqs = np.stack([first, lens, nq], axis=1).astype(np.int32)
         N, C, T = int(nq.sum()), NH * hs, int(max(nq.max(), 1))
-        return dict(ctx=Out((N, C), tol=2e-5), qkv=In(f32(rng, N, 3 * C)), seqs=Host(seqs), seqs_dev=In(seqs),
+        args = dict(ctx=Out((N, C), tol=2e-5), qkv=In(f32(rng, N, 3 * C)), seqs=Host(seqs), seqs_dev=In(seqs),
                     B=len(lens), C=C, NH=NH, scratch=Scratch(len(lens), T, NH))
+        if window:
+            args["window"] = window
+        return args
     return build
 
 
@@ -458,6 +464,59 @@ for lens, NH, hs, pq in [([1], 1, 1, 0), ([7, 2], 3, 5, 0), ([3, 7, 1], 2, 17, 4
                          ([33, 12, 30, 1], 4, 16, 2), ([64], 12, 3, 0), ([5, 12, 3, 9, 1], 1, 13, 1)]:
     case("attention_forward", "-".join(map(str, lens)) + f"-{NH}h{hs}" + (f"-pad{pq}" if pq else ""))(
         _attention(lens, NH, hs, pq))
+# local attention (ModernBERT's windows): sequences shorter and longer than the window, padded queries
+# beyond every key's reach, a window of 2 (one key each side)
+for lens, NH, hs, pq, win in [([300, 70, 1], 2, 8, 0, 128), ([200, 33], 3, 16, 80, 64), ([40, 9], 1, 5, 3, 2),
+                              ([130], 4, 4, 0, 7)]:
+    case("attention_forward", "-".join(map(str, lens)) + f"-{NH}h{hs}" + (f"-pad{pq}" if pq else "") + f"-win{win}")(
+        _attention(lens, NH, hs, pq, win))
+
+
+def _rotary(N, NH, hs, theta, P=9000):
+    def build(rng):
+        C = NH * hs
+        return dict(qkv=Out((N, 3 * C), tol=2e-6, init=f32(rng, N, 3 * C)), positions=In(rng.integers(0, P, N).astype(np.int32)),
+                    N=N, C=C, NH=NH, theta=theta)
+    return build
+
+
+for N, NH, hs, theta in [(1, 1, 2, 10000.0), (37, 3, 8, 160000.0), (300, 12, 64, 10000.0), (5, 2, 34, 500.0), (0, 2, 4, 1e4)]:
+    case("rotary_forward", f"{N}-{NH}h{hs}-theta{theta:g}")(_rotary(N, NH, hs, theta))
+
+
+def _gated(N, K, act):
+    return lambda rng: dict(out=Out((N, K), tol=1e-5), h=In(f32(rng, N, 2 * K, scale=2.0)), N=N, K=K, act=act)
+
+
+for N, K, act in [(1, 1, 0), (7, 150, 0), (33, 37, 1), (509, 3, 2), (5, 1152, 0), (0, 8, 0)]:
+    case("gated_act_forward", f"{N}x{K}-act{act}")(_gated(N, K, act))
+
+
+def _residual_ln(N, C, with_y, bias):
+    def build(rng):
+        return dict(x=Out((N, C), tol=1e-5, init=f32(rng, N, C)), h=Out((N, C), tol=2e-5),
+                    y=In(f32(rng, N, C)) if with_y else None, gamma=In(1 + 0.1 * f32(rng, C)),
+                    beta=In(0.1 * f32(rng, C)) if bias else None, N=N, C=C, eps=1e-5)
+    return build
+
+
+for N, C, with_y, bias in [(1, 1, True, False), (14, 33, True, True), (509, 72, False, False), (6, 768, True, False),
+                           (0, 16, True, False)]:
+    case("residual_ln_forward", f"{N}x{C}" + ("" if with_y else "-noy") + ("" if bias else "-nobias"))(
+        _residual_ln(N, C, with_y, bias))
+
+
+def _embed_rotary(N, C, V=50):
+    """a rotary model's embeddings: no position or type table, a LayerNorm without bias"""
+    def build(rng):
+        return dict(out=Out((N, C)), ids=In(rng.integers(0, V, N).astype(np.int32)), types=None,
+                    positions=In(np.arange(N, dtype=np.int32)), word=In(f32(rng, V, C)), pos=None, type=None,
+                    gamma=In(1 + 0.1 * f32(rng, C)), beta=None, N=N, C=C, eps=1e-5)
+    return build
+
+
+for N, C in [(1, 1), (14, 33), (300, 768)]:
+    case("embed_ln_forward", f"{N}x{C}-rotary")(_embed_rotary(N, C))
 
 
 def _bias_act(N, K, act):
@@ -1297,7 +1356,7 @@ class HalfIn:
         self.bits, self.x = to_half(a, dt), from_half(to_half(a, dt), dt)
 
 
-def _half_attention(lengths, NH, hs, pq, dt):
+def _half_attention(lengths, NH, hs, pq, dt, window=0):
     lens = np.asarray(lengths, np.int64)
     nq = lens + pq * (lens > 0)
     first = np.concatenate([[0], np.cumsum(nq)[:-1]])
@@ -1316,12 +1375,19 @@ def _half_attention(lengths, NH, hs, pq, dt):
                 if k == 0:
                     continue
                 s = Q @ K.T / np.sqrt(hs)
-                p = np.exp(s - s.max(1, keepdims=True))
-                ref[f:f + q, h * hs:(h + 1) * hs] = (p / p.sum(1, keepdims=True)) @ V
+                if window:   # local attention: keys |i - j| <= window / 2; a row reaching none gives zeros
+                    i, j = np.arange(q)[:, None], np.arange(k)[None, :]
+                    s = np.where(np.abs(i - j) <= window // 2, s, -np.inf)
+                mx = s.max(1, keepdims=True)
+                p = np.exp(s - np.where(np.isfinite(mx), mx, 0))
+                tot = p.sum(1, keepdims=True)
+                ref[f:f + q, h * hs:(h + 1) * hs] = (p / np.where(tot > 0, tot, 1)) @ V
         # the table on the device (as the encoder passes it) or only on the host (copied into scratch)
         args = dict(dt=DTYPE_CODES[dt], ctx=Out((N, C), np.uint16), qkv=In(qkv.bits), seqs=Host(seqs),
                     seqs_dev=In(seqs) if len(lens) % 2 else None, B=len(lens), C=C, NH=NH,
                     scratch=Scratch(len(lens), T, NH))
+        if window:
+            args["window"] = window
         return args, {"ctx": ref}
     return build
 
@@ -1386,6 +1452,9 @@ for dt in ("bfloat16", "float16"):
                              ([0, 33, 12, 0], 4, 16, 2), ([65], 2, 64, 0), ([20, 9], 1, 128, 3), ([40], 1, 100, 0)]:
         HALF_CASES.append((f"attention_forward-{dt}-" + "-".join(map(str, lens)) + f"-{NH}h{hs}-pad{pq}",
                            "attention_forward", _half_attention(lens, NH, hs, pq, dt), dt))
+    for lens, NH, hs, pq, win in [([300, 70, 1], 2, 16, 0, 128), ([200, 33], 1, 64, 90, 64), ([40, 9], 1, 8, 3, 2)]:
+        HALF_CASES.append((f"attention_forward-{dt}-" + "-".join(map(str, lens)) + f"-{NH}h{hs}-pad{pq}-win{win}",
+                           "attention_forward", _half_attention(lens, NH, hs, pq, dt, win), dt))
     for M, K, N, act, bias in [(1, 1, 1, -1, True), (7, 33, 17, 0, True), (70, 72, 216, -1, True), (33, 64, 150, 0, True),
                                (13, 150, 72, -1, False), (5, 64, 130, 1, True), (3, 40, 9, 2, True), (4, 24, 8, 3, False),
                                (0, 8, 8, -1, True)]:

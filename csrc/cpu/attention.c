@@ -17,6 +17,10 @@
  * fp16) Q, K, V and the dropped probabilities are rounded to it before their products, as the
  * GPU's tensor cores read them; the kept probabilities and the statistics stay float32.
  *
+ * A window (local attention, ModernBERT): a block of query rows computes scores only over the key
+ * panels its rows reach, softmax over each row's own reach, zeros elsewhere in the block (adding
+ * 0 x V changes no bit), so a row's result still depends on its own sequence only.
+ *
  * attention_heads_forward (compressed models: a mode per head, sign matching) is its own op, in
  * attention_heads.c; its exact heads run ft_cpu_attention_head, the tasks above. */
 #include <math.h>
@@ -51,7 +55,7 @@ typedef struct {
  * for inference */
 static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, int64_t nq, int64_t nk, int64_t hs,
                          int64_t ld, int64_t C, float scale, float *kp, float *vp, float *S, float *qpad,
-                         const head_train *tr) {
+                         const head_train *tr, int64_t half) {
     const int mr = kr->mr, nr = kr->nr;
     const float *k = q + C, *v = q + 2 * C;
     const int64_t kpanels = (nk + nr - 1) / nr, lds = kpanels * nr;
@@ -73,6 +77,18 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
     }
     for (int64_t i0 = 0; i0 < nq; i0 += mr) {
         const int m = (int)(nq - i0 < mr ? nq - i0 : mr);
+        /* the block's keys: all, or (a window of half each side) the panels from the first key
+         * its first row reaches to the last one its last row does; kb a multiple of nr */
+        int64_t kb = 0, ke = nk;
+        if (half >= 0) {
+            kb = i0 - half > 0 ? (i0 - half) / nr * nr : 0;
+            ke = i0 + m + half < nk ? i0 + m + half : nk;
+            if (ke <= kb) {   /* no key in reach of any row of the block: zeros */
+                for (int i = 0; i < m; i++) memset(out + (i0 + i) * C, 0, (size_t)hs * sizeof(float));
+                continue;
+            }
+        }
+        const int64_t nkb = ke - kb, p0 = kb / nr;
         const float *qa = q + i0 * ld;
         int64_t lda = ld;
         if (m < mr || prec != FT_F32) {   /* a short block: zero-padded copy of its rows, and no stale scores */
@@ -80,14 +96,25 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
             if (prec != FT_F32) ft_cpu_round_row(qpad, qpad, (int64_t)m * hs, prec);
             qa = qpad;
             lda = hs;
-            for (int i = m; i < mr; i++) memset(S + i * lds, 0, (size_t)nk * sizeof(float));
+            for (int i = m; i < mr; i++) memset(S + i * lds, 0, (size_t)nkb * sizeof(float));
         }
-        /* S (m x nk) = Q K^T, unscaled */
-        for (int64_t p = 0; p < kpanels; p++) {
-            const int n = (int)(nk - p * nr < nr ? nk - p * nr : nr);
-            kr->tile(hs, qa, lda, kp + p * hs * nr, nr, S + p * nr, lds, m, n, 0);
+        /* S (m x nkb) = Q K^T over the block's keys, unscaled */
+        for (int64_t p = p0; p * nr < ke; p++) {
+            const int n = (int)(ke - p * nr < nr ? ke - p * nr : nr);
+            kr->tile(hs, qa, lda, kp + p * hs * nr, nr, S + (p - p0) * nr, lds, m, n, 0);
         }
-        for (int i = 0; i < m; i++) {
+        for (int i = 0; i < m && half >= 0; i++) {   /* a window: softmax over the row's reach, zeros around it */
+            float *row = S + i * lds;
+            const int64_t qi = i0 + i, lo = qi - half > kb ? qi - half : kb, hi = qi + half + 1 < ke ? qi + half + 1 : ke;
+            if (hi <= lo) {
+                memset(row, 0, (size_t)nkb * sizeof(float));
+                continue;
+            }
+            ft_cpu_softmax_row(row + (lo - kb), hi - lo, scale, NULL);
+            memset(row, 0, (size_t)(lo - kb) * sizeof(float));
+            memset(row + (hi - kb), 0, (size_t)(ke - hi) * sizeof(float));
+        }
+        for (int i = 0; i < m && half < 0; i++) {
             float *row = S + i * lds;
             ft_cpu_softmax_row(row, nk, scale, tr && tr->stats ? tr->stats + (i0 + i) * tr->stats_ld : NULL);
             if (!tr) continue;
@@ -100,7 +127,7 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
         /* out (m x hs) = P V, P read in place from S */
         for (int64_t p = 0; p < vpanels; p++) {
             const int n = (int)(hs - p * nr < nr ? hs - p * nr : nr);
-            kr->tile(nk, S, lds, vp + p * nk * nr, nr, out + i0 * C + p * nr, C, m, n, 0);
+            kr->tile(nkb, S, lds, vp + (p * nk + kb) * nr, nr, out + i0 * C + p * nr, C, m, n, 0);
         }
     }
 }
@@ -114,10 +141,10 @@ static size_t head_scratch_floats(const ft_cpu_kernel *kr, int64_t maxk, int64_t
 
 /* one (sequence, head) task in buf (head_scratch_floats(maxk, hs)) */
 static void head_task(const ft_cpu_kernel *kr, float *buf, int64_t maxk, float *out, const float *q, int64_t nq,
-                      int64_t nk, int64_t hs, int64_t C, const head_train *tr) {
+                      int64_t nk, int64_t hs, int64_t C, const head_train *tr, int64_t half) {
     const int64_t lds = (maxk + kr->nr - 1) / kr->nr * kr->nr, hsp = (hs + kr->nr - 1) / kr->nr * kr->nr;
     float *kp = buf, *vp = kp + lds * hs, *S = vp + maxk * hsp, *qpad = S + kr->mr * lds;
-    head_forward(kr, out, q, nq, nk, hs, 3 * C, C, 1.0f / sqrtf((float)hs), kp, vp, S, qpad, tr);
+    head_forward(kr, out, q, nq, nk, hs, 3 * C, C, 1.0f / sqrtf((float)hs), kp, vp, S, qpad, tr, half);
 }
 
 size_t ft_cpu_attention_head_floats(int64_t maxk, int64_t hs) {
@@ -126,7 +153,7 @@ size_t ft_cpu_attention_head_floats(int64_t maxk, int64_t hs) {
 
 void ft_cpu_attention_head(float *scratch, int64_t maxk, float *out, const float *q, int64_t nq, int64_t nk,
                            int64_t hs, int64_t C) {
-    head_task(ft_cpu_kernel_get(), scratch, maxk, out, q, nq, nk, hs, C, NULL);
+    head_task(ft_cpu_kernel_get(), scratch, maxk, out, q, nq, nk, hs, C, NULL, -1);
 }
 
 /* the (sequence, head) tasks on at most `workers` threads; probs and stats NULL: inference, else
@@ -134,7 +161,7 @@ void ft_cpu_attention_head(float *scratch, int64_t maxk, float *out, const float
  * starts at NH sum_{b' < b} n_b'^2 + h n_b^2 (the dropout's element index, kept or not) */
 static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH,
                                int workers, float *probs, float *stats, uint8_t *dmask, float p, uint64_t key,
-                               ft_dtype prec) {
+                               ft_dtype prec, int64_t half) {
     const int training = probs || stats;
     const ft_cpu_kernel *kr = ft_cpu_kernel_get();
     const int64_t hs = C / NH, ld = 3 * C;
@@ -179,7 +206,7 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
                                   dmask ? dmask + at : NULL, key, (uint64_t)at, thr, keep_scale, prec};
                 trp = &tr;
             }
-            head_task(kr, buf, maxk, out, qkv + first * ld + h * hs, nq, nk, hs, C, trp);
+            head_task(kr, buf, maxk, out, qkv + first * ld + h * hs, nq, nk, hs, C, trp, half);
         }
         free(buf);
     }
@@ -189,14 +216,17 @@ static ft_status attention_run(float *ctx, const float *qkv, const int32_t *seqs
 }
 
 ft_status cpu_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
-                                const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, void *scratch) {
+                                const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, int64_t window,
+                                void *scratch) {
     (void)be; (void)scratch; (void)seqs_dev;
     FT_CPU_F32_ONLY(dt, "attention_forward");
-    return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, NULL, 0.0f, 0, FT_F32);
+    if (window < 0) return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_forward: window %lld < 0", (long long)window);
+    return attention_run(ctx, qkv, seqs, B, C, NH, ft_num_threads(), NULL, NULL, NULL, 0.0f, 0, FT_F32,
+                         window > 0 ? window / 2 : -1);
 }
 
 ft_status ft_cpu_attention_train_heads(ft_dtype prec, float *ctx, float *probs, float *stats, uint8_t *dmask,
                                        const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
                                        uint64_t key, int workers) {
-    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, stats, dmask, p, key, prec);
+    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, stats, dmask, p, key, prec, -1);
 }

@@ -40,12 +40,17 @@ static inline float ft_row_sqdev(const float *x, int64_t n, float mean) {
     return ft_fold_lanes(lane);
 }
 
-/* y = (x - mean) / sqrt(var + eps) * gamma + beta in place; two passes (mean, then the centred
+/* y = (x - mean) / sqrt(var + eps) * gamma + beta (beta NULL: no bias) in place; two passes (mean, then the centred
  * variance) like PyTorch */
 static inline void ft_layernorm_row(float *x, const float *gamma, const float *beta, int64_t C, float eps) {
     const float mean = ft_row_sum(x, C) / (float)C;
     const float var = ft_row_sqdev(x, C, mean) / (float)C;
     const float rstd = 1.0f / sqrtf(var + eps);
+    if (!beta) {   /* a LayerNorm without bias (ModernBERT) */
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) x[c] = (x[c] - mean) * rstd * gamma[c];
+        return;
+    }
 #pragma omp simd
     for (int64_t c = 0; c < C; c++) x[c] = (x[c] - mean) * rstd * gamma[c] + beta[c];
 }
@@ -82,6 +87,30 @@ static inline void ft_activation_row(float *x, int64_t n, ft_activation act) {
     case FT_ACT_TANH:
         for (int64_t i = 0; i < n; i++) x[i] = tanhf(x[i]);
         break;
+    }
+}
+/* Rotary position embeddings as transformers computes them in float32: f_i = 1 / theta^(2i / hs)
+ * (the exponent a float32 quotient, the power rounded to float32), the angle p f_i as a float32
+ * product, its cosine and sine rounded to float32; a pair (x_i, x_{i + hs/2}) becomes
+ * (x_i c - x_{i+hs/2} s, x_{i+hs/2} c + x_i s), each product rounded (q cos + rotate_half(q) sin). */
+static inline void ft_rotary_inv_freq(float *inv, int64_t hs, double theta) {
+    for (int64_t i = 0; i < hs / 2; i++) {
+        const float e = (float)(2 * i) / (float)hs;
+        inv[i] = 1.0f / (float)pow(theta, (double)e);
+    }
+}
+static inline void ft_rotary_cos_sin(float *cs, const float *inv, int64_t h2, int64_t pos) {
+    for (int64_t i = 0; i < h2; i++) {
+        const float a = (float)pos * inv[i];
+        cs[i] = (float)cos((double)a);
+        cs[h2 + i] = (float)sin((double)a);
+    }
+}
+static inline void ft_rotary_row(float *x, const float *cs, int64_t h2) {
+    for (int64_t i = 0; i < h2; i++) {
+        const float a = x[i], b = x[h2 + i], c = cs[i], s = cs[h2 + i];
+        x[i] = a * c - b * s;   /* -std=c11: no contraction into fused multiply-adds */
+        x[h2 + i] = b * c + a * s;
     }
 }
 #endif

@@ -86,7 +86,7 @@ __device__ inline void load_tile(T *dst, const T *src, int64_t ld, int hs, int64
 // ctx rows of sequence blockIdx.y, head blockIdx.x / tiles, query tile blockIdx.x % tiles
 template <typename T, int D>
 __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, int64_t C, int hs, int tiles,
-                                     float scale_log2) {
+                                     float scale_log2, int64_t reach) {
     typedef att_layout<D> L;
     FT_DYNAMIC_SHARED(unsigned char, smem);
     T *Qs = reinterpret_cast<T *>(smem + L::q), *Ks = reinterpret_cast<T *>(smem + L::k);
@@ -115,7 +115,14 @@ __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, 
     float *S = Ss + warp * 16 * L::SP, *O = Os + warp * 16 * L::OP;
     T *P = Ps + warp * 16 * L::PP;
     float m = -INFINITY, l = 0.0f;   // the row's running maximum (log2 units) and sum
-    for (int64_t k0 = 0; k0 < nk; k0 += ATT_BK) {
+    // a window (reach = half its width >= 0): only the key tiles the block's rows reach, each row masked to its own reach
+    const int64_t qi = q0 + warp * 16 + row;
+    int64_t kbeg = 0, kend = nk;
+    if (reach >= 0) {
+        kbeg = q0 - reach > 0 ? (q0 - reach) / ATT_BK * ATT_BK : 0;
+        kend = q0 + ATT_BQ + reach < nk ? q0 + ATT_BQ + reach : nk;
+    }
+    for (int64_t k0 = kbeg; k0 < kend; k0 += ATT_BK) {
         load_tile<T, D, L::DP>(Ks, kg + k0 * ld, ld, hs, nk - k0, ATT_BK, vec);
         load_tile<T, D, L::DP>(Vs, vg + k0 * ld, ld, hs, nk - k0, ATT_BK, vec);
         __syncthreads();
@@ -138,16 +145,20 @@ __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, 
         const int c0 = half * (ATT_BK / 2);
         float mx = -INFINITY;
         for (int c = c0; c < c0 + ATT_BK / 2; c++) {
-            const float s = k0 + c < nk ? sr[c] * scale_log2 : -INFINITY;
+            const int64_t j = k0 + c;
+            const bool in = j < nk && (reach < 0 || (j >= qi - reach && j <= qi + reach));
+            const float s = in ? sr[c] * scale_log2 : -INFINITY;
             sr[c] = s;
             mx = fmaxf(mx, s);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        const float m_new = fmaxf(m, mx);   // finite: every tile holds a real key
-        const float alpha = exp2f(m - m_new);
+        // finite without a window (every tile holds a real key); with one, -inf until the row's first key
+        const float m_new = fmaxf(m, mx);
+        const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = exp2f(m - m_ref);
         float sum = 0.0f;
         for (int c = c0; c < c0 + ATT_BK / 2; c++) {
-            const float p = exp2f(sr[c] - m_new);
+            const float p = exp2f(sr[c] - m_ref);
             const T pr = from_f<T>(p);
             P[row * L::PP + c] = pr;
             sum += to_f(pr);   // the weights P V uses: each row sums to 1 exactly
@@ -172,7 +183,7 @@ __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, 
         }
         __syncthreads();   // K and V are overwritten next
     }
-    const float inv = 1.0f / l;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;   // a windowed row that reached no key: zeros
     const int r = warp * 16 + row;
     if (!vec) {
         if (r < nrows)
@@ -194,14 +205,14 @@ __device__ void flash_attention_body(T *ctx, const T *qkv, const int32_t *seqs, 
 
 template <typename T, int D>
 __global__ void flash_attention_kernel(T *ctx, const T *qkv, const int32_t *seqs, int64_t C, int hs, int tiles,
-                                       float scale_log2) {
-    if constexpr (wmma_type_ok<T>::value) flash_attention_body<T, D>(ctx, qkv, seqs, C, hs, tiles, scale_log2);
+                                       float scale_log2, int64_t half) {
+    if constexpr (wmma_type_ok<T>::value) flash_attention_body<T, D>(ctx, qkv, seqs, C, hs, tiles, scale_log2, half);
     else __trap();
 }
 
 template <typename T, int D>
 ft_status flash_attention_launch(cuda_ctx *c, T *ctx, const T *qkv, const int32_t *seqs_dev, int64_t B, int64_t C,
-                                 int64_t NH, int tiles) {
+                                 int64_t NH, int tiles, int64_t half) {
     const size_t bytes = att_layout<D>::bytes;
     constexpr auto flash_attention = flash_attention_kernel<T, D>;
     static bool opted_in[64];   // the shared-memory opt-in, once per device (set twice is harmless)
@@ -216,30 +227,40 @@ ft_status flash_attention_launch(cuda_ctx *c, T *ctx, const T *qkv, const int32_
         const int64_t nb = B - b0 < 65535 ? B - b0 : 65535;
         dim3 grid((unsigned)(tiles * NH), (unsigned)nb);
         FT_LAUNCH(flash_attention, grid, ATT_WARPS * 32, bytes, c->stream)(
-            ctx, qkv, seqs_dev + 3 * b0, C, hs, tiles, scale_log2);
+            ctx, qkv, seqs_dev + 3 * b0, C, hs, tiles, scale_log2, half);
         FT_TRY(launched("attention_forward"));
     }
     return FT_OK;
 }
 
-// one warp per score row: max-subtracted softmax in place (every key is real)
-__global__ void softmax_kernel(float *S, int64_t rows, int64_t nk) {
+// one warp per score row: max-subtracted softmax in place (every key is real); half >= 0: row i of
+// each head's nq sees the keys j with |i - j| <= half only, the others get 0 (a row with none: zeros)
+__global__ void softmax_kernel(float *S, int64_t rows, int64_t nk, int64_t nq, int64_t half) {
     const int64_t row = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
     float *s = S + row * nk;
+    int64_t lo = 0, hi = nk;
+    if (half >= 0) {
+        const int64_t i = row % nq;
+        lo = i - half > 0 ? i - half : 0;
+        hi = i + half + 1 < nk ? i + half + 1 : nk;
+        for (int64_t j = lane; j < nk; j += 32)
+            if (j < lo || j >= hi) s[j] = 0.0f;
+        if (hi <= lo) return;
+    }
     float mx = -INFINITY;
-    for (int64_t j = lane; j < nk; j += 32) mx = fmaxf(mx, s[j]);
+    for (int64_t j = lo + lane; j < hi; j += 32) mx = fmaxf(mx, s[j]);
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.0f;
-    for (int64_t j = lane; j < nk; j += 32) {
+    for (int64_t j = lo + lane; j < hi; j += 32) {
         float e = __expf(s[j] - mx);
         s[j] = e;
         sum += e;
     }
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float inv = 1.0f / sum;
-    for (int64_t j = lane; j < nk; j += 32) s[j] *= inv;
+    for (int64_t j = lo + lane; j < hi; j += 32) s[j] *= inv;
 }
 
 }  // namespace
@@ -250,7 +271,7 @@ size_t cuda_attention_scratch_bytes(ft_backend *, ft_dtype dt, int64_t B, int64_
 }
 
 static ft_status attention_f32(ft_backend *be, float *ctx, const float *qkv, const int32_t *seqs, int64_t B,
-                               int64_t C, int64_t NH, float *scratch) {
+                               int64_t C, int64_t NH, int64_t half, float *scratch) {
     cuda_ctx *c = ctx_of(be);
     blas_use blas(c);
     FT_TRY(blas.status);
@@ -272,7 +293,7 @@ static ft_status attention_f32(ft_backend *be, float *ctx, const float *qkv, con
                   "attention scores");
         const int64_t rows = NH * nq;
         const int warps = 8;
-        FT_LAUNCH(softmax_kernel, (unsigned)((rows + warps - 1) / warps), warps * 32, 0, c->stream)(S, rows, nk);
+        FT_LAUNCH(softmax_kernel, (unsigned)((rows + warps - 1) / warps), warps * 32, 0, c->stream)(S, rows, nk, nq, half);
         ft_status st = launched("attention softmax");
         if (st != FT_OK) return st;
         // row-major ctx_h (nq, hs) = P_h (nq, nk) V_h (nk, hs): column-major ctx_h^T = V_h^T P_h^T
@@ -285,8 +306,13 @@ static ft_status attention_f32(ft_backend *be, float *ctx, const float *qkv, con
 }
 
 ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
-                                 const int32_t *seqs_dev_in, int64_t B, int64_t C, int64_t NH, void *scratch) {
-    if (dt == FT_F32) return attention_f32(be, (float *)ctx, (const float *)qkv, seqs, B, C, NH, (float *)scratch);
+                                 const int32_t *seqs_dev_in, int64_t B, int64_t C, int64_t NH, int64_t window,
+                                 void *scratch) {
+    if (window < 0)
+        return g_host->error(FT_ERR_INVALID_ARGUMENT, "attention_forward: window %lld < 0", (long long)window);
+    const int64_t half = window > 0 ? window / 2 : -1;
+    if (dt == FT_F32)
+        return attention_f32(be, (float *)ctx, (const float *)qkv, seqs, B, C, NH, half, (float *)scratch);
     if (dt != FT_F16 && dt != FT_BF16) return dtype_error(dt, "attention_forward");
     const int64_t hs = C / NH;
     if (hs > 128)
@@ -303,8 +329,9 @@ ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const v
     if (dt == FT_BF16 && c->cc_major < 8)
         return g_host->error(FT_ERR_UNSUPPORTED, "bfloat16 needs an Ampere or newer GPU (compute capability 8.0+); "
                              "%s is %d.x: use dtype float16", c->name, c->cc_major);
-    bool ran = false;   // cuDNN's fused attention where it takes this configuration (attention_cudnn.cu)
-    FT_TRY(cudnn_attention_forward(be, dt, ctx, qkv, seqs, B, C, NH, &ran));
+    bool ran = false;   // cuDNN's fused attention where it takes this configuration (attention_cudnn.cu);
+                        // a window is the WMMA kernel's (cuDNN's graphs here have no sliding window)
+    if (half < 0) FT_TRY(cudnn_attention_forward(be, dt, ctx, qkv, seqs, B, C, NH, &ran));
     if (ran) return FT_OK;
     const int32_t *seqs_dev = seqs_dev_in;
     if (!seqs_dev) {   // pageable source: the copy has read it when the call returns
@@ -317,10 +344,10 @@ ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const v
         if constexpr (sizeof(T) == 2) {
             T *o = (T *)ctx;
             const T *x = (const T *)qkv;
-            if (hs <= 16) return flash_attention_launch<T, 16>(c, o, x, seqs_dev, B, C, NH, (int)tiles);
-            if (hs <= 32) return flash_attention_launch<T, 32>(c, o, x, seqs_dev, B, C, NH, (int)tiles);
-            if (hs <= 64) return flash_attention_launch<T, 64>(c, o, x, seqs_dev, B, C, NH, (int)tiles);
-            return flash_attention_launch<T, 128>(c, o, x, seqs_dev, B, C, NH, (int)tiles);
+            if (hs <= 16) return flash_attention_launch<T, 16>(c, o, x, seqs_dev, B, C, NH, (int)tiles, half);
+            if (hs <= 32) return flash_attention_launch<T, 32>(c, o, x, seqs_dev, B, C, NH, (int)tiles, half);
+            if (hs <= 64) return flash_attention_launch<T, 64>(c, o, x, seqs_dev, B, C, NH, (int)tiles, half);
+            return flash_attention_launch<T, 128>(c, o, x, seqs_dev, B, C, NH, (int)tiles, half);
         }
         return dtype_error(dt, "attention_forward");
     });

@@ -66,7 +66,7 @@ ft_status cuda_attention_heads_forward(ft_backend *be, ft_dtype dt, void *ctx, c
             return g_host->error(FT_ERR_INVALID_ARGUMENT, "attention_heads_forward: head %lld has mode %d; expected "
                                  "0 (exact), 1 (sign matching) or 2 (off)", (long long)h, (int)modes[h]);
     }
-    FT_TRY(cuda_attention_forward(be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, scratch));
+    FT_TRY(cuda_attention_forward(be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, 0, scratch));
     int64_t rows = 0;
     for (int64_t b = 0; b < B; b++) rows = seqs[3 * b] + seqs[3 * b + 2] > rows ? seqs[3 * b] + seqs[3 * b + 2] : rows;
     const int64_t hs = C / NH;

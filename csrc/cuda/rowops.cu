@@ -19,7 +19,8 @@ __device__ void layernorm_row(T *o, const T *gamma, const T *beta, int64_t C, fl
     var = block_sum(var, sh) / (float)C;
     const float rstd = rsqrtf(var + eps);
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
-        o[c] = from_f<T>((to_f(o[c]) - mean) * rstd * to_f(gamma[c]) + to_f(beta[c]));
+        o[c] = from_f<T>(beta ? (to_f(o[c]) - mean) * rstd * to_f(gamma[c]) + to_f(beta[c])
+                              : (to_f(o[c]) - mean) * rstd * to_f(gamma[c]));   // beta NULL: no bias
 }
 
 // out (N, C) row r = LN(word[ids[r]] + type[types[r]] + pos[positions[r]]); one block per row
@@ -29,12 +30,12 @@ __global__ void embed_ln_kernel(T *out, const int32_t *ids, const int32_t *types
                                 float eps) {
     __shared__ float sh[32];
     const int64_t r = blockIdx.x;
-    const T *w = word + (int64_t)ids[r] * C, *p = pos + (int64_t)positions[r] * C;
+    const T *w = word + (int64_t)ids[r] * C, *p = pos ? pos + (int64_t)positions[r] * C : NULL;   // NULL: rotary
     const T *ty = type ? type + (types ? (int64_t)types[r] * C : 0) : NULL;   // NULL: no token types
     T *o = out + r * C;
     float sum = 0.0f;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        float v = ty ? (to_f(w[c]) + to_f(ty[c])) + to_f(p[c]) : to_f(w[c]) + to_f(p[c]);   // HF's order of sums
+        float v = !p ? to_f(w[c]) : ty ? (to_f(w[c]) + to_f(ty[c])) + to_f(p[c]) : to_f(w[c]) + to_f(p[c]);   // HF's order
         o[c] = from_f<T>(v);
         sum += to_f(o[c]);
     }
@@ -99,7 +100,103 @@ __global__ void scatter_rows_kernel(float *dst, const T *src, const int32_t *ind
         dst[(int64_t)index[k / C] * C + k % C] = to_f(src[k]);
 }
 
+// rotary embeddings in place on Q and K of qkv (N, 3C): one thread per (row, Q/K head, pair), the
+// CPU's float32 arithmetic (cpu/rowfun.h ft_rotary_*): inv f_i from a double power rounded to float,
+// the angle a float product, cos / sin in double rounded to float, products rounded before the sums
+__global__ void rotary_kernel_f(float *inv, int64_t h2, int64_t hs, double theta) {
+    for (int64_t i = threadIdx.x; i < h2; i += blockDim.x) {
+        const float e = (float)(2 * i) / (float)hs;
+        inv[i] = 1.0f / (float)pow(theta, (double)e);
+    }
+}
+
+template <typename T>
+__global__ void rotary_kernel(T *qkv, const int32_t *positions, const float *inv, int64_t N, int64_t C, int64_t NH,
+                              int64_t h2) {
+    const int64_t total = N * 2 * NH * h2, hs = 2 * h2;
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = k % h2, head = (k / h2) % (2 * NH), r = k / (h2 * 2 * NH);
+        const float a = __fmul_rn((float)positions[r], inv[i]);
+        const float cs = (float)cos((double)a), sn = (float)sin((double)a);
+        T *x = qkv + r * 3 * C + head * hs;
+        const float u = to_f(x[i]), v = to_f(x[h2 + i]);
+        x[i] = from_f<T>(__fsub_rn(__fmul_rn(u, cs), __fmul_rn(v, sn)));
+        x[h2 + i] = from_f<T>(__fadd_rn(__fmul_rn(v, cs), __fmul_rn(u, sn)));
+    }
+}
+
+// out (N, I) = act(h[:, :I]) * h[:, I:]
+template <typename T>
+__global__ void gated_act_kernel(T *out, const T *h, int64_t total, int64_t I, int act) {
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = k / I, i = k % I;
+        float v = to_f(h[r * 2 * I + i]);
+        v = act == FT_ACT_GELU_ERF ? gelu_erf(v) : act == FT_ACT_GELU_TANH ? gelu_tanh(v) : act == FT_ACT_TANH ? tanhf(v) : fmaxf(v, 0.0f);
+        out[k] = from_f<T>(__fmul_rn(v, to_f(h[r * 2 * I + I + i])));
+    }
+}
+
+// x (N, C) += y (or not: y NULL), then h = LN(x); one block per row
+template <typename T>
+__global__ void residual_ln_kernel(T *x, T *hout, const T *y, const T *gamma, const T *beta, int64_t C, float eps) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    T *xr = x + r * C, *o = hout + r * C;
+    float sum = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        if (y) xr[c] = from_f<T>(to_f(xr[c]) + to_f(y[r * C + c]));
+        o[c] = xr[c];
+        sum += to_f(o[c]);
+    }
+    layernorm_row(o, gamma, beta, C, sum, eps, sh);
+}
+
 }  // namespace
+
+ft_status cuda_rotary_forward(ft_backend *be, ft_dtype dt, void *qkv, const int32_t *positions, int64_t N, int64_t C,
+                              int64_t NH, double theta) {
+    const int64_t hs = C / NH, h2 = hs / 2;
+    if (hs % 2 || !(theta > 0.0))
+        return g_host->error(FT_ERR_INVALID_ARGUMENT, "rotary_forward: needs an even head size and theta > 0, got "
+                             "%lld, %g", (long long)hs, theta);
+    if (N == 0 || h2 == 0) return FT_OK;
+    cuda_ctx *c = ctx_of(be);
+    float *inv = nullptr;   // the frequencies, made on the device for this call (a few hundred bytes)
+    FT_CU(cudaMallocAsync((void **)&inv, (size_t)h2 * sizeof(float), c->stream), "rotary_forward frequencies");
+    FT_LAUNCH(rotary_kernel_f, 1, 128, 0, c->stream)(inv, h2, hs, theta);
+    ft_status st = launched("rotary_forward");
+    if (st == FT_OK)
+        st = with_dtype(dt, "rotary_forward", [&](auto tag) {
+            typedef decltype(tag) T;
+            FT_LAUNCH(rotary_kernel<T>, grid_of(N * 2 * NH * h2, 256), 256, 0, c->stream)(
+                (T *)qkv, positions, inv, N, C, NH, h2);
+            return launched("rotary_forward");
+        });
+    cudaFreeAsync(inv, c->stream);
+    return st;
+}
+
+ft_status cuda_gated_act_forward(ft_backend *be, ft_dtype dt, void *out, const void *h, int64_t N, int64_t I,
+                                 ft_activation act) {
+    if (N * I == 0) return FT_OK;
+    return with_dtype(dt, "gated_act_forward", [&](auto tag) {
+        typedef decltype(tag) T;
+        FT_LAUNCH(gated_act_kernel<T>, grid_of(N * I, 256), 256, 0, ctx_of(be)->stream)((T *)out, (const T *)h, N * I,
+                                                                                         I, (int)act);
+        return launched("gated_act_forward");
+    });
+}
+
+ft_status cuda_residual_ln_forward(ft_backend *be, ft_dtype dt, void *x, void *h, const void *y, const void *gamma,
+                                   const void *beta, int64_t N, int64_t C, float eps) {
+    if (N == 0) return FT_OK;
+    return with_dtype(dt, "residual_ln_forward", [&](auto tag) {
+        typedef decltype(tag) T;
+        FT_LAUNCH(residual_ln_kernel<T>, (unsigned)N, row_threads(C), 0, ctx_of(be)->stream)(
+            (T *)x, (T *)h, (const T *)y, (const T *)gamma, (const T *)beta, C, eps);
+        return launched("residual_ln_forward");
+    });
+}
 
 ft_status cuda_embed_ln_forward(ft_backend *be, ft_dtype dt, void *out, const int32_t *ids, const int32_t *types,
                                 const int32_t *positions, const void *word, const void *pos, const void *type,

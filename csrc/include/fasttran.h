@@ -69,6 +69,13 @@ typedef enum { FT_ACT_GELU_ERF = 0, FT_ACT_GELU_TANH = 1, FT_ACT_RELU = 2, FT_AC
  *     id is pad_token_id takes pad_token_id. Left or right padding leaves every position unchanged. */
 typedef enum { FT_POS_INDEX = 0, FT_POS_AFTER_PADDING = 1 } ft_position_ids;
 
+/* Where a layer's LayerNorms sit (fasttran/architectures.py's `norm`):
+ *   FT_NORM_POST: BERT's x = LN(x + f(x)) after attention and after the FFN;
+ *   FT_NORM_PRE: ModernBERT's x = x + f(LN(x)): layer l's attention reads LN_attn(x) (layer 0 reads
+ *     the embeddings' LayerNorm output as it is: its attention norm is the identity, and it has no
+ *     tensor), its FFN LN_mlp(x); one more LayerNorm (final_norm) after the last layer. */
+typedef enum { FT_NORM_POST = 0, FT_NORM_PRE = 1 } ft_norm_placement;
+
 typedef struct {
     int64_t vocab_size;
     int64_t hidden_size;          /* C */
@@ -99,7 +106,25 @@ typedef struct {
      * removed map to the unknown token's). NULL / 0: every id its own row. */
     const int32_t *vocab_map;
     int64_t vocab_rows;
+    /* The layer's shape beyond BERT's (ModernBERT); all 0 for BERT's layers.
+     *   norm: ft_norm_placement (FT_NORM_PRE needs num_layers >= 1);
+     *   rope_theta > 0: rotary position embeddings (RoPE, rotate_half layout) on Q and K at each row's
+     *     index in its sequence, no position table; global layers use rope_theta, windowed ones
+     *     rope_theta_local (> 0 when attention_window is);
+     *   gated_ffn: the FFN's first projection has 2I rows, h = act(first I) * (last I) (GeGLU);
+     *   no_bias: no linear-layer or LayerNorm biases (no bias tensors);
+     *   qkv_fused: Q, K and V are one (3A, C) tensor (attention.self.qkv.weight), not three;
+     *   attention_window > 0: layer l is global when l % global_every == 0, else its query i sees the
+     *     keys j with |i - j| <= attention_window / 2 (indices in the sequence). */
+    ft_norm_placement norm;
+    double rope_theta, rope_theta_local;
+    int gated_ffn, no_bias, qkv_fused;
+    int64_t attention_window, global_every;
 } ft_bert_config;
+
+/* layer l's attention window (0: global) and rotary theta (0: none) */
+int64_t ft_config_layer_window(const ft_bert_config *c, int64_t layer);
+double ft_config_layer_rope_theta(const ft_bert_config *c, int64_t layer);
 
 /* How an attention head computes. FT_ATTN_SIGN_MATCH is the sign-matching attention of Nagarajan et
  * al., "Optimizing Transformers with Approximate Computing" (2020): per query, the keys whose signs

@@ -42,6 +42,8 @@ ft_status ft_encoder_compress(const ft_encoder *src, const ft_compress_spec *spe
     const int64_t L = c->num_layers, C = c->hidden_size, hs = C / c->num_heads;
     const ft_compress_spec none = {NULL, NULL, NULL, NULL, 0, NULL, 0};
     if (!spec) spec = &none;
+    if (src->cfg.norm != FT_NORM_POST)   /* its ops are post-LN BERT layers' */
+        return ft_error(FT_ERR_UNSUPPORTED, "compression (ft_encoder_compress) is not supported for pre-LN encoders (ModernBERT) yet");
     if (src->proj_w != FT_NO_OFFSET)
         return ft_error(FT_ERR_UNSUPPORTED, "compress: an encoder whose embeddings are projected (embedding_size %lld != "
                         "hidden_size %lld, ELECTRA-small) is not supported", (long long)ft_config_embedding_size(c),

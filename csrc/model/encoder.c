@@ -39,13 +39,17 @@ static ft_status build_layout(ft_encoder *e) {
     const int64_t C = c->hidden_size, hs = c->hidden_size / c->num_heads, E = ft_config_embedding_size(c);
     size_t cap = 0, off = 0, dummy;
     char nm[96];
+    const int bias = !c->no_bias, pre = c->norm == FT_NORM_PRE;
     FT_TRY(add_view(e, &cap, &off, "embeddings.word_embeddings.weight", 2, ft_config_vocab_rows(c), E, 0, &e->word));
-    FT_TRY(add_view(e, &cap, &off, "embeddings.position_embeddings.weight", 2, c->max_position_embeddings, E, 0, &e->pos));
+    e->pos = FT_NO_OFFSET;   /* rotary positions: no position table */
+    if (!(c->rope_theta > 0))
+        FT_TRY(add_view(e, &cap, &off, "embeddings.position_embeddings.weight", 2, c->max_position_embeddings, E, 0, &e->pos));
     e->type = FT_NO_OFFSET;   /* an architecture without token types has no type table */
     if (c->type_vocab_size > 0)
         FT_TRY(add_view(e, &cap, &off, "embeddings.token_type_embeddings.weight", 2, c->type_vocab_size, E, 0, &e->type));
     FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.weight", 1, E, 0, 0, &e->emb_ln_g));
-    FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.bias", 1, E, 0, 0, &e->emb_ln_b));
+    e->emb_ln_b = FT_NO_OFFSET;
+    if (bias) FT_TRY(add_view(e, &cap, &off, "embeddings.LayerNorm.bias", 1, E, 0, 0, &e->emb_ln_b));
     e->proj_w = e->proj_b = FT_NO_OFFSET;
     if (E != C) {   /* ELECTRA's embeddings_project: (N, E) -> (N, C) */
         FT_TRY(add_view(e, &cap, &off, "embeddings_project.weight", 2, C, E, 0, &e->proj_w));
@@ -57,8 +61,51 @@ static ft_status build_layout(ft_encoder *e) {
         ft_layer_offsets *L = &e->layers[l];
         const int64_t A = ft_config_layer_heads(c, l) * hs, I = ft_config_layer_intermediate(c, l);
 #define LV(suffix, nd, a, b, slot)                                                   \
-        snprintf(nm, sizeof nm, "encoder.layer.%lld.%s", (long long)l, suffix);      \
-        FT_TRY(add_view(e, &cap, &off, nm, nd, a, b, 0, slot));
+        { snprintf(nm, sizeof nm, "encoder.layer.%lld.%s", (long long)l, suffix);    \
+          FT_TRY(add_view(e, &cap, &off, nm, nd, a, b, 0, slot)); }
+        if (pre || c->no_bias || c->qkv_fused || c->gated_ffn) {
+            /* ModernBERT's layer: one QKV tensor (or three), biases where it has them, the LayerNorms
+             * before attention (none in layer 0: the embeddings' stands in) and before the FFN (pre-LN)
+             * or after each (post-LN), a gated FFN's first projection of 2I rows */
+            L->bqkv = L->bo = L->b1 = L->b2 = L->ln1_g = L->ln1_b = L->ln2_g = L->ln2_b = FT_NO_OFFSET;
+            if (c->qkv_fused) {
+                LV("attention.self.qkv.weight", 2, 3 * A, C, &L->wqkv)
+            } else {
+                LV("attention.self.query.weight", 2, A, C, &L->wqkv)
+                LV("attention.self.key.weight", 2, A, C, &dummy)
+                LV("attention.self.value.weight", 2, A, C, &dummy)
+            }
+            if (bias && c->qkv_fused) {
+                LV("attention.self.qkv.bias", 1, 3 * A, 0, &L->bqkv)
+            } else if (bias) {
+                LV("attention.self.query.bias", 1, A, 0, &L->bqkv)
+                LV("attention.self.key.bias", 1, A, 0, &dummy)
+                LV("attention.self.value.bias", 1, A, 0, &dummy)
+            }
+            if (pre && l > 0) {
+                LV("attention.LayerNorm.weight", 1, C, 0, &L->ln1_g)
+                if (bias) LV("attention.LayerNorm.bias", 1, C, 0, &L->ln1_b)
+            }
+            LV("attention.output.dense.weight", 2, C, A, &L->wo)
+            if (bias) LV("attention.output.dense.bias", 1, C, 0, &L->bo)
+            if (!pre) {
+                LV("attention.output.LayerNorm.weight", 1, C, 0, &L->ln1_g)
+                if (bias) LV("attention.output.LayerNorm.bias", 1, C, 0, &L->ln1_b)
+            } else {
+                LV("intermediate.LayerNorm.weight", 1, C, 0, &L->ln2_g)
+                if (bias) LV("intermediate.LayerNorm.bias", 1, C, 0, &L->ln2_b)
+            }
+            const int64_t I1 = c->gated_ffn ? 2 * I : I;
+            LV("intermediate.dense.weight", 2, I1, C, &L->w1)
+            if (bias) LV("intermediate.dense.bias", 1, I1, 0, &L->b1)
+            LV("output.dense.weight", 2, C, I, &L->w2)
+            if (bias) LV("output.dense.bias", 1, C, 0, &L->b2)
+            if (!pre) {
+                LV("output.LayerNorm.weight", 1, C, 0, &L->ln2_g)
+                if (bias) LV("output.LayerNorm.bias", 1, C, 0, &L->ln2_b)
+            }
+            continue;
+        }
         /* A = the layer's heads x head size (C unless heads were pruned) */
         LV("attention.self.query.weight", 2, A, C, &L->wqkv)   /* rows 0..A-1 of Wqkv */
         LV("attention.self.key.weight", 2, A, C, &dummy)       /* rows A..2A-1 */
@@ -77,6 +124,11 @@ static ft_status build_layout(ft_encoder *e) {
         LV("output.LayerNorm.weight", 1, C, 0, &L->ln2_g)
         LV("output.LayerNorm.bias", 1, C, 0, &L->ln2_b)
 #undef LV
+    }
+    e->final_g = e->final_b = FT_NO_OFFSET;
+    if (pre) {   /* the LayerNorm after the last layer */
+        FT_TRY(add_view(e, &cap, &off, "final_norm.weight", 1, C, 0, 0, &e->final_g));
+        if (bias) FT_TRY(add_view(e, &cap, &off, "final_norm.bias", 1, C, 0, 0, &e->final_b));
     }
     FT_TRY(add_view(e, &cap, &off, "pooler.dense.weight", 2, C, C, 1, &e->pooler_w));
     FT_TRY(add_view(e, &cap, &off, "pooler.dense.bias", 1, C, 0, 1, &e->pooler_b));
@@ -103,6 +155,26 @@ static ft_status check_config(const ft_bert_config *c) {
         (long long)c->pad_token_id);
     REQ(c->layer_norm_eps > 0.0f, "layer_norm_eps must be > 0, got %g", (double)c->layer_norm_eps);
     REQ(c->activation >= FT_ACT_GELU_ERF && c->activation <= FT_ACT_RELU, "unknown activation %d", (int)c->activation);
+    REQ(c->norm == FT_NORM_POST || c->norm == FT_NORM_PRE, "unknown norm placement %d", (int)c->norm);
+    REQ(c->norm != FT_NORM_PRE || c->num_layers >= 1, "pre-LN layers need num_hidden_layers >= 1");
+    REQ(c->rope_theta >= 0.0 && c->rope_theta_local >= 0.0 && c->rope_theta < 1e300 && c->rope_theta_local < 1e300,
+        "rotary theta must be >= 0 (0: none), got %g and %g", c->rope_theta, c->rope_theta_local);
+    REQ(!(c->rope_theta > 0) || (c->hidden_size / c->num_heads) % 2 == 0,
+        "rotary position embeddings need an even head size, got %lld", (long long)(c->hidden_size / c->num_heads));
+    REQ(!(c->rope_theta > 0) || c->type_vocab_size == 0, "rotary models have no token type table");
+    REQ(!(c->rope_theta > 0) || c->position_ids == FT_POS_INDEX, "rotary position embeddings take positions by index");
+    REQ(c->attention_window >= 0 && c->attention_window <= INT32_MAX, "attention_window must be >= 0 (0: global), got %lld",
+        (long long)c->attention_window);
+    REQ(c->attention_window == 0 || c->global_every >= 1, "a local attention window needs global_every >= 1 (layer l "
+        "is global when l %% global_every == 0), got %lld", (long long)c->global_every);
+    REQ(c->attention_window == 0 || !(c->rope_theta > 0) || c->rope_theta_local > 0,
+        "windowed rotary layers need rope_theta_local > 0");
+    REQ(c->norm == FT_NORM_PRE || (!c->no_bias && !c->gated_ffn && !c->qkv_fused && !(c->rope_theta > 0) &&
+                                   c->attention_window == 0),
+        "layers without biases, gated FFNs, a fused QKV tensor, rotary positions and attention windows come with pre-LN "
+        "layers (ModernBERT's)");
+    REQ(c->embedding_size == 0 || c->embedding_size == c->hidden_size || c->norm == FT_NORM_POST,
+        "pre-LN layers take embeddings of hidden_size");
     int sign_match = 0;
     for (int64_t l = 0; l < c->num_layers; l++) {
         const int64_t nh = ft_config_layer_heads(c, l), I = ft_config_layer_intermediate(c, l);
@@ -132,6 +204,14 @@ static ft_status check_config(const ft_bert_config *c) {
     return FT_OK;
 }
 
+int64_t ft_config_layer_window(const ft_bert_config *c, int64_t l) {
+    return c->attention_window > 0 && l % c->global_every != 0 ? c->attention_window : 0;
+}
+
+double ft_config_layer_rope_theta(const ft_bert_config *c, int64_t l) {
+    return ft_config_layer_window(c, l) > 0 ? c->rope_theta_local : c->rope_theta;
+}
+
 int64_t ft_config_layer_heads(const ft_bert_config *c, int64_t l) {
     return c->layer_heads ? c->layer_heads[l] : c->num_heads;
 }
@@ -159,7 +239,10 @@ int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b) {
         a->num_heads != b->num_heads || a->intermediate_size != b->intermediate_size ||
         a->max_position_embeddings != b->max_position_embeddings || a->type_vocab_size != b->type_vocab_size ||
         a->layer_norm_eps != b->layer_norm_eps || a->activation != b->activation || a->pad_token_id != b->pad_token_id ||
-        a->position_ids != b->position_ids || ft_config_embedding_size(a) != ft_config_embedding_size(b))
+        a->position_ids != b->position_ids || ft_config_embedding_size(a) != ft_config_embedding_size(b) ||
+        a->norm != b->norm || a->rope_theta != b->rope_theta || a->rope_theta_local != b->rope_theta_local ||
+        a->gated_ffn != b->gated_ffn || a->no_bias != b->no_bias || a->qkv_fused != b->qkv_fused ||
+        a->attention_window != b->attention_window || (a->attention_window && a->global_every != b->global_every))
         return 0;
     for (int64_t l = 0; l < a->num_layers; l++)
         if (ft_config_layer_heads(a, l) != ft_config_layer_heads(b, l) ||
@@ -183,7 +266,7 @@ static ft_status attend_exact(ft_backend *be, ft_dtype dt, void *ctx, const void
                               const int32_t *seqs_dev, int64_t B, int64_t C, int64_t NH, const uint8_t *modes,
                               int64_t sign_keys, void *scratch) {
     (void)modes; (void)sign_keys;
-    return be->attention_forward(be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, scratch);
+    return be->attention_forward(be, dt, ctx, qkv, seqs, seqs_dev, B, C, NH, 0, scratch);
 }
 
 static ft_status attend_modes(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
@@ -526,7 +609,7 @@ ft_status ft_encoder_save_safetensors_named(const ft_encoder *e, const char *pat
  * into float32 panels. Offsets in floats, each copy 64-byte aligned. */
 void ft_encoder_layer_shapes(const ft_encoder *e, int64_t l, int64_t shapes[4][2]) {
     const int64_t C = e->cfg.hidden_size, A = e->layer_heads[l] * (C / e->cfg.num_heads), I = e->layer_intermediate[l];
-    const int64_t s[4][2] = {{3 * A, C}, {C, A}, {I, C}, {C, I}};
+    const int64_t s[4][2] = {{3 * A, C}, {C, A}, {e->cfg.gated_ffn ? 2 * I : I, C}, {C, I}};
     memcpy(shapes, s, sizeof s);
 }
 
@@ -657,8 +740,8 @@ static ft_status ensure_workspace(ft_encoder *e, int64_t B, int64_t T, fwd_buffe
     const int64_t C = e->cfg.hidden_size, N = B * T, hs = C / e->cfg.num_heads;
     int64_t wide = 0;   /* qkv (N, 3A) and ffn (N, I) share a buffer: its widest layer */
     for (int64_t l = 0; l < e->cfg.num_layers; l++) {
-        const int64_t A = e->layer_heads[l] * hs, I = e->layer_intermediate[l];
-        wide = I > wide ? I : wide;
+        const int64_t A = e->layer_heads[l] * hs, I = e->layer_intermediate[l] * (e->cfg.gated_ffn ? 3 : 1);
+        wide = I > wide ? I : wide;   /* a gated FFN: (N, 2I) projections and (N, I) activations */
         wide = 3 * A > wide ? 3 * A : wide;
     }
     if (wide < C) wide = C;
@@ -794,7 +877,8 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
                 }
                 h->ids[r] = c->vocab_map ? c->vocab_map[id] : (int32_t)id;   /* a pruned vocabulary's row */
                 h->types[r] = (int32_t)ty;
-                h->positions[r] = (int32_t)pos;
+                h->positions[r] = c->rope_theta > 0 ? (int32_t)(r - first) : (int32_t)pos;   /* rotary: the row's
+                                                                                              * index in its sequence */
                 h->src[r] = (int32_t)(b * T + t);
                 if (h->src[r] != r) h->identity = 0;
                 r++;
@@ -816,6 +900,9 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
 /* the masks' own consistency with the model (sizes come from the model; the arrays' lengths are the
  * caller's to get right: the binding checks them against its arrays) */
 static ft_status check_masks(const ft_encoder *e, const ft_forward_masks *m) {
+    if (m && e->cfg.norm == FT_NORM_PRE && (m->skip_layers || m->head_keep || m->ffn_keep || m->start_layer > 0))
+        return ft_error(FT_ERR_UNSUPPORTED, "forward masks (skipped layers, heads, FFN groups, a start layer) are for "
+                        "post-LN encoders; this one is pre-LN (ModernBERT)");
     if (m && (m->start_layer < 0 || m->start_layer > e->cfg.num_layers))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "start_layer %lld is not a layer of this %lld-layer encoder",
                         (long long)m->start_layer, (long long)e->cfg.num_layers);
@@ -859,6 +946,42 @@ static ft_status mask_ffn(ft_encoder *e, int64_t l, const ft_forward_masks *m, v
         FT_TRY(e->be->zero_columns(e->be, e->dtype, big, N, I, g * m->ffn_group, (end - g) * m->ffn_group));
         g = end;
     }
+    return FT_OK;
+}
+
+/* Layer l of a pre-LN encoder (ModernBERT): on entry ctx holds its attention's input, LN_attn(x) (x itself
+ * in layer 0, whose attention norm is the identity); on return x holds the layer's output and ctx the
+ * next layer's attention input, or final_norm(x) after the last layer.
+ *   big (N, 3A) = in Wqkv^T; RoPE on Q and K; ctx = attention (the layer's window); t = ctx Wo^T;
+ *   x += t, ctx = LN_mlp(x); big (N, 2I) = ctx Wi^T; act (N, I) = GELU(first I) * last I, after it in big;
+ *   t = act W2^T; x += t, ctx = LN_next(x) */
+static ft_status pre_ln_layer(ft_encoder *e, int64_t l, const fwd_buffers *w, const fwd_plan *h, int64_t B, int64_t N) {
+    const ft_bert_config *c = &e->cfg;
+    ft_backend *be = e->be;
+    const ft_dtype dt = e->dtype;
+    const char *Pb = e->params;
+#define P(off) ((const void *)(Pb + (off) * e->esz))
+#define PN(off) ((off) == FT_NO_OFFSET ? NULL : P(off))
+    const ft_layer_offsets *o = &e->layers[l];
+    const int64_t C = c->hidden_size, nh = e->layer_heads[l], A = nh * (C / c->num_heads), I = e->layer_intermediate[l];
+    const int64_t I1 = c->gated_ffn ? 2 * I : I;
+    const void *in = l == 0 ? w->x : w->ctx;
+    FT_TRY(linear(e, w->big, in, o->wqkv, o->pqkv, PN(o->bqkv), N, C, 3 * A, -1));
+    const double theta = ft_config_layer_rope_theta(c, l);
+    if (theta > 0) FT_TRY(be->rotary_forward(be, dt, w->big, w->positions, N, A, nh, theta));
+    FT_TRY(be->attention_forward(be, dt, w->ctx, w->big, h->seqs, w->seqs, B, A, nh, ft_config_layer_window(c, l),
+                                 w->scratch));
+    FT_TRY(linear(e, w->t, w->ctx, o->wo, o->po, PN(o->bo), N, A, C, -1));
+    FT_TRY(be->residual_ln_forward(be, dt, w->x, w->ctx, w->t, P(o->ln2_g), PN(o->ln2_b), N, C, c->layer_norm_eps));
+    void *act = c->gated_ffn ? (char *)w->big + (size_t)N * I1 * e->esz : w->big;
+    FT_TRY(linear(e, w->big, w->ctx, o->w1, o->p1, PN(o->b1), N, C, I1, c->gated_ffn ? -1 : (int)c->activation));
+    if (c->gated_ffn) FT_TRY(be->gated_act_forward(be, dt, act, w->big, N, I, c->activation));
+    FT_TRY(linear(e, w->t, act, o->w2, o->p2, PN(o->b2), N, I, C, -1));
+    const int last = l + 1 == c->num_layers;
+    const size_t g = last ? e->final_g : e->layers[l + 1].ln1_g, b = last ? e->final_b : e->layers[l + 1].ln1_b;
+    FT_TRY(be->residual_ln_forward(be, dt, w->x, w->ctx, w->t, P(g), PN(b), N, C, c->layer_norm_eps));
+#undef PN
+#undef P
     return FT_OK;
 }
 
@@ -912,7 +1035,8 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     const ft_dtype dt = e->dtype;
     const char *Pb = e->params;
 #define P(off) ((const void *)(Pb + (off) * e->esz))
-#define TYPES (e->type == FT_NO_OFFSET ? NULL : P(e->type))   /* no token types: no type table */
+#define PN(off) ((off) == FT_NO_OFFSET ? NULL : P(off))   /* a tensor the model may lack */
+#define TYPES PN(e->type)   /* no token types: no type table */
     const int64_t E = ft_config_embedding_size(c);
     void *emb = e->proj_w != FT_NO_OFFSET ? w.big : w.x;   /* (N, E): projected into x when E != C */
     if (N > 0 && start == 0 && e->int8 && e->int8->word)   /* int8 word embeddings (per-row scales) */
@@ -920,8 +1044,8 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
                                        e->int8->scale + e->int8->word_s, P(e->pos), TYPES, P(e->emb_ln_g),
                                        P(e->emb_ln_b), N, E, c->layer_norm_eps));
     else if (N > 0 && start == 0)
-        FT_TRY(be->embed_ln_forward(be, dt, emb, w.ids, w.types, w.positions, P(e->word), P(e->pos), TYPES,
-                                    P(e->emb_ln_g), P(e->emb_ln_b), N, E, c->layer_norm_eps));
+        FT_TRY(be->embed_ln_forward(be, dt, emb, w.ids, w.types, w.positions, P(e->word), PN(e->pos), TYPES,
+                                    P(e->emb_ln_g), PN(e->emb_ln_b), N, E, c->layer_norm_eps));
     if (N > 0 && start == 0 && e->proj_w != FT_NO_OFFSET && e->int8)   /* float32 in an int8 encoder */
         FT_TRY(be->linear_forward(be, FT_F32, w.x, emb, P(e->proj_w), e->packed ? e->packed + e->pproj : NULL,
                                   P(e->proj_b), N, E, C, -1));
@@ -939,8 +1063,12 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
         }
         FT_TRY(st);
     }
+    const int pre = c->norm == FT_NORM_PRE;
     for (int64_t l = start; l <= last; l++) {
-        if (l > start && N > 0 && !(masks && masks->skip_layers && masks->skip_layers[l - 1])) {
+        if (pre && l > start && N > 0) {
+            if (cancel && cancel(cancel_arg)) return ft_error(FT_ERR_INTERRUPTED, "forward interrupted");
+            FT_TRY(pre_ln_layer(e, l - 1, &w, &h, B, N));
+        } else if (l > start && N > 0 && !(masks && masks->skip_layers && masks->skip_layers[l - 1])) {
             if (cancel && cancel(cancel_arg)) return ft_error(FT_ERR_INTERRUPTED, "forward interrupted");
             const ft_layer_offsets *o = &e->layers[l - 1];
             /* A = this layer's heads x head size, I its FFN width (smaller when pruned) */
@@ -963,23 +1091,26 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
             FT_TRY(linear_residual_ln(e, w.x, w.big, o->w2, o->p2, P(o->b2), w.t, P(o->ln2_g), P(o->ln2_b), N, I, C,
                                       c->layer_norm_eps));
         }
+        /* pre-LN: the last layer's output is final_norm(x), which its residual op left in ctx */
+        const void *out_l = pre && l == L && N > 0 ? w.ctx : w.x;
         if (hidden_out && hidden_out[l]) {   /* every position was computed (with_pad); float32 out */
             const size_t bytes = (size_t)N * C * 4;
-            if (h.identity && dt == FT_F32) FT_TRY((on_device ? be->copy : be->download)(be, hidden_out[l], w.x, bytes));
-            else if (on_device || host_mem) FT_TRY(be->scatter_rows(be, dt, hidden_out[l], w.x, w.src, N, C));
+            if (h.identity && dt == FT_F32) FT_TRY((on_device ? be->copy : be->download)(be, hidden_out[l], out_l, bytes));
+            else if (on_device || host_mem) FT_TRY(be->scatter_rows(be, dt, hidden_out[l], out_l, w.src, N, C));
             else {
-                FT_TRY(be->scatter_rows(be, dt, w.stage, w.x, w.src, N, C));
+                FT_TRY(be->scatter_rows(be, dt, w.stage, out_l, w.src, N, C));
                 FT_TRY(be->download(be, hidden_out[l], w.stage, bytes));
             }
         }
         if (pooled_out && pooled_out[l] && pooling != FT_POOL_NONE) {
             /* device outputs (and host memory on the CPU): pool straight into the output */
             float *dst = on_device || host_mem ? pooled_out[l] : w.pooled;
-            FT_TRY(be->pool_forward(be, dt, dst, w.x, w.pool_first, w.pool_count, B, C));
+            FT_TRY(be->pool_forward(be, dt, dst, out_l, w.pool_first, w.pool_count, B, C));
             if (dst != pooled_out[l]) FT_TRY(be->download(be, pooled_out[l], w.pooled, (size_t)B * C * 4));
         }
     }
 #undef TYPES
+#undef PN
 #undef P
     return be->synchronize(be);
 }

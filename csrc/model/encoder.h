@@ -36,7 +36,8 @@ typedef struct {
  * (3C, C) block and their biases one (3C) vector, so the QKV projection is a single GEMM while
  * each Hugging Face tensor is still a contiguous named view. */
 typedef struct {
-    size_t wqkv, bqkv, wo, bo, ln1_g, ln1_b, w1, b1, w2, b2, ln2_g, ln2_b;
+    size_t wqkv, bqkv, wo, bo, ln1_g, ln1_b, w1, b1, w2, b2, ln2_g, ln2_b;   /* FT_NO_OFFSET: absent (no biases;
+                                              * pre-LN: ln1 = before attention (none in layer 0), ln2 = before the FFN) */
     size_t pqkv, po, p1, p2;   /* the backend's packed copies of wqkv, wo, w1, w2 (in `packed`) */
 } ft_layer_offsets;
 
@@ -62,7 +63,9 @@ struct ft_encoder {
     size_t n_params;
     ft_param_view *views;
     size_t n_views;
-    size_t word, pos, type, emb_ln_g, emb_ln_b, pooler_w, pooler_b;
+    size_t word, pos, type, emb_ln_g, emb_ln_b, pooler_w, pooler_b;   /* pos, emb_ln_b: FT_NO_OFFSET in a rotary /
+                                                                       * bias-free model */
+    size_t final_g, final_b;  /* pre-LN: the LayerNorm after the last layer, else FT_NO_OFFSET */
     size_t proj_w, proj_b, pproj;   /* embeddings_project (embedding_size != hidden_size), else FT_NO_OFFSET */
     ft_layer_offsets *layers;
     /* the structure of a compressed model: per layer its heads and FFN width, per head its

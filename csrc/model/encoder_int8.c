@@ -22,6 +22,8 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     if (e->be->device.kind != FT_DEVICE_CPU)
         return ft_error(FT_ERR_UNSUPPORTED, "int8 encoders run on the CPU backend; quantize a CPU encoder");
     if (e->int8) return ft_error(FT_ERR_INVALID_ARGUMENT, "this encoder is already int8");
+    if (e->cfg.norm != FT_NORM_POST)   /* its ops are post-LN BERT layers' */
+        return ft_error(FT_ERR_UNSUPPORTED, "int8 quantization is not supported for pre-LN encoders (ModernBERT) yet");
     if (e->wtype != FT_F32 || e->dtype != FT_F32)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "quantize a float32 encoder (this one is %s)",
                         ft_dtype_name(ft_encoder_dtype(e)));

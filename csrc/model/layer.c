@@ -299,6 +299,8 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
                                 ft_layer_stack **out) {
     *out = NULL;
     const int64_t L = e->cfg.num_layers;
+    if (e->cfg.norm != FT_NORM_POST)   /* its ops are post-LN BERT layers' */
+        return ft_error(FT_ERR_UNSUPPORTED, "training encoder layers (the layer stack) is not supported for pre-LN encoders (ModernBERT) yet");
     if (e->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "an int8 model asked to train: quantization kept int8 weights and their "
                         "scales, not the float32 weights training updates. Fine-tune the float32 model, then quantize "

@@ -70,19 +70,33 @@ static int EncoderCore_init(EncoderCore *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                              "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "activation",
                              "pad_token_id", "device_index", "dtype", "layer_heads", "layer_intermediate",
-                             "head_attention", "sign_match_keys", "vocab_map", "vocab_rows", "position_ids", "embedding_size", NULL};
+                             "head_attention", "sign_match_keys", "vocab_map", "vocab_rows", "position_ids", "embedding_size",
+                             "norm", "rope_theta", "rope_theta_local", "gated_ffn", "no_bias", "qkv_fused",
+                             "attention_window", "global_every", NULL};
     ft_bert_config c;
     int act = 0, device_index = -1, position_ids = FT_POS_INDEX;
     const char *dtype = "float32";
     PyObject *heads_o = Py_None, *inter_o = Py_None, *attn_o = Py_None, *vmap_o = Py_None;
-    long long sign_keys = 0, vocab_rows = 0, embedding_size = 0;
+    long long sign_keys = 0, vocab_rows = 0, embedding_size = 0, window = 0, global_every = 0;
+    int norm = FT_NORM_POST, gated = 0, no_bias = 0, qkv_fused = 0;
+    double theta = 0.0, theta_local = 0.0;
     memset(&c, 0, sizeof c);
-    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|isOOOLOLiL", kwlist, &c.vocab_size, &c.hidden_size,
+    if (!ft_py_keywords_only(args, "EncoderCore()") || !PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLLfiL|isOOOLOLiLiddpppLL", kwlist, &c.vocab_size, &c.hidden_size,
                                      &c.num_layers, &c.num_heads, &c.intermediate_size,
                                      &c.max_position_embeddings, &c.type_vocab_size, &c.layer_norm_eps, &act,
                                      &c.pad_token_id, &device_index, &dtype, &heads_o, &inter_o, &attn_o, &sign_keys,
-                                     &vmap_o, &vocab_rows, &position_ids, &embedding_size))
+                                     &vmap_o, &vocab_rows, &position_ids, &embedding_size, &norm, &theta,
+                                     &theta_local, &gated, &no_bias, &qkv_fused, &window, &global_every))
         return -1;
+    /* the layer's shape beyond BERT's (ModernBERT): checked in C */
+    c.norm = (ft_norm_placement)norm;
+    c.rope_theta = theta;
+    c.rope_theta_local = theta_local;
+    c.gated_ffn = gated;
+    c.no_bias = no_bias;
+    c.qkv_fused = qkv_fused;
+    c.attention_window = window;
+    c.global_every = global_every;
     c.position_ids = (ft_position_ids)position_ids;   /* checked in C */
     c.embedding_size = embedding_size;
     if (vmap_o != Py_None) {   /* a pruned vocabulary: one int32 row per token id (checked for sense in C) */

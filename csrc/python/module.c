@@ -280,7 +280,8 @@ static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fasttran._C",
                                         module_methods};
 
 /* The C enums, for the Python layer (never copied there by hand):
- *   DTYPES {name: ft_dtype}, POOLINGS {name: ft_pooling}, POSITION_IDS {name: ft_position_ids}, ACTIVATIONS {name: ft_activation},
+ *   DTYPES {name: ft_dtype}, POOLINGS {name: ft_pooling}, POSITION_IDS {name: ft_position_ids}, NORMS
+ *   {name: ft_norm_placement}, ACTIVATIONS {name: ft_activation},
  *   DEVICE_KINDS {name: kind}, CACHE_LAYOUTS {name: ft_cache_layout} (the cache's codecs:
  *   cache_type.c's CACHE_CODECS, from FT_CACHE_CODECS; the head kinds: train_funcs.c's HEAD_KINDS) */
 static int add_dict(PyObject *m, const char *name, PyObject *d) {
@@ -303,6 +304,7 @@ static int add_enums(PyObject *m) {
         return -1;
     if (add_dict(m, "POSITION_IDS", Py_BuildValue("{sisi}", "index", FT_POS_INDEX, "after_padding", FT_POS_AFTER_PADDING)) < 0)
         return -1;
+    if (add_dict(m, "NORMS", Py_BuildValue("{sisi}", "post", FT_NORM_POST, "pre", FT_NORM_PRE)) < 0) return -1;
     if (add_dict(m, "ACTIVATIONS", Py_BuildValue("{sisisisi}", "gelu", FT_ACT_GELU_ERF, "gelu_tanh", FT_ACT_GELU_TANH,
                                                  "relu", FT_ACT_RELU, "tanh", FT_ACT_TANH)) < 0)
         return -1;

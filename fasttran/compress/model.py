@@ -133,6 +133,7 @@ class TaskModel:
     def __init__(self, encoder, head, pooling="mean", origin=None, info=None):
         if not isinstance(encoder, Encoder):
             raise InputTypeError(f"encoder must be a fasttran.Encoder, got {type(encoder).__name__}")
+        encoder.architecture.require("compression")
         emb = encoder.config.get("embedding_size", encoder.hidden_size)
         if emb != encoder.hidden_size:
             raise UnsupportedError(
