@@ -706,16 +706,30 @@ class Trainer:
             return "some features are computed by the encoder as their batch is read"
         return None
 
+    def _c_loop_reads(self, cache):
+        """True: the C loop reads each step's rows from the cache itself, straight into the model's
+        memory -- every row is where the model computes (the CPU: host memory or files, no device
+        tier; a GPU: the cache's device tier on the model's device, gathered and decoded there);
+        False: the epoch's features are read in chunks (_C_LOOP_CHUNK_BYTES, copied up once on a
+        GPU) that the C loop steps through."""
+        tiers = cache.stats()["tiers"]
+        if not self.device.is_cuda:
+            return not tiers["device"]["entries"]
+        return cache.device == self.device and tiers["device"]["entries"] == len(cache)
+
     def _c_epoch(self, cache, prep, order, epoch, start, spe, total, warm, bar, checkpoint_dir, checkpoint_every,
                  stop_at_step):
-        """One epoch's steps [start, spe) through Model.train_steps: up to _C_LOOP_STEPS batches of
-        up to _C_LOOP_CHUNK_BYTES of features read in one call (on the CPU while the call before trains)
-        and trained on in one call, which ends at a checkpoint step and at stop_at_step; every 20
-        steps (the bar's postfix) it calls back for the bookkeeping the per-step loop does (loss
-        curve, progress, Ctrl-C). Returns (loss_sum, right, counted, seen, batches done)."""
+        """One epoch's steps [start, spe) through Model.train_steps, in calls that end at a
+        checkpoint step and at stop_at_step: where the C loop reads the cache itself
+        (_c_loop_reads), one call for the rest; else up to _C_LOOP_STEPS batches of up to
+        _C_LOOP_CHUNK_BYTES of features read per call (on the CPU while the call before trains).
+        Every 20 steps (the bar's postfix) a call calls back for the bookkeeping the per-step loop
+        does (loss curve, progress, Ctrl-C). Returns (loss_sum, right, counted, seen, batches done)."""
         bs, N = self._batch_examples, len(cache)
         ragged = cache.positions == "all"
-        counts = np.add.reduceat(rows_of_lengths(cache)[order], np.arange(0, N, bs))   # rows per batch
+        reads = self._c_loop_reads(cache)
+        lengths_of = rows_of_lengths(cache)
+        counts = np.add.reduceat(lengths_of[order], np.arange(0, N, bs))   # rows per batch
         opt, head, model = self.optimizer, self.head, self.model
         if opt._table is None:
             opt._build()
@@ -731,8 +745,11 @@ class Trainer:
         # the calls: (first batch, batches), each ending at a checkpoint step and at stop_at_step
         calls, b, g = [], start, self.global_step
         while b < spe and (stop_at_step is None or g < stop_at_step or not calls):
-            n = int(np.searchsorted(np.cumsum(counts[b:spe]), max(_C_LOOP_CHUNK_BYTES // row_bytes, 1), "right"))
-            n = max(1, min(n, spe - b, _C_LOOP_STEPS))
+            if reads:
+                n = spe - b
+            else:
+                n = int(np.searchsorted(np.cumsum(counts[b:spe]), max(_C_LOOP_CHUNK_BYTES // row_bytes, 1), "right"))
+                n = max(1, min(n, spe - b, _C_LOOP_STEPS))
             if checkpoint_every:
                 n = min(n, checkpoint_every - g % checkpoint_every)
             if stop_at_step is not None:
@@ -740,13 +757,16 @@ class Trainer:
             calls.append((b, n))
             b, g = b + n, g + n
 
-        def read(i):   # a call's examples and their features
+        def read(i):   # a call's examples and their features: (glob, x or None, lengths)
             b0, n = calls[i]
-            glob = order[b0 * bs:min((b0 + n) * bs, N)]
-            return glob, cache.get(cache.example_ids[glob], output="device", ragged=ragged, device=self.device)
+            glob = np.ascontiguousarray(order[b0 * bs:min((b0 + n) * bs, N)], np.int64)
+            if reads:   # the cache's index of an example is its place in example_ids
+                return glob, None, lengths_of[glob].astype(np.int32)
+            return (glob,) + rows_of(cache.get(cache.example_ids[glob], output="device", ragged=ragged,
+                                               device=self.device))
         # on the CPU the next call's features are read while this one trains (as the reader thread of
         # the per-step loop reads ahead); a CUDA backend's stream is the training step's alone
-        ahead = None if self.device.is_cuda else ThreadPoolExecutor(1, thread_name_prefix="fasttran-read")
+        ahead = None if self.device.is_cuda or reads else ThreadPoolExecutor(1, thread_name_prefix="fasttran-read")
         try:
             return self._c_calls(cache, prep, epoch, start, total, warm, bar, checkpoint_dir, checkpoint_every,
                                  stop_at_step, calls, read, ahead, counts, count_of, groups, grads)
@@ -764,9 +784,8 @@ class Trainer:
             if self._interrupt:
                 break
             self._pos = (epoch, b0)
-            glob, batch = pending.result() if pending is not None else read(i)
+            glob, x, lengths = pending.result() if pending is not None else read(i)
             pending = ahead.submit(read, i + 1) if ahead is not None and i + 1 < len(calls) else None
-            x, lengths = rows_of(batch)
             examples = np.minimum(np.arange(n + 1, dtype=np.int64) * bs, len(glob))
             targets, _ = head.batch(prep, glob, lengths)
             targets = np.ascontiguousarray(targets)
@@ -813,8 +832,9 @@ class Trainer:
 
             done, stop, message = model._core.train_steps(
                 opt._table, groups, grads, float(opt.max_grad_norm or 0.0), opt.check_finite, x, lengths, examples,
-                targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback)
-            del batch
+                targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback,
+                cache=None if x is not None else cache._store, index=None if x is not None else glob)
+            del x
             account(done)
             if done:
                 opt.lr = float(lrs[done - 1])

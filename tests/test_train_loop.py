@@ -119,6 +119,7 @@ def test_c_loop_equals_the_python_loop(case, device, caches, targets, monkeypatc
     assert_same(c, py)
     assert c.evaluate(cache, y) == py_eval
     assert all(np.isfinite(loss) for _, loss in c.loss_curve)
+    assert c._c_loop_reads(cache) == (device == "cpu")   # a host cache: read by the C loop on the CPU only
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -251,6 +252,41 @@ def test_ctrl_c_stops_the_c_loop_and_saves(minilm_dir, tmp_path, caches):
     assert epoch * 100 + b == step
 
 
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from conftest import make_checkpoint
+    from test_random_models import AWKWARD
+    return make_checkpoint(str(tmp_path_factory.mktemp("m") / "m"), **AWKWARD)
+
+
+@pytest.mark.skipif(not fasttran.cuda_available(), reason="no usable CUDA device (or emulator)")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("case", ["linear", "token"])
+def test_cuda_loop_gathers_the_device_tier(case, dtype, small_model, inputs, targets, monkeypatch):
+    """a cache whose rows all sit in the device tier: the C loop gathers and decodes each step's rows
+    on the device into the model's input (no chunk read through cache.get), the per-step loop's bits"""
+    task, source, _ = CASES[case]
+    ids, mask = inputs
+    enc = fasttran.Encoder.from_pretrained(small_model, device="cuda")
+    cache = ActivationCache.build(enc, (ids % 97 + 1) * mask, mask, positions="all" if source == "all" else "mean",
+                                  dtype=dtype, device_bytes=1 << 30, show_progress=False)
+    assert cache.stats()["tiers"]["device"]["entries"] == N
+    y = targets[task]
+    py = _trainer(case, "cuda", True)
+    py.fit(cache, y)
+    c = _trainer(case, "cuda", False)
+    calls = _spy(monkeypatch)
+
+    def no_chunks(*a, **k):
+        raise AssertionError("the C loop read a chunk through cache.get")
+    monkeypatch.setattr(cache, "get", no_chunks)
+    c.fit(cache, y)
+    monkeypatch.undo()
+    assert len(calls) == 3 and c._c_loop_refusal(cache) is None and c._c_loop_reads(cache)
+    assert_same(c, py)
+    assert c.evaluate(cache, y) == py.evaluate(cache, y)
+
+
 def test_train_steps_refuses_bad_plans(caches, targets):
     tr = _trainer("linear", "cpu", False, epochs=1)
     cache, y = caches["mean"], targets["classification"]
@@ -261,7 +297,7 @@ def test_train_steps_refuses_bad_plans(caches, targets):
                 x=x, lengths=np.ones(8, np.int32), examples=np.array([0, 4, 8], np.int64),
                 targets=np.zeros(8, np.int32), denominators=np.full(2, 4.0), lrs=np.full(2, 1e-3), seed=0,
                 first_step=0, losses=np.zeros(2))
-    before = np.array(tr.model.params)
+    before = np.asarray(tr.model.params).copy()   # (np.array of a fasttran.Tensor is a view)
     bad = {"examples": dict(examples=np.array([1, 4, 8], np.int64)),
            "an empty step": dict(examples=np.array([0, 8, 8], np.int64)),
            "targets": dict(targets=np.zeros(7, np.int32)),
@@ -272,6 +308,19 @@ def test_train_steps_refuses_bad_plans(caches, targets):
     for what, change in bad.items():
         with pytest.raises(fasttran.InputError):
             core.train_steps(**dict(good, **change))
+    store, index = cache._store, np.arange(8, dtype=np.int64)
+    bad_reads = {"x and a cache": dict(cache=store, index=index),
+                 "a cache without an index": dict(x=None, cache=store),
+                 "an index outside the cache": dict(x=None, cache=store, index=index + N - 4),
+                 "a negative index": dict(x=None, cache=store, index=index - 1),
+                 "a short index": dict(x=None, cache=store, index=index[:7]),
+                 "lengths the cache's rows do not match": dict(x=None, cache=store, index=index,
+                                                               lengths=np.full(8, 2, np.int32))}
+    for what, change in bad_reads.items():
+        with pytest.raises(fasttran.InputError):
+            core.train_steps(**dict(good, **change))
+    with pytest.raises(fasttran.InputTypeError):
+        core.train_steps(**dict(good, x=None, cache=object(), index=index))
     with pytest.raises(fasttran.InputTypeError):
         core.train_steps(**dict(good, targets=np.zeros(8, np.float32)))
     with pytest.raises(fasttran.InputTypeError):
@@ -287,3 +336,13 @@ def test_train_steps_refuses_bad_plans(caches, targets):
     assert (done, stop, msg) == (1, 3, None)
     done, stop, msg = core.train_steps(**dict(good, losses=np.zeros(2)))
     assert (done, stop, msg) == (2, 0, None)
+    # two trainers in the same state, the same steps over x and reading the cache: the same bits
+    runs = []
+    for change in ({}, dict(x=None, cache=store, index=index)):
+        t = _trainer("linear", "cpu", False, epochs=1)
+        t.fit(cache, y, stop_at_step=1)
+        losses = np.zeros(2)
+        assert t.model._core.train_steps(**dict(good, optimizer=t.optimizer._table, groups=t.optimizer.param_groups,
+                                                grads=t._gviews, losses=losses, **change))[:2] == (2, 0)
+        runs.append((losses, np.asarray(t.model.params).copy()))
+    assert np.array_equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
