@@ -62,8 +62,6 @@ DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
 _TEMPO = MEMORY_OPTIONS   # the Trainer's `tempo` keys: the layer stack's memory options
 
 
-#: The heads whose targets the C loop takes (their batch targets laid out one batch after another)
-_C_LOOP_HEADS = ("linear", "pooler", "token")
 #: one Model.train_steps call: at most this many steps, on at most this many bytes of features (or
 #: one batch); on the CPU the next call's features are read while one trains. 32 steps: 16.5 us a
 #: step on a linear head over 384 features, batch 32, one thread (8 MiB calls: 22 us, 5 batches: 23 us)
@@ -696,8 +694,6 @@ class Trainer:
             return "float16 loss scaling decides per step whether it is applied"
         if self.head is None or self.optimizer is None:
             return "the trainer is not built yet (fit() builds it)"
-        if self.head.kind not in _C_LOOP_HEADS or self._group != 1:
-            return f"the {self.head.kind} head's targets are not laid out one batch after another"
         opt = self.optimizer
         if type(opt)._torch_mode or not hasattr(opt, "_new_states"):
             return "the optimizer is not fasttran's fused one over the model's table"
@@ -787,7 +783,7 @@ class Trainer:
             glob, x, lengths = pending.result() if pending is not None else read(i)
             pending = ahead.submit(read, i + 1) if ahead is not None and i + 1 < len(calls) else None
             examples = np.minimum(np.arange(n + 1, dtype=np.int64) * bs, len(glob))
-            targets, _ = head.batch(prep, glob, lengths)
+            targets, valid = head.steps_batch(prep, glob, lengths, examples)
             targets = np.ascontiguousarray(targets)
             sizes = [count_of(int(examples[k + 1] - examples[k]), int(counts[b0 + k])) for k in range(n)]
             tcount = np.array([c[2] for c in sizes], np.int64)
@@ -833,7 +829,7 @@ class Trainer:
             done, stop, message = model._core.train_steps(
                 opt._table, groups, grads, float(opt.max_grad_norm or 0.0), opt.check_finite, x, lengths, examples,
                 targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback,
-                cache=None if x is not None else cache._store, index=None if x is not None else glob)
+                cache=None if x is not None else cache._store, index=None if x is not None else glob, valid=valid)
             del x
             account(done)
             if done:

@@ -1,9 +1,10 @@
 """Trainer.fit's C loop (Model.train_steps over csrc/train/loop.c: many steps per call) against its
 per-step Python loop (FASTTRAN_PY_LOOP=1 / trainer._py_loop): the same losses, weights, optimizer
-state, history and evaluation, bit for bit, for the heads it takes (linear and pooler sequence
-heads: classification, regression, multi-label; the token head), with and without a trained top layer, dropout
-on, several epochs, an uneven last batch, checkpoints, resume, stop_at_step and Ctrl-C. Features of
-the real all-MiniLM-L6-v2 on random token ids. Runs on the CPU, and with device="cuda" on a GPU or
+state, history and evaluation, bit for bit, for every head (linear and pooler sequence heads:
+classification, regression, multi-label; the token head; QA's spans with their context mask; multiple
+choice, a question's choices kept together), with and without a trained top layer, dropout on,
+several epochs, an uneven last batch, checkpoints, resume, stop_at_step and Ctrl-C. Features of the
+real all-MiniLM-L6-v2 on random token ids. Runs on the CPU, and with device="cuda" on a GPU or
 the CUDA emulator (FASTTRAN_CUDA=emu build, FASTTRAN_CUDA_EMU=1)."""
 import os
 import signal
@@ -33,15 +34,17 @@ def inputs():
 
 
 def _cache(enc, inputs, **kw):
-    ids, mask = inputs
-    return ActivationCache.build(enc, ids, mask, show_progress=False, **kw)
+    return ActivationCache.build(enc, *inputs, show_progress=False, **kw)
 
 
 @pytest.fixture(scope="module")
 def caches(enc, inputs):
     L = enc.num_layers
+    ids, mask = inputs
+    pairs = (ids, mask, (np.arange(10)[None, :] >= 1) * mask)   # QA: every token but the first is context
     return {"mean": _cache(enc, inputs, positions="mean"), "cls": _cache(enc, inputs, positions="cls"),
-            "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1)}
+            "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1),
+            "qa": _cache(enc, pairs, positions="all"), "qatop1": _cache(enc, pairs, positions="all", layer=L - 1)}
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +53,11 @@ def targets(caches):
     lengths = np.asarray(caches["all"].lengths)
     tok = [np.where(rng.random(n) < 0.2, -100, rng.integers(0, 3, n)) for n in lengths]
     y = rng.integers(0, 3, N)
+    starts = np.array([rng.integers(1, n - 1) for n in lengths])   # a span inside the context (not [SEP])
+    ends = np.array([rng.integers(a, n - 1) for a, n in zip(starts, lengths)])
     return {"classification": y, "classification-pooler": y, "regression": rng.normal(size=N).astype(np.float32),
-            "token-classification": tok, "multi-label": rng.integers(0, 2, (N, 4))}
+            "token-classification": tok, "multi-label": rng.integers(0, 2, (N, 4)), "qa": (starts, ends),
+            "multiple-choice": rng.integers(0, 3, N // 3)}
 
 
 CASES = {   # name: (task, cache, Trainer arguments)
@@ -62,6 +68,9 @@ CASES = {   # name: (task, cache, Trainer arguments)
     "token": ("token-classification", "all", dict(optimizer="adamw", dropout=0.1)),
     "top1": ("classification", "top1", dict(optimizer="adamw", lr=1e-4, dropout=0.1, train_layers=1,
                                             layer_dropout=0.1)),
+    "qa": ("qa", "qa", dict(optimizer="adamw", lr=0.05)),
+    "qa-top1": ("qa", "qatop1", dict(optimizer="lamb", train_layers=1, layer_dropout=0.1)),
+    "choice": ("multiple-choice", "cls", dict(optimizer="lamb", dropout=0.1, batch_size=4)),   # 3 choices each
 }
 
 
@@ -108,22 +117,23 @@ def test_c_loop_equals_the_python_loop(case, device, caches, targets, monkeypatc
     task, source, _ = CASES[case]
     cache, y = caches[source], targets[task]
     calls = _spy(monkeypatch)
+    ev = None if task == "qa" else (cache, y)   # (QA evaluates against SQuAD features)
     py = _trainer(case, device, True)
-    py.fit(cache, y, eval=(cache, y))
+    py.fit(cache, y, eval=ev)
     assert not calls
     c = _trainer(case, device, False)
-    c.fit(cache, y, eval=(cache, y))
+    c.fit(cache, y, eval=ev)
     assert c._c_loop_refusal(cache) is None
     assert len(calls) == 3   # one per epoch
-    py_eval = py.evaluate(cache, y)
     assert_same(c, py)
-    assert c.evaluate(cache, y) == py_eval
+    if ev is not None:
+        assert c.evaluate(cache, y) == py.evaluate(cache, y)
     assert all(np.isfinite(loss) for _, loss in c.loss_curve)
     assert c._c_loop_reads(cache) == (device == "cpu")   # a host cache: read by the C loop on the CPU only
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["linear", "token"])
+@pytest.mark.parametrize("case", ["linear", "token", "qa", "choice"])
 def test_many_calls_per_epoch(case, device, caches, targets, monkeypatch):
     """calls of a few batches each (read ahead on the CPU), stop_at_step and checkpoints between"""
     import fasttran.trainer as trainer_module

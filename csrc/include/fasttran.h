@@ -837,6 +837,8 @@ typedef struct {
      * lengths[i] = ft_cache_rows_of(cache, index[i]); rows packed (FT_CACHE_RAGGED) */
     ft_cache *cache;
     const int64_t *index;        /* HOST: the cache index of every step's examples, in order */
+    const float *valid;          /* HOST: every step's row mask one after another (a row per row: QA's
+                                    context rows), for a head that needs one; else NULL */
 } ft_train_plan;
 
 typedef enum {

@@ -303,28 +303,26 @@ static void *host_exact(PyObject *o, const char *what, int npy, int64_t need, in
 
 /* train_steps(optimizer, groups, grads, max_grad_norm, check_finite, x, lengths, examples, targets,
  *             denominators, lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None,
- *             cache=None, index=None)
+ *             cache=None, index=None, valid=None)
  *   -> (done, stop, message): ft_model_train_steps over the steps the arrays lay out (see
  *   fasttran.h); stop 0 all done, 1 non-finite loss at step `done`, 2 the optimizer refused step
  *   `done` (message: its error), 3 the callback stopped after `done` steps. */
 static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "groups", "grads", "max_grad_norm", "check_finite", "x", "lengths",
                              "examples", "targets", "denominators", "lrs", "seed", "first_step", "losses", "logits",
-                             "every", "phase", "callback", "cache", "index", NULL};
+                             "every", "phase", "callback", "cache", "index", "valid", NULL};
     PyObject *opt_o, *groups, *grads, *xo, *lo, *eo, *to, *do_, *ro, *so, *zo = Py_None, *cb = Py_None;
-    PyObject *cache_o = Py_None, *index_o = Py_None;
+    PyObject *cache_o = Py_None, *index_o = Py_None, *valid_o = Py_None;
     double max_norm;
     int check_finite;
     unsigned long long seed, first_step;
     long long every = 0, phase = 0;
     if (!ready_model(self) ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLOOO", kwlist, &opt_o, &groups, &grads, &max_norm,
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLOOOO", kwlist, &opt_o, &groups, &grads, &max_norm,
                                      &check_finite, &xo, &lo, &eo, &to, &do_, &ro, &seed, &first_step, &so, &zo,
-                                     &every, &phase, &cb, &cache_o, &index_o))
+                                     &every, &phase, &cb, &cache_o, &index_o, &valid_o))
         return NULL;
     if (cb != Py_None && !PyCallable_Check(cb)) return ft_py_fail(ft_errors.input_type, "callback must be callable or None");
-    if (ft_head_needs(&self->head) & FT_HEAD_NEEDS_MASK)
-        return ft_py_fail(ft_errors.unsupported, "train_steps: a head with a row mask (QA) trains step by step");
     int64_t n_lengths, n_examples;
     const int32_t *lengths = host_exact(lo, "lengths", NPY_INT32, -1, 0, &n_lengths);
     const int64_t *examples = lengths ? host_exact(eo, "examples", NPY_INT64, -1, 0, &n_examples) : NULL;
@@ -384,6 +382,13 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     if (!losses) return NULL;
     float *logits = NULL;
     if (zo != Py_None && !(logits = host_exact(zo, "logits", NPY_FLOAT32, n_logits, 1, NULL))) return NULL;
+    const int masked = (ft_head_needs(&self->head) & FT_HEAD_NEEDS_MASK) != 0;
+    if (masked != (valid_o != Py_None))
+        return ft_py_fail(ft_errors.input, masked ? "the %s head needs valid: its row mask, a float32 per row"
+                                                  : "the %s head takes no row mask (valid)",
+                          ft_head_kind_name((int)self->head.kind));
+    const float *valid = masked ? host_exact(valid_o, "valid", NPY_FLOAT32, N, 0, NULL) : NULL;
+    if (masked && !valid) return NULL;
     for (int64_t k = 0; k < steps; k++) {
         if (!(denom[k] > 0.0) || !isfinite(denom[k]) || !(lrs[k] >= 0.0) || !isfinite(lrs[k]))
             return ft_py_fail(ft_errors.input, "step %lld: the denominator must be > 0 and the lr >= 0, both finite",
@@ -394,7 +399,8 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     int r = ft_py_optim_prepare(opt_o, groups, grads, max_norm, check_finite, &table, &cfg);
     if (r < 0) return ft_py_fail(ft_errors.input, "the optimizer's groups no longer hold its table's parameters");
     if (r == 0) return NULL;
-    const ft_train_plan plan = {steps, x.data, lengths, examples, targets, denom, lrs, seed, first_step, cache, index};
+    const ft_train_plan plan = {steps, x.data, lengths, examples, targets, denom, lrs, seed, first_step, cache, index,
+                                valid};
     ft_train_result res = {.loss = losses, .logits = logits, .stop = FT_TRAIN_DONE};
     res.info.bad_tensor = -1;
     steps_hook hook = {cb, NULL, NULL, NULL};
@@ -442,9 +448,10 @@ static PyMethodDef Model_methods[] = {
      "loss_scale=1.0, logits=None, ready=None) -> loss: forward, loss and every gradient."},
     {"train_steps", (PyCFunction)(void (*)(void))Model_train_steps, METH_VARARGS | METH_KEYWORDS,
      "train_steps(optimizer, groups, grads, max_grad_norm, check_finite, x, lengths, examples, targets, denominators, "
-     "lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None, cache=None, index=None) -> (done, stop, "
-     "message): many training steps (model step + optimizer step each) in one call, the GIL released; x None: each "
-     "step's rows read from the CacheStore `cache` (examples `index`) into the model's memory."},
+     "lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None, cache=None, index=None, valid=None) -> "
+     "(done, stop, message): many training steps (model step + optimizer step each) in one call, the GIL released; x "
+     "None: each step's rows read from the CacheStore `cache` (examples `index`) into the model's memory; valid: every "
+     "row's mask, for a head that needs one (QA)."},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x, lengths, logits, valid=None): the logits, no dropout."},
     {NULL, NULL, 0, NULL}};

@@ -1,6 +1,6 @@
 /* Training steps in one call: the Trainer's common loop (one process, float32, no loss scaling)
  * without a return to Python per step. Per step: the batch's place in the caller's buffers (rows,
- * lengths, targets laid out one step after another; or the rows read from the cache into the
+ * lengths, targets and QA's row mask laid out one step after another; or the rows read from the cache into the
  * model's memory: on a GPU the device tier's rows gathered there), ft_model_step, the finiteness check of the
  * loss, then ft_optim_table_step at the step's learning rate -- exactly the calls, arguments and
  * order of fasttran/trainer.py's per-step loop, so both give the same bits. The caller's callback
@@ -74,9 +74,9 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
     if (!cfg->groups || cfg->num_groups < 1)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: the optimizer has no parameter groups");
     const ft_head_config *head = ft_model_head(m);
-    if (ft_head_needs(head) & FT_HEAD_NEEDS_MASK)
-        return ft_error(FT_ERR_UNSUPPORTED, "train steps: the %s head needs a row mask per batch; train it step by step",
-                        ft_head_kind_name((int)head->kind));
+    if (plan->steps && !(ft_head_needs(head) & FT_HEAD_NEEDS_MASK) != !plan->valid)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: the %s head %s a row mask per row",
+                        ft_head_kind_name((int)head->kind), plan->valid ? "takes no" : "needs");
     step_rows rows;
     ft_status st = rows_open(&rows, m, plan, head->hidden);
     ft_optim_group *groups = st == FT_OK ? malloc(cfg->num_groups * sizeof *groups) : NULL;
@@ -98,6 +98,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
         st = rows_of_step(&rows, m, k, row, head->hidden, &b.x);
         if (st != FT_OK) break;
         b.lengths = plan->lengths + e0;
+        b.valid = plan->valid ? plan->valid + row : NULL;
         b.B = B;
         b.targets = (const char *)plan->targets + (size_t)tgt * tsize;
         b.denominator = plan->denominator[k];
