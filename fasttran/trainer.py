@@ -690,8 +690,6 @@ class Trainer:
                 return f"the per-step method {name} is replaced on this trainer"
         if type(self.reduction) is not Reduction:
             return "a gradient reduction (data-parallel) runs between the backward and the optimizer step"
-        if self.loss_scale is not None:
-            return "float16 loss scaling decides per step whether it is applied"
         if self.head is None or self.optimizer is None:
             return "the trainer is not built yet (fit() builds it)"
         opt = self.optimizer
@@ -792,6 +790,8 @@ class Trainer:
             g0 = self.global_step
             lrs = np.array([self._lr_at(g0 + k, total, warm) for k in range(n)], np.float64)
             losses = np.zeros(n, np.float64)
+            scaler = None if self.loss_scale is None else np.array(   # float16: _optimizer_step's rule, in C
+                [self.loss_scale[0], self.loss_scale[1], _SCALE_GROWTH_STEPS, _SCALE_MAX, 0], np.float64)
             logits = np.empty(int(lcount.sum()), np.float32)
             lsplit = np.cumsum(lcount)
             done_py = [0]
@@ -829,8 +829,12 @@ class Trainer:
             done, stop, message = model._core.train_steps(
                 opt._table, groups, grads, float(opt.max_grad_norm or 0.0), opt.check_finite, x, lengths, examples,
                 targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback,
-                cache=None if x is not None else cache._store, index=None if x is not None else glob, valid=valid)
+                cache=None if x is not None else cache._store, index=None if x is not None else glob, valid=valid,
+                scaler=scaler)
             del x
+            if scaler is not None:
+                self.loss_scale = [float(scaler[0]), int(scaler[1])]
+                self.skipped_steps += int(scaler[4])
             account(done)
             if done:
                 opt.lr = float(lrs[done - 1])

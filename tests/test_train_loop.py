@@ -262,6 +262,31 @@ def test_ctrl_c_stops_the_c_loop_and_saves(minilm_dir, tmp_path, caches):
     assert epoch * 100 + b == step
 
 
+@pytest.mark.skipif(not fasttran.cuda_available(), reason="no usable CUDA device (or emulator)")
+def test_float16_loss_scaling_in_the_c_loop(caches, targets, monkeypatch):
+    """float16 products: the dynamic loss scale's per-step decisions (an overflowing step skipped and
+    the scale halved, growth after clean steps -- after each one here, up to 2**60, so both happen)
+    made in C, the per-step loop's bits, scale and skip count"""
+    import fasttran.trainer as trainer_module
+    task, source, _ = CASES["top1"]
+    cache, y = caches[source], targets[task]
+    monkeypatch.setattr(trainer_module, "_SCALE_GROWTH_STEPS", 1)
+    monkeypatch.setattr(trainer_module, "_SCALE_MAX", 2.0 ** 60)
+    calls = _spy(monkeypatch)
+    runs = []
+    for py in (True, False):
+        tr = _trainer("top1", "cuda", py, precision="float16")
+        tr.loss_scale = [2.0 ** 24, 0]
+        tr.fit(cache, y, stop_at_step=7)
+        tr.fit(cache, y)
+        runs.append(tr)
+    py, c = runs
+    assert calls and c._c_loop_refusal(cache) is None
+    assert py.skipped_steps == c.skipped_steps > 0 and py.loss_scale == c.loss_scale
+    assert len({s for s, _ in py.loss_curve}) == len(py.loss_curve) == py.global_step
+    assert_same(c, py)
+
+
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     from conftest import make_checkpoint

@@ -814,13 +814,25 @@ ft_status ft_model_forward(ft_model *m, const ft_model_batch *b, float *logits_h
 /* bytes the model holds: parameters + gradients (the layers' too) and its per-batch buffers */
 size_t ft_model_allocated(const ft_model *m);
 
+/* float16 products' dynamic loss scaling (torch.amp.GradScaler's rule, as the Trainer applies it):
+ * the backward runs at `scale`; a step whose gradients are not finite while scale > 1 is skipped
+ * and halves it; `growth` clean steps in a row double it, up to `max`. scale 0: no scaling. */
+typedef struct {
+    double scale, max;
+    int64_t good;                /* clean steps since the scale last changed */
+    int64_t growth;
+    int64_t skipped;             /* steps skipped so far */
+} ft_loss_scaler;
+
 /* Many training steps in one call (csrc/train/loop.c): per step k of the plan, the batch of
  * examples [examples[k], examples[k + 1]) -- their rows packed one after another in x, `lengths`
- * rows each, or read per step from `cache` --, its targets (the steps' targets one after another, ft_head_target_count each), the
- * loss denominator denominator[k], then ft_model_step (dropout keys seed, first_step + k; a whole
- * batch: no place in a global one) and ft_optim_table_step over every tensor of `opt` at
- * lr[k] (each group's lr; the rest of cfg as given). The steps stop early, with FT_OK, at a
- * non-finite loss (the step is not applied), at a refused optimizer step, or when the callback
+ * rows each, or read per step from `cache` --, its targets (the steps' targets one after another,
+ * ft_head_target_count each), the loss denominator denominator[k], then ft_model_step (dropout keys
+ * seed, first_step + k; a whole batch: no place in a global one; the scaler's loss scale) and
+ * ft_optim_table_step over every tensor of `opt` at lr[k] (each group's lr; the rest of cfg as
+ * given), a refusal for non-finite gradients under loss scaling being a skipped step. The steps
+ * stop early, with FT_OK, at a non-finite loss (the step is not applied), at a refused optimizer
+ * step, or when the callback
  * (called after step k when (phase + k + 1) % every == 0, and after the last) returns non-zero. */
 typedef struct {
     int64_t steps;
@@ -839,6 +851,7 @@ typedef struct {
     const int64_t *index;        /* HOST: the cache index of every step's examples, in order */
     const float *valid;          /* HOST: every step's row mask one after another (a row per row: QA's
                                     context rows), for a head that needs one; else NULL */
+    ft_loss_scaler scaler;       /* at step 0 (scale 0: none) */
 } ft_train_plan;
 
 typedef enum {
@@ -854,6 +867,7 @@ typedef struct {
     int64_t done;                /* steps applied */
     ft_train_stop stop;
     ft_optim_info info;          /* of the last optimizer step (the refused one's after a refusal) */
+    ft_loss_scaler scaler;       /* after the steps applied or skipped */
 } ft_train_result;
 
 /* non-zero: stop after the `done` steps applied */

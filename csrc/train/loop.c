@@ -1,9 +1,10 @@
-/* Training steps in one call: the Trainer's common loop (one process, float32, no loss scaling)
- * without a return to Python per step. Per step: the batch's place in the caller's buffers (rows,
- * lengths, targets and QA's row mask laid out one step after another; or the rows read from the cache into the
- * model's memory: on a GPU the device tier's rows gathered there), ft_model_step, the finiteness check of the
- * loss, then ft_optim_table_step at the step's learning rate -- exactly the calls, arguments and
- * order of fasttran/trainer.py's per-step loop, so both give the same bits. The caller's callback
+/* Training steps in one call: the Trainer's common loop (one process) without a return to Python
+ * per step. Per step: the batch's place in the caller's buffers (rows, lengths, targets and QA's
+ * row mask laid out one step after another; or the rows read from the cache into the model's
+ * memory: on a GPU the device tier's rows gathered there), ft_model_step, the finiteness check of
+ * the loss, then ft_optim_table_step at the step's learning rate and float16's loss scaling
+ * decision (skip and halve, or count and grow) -- exactly the calls, arguments and order of
+ * fasttran/trainer.py's per-step loop, so both give the same bits. The caller's callback
  * (progress, Ctrl-C) runs every `every` steps. */
 #include <math.h>
 #include <stdlib.h>
@@ -60,6 +61,29 @@ static ft_status rows_close(step_rows *r) {
     return st;
 }
 
+/* float16 loss scaling after the optimizer step's status st (the per-step loop's rule, trainer.py
+ * _optimizer_step): applied -> one more clean step, the scale doubled (up to max) after `growth` of
+ * them; refused for a non-finite gradient while the scale is above 1 -> the step is skipped (FT_OK,
+ * nothing applied), the scale halved. Any other status is returned as it is. */
+static ft_status scaler_after_step(ft_loss_scaler *s, ft_status st) {
+    if (!(s->scale > 0.0)) return st;
+    if (st == FT_OK) {
+        if (++s->good >= s->growth) {
+            s->scale = s->scale * 2.0 < s->max ? s->scale * 2.0 : s->max;
+            s->good = 0;
+        }
+        return FT_OK;
+    }
+    if (st == FT_ERR_INVALID_ARGUMENT && s->scale > 1.0 && strstr(ft_last_error(), "not finite")) {
+        s->scale /= 2.0;
+        s->good = 0;
+        s->skipped++;
+        ft_clear_error();
+        return FT_OK;
+    }
+    return st;
+}
+
 ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_config *cfg,
                                const ft_train_plan *plan, int64_t every, int64_t phase, ft_train_callback cb, void *arg,
                                ft_train_result *out) {
@@ -67,6 +91,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
         return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: a missing argument");
     out->done = 0;
     out->stop = FT_TRAIN_DONE;
+    out->scaler = plan->scaler;
     if (plan->steps < 0 || (plan->steps && (!plan->x == !plan->cache || (plan->cache && !plan->index) ||
                                             !plan->lengths || !plan->examples || !plan->targets ||
                                             !plan->denominator || !plan->lr)))
@@ -87,6 +112,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
     memcpy(groups, cfg->groups, cfg->num_groups * sizeof *groups);
     ft_optim_config oc = *cfg;
     oc.groups = groups;
+    ft_loss_scaler scaler = plan->scaler;
     const size_t tsize = 4;   /* int32 or float32 targets */
     int64_t row = 0, tgt = 0, lg = 0;
     for (int64_t k = 0; k < plan->steps; k++) {
@@ -104,7 +130,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
         b.denominator = plan->denominator[k];
         b.seed = plan->seed;
         b.step = plan->first_step + (uint64_t)k;
-        b.loss_scale = 1.0f;
+        b.loss_scale = scaler.scale > 0.0 ? (float)scaler.scale : 1.0f;
         double loss = 0.0;
         st = ft_model_step(m, &b, &loss, out->logits ? out->logits + lg : NULL, NULL, NULL);
         if (st != FT_OK) break;
@@ -113,6 +139,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
         for (size_t g = 0; g < oc.num_groups; g++) groups[g].lr = plan->lr[k];
         for (size_t t = 0; t < opt->count; t++) opt->active[t] = 1;
         st = ft_optim_table_step(opt, &oc, &out->info);
+        st = scaler_after_step(&scaler, st);
         if (st != FT_OK) {
             /* refused (a non-finite gradient, nothing written): the caller reports it as its own loop
              * does, from the message left in ft_last_error */
@@ -132,6 +159,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
         }
     }
     free(groups);
+    out->scaler = scaler;
     const ft_status closed = rows_close(&rows);
     return st != FT_OK ? st : closed;
 }
