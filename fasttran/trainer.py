@@ -62,9 +62,10 @@ DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
 _TEMPO = MEMORY_OPTIONS   # the Trainer's `tempo` keys: the layer stack's memory options
 
 
-#: one Model.train_steps call: at most this many steps, on at most this many bytes of features (or
-#: one batch); on the CPU the next call's features are read while one trains. 32 steps: 16.5 us a
-#: step on a linear head over 384 features, batch 32, one thread (8 MiB calls: 22 us, 5 batches: 23 us)
+#: one Model.train_steps call: at most this many bytes of features (or one batch) and, where they are
+#: read before the call, this many steps; on the CPU the next call's features are read while one
+#: trains. 32 steps: 16.5 us a step on a linear head over 384 features, batch 32, one thread (8 MiB
+#: calls: 22 us, 5 batches: 23 us)
 _C_LOOP_STEPS = 32
 _C_LOOP_CHUNK_BYTES = 64 << 20
 
@@ -713,10 +714,11 @@ class Trainer:
 
     def _c_epoch(self, cache, prep, order, epoch, start, spe, total, warm, bar, checkpoint_dir, checkpoint_every,
                  stop_at_step):
-        """One epoch's steps [start, spe) through Model.train_steps, in calls that end at a
-        checkpoint step and at stop_at_step: where the C loop reads the cache itself
-        (_c_loop_reads), one call for the rest; else up to _C_LOOP_STEPS batches of up to
-        _C_LOOP_CHUNK_BYTES of features read per call (on the CPU while the call before trains).
+        """One epoch's steps [start, spe) through Model.train_steps, in calls of up to
+        _C_LOOP_CHUNK_BYTES of features (or one batch) that end at a checkpoint step and at
+        stop_at_step: where the C loop reads the cache itself (_c_loop_reads), as many steps as
+        that holds (the calls' targets and logits stay small); else up to _C_LOOP_STEPS batches,
+        their features read per call (on the CPU while the call before trains).
         Every 20 steps (the bar's postfix) a call calls back for the bookkeeping the per-step loop
         does (loss curve, progress, Ctrl-C). Returns (loss_sum, right, counted, seen, batches done)."""
         bs, N = self._batch_examples, len(cache)
@@ -739,11 +741,8 @@ class Trainer:
         # the calls: (first batch, batches), each ending at a checkpoint step and at stop_at_step
         calls, b, g = [], start, self.global_step
         while b < spe and (stop_at_step is None or g < stop_at_step or not calls):
-            if reads:
-                n = spe - b
-            else:
-                n = int(np.searchsorted(np.cumsum(counts[b:spe]), max(_C_LOOP_CHUNK_BYTES // row_bytes, 1), "right"))
-                n = max(1, min(n, spe - b, _C_LOOP_STEPS))
+            n = int(np.searchsorted(np.cumsum(counts[b:spe]), max(_C_LOOP_CHUNK_BYTES // row_bytes, 1), "right"))
+            n = max(1, min(n, spe - b, spe if reads else _C_LOOP_STEPS))
             if checkpoint_every:
                 n = min(n, checkpoint_every - g % checkpoint_every)
             if stop_at_step is not None:

@@ -468,10 +468,10 @@ static PyMethodDef Model_methods[] = {
     {"train_steps", (PyCFunction)(void (*)(void))Model_train_steps, METH_VARARGS | METH_KEYWORDS,
      "train_steps(optimizer, groups, grads, max_grad_norm, check_finite, x, lengths, examples, targets, denominators, "
      "lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None, cache=None, index=None, valid=None, "
-     "scaler=None) -> (done, stop, message): many training steps (model step + optimizer step each) in one call, the GIL "
-     "released; x None: each step's rows read from the CacheStore `cache` (examples `index`) into the model's memory; "
-     "valid: every row's mask, for a head that needs one (QA); scaler: float16 loss scaling, float64 (scale, clean "
-     "steps, growth steps, max scale, skipped steps), updated in place."},
+     "scaler=None) -> (done, stop, message): many training steps (model step + optimizer step each) in one call, the "
+     "GIL released; x None: each step's rows read from the CacheStore `cache` (examples `index`) into the model's "
+     "memory; valid: every row's mask, for a head that needs one (QA); scaler: float16 loss scaling, float64 (scale, "
+     "clean steps, growth steps, max scale, skipped steps), updated in place."},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x, lengths, logits, valid=None): the logits, no dropout."},
     {NULL, NULL, 0, NULL}};

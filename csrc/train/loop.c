@@ -47,8 +47,8 @@ static ft_status rows_of_step(step_rows *r, const ft_model *m, int64_t k, int64_
         return FT_OK;
     }
     const int64_t e0 = p->examples[k];
-    FT_TRY(ft_cache_read_staged(p->cache, p->index + e0, p->examples[k + 1] - e0, FT_CACHE_RAGGED, r->buf, ft_model_device(m),
-                                r->cap, NULL, 0, NULL, NULL, &r->stg));
+    FT_TRY(ft_cache_read_staged(p->cache, p->index + e0, p->examples[k + 1] - e0, FT_CACHE_RAGGED, r->buf,
+                                ft_model_device(m), r->cap, NULL, 0, NULL, NULL, &r->stg));
     *x = r->buf;
     return FT_OK;
 }
