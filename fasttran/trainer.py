@@ -10,11 +10,12 @@ model's device), the head's targets for it (fasttran.heads), one C call for the 
 loss and backward (fasttran.model.Model over csrc/train/model.c: [cache] -> [top layers] -> head,
 one flat parameter and gradient table), the gradients through the reduction hook (the identity
 in one process; fasttran.distributed plugs torch.distributed in), one fused optimizer step, and
-the bookkeeping (schedule, float16 loss scale, checkpoints, progress). In one process, in float32,
-with a head whose targets lie one batch after another, on features all cached, the steps of an
-epoch run in C many at a time (Model.train_steps over csrc/train/loop.c: the same calls in the
-same order, so the same bits; `_c_loop_refusal` says when not), calling back every 20 steps for
-the bookkeeping and Ctrl-C.
+the bookkeeping (schedule, float16 loss scale, checkpoints, progress). In one process, on features
+all cached, the steps of an epoch run in C many at a time, whatever the head and precision
+(Model.train_steps over csrc/train/loop.c: the same calls and float16 decisions in the same order,
+so the same bits; `_c_loop_refusal` says when not; on a GPU whose cache holds every row in its
+device tier, each step's rows are gathered there), calling back every 20 steps for the bookkeeping
+and Ctrl-C.
 """
 import contextlib
 import html
