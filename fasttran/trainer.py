@@ -10,11 +10,12 @@ model's device), the head's targets for it (fasttran.heads), one C call for the 
 loss and backward (fasttran.model.Model over csrc/train/model.c: [cache] -> [top layers] -> head,
 one flat parameter and gradient table), the gradients through the reduction hook (the identity
 in one process; fasttran.distributed plugs torch.distributed in), one fused optimizer step, and
-the bookkeeping (schedule, float16 loss scale, checkpoints, progress). In one process, in float32,
-with a head whose targets lie one batch after another, on features all cached, the steps of an
-epoch run in C many at a time (Model.train_steps over csrc/train/loop.c: the same calls in the
-same order, so the same bits; `_c_loop_refusal` says when not), calling back every 20 steps for
-the bookkeeping and Ctrl-C.
+the bookkeeping (schedule, float16 loss scale, checkpoints, progress). In one process, on features
+all cached, the steps of an epoch run in C many at a time, whatever the head and precision
+(Model.train_steps over csrc/train/loop.c: the same calls and float16 decisions in the same order,
+so the same bits; `_c_loop_refusal` says when not; on a GPU whose cache holds every row in its
+device tier, each step's rows are gathered there), calling back every 20 steps for the bookkeeping
+and Ctrl-C.
 """
 import contextlib
 import html
@@ -62,11 +63,10 @@ DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
 _TEMPO = MEMORY_OPTIONS   # the Trainer's `tempo` keys: the layer stack's memory options
 
 
-#: The heads whose targets the C loop takes (their batch targets laid out one batch after another)
-_C_LOOP_HEADS = ("linear", "pooler", "token")
-#: one Model.train_steps call: at most this many steps, on at most this many bytes of features (or
-#: one batch); on the CPU the next call's features are read while one trains. 32 steps: 16.5 us a
-#: step on a linear head over 384 features, batch 32, one thread (8 MiB calls: 22 us, 5 batches: 23 us)
+#: one Model.train_steps call: at most this many bytes of features (or one batch) and, where they are
+#: read before the call, this many steps; on the CPU the next call's features are read while one
+#: trains. 32 steps: 16.5 us a step on a linear head over 384 features, batch 32, one thread (8 MiB
+#: calls: 22 us, 5 batches: 23 us)
 _C_LOOP_STEPS = 32
 _C_LOOP_CHUNK_BYTES = 64 << 20
 
@@ -692,12 +692,8 @@ class Trainer:
                 return f"the per-step method {name} is replaced on this trainer"
         if type(self.reduction) is not Reduction:
             return "a gradient reduction (data-parallel) runs between the backward and the optimizer step"
-        if self.loss_scale is not None:
-            return "float16 loss scaling decides per step whether it is applied"
         if self.head is None or self.optimizer is None:
             return "the trainer is not built yet (fit() builds it)"
-        if self.head.kind not in _C_LOOP_HEADS or self._group != 1:
-            return f"the {self.head.kind} head's targets are not laid out one batch after another"
         opt = self.optimizer
         if type(opt)._torch_mode or not hasattr(opt, "_new_states"):
             return "the optimizer is not fasttran's fused one over the model's table"
@@ -706,16 +702,31 @@ class Trainer:
             return "some features are computed by the encoder as their batch is read"
         return None
 
+    def _c_loop_reads(self, cache):
+        """True: the C loop reads each step's rows from the cache itself, straight into the model's
+        memory -- every row is where the model computes (the CPU: host memory or files, no device
+        tier; a GPU: the cache's device tier on the model's device, gathered and decoded there);
+        False: the epoch's features are read in chunks (_C_LOOP_CHUNK_BYTES, copied up once on a
+        GPU) that the C loop steps through."""
+        tiers = cache.stats()["tiers"]
+        if not self.device.is_cuda:
+            return not tiers["device"]["entries"]
+        return cache.device == self.device and tiers["device"]["entries"] == len(cache)
+
     def _c_epoch(self, cache, prep, order, epoch, start, spe, total, warm, bar, checkpoint_dir, checkpoint_every,
                  stop_at_step):
-        """One epoch's steps [start, spe) through Model.train_steps: up to _C_LOOP_STEPS batches of
-        up to _C_LOOP_CHUNK_BYTES of features read in one call (on the CPU while the call before trains)
-        and trained on in one call, which ends at a checkpoint step and at stop_at_step; every 20
-        steps (the bar's postfix) it calls back for the bookkeeping the per-step loop does (loss
-        curve, progress, Ctrl-C). Returns (loss_sum, right, counted, seen, batches done)."""
+        """One epoch's steps [start, spe) through Model.train_steps, in calls of up to
+        _C_LOOP_CHUNK_BYTES of features (or one batch) that end at a checkpoint step and at
+        stop_at_step: where the C loop reads the cache itself (_c_loop_reads), as many steps as
+        that holds (the calls' targets and logits stay small); else up to _C_LOOP_STEPS batches,
+        their features read per call (on the CPU while the call before trains).
+        Every 20 steps (the bar's postfix) a call calls back for the bookkeeping the per-step loop
+        does (loss curve, progress, Ctrl-C). Returns (loss_sum, right, counted, seen, batches done)."""
         bs, N = self._batch_examples, len(cache)
         ragged = cache.positions == "all"
-        counts = np.add.reduceat(rows_of_lengths(cache)[order], np.arange(0, N, bs))   # rows per batch
+        reads = self._c_loop_reads(cache)
+        lengths_of = rows_of_lengths(cache)
+        counts = np.add.reduceat(lengths_of[order], np.arange(0, N, bs))   # rows per batch
         opt, head, model = self.optimizer, self.head, self.model
         if opt._table is None:
             opt._build()
@@ -732,7 +743,7 @@ class Trainer:
         calls, b, g = [], start, self.global_step
         while b < spe and (stop_at_step is None or g < stop_at_step or not calls):
             n = int(np.searchsorted(np.cumsum(counts[b:spe]), max(_C_LOOP_CHUNK_BYTES // row_bytes, 1), "right"))
-            n = max(1, min(n, spe - b, _C_LOOP_STEPS))
+            n = max(1, min(n, spe - b, spe if reads else _C_LOOP_STEPS))
             if checkpoint_every:
                 n = min(n, checkpoint_every - g % checkpoint_every)
             if stop_at_step is not None:
@@ -740,13 +751,16 @@ class Trainer:
             calls.append((b, n))
             b, g = b + n, g + n
 
-        def read(i):   # a call's examples and their features
+        def read(i):   # a call's examples and their features: (glob, x or None, lengths)
             b0, n = calls[i]
-            glob = order[b0 * bs:min((b0 + n) * bs, N)]
-            return glob, cache.get(cache.example_ids[glob], output="device", ragged=ragged, device=self.device)
+            glob = np.ascontiguousarray(order[b0 * bs:min((b0 + n) * bs, N)], np.int64)
+            if reads:   # the cache's index of an example is its place in example_ids
+                return glob, None, lengths_of[glob].astype(np.int32)
+            return (glob,) + rows_of(cache.get(cache.example_ids[glob], output="device", ragged=ragged,
+                                               device=self.device))
         # on the CPU the next call's features are read while this one trains (as the reader thread of
         # the per-step loop reads ahead); a CUDA backend's stream is the training step's alone
-        ahead = None if self.device.is_cuda else ThreadPoolExecutor(1, thread_name_prefix="fasttran-read")
+        ahead = None if self.device.is_cuda or reads else ThreadPoolExecutor(1, thread_name_prefix="fasttran-read")
         try:
             return self._c_calls(cache, prep, epoch, start, total, warm, bar, checkpoint_dir, checkpoint_every,
                                  stop_at_step, calls, read, ahead, counts, count_of, groups, grads)
@@ -764,11 +778,10 @@ class Trainer:
             if self._interrupt:
                 break
             self._pos = (epoch, b0)
-            glob, batch = pending.result() if pending is not None else read(i)
+            glob, x, lengths = pending.result() if pending is not None else read(i)
             pending = ahead.submit(read, i + 1) if ahead is not None and i + 1 < len(calls) else None
-            x, lengths = rows_of(batch)
             examples = np.minimum(np.arange(n + 1, dtype=np.int64) * bs, len(glob))
-            targets, _ = head.batch(prep, glob, lengths)
+            targets, valid = head.steps_batch(prep, glob, lengths, examples)
             targets = np.ascontiguousarray(targets)
             sizes = [count_of(int(examples[k + 1] - examples[k]), int(counts[b0 + k])) for k in range(n)]
             tcount = np.array([c[2] for c in sizes], np.int64)
@@ -777,6 +790,8 @@ class Trainer:
             g0 = self.global_step
             lrs = np.array([self._lr_at(g0 + k, total, warm) for k in range(n)], np.float64)
             losses = np.zeros(n, np.float64)
+            scaler = None if self.loss_scale is None else np.array(   # float16: _optimizer_step's rule, in C
+                [self.loss_scale[0], self.loss_scale[1], _SCALE_GROWTH_STEPS, _SCALE_MAX, 0], np.float64)
             logits = np.empty(int(lcount.sum()), np.float32)
             lsplit = np.cumsum(lcount)
             done_py = [0]
@@ -813,8 +828,13 @@ class Trainer:
 
             done, stop, message = model._core.train_steps(
                 opt._table, groups, grads, float(opt.max_grad_norm or 0.0), opt.check_finite, x, lengths, examples,
-                targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback)
-            del batch
+                targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback,
+                cache=None if x is not None else cache._store, index=None if x is not None else glob, valid=valid,
+                scaler=scaler)
+            del x
+            if scaler is not None:
+                self.loss_scale = [float(scaler[0]), int(scaler[1])]
+                self.skipped_steps += int(scaler[4])
             account(done)
             if done:
                 opt.lr = float(lrs[done - 1])

@@ -1,9 +1,10 @@
 """Trainer.fit's C loop (Model.train_steps over csrc/train/loop.c: many steps per call) against its
 per-step Python loop (FASTTRAN_PY_LOOP=1 / trainer._py_loop): the same losses, weights, optimizer
-state, history and evaluation, bit for bit, for the heads it takes (linear and pooler sequence
-heads: classification, regression, multi-label; the token head), with and without a trained top layer, dropout
-on, several epochs, an uneven last batch, checkpoints, resume, stop_at_step and Ctrl-C. Features of
-the real all-MiniLM-L6-v2 on random token ids. Runs on the CPU, and with device="cuda" on a GPU or
+state, history and evaluation, bit for bit, for every head (linear and pooler sequence heads:
+classification, regression, multi-label; the token head; QA's spans with their context mask; multiple
+choice, a question's choices kept together), with and without a trained top layer, dropout on,
+several epochs, an uneven last batch, checkpoints, resume, stop_at_step and Ctrl-C. Features of the
+real all-MiniLM-L6-v2 on random token ids. Runs on the CPU, and with device="cuda" on a GPU or
 the CUDA emulator (FASTTRAN_CUDA=emu build, FASTTRAN_CUDA_EMU=1)."""
 import os
 import signal
@@ -33,15 +34,17 @@ def inputs():
 
 
 def _cache(enc, inputs, **kw):
-    ids, mask = inputs
-    return ActivationCache.build(enc, ids, mask, show_progress=False, **kw)
+    return ActivationCache.build(enc, *inputs, show_progress=False, **kw)
 
 
 @pytest.fixture(scope="module")
 def caches(enc, inputs):
     L = enc.num_layers
+    ids, mask = inputs
+    pairs = (ids, mask, (np.arange(10)[None, :] >= 1) * mask)   # QA: every token but the first is context
     return {"mean": _cache(enc, inputs, positions="mean"), "cls": _cache(enc, inputs, positions="cls"),
-            "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1)}
+            "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1),
+            "qa": _cache(enc, pairs, positions="all"), "qatop1": _cache(enc, pairs, positions="all", layer=L - 1)}
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +53,11 @@ def targets(caches):
     lengths = np.asarray(caches["all"].lengths)
     tok = [np.where(rng.random(n) < 0.2, -100, rng.integers(0, 3, n)) for n in lengths]
     y = rng.integers(0, 3, N)
+    starts = np.array([rng.integers(1, n - 1) for n in lengths])   # a span inside the context (not [SEP])
+    ends = np.array([rng.integers(a, n - 1) for a, n in zip(starts, lengths)])
     return {"classification": y, "classification-pooler": y, "regression": rng.normal(size=N).astype(np.float32),
-            "token-classification": tok, "multi-label": rng.integers(0, 2, (N, 4))}
+            "token-classification": tok, "multi-label": rng.integers(0, 2, (N, 4)), "qa": (starts, ends),
+            "multiple-choice": rng.integers(0, 3, N // 3)}
 
 
 CASES = {   # name: (task, cache, Trainer arguments)
@@ -62,6 +68,9 @@ CASES = {   # name: (task, cache, Trainer arguments)
     "token": ("token-classification", "all", dict(optimizer="adamw", dropout=0.1)),
     "top1": ("classification", "top1", dict(optimizer="adamw", lr=1e-4, dropout=0.1, train_layers=1,
                                             layer_dropout=0.1)),
+    "qa": ("qa", "qa", dict(optimizer="adamw", lr=0.05)),
+    "qa-top1": ("qa", "qatop1", dict(optimizer="lamb", train_layers=1, layer_dropout=0.1)),
+    "choice": ("multiple-choice", "cls", dict(optimizer="lamb", dropout=0.1, batch_size=4)),   # 3 choices each
 }
 
 
@@ -108,21 +117,23 @@ def test_c_loop_equals_the_python_loop(case, device, caches, targets, monkeypatc
     task, source, _ = CASES[case]
     cache, y = caches[source], targets[task]
     calls = _spy(monkeypatch)
+    ev = None if task == "qa" else (cache, y)   # (QA evaluates against SQuAD features)
     py = _trainer(case, device, True)
-    py.fit(cache, y, eval=(cache, y))
+    py.fit(cache, y, eval=ev)
     assert not calls
     c = _trainer(case, device, False)
-    c.fit(cache, y, eval=(cache, y))
+    c.fit(cache, y, eval=ev)
     assert c._c_loop_refusal(cache) is None
     assert len(calls) == 3   # one per epoch
-    py_eval = py.evaluate(cache, y)
     assert_same(c, py)
-    assert c.evaluate(cache, y) == py_eval
+    if ev is not None:
+        assert c.evaluate(cache, y) == py.evaluate(cache, y)
     assert all(np.isfinite(loss) for _, loss in c.loss_curve)
+    assert c._c_loop_reads(cache) == (device == "cpu")   # a host cache: read by the C loop on the CPU only
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["linear", "token"])
+@pytest.mark.parametrize("case", ["linear", "token", "qa", "choice"])
 def test_many_calls_per_epoch(case, device, caches, targets, monkeypatch):
     """calls of a few batches each (read ahead on the CPU), stop_at_step and checkpoints between"""
     import fasttran.trainer as trainer_module
@@ -251,6 +262,66 @@ def test_ctrl_c_stops_the_c_loop_and_saves(minilm_dir, tmp_path, caches):
     assert epoch * 100 + b == step
 
 
+@pytest.mark.skipif(not fasttran.cuda_available(), reason="no usable CUDA device (or emulator)")
+def test_float16_loss_scaling_in_the_c_loop(caches, targets, monkeypatch):
+    """float16 products: the dynamic loss scale's per-step decisions (an overflowing step skipped and
+    the scale halved, growth after clean steps -- after each one here, up to 2**60, so both happen)
+    made in C, the per-step loop's bits, scale and skip count"""
+    import fasttran.trainer as trainer_module
+    task, source, _ = CASES["top1"]
+    cache, y = caches[source], targets[task]
+    monkeypatch.setattr(trainer_module, "_SCALE_GROWTH_STEPS", 1)
+    monkeypatch.setattr(trainer_module, "_SCALE_MAX", 2.0 ** 60)
+    calls = _spy(monkeypatch)
+    runs = []
+    for py in (True, False):
+        tr = _trainer("top1", "cuda", py, precision="float16")
+        tr.loss_scale = [2.0 ** 24, 0]
+        tr.fit(cache, y, stop_at_step=7)
+        tr.fit(cache, y)
+        runs.append(tr)
+    py, c = runs
+    assert calls and c._c_loop_refusal(cache) is None
+    assert py.skipped_steps == c.skipped_steps > 0 and py.loss_scale == c.loss_scale
+    assert len({s for s, _ in py.loss_curve}) == len(py.loss_curve) == py.global_step
+    assert_same(c, py)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from conftest import make_checkpoint
+    from test_random_models import AWKWARD
+    return make_checkpoint(str(tmp_path_factory.mktemp("m") / "m"), **AWKWARD)
+
+
+@pytest.mark.skipif(not fasttran.cuda_available(), reason="no usable CUDA device (or emulator)")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("case", ["linear", "token"])
+def test_cuda_loop_gathers_the_device_tier(case, dtype, small_model, inputs, targets, monkeypatch):
+    """a cache whose rows all sit in the device tier: the C loop gathers and decodes each step's rows
+    on the device into the model's input (no chunk read through cache.get), the per-step loop's bits"""
+    task, source, _ = CASES[case]
+    ids, mask = inputs
+    enc = fasttran.Encoder.from_pretrained(small_model, device="cuda")
+    cache = ActivationCache.build(enc, (ids % 97 + 1) * mask, mask, positions="all" if source == "all" else "mean",
+                                  dtype=dtype, device_bytes=1 << 30, show_progress=False)
+    assert cache.stats()["tiers"]["device"]["entries"] == N
+    y = targets[task]
+    py = _trainer(case, "cuda", True)
+    py.fit(cache, y)
+    c = _trainer(case, "cuda", False)
+    calls = _spy(monkeypatch)
+
+    def no_chunks(*a, **k):
+        raise AssertionError("the C loop read a chunk through cache.get")
+    monkeypatch.setattr(cache, "get", no_chunks)
+    c.fit(cache, y)
+    monkeypatch.undo()
+    assert len(calls) == 3 and c._c_loop_refusal(cache) is None and c._c_loop_reads(cache)
+    assert_same(c, py)
+    assert c.evaluate(cache, y) == py.evaluate(cache, y)
+
+
 def test_train_steps_refuses_bad_plans(caches, targets):
     tr = _trainer("linear", "cpu", False, epochs=1)
     cache, y = caches["mean"], targets["classification"]
@@ -261,7 +332,7 @@ def test_train_steps_refuses_bad_plans(caches, targets):
                 x=x, lengths=np.ones(8, np.int32), examples=np.array([0, 4, 8], np.int64),
                 targets=np.zeros(8, np.int32), denominators=np.full(2, 4.0), lrs=np.full(2, 1e-3), seed=0,
                 first_step=0, losses=np.zeros(2))
-    before = np.array(tr.model.params)
+    before = np.asarray(tr.model.params).copy()   # (np.array of a fasttran.Tensor is a view)
     bad = {"examples": dict(examples=np.array([1, 4, 8], np.int64)),
            "an empty step": dict(examples=np.array([0, 8, 8], np.int64)),
            "targets": dict(targets=np.zeros(7, np.int32)),
@@ -272,6 +343,19 @@ def test_train_steps_refuses_bad_plans(caches, targets):
     for what, change in bad.items():
         with pytest.raises(fasttran.InputError):
             core.train_steps(**dict(good, **change))
+    store, index = cache._store, np.arange(8, dtype=np.int64)
+    bad_reads = {"x and a cache": dict(cache=store, index=index),
+                 "a cache without an index": dict(x=None, cache=store),
+                 "an index outside the cache": dict(x=None, cache=store, index=index + N - 4),
+                 "a negative index": dict(x=None, cache=store, index=index - 1),
+                 "a short index": dict(x=None, cache=store, index=index[:7]),
+                 "lengths the cache's rows do not match": dict(x=None, cache=store, index=index,
+                                                               lengths=np.full(8, 2, np.int32))}
+    for what, change in bad_reads.items():
+        with pytest.raises(fasttran.InputError):
+            core.train_steps(**dict(good, **change))
+    with pytest.raises(fasttran.InputTypeError):
+        core.train_steps(**dict(good, x=None, cache=object(), index=index))
     with pytest.raises(fasttran.InputTypeError):
         core.train_steps(**dict(good, targets=np.zeros(8, np.float32)))
     with pytest.raises(fasttran.InputTypeError):
@@ -287,3 +371,13 @@ def test_train_steps_refuses_bad_plans(caches, targets):
     assert (done, stop, msg) == (1, 3, None)
     done, stop, msg = core.train_steps(**dict(good, losses=np.zeros(2)))
     assert (done, stop, msg) == (2, 0, None)
+    # two trainers in the same state, the same steps over x and reading the cache: the same bits
+    runs = []
+    for change in ({}, dict(x=None, cache=store, index=index)):
+        t = _trainer("linear", "cpu", False, epochs=1)
+        t.fit(cache, y, stop_at_step=1)
+        losses = np.zeros(2)
+        assert t.model._core.train_steps(**dict(good, optimizer=t.optimizer._table, groups=t.optimizer.param_groups,
+                                                grads=t._gviews, losses=losses, **change))[:2] == (2, 0)
+        runs.append((losses, np.asarray(t.model.params).copy()))
+    assert np.array_equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])

@@ -271,6 +271,7 @@ ft_status ft_cache_check_readable(const ft_cache *c, const ft_encoder *enc) {
 }
 
 int64_t ft_cache_examples(const ft_cache *c) { return c->N; }
+int64_t ft_cache_rows_of(const ft_cache *c, int64_t i) { return i >= 0 && i < c->N ? rows_of(c, i) : -1; }
 const int64_t *ft_cache_ids(const ft_cache *c) { return c->ids; }
 
 ft_status ft_cache_batch_info_get(const ft_cache *c, const int64_t *index, int64_t n, ft_cache_layout layout,

@@ -421,6 +421,8 @@ ft_status ft_cache_read(ft_cache *c, const int64_t *index, int64_t n, ft_cache_l
                         void *cancel_arg);
 /* The cache's examples (N), and their ids (N). */
 int64_t ft_cache_examples(const ft_cache *c);
+/* the rows example index i has: 1 (pooled), its tokens (all tokens); -1 outside 0..N-1 */
+int64_t ft_cache_rows_of(const ft_cache *c, int64_t i);
 const int64_t *ft_cache_ids(const ft_cache *c);
 /* FT_OK if every example can be read: cached, or enc given to recompute it; else the error a
  * read of the first one that cannot would give. */
@@ -795,8 +797,9 @@ float *ft_model_params(ft_model *m);   /* backend memory, ft_model_param_count f
 float *ft_model_grads(ft_model *m);
 /* the head's parameters start here in the flat table */
 size_t ft_model_head_offset(const ft_model *m);
-/* the model's head */
+/* the model's head, and the device of its memory */
 const ft_head_config *ft_model_head(const ft_model *m);
+ft_device ft_model_device(const ft_model *m);
 /* buckets: 0 = the head, 1 = the top layer, ..., count = the bottom layer */
 size_t ft_model_num_buckets(const ft_model *m);
 void ft_model_bucket(const ft_model *m, size_t i, size_t *offset, size_t *floats);
@@ -836,13 +839,25 @@ ft_status ft_model_forward(ft_model *m, const ft_model_batch *b, float *logits_h
 /* bytes the model holds: parameters + gradients (the layers' too) and its per-batch buffers */
 size_t ft_model_allocated(const ft_model *m);
 
+/* float16 products' dynamic loss scaling (torch.amp.GradScaler's rule, as the Trainer applies it):
+ * the backward runs at `scale`; a step whose gradients are not finite while scale > 1 is skipped
+ * and halves it; `growth` clean steps in a row double it, up to `max`. scale 0: no scaling. */
+typedef struct {
+    double scale, max;
+    int64_t good;                /* clean steps since the scale last changed */
+    int64_t growth;
+    int64_t skipped;             /* steps skipped so far */
+} ft_loss_scaler;
+
 /* Many training steps in one call (csrc/train/loop.c): per step k of the plan, the batch of
  * examples [examples[k], examples[k + 1]) -- their rows packed one after another in x, `lengths`
- * rows each --, its targets (the steps' targets one after another, ft_head_target_count each), the
- * loss denominator denominator[k], then ft_model_step (dropout keys seed, first_step + k; a whole
- * batch: no place in a global one) and ft_optim_table_step over every tensor of `opt` at
- * lr[k] (each group's lr; the rest of cfg as given). The steps stop early, with FT_OK, at a
- * non-finite loss (the step is not applied), at a refused optimizer step, or when the callback
+ * rows each, or read per step from `cache` --, its targets (the steps' targets one after another,
+ * ft_head_target_count each), the loss denominator denominator[k], then ft_model_step (dropout keys
+ * seed, first_step + k; a whole batch: no place in a global one; the scaler's loss scale) and
+ * ft_optim_table_step over every tensor of `opt` at lr[k] (each group's lr; the rest of cfg as
+ * given), a refusal for non-finite gradients under loss scaling being a skipped step. The steps
+ * stop early, with FT_OK, at a non-finite loss (the step is not applied), at a refused optimizer
+ * step, or when the callback
  * (called after step k when (phase + k + 1) % every == 0, and after the last) returns non-zero. */
 typedef struct {
     int64_t steps;
@@ -853,6 +868,15 @@ typedef struct {
     const double *denominator;   /* HOST (steps): the loss terms of each step's batch */
     const double *lr;            /* HOST (steps): each step's learning rate */
     uint64_t seed, first_step;   /* dropout keys: seed, and the global step number of step 0 */
+    /* or, x NULL: each step's rows read from `cache` straight into a buffer of the model's memory
+     * (ft_cache_read: rows of the device tier gathered and decoded on the device by the backend's
+     * cache_decode_rows, no host round trip; host rows decoded on the host); every example cached,
+     * lengths[i] = ft_cache_rows_of(cache, index[i]); rows packed (FT_CACHE_RAGGED) */
+    ft_cache *cache;
+    const int64_t *index;        /* HOST: the cache index of every step's examples, in order */
+    const float *valid;          /* HOST: every step's row mask one after another (a row per row: QA's
+                                    context rows), for a head that needs one; else NULL */
+    ft_loss_scaler scaler;       /* at step 0 (scale 0: none) */
 } ft_train_plan;
 
 typedef enum {
@@ -868,6 +892,7 @@ typedef struct {
     int64_t done;                /* steps applied */
     ft_train_stop stop;
     ft_optim_info info;          /* of the last optimizer step (the refused one's after a refusal) */
+    ft_loss_scaler scaler;       /* after the steps applied or skipped */
 } ft_train_result;
 
 /* non-zero: stop after the `done` steps applied */

@@ -106,6 +106,9 @@ PyObject *ft_py_optim_finish(PyObject *obj, ft_status st, const ft_optim_info *i
 
 /* The ft_encoder of an initialised fasttran._C.EncoderCore, or NULL with an exception. */
 ft_encoder *ft_py_encoder_from(PyObject *obj);
+/* the ft_cache of an initialised fasttran._C.CacheStore (borrowed: the object keeps it), or NULL
+ * with InputTypeError set */
+ft_cache *ft_py_cache_from(PyObject *obj);
 
 /* fasttran.Tensor (tensor_type.c). `release(owner, ctx, data)` frees the memory when the
  * tensor dies (NULL: nothing to free); `owner` is kept alive until then. On failure the

@@ -212,6 +212,15 @@ static int CacheStore_init(CacheStore *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+ft_cache *ft_py_cache_from(PyObject *obj) {
+    if (!store_type || !PyObject_TypeCheck(obj, store_type) || !((CacheStore *)obj)->c) {
+        ft_py_fail(ft_errors.input_type, "expected an initialised fasttran._C.CacheStore, got %s",
+                   Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return ((CacheStore *)obj)->c;
+}
+
 static int store_ready(CacheStore *self) {
     if (self->c) return 1;
     ft_py_fail(ft_errors.base, "CacheStore is not initialised");

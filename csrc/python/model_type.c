@@ -302,27 +302,27 @@ static void *host_exact(PyObject *o, const char *what, int npy, int64_t need, in
 }
 
 /* train_steps(optimizer, groups, grads, max_grad_norm, check_finite, x, lengths, examples, targets,
- *             denominators, lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None)
+ *             denominators, lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None,
+ *             cache=None, index=None, valid=None, scaler=None)
  *   -> (done, stop, message): ft_model_train_steps over the steps the arrays lay out (see
  *   fasttran.h); stop 0 all done, 1 non-finite loss at step `done`, 2 the optimizer refused step
  *   `done` (message: its error), 3 the callback stopped after `done` steps. */
 static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "groups", "grads", "max_grad_norm", "check_finite", "x", "lengths",
                              "examples", "targets", "denominators", "lrs", "seed", "first_step", "losses", "logits",
-                             "every", "phase", "callback", NULL};
+                             "every", "phase", "callback", "cache", "index", "valid", "scaler", NULL};
     PyObject *opt_o, *groups, *grads, *xo, *lo, *eo, *to, *do_, *ro, *so, *zo = Py_None, *cb = Py_None;
+    PyObject *cache_o = Py_None, *index_o = Py_None, *valid_o = Py_None, *scaler_o = Py_None;
     double max_norm;
     int check_finite;
     unsigned long long seed, first_step;
     long long every = 0, phase = 0;
     if (!ready_model(self) ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLO", kwlist, &opt_o, &groups, &grads, &max_norm,
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLOOOOO", kwlist, &opt_o, &groups, &grads, &max_norm,
                                      &check_finite, &xo, &lo, &eo, &to, &do_, &ro, &seed, &first_step, &so, &zo,
-                                     &every, &phase, &cb))
+                                     &every, &phase, &cb, &cache_o, &index_o, &valid_o, &scaler_o))
         return NULL;
     if (cb != Py_None && !PyCallable_Check(cb)) return ft_py_fail(ft_errors.input_type, "callback must be callable or None");
-    if (ft_head_needs(&self->head) & FT_HEAD_NEEDS_MASK)
-        return ft_py_fail(ft_errors.unsupported, "train_steps: a head with a row mask (QA) trains step by step");
     int64_t n_lengths, n_examples;
     const int32_t *lengths = host_exact(lo, "lengths", NPY_INT32, -1, 0, &n_lengths);
     const int64_t *examples = lengths ? host_exact(eo, "examples", NPY_INT64, -1, 0, &n_examples) : NULL;
@@ -346,13 +346,34 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
         n_targets += ft_head_target_count(&self->head, B, n);
         n_logits += ft_head_logits_count(&self->head, B, n);
     }
-    ft_py_buf x;
-    if (!ft_py_get_buf(xo, "x", -1, FT_F32, 0, 0, &x)) return NULL;
-    if (x.device.kind != self->device.kind || (x.device.kind == FT_DEVICE_CUDA && x.device.index != self->device.index))
-        return ft_py_fail(ft_errors.input, "the batches are on another device than the model");
-    if (x.numel != N * self->hidden)
-        return ft_py_fail(ft_errors.input, "x has %lld elements; %lld rows of width %lld expected", (long long)x.numel,
-                          (long long)N, (long long)self->hidden);
+    ft_py_buf x = {0};
+    ft_cache *cache = NULL;
+    const int64_t *index = NULL;
+    if ((xo == Py_None) == (cache_o == Py_None) || (cache_o == Py_None) != (index_o == Py_None))
+        return ft_py_fail(ft_errors.input, "train_steps takes x, or a cache and the index of every example in it");
+    if (cache_o != Py_None) {   /* each step's rows read from the cache into the model's memory */
+        if (!(cache = ft_py_cache_from(cache_o))) return NULL;
+        if (!(index = host_exact(index_o, "index", NPY_INT64, n_lengths, 0, NULL))) return NULL;
+        for (int64_t i = 0; i < n_lengths; i++) {
+            const int64_t rows = ft_cache_rows_of(cache, index[i]);
+            if (rows < 0)
+                return ft_py_fail(ft_errors.input, "index[%lld] = %lld is not an example of the cache (0..%lld)",
+                                  (long long)i, (long long)index[i], (long long)ft_cache_examples(cache) - 1);
+            if (rows != lengths[i])
+                return ft_py_fail(ft_errors.input, "lengths[%lld] = %d, but cache example %lld has %lld rows",
+                                  (long long)i, lengths[i], (long long)index[i], (long long)rows);
+        }
+        const ft_status readable = ft_cache_check_readable(cache, NULL);
+        if (readable != FT_OK) return ft_py_raise_cache(readable);
+    } else {
+        if (!ft_py_get_buf(xo, "x", -1, FT_F32, 0, 0, &x)) return NULL;
+        if (x.device.kind != self->device.kind ||
+            (x.device.kind == FT_DEVICE_CUDA && x.device.index != self->device.index))
+            return ft_py_fail(ft_errors.input, "the batches are on another device than the model");
+        if (x.numel != N * self->hidden)
+            return ft_py_fail(ft_errors.input, "x has %lld elements; %lld rows of width %lld expected",
+                              (long long)x.numel, (long long)N, (long long)self->hidden);
+    }
     const int fl = ft_head_float_targets(&self->head);
     const void *targets = host_exact(to, "targets", fl ? NPY_FLOAT32 : NPY_INT32, n_targets, 0, NULL);
     const double *denom = targets ? host_exact(do_, "denominators", NPY_FLOAT64, steps, 0, NULL) : NULL;
@@ -361,6 +382,27 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     if (!losses) return NULL;
     float *logits = NULL;
     if (zo != Py_None && !(logits = host_exact(zo, "logits", NPY_FLOAT32, n_logits, 1, NULL))) return NULL;
+    const int masked = (ft_head_needs(&self->head) & FT_HEAD_NEEDS_MASK) != 0;
+    if (masked != (valid_o != Py_None))
+        return ft_py_fail(ft_errors.input, masked ? "the %s head needs valid: its row mask, a float32 per row"
+                                                  : "the %s head takes no row mask (valid)",
+                          ft_head_kind_name((int)self->head.kind));
+    const float *valid = masked ? host_exact(valid_o, "valid", NPY_FLOAT32, N, 0, NULL) : NULL;
+    if (masked && !valid) return NULL;
+    /* float16 loss scaling: (scale, clean steps, growth steps, max scale, skipped steps), read and
+     * written back */
+    double *sc = NULL;
+    ft_loss_scaler scaler = {0};
+    if (scaler_o != Py_None) {
+        if (!(sc = host_exact(scaler_o, "scaler", NPY_FLOAT64, 5, 1, NULL))) return NULL;
+        if (!(sc[0] > 0.0 && isfinite(sc[0]) && sc[3] > 0.0 && isfinite(sc[3])) || !(sc[1] >= 0.0) || !(sc[2] >= 1.0) ||
+            !(sc[4] >= 0.0) || sc[1] != floor(sc[1]) || sc[2] != floor(sc[2]) || sc[4] != floor(sc[4]) ||
+            sc[1] > 9e15 || sc[2] > 9e15 || sc[4] > 9e15)
+            return ft_py_fail(ft_errors.input, "scaler must be (scale > 0, clean steps >= 0, growth steps >= 1, "
+                              "max scale > 0, skipped steps >= 0), finite, whole counts, got (%g, %g, %g, %g, %g)",
+                              sc[0], sc[1], sc[2], sc[3], sc[4]);
+        scaler = (ft_loss_scaler){sc[0], sc[3], (int64_t)sc[1], (int64_t)sc[2], (int64_t)sc[4]};
+    }
     for (int64_t k = 0; k < steps; k++) {
         if (!(denom[k] > 0.0) || !isfinite(denom[k]) || !(lrs[k] >= 0.0) || !isfinite(lrs[k]))
             return ft_py_fail(ft_errors.input, "step %lld: the denominator must be > 0 and the lr >= 0, both finite",
@@ -371,14 +413,20 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     int r = ft_py_optim_prepare(opt_o, groups, grads, max_norm, check_finite, &table, &cfg);
     if (r < 0) return ft_py_fail(ft_errors.input, "the optimizer's groups no longer hold its table's parameters");
     if (r == 0) return NULL;
-    const ft_train_plan plan = {steps, x.data, lengths, examples, targets, denom, lrs, seed, first_step};
-    ft_train_result res = {.loss = losses, .logits = logits, .stop = FT_TRAIN_DONE};
+    const ft_train_plan plan = {steps, x.data, lengths, examples, targets, denom, lrs, seed, first_step, cache, index,
+                                valid, scaler};
+    ft_train_result res = {.loss = losses, .logits = logits, .stop = FT_TRAIN_DONE, .scaler = scaler};
     res.info.bad_tensor = -1;
     steps_hook hook = {cb, NULL, NULL, NULL};
     ft_status st;
     Py_BEGIN_ALLOW_THREADS
     st = ft_model_train_steps(self->model, table, &cfg, &plan, every, phase, on_steps, &hook, &res);
     Py_END_ALLOW_THREADS
+    if (sc) {
+        sc[0] = res.scaler.scale;
+        sc[1] = (double)res.scaler.good;
+        sc[4] = (double)res.scaler.skipped;
+    }
     PyObject *message = NULL;
     if (st == FT_OK && res.stop == FT_TRAIN_REFUSED) {
         /* the optimizer's own exception (naming the tensor), as its step() raises it, as a message */
@@ -419,8 +467,11 @@ static PyMethodDef Model_methods[] = {
      "loss_scale=1.0, logits=None, ready=None) -> loss: forward, loss and every gradient."},
     {"train_steps", (PyCFunction)(void (*)(void))Model_train_steps, METH_VARARGS | METH_KEYWORDS,
      "train_steps(optimizer, groups, grads, max_grad_norm, check_finite, x, lengths, examples, targets, denominators, "
-     "lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None) -> (done, stop, message): many training "
-     "steps (model step + optimizer step each) in one call, the GIL released."},
+     "lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None, cache=None, index=None, valid=None, "
+     "scaler=None) -> (done, stop, message): many training steps (model step + optimizer step each) in one call, the "
+     "GIL released; x None: each step's rows read from the CacheStore `cache` (examples `index`) into the model's "
+     "memory; valid: every row's mask, for a head that needs one (QA); scaler: float16 loss scaling, float64 (scale, "
+     "clean steps, growth steps, max scale, skipped steps), updated in place."},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x, lengths, logits, valid=None): the logits, no dropout."},
     {NULL, NULL, 0, NULL}};

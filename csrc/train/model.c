@@ -38,6 +38,7 @@ struct ft_model {
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 const ft_head_config *ft_model_head(const ft_model *m) { return &m->head; }
+ft_device ft_model_device(const ft_model *m) { return m->be->device; }
 
 void ft_model_free(ft_model *m) {
     if (!m) return;

@@ -238,6 +238,11 @@ class Head:
     def batch(self, prep, idx, lengths):
         raise NotImplementedError
 
+    def steps_batch(self, prep, idx, lengths, examples):
+        """batch() of several steps' examples one after another (step k: idx[examples[k]:examples[k + 1]]),
+        each step's targets and row mask after the step before's: the Trainer's C loop takes them so"""
+        return self.batch(prep, idx, lengths)
+
     def denominator(self, targets):
         return float(targets.size)
 

@@ -127,6 +127,13 @@ class QAHead(Head):
         t = None if prep.targets is None else np.ascontiguousarray(prep.targets[:, idx])
         return t, np.ascontiguousarray(gather_rows(prep.extra, prep.offsets, idx))
 
+    def steps_batch(self, prep, idx, lengths, examples):
+        """each step's (2, its examples) targets -- starts, then ends -- after the step before's"""
+        t, valid = self.batch(prep, idx, lengths)
+        if t is not None:
+            t = np.concatenate([t[:, a:b].reshape(-1) for a, b in zip(examples[:-1], examples[1:])])
+        return t, valid
+
     def denominator(self, targets):
         return float(targets.size)   # start and end of each example
 
