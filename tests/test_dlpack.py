@@ -45,6 +45,22 @@ def test_device_output_matches_numpy_and_is_zero_copy(enc, batch):
     assert "fasttran.Tensor(shape=(3, 384), dtype=float32, device='cpu')" == repr(pooled)
 
 
+def test_numpy_array_protocol_copies_when_asked(enc, batch):
+    """np.array(t) is a snapshot of its own (NumPy 2 passes copy=True); np.asarray(t) and
+    copy=False are views; a dtype change without a copy is refused as NumPy refuses it."""
+    ids, mask = batch
+    t = enc.forward(ids, mask, pooling="mean", output="device")
+    snap, view, same = np.array(t), np.asarray(t), np.array(t, copy=False)
+    assert not np.shares_memory(snap, view) and np.shares_memory(view, same)
+    before = snap.copy()
+    view += 1.0                                         # writes the tensor's memory
+    assert np.array_equal(snap, before) and np.array_equal(t.numpy(), before + 1.0)
+    assert np.array(t, dtype=np.float64).dtype == np.float64
+    assert np.array(t, dtype=np.float32, copy=False).ctypes.data == t.data_ptr
+    with pytest.raises(ValueError, match="copy"):
+        np.array(t, dtype=np.float64, copy=False)
+
+
 def test_memory_outlives_the_encoder(minilm_dir, batch):
     ids, mask = batch
     e = fasttran.Encoder.from_pretrained(minilm_dir)

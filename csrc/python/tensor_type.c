@@ -524,10 +524,34 @@ static PyObject *Tensor_array(TensorObject *self, PyObject *args, PyObject *kw) 
     static char *kwlist[] = {"dtype", "copy", NULL};
     PyObject *dtype = Py_None, *copy = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO", kwlist, &dtype, &copy)) return NULL;
+    /* NumPy 2's protocol: copy=True must give memory of its own (np.array(t) snapshots), copy=False
+     * only a view (refused where there is none: a device tensor, a dtype change), None either */
+    const int want_copy = copy != Py_None && PyObject_IsTrue(copy), no_copy = copy != Py_None && !want_copy;
+    if (no_copy && self->device.kind != FT_DEVICE_CPU) {
+        PyErr_SetString(PyExc_ValueError, "a CUDA tensor cannot be a NumPy array without a copy: use copy=True or .numpy()");
+        return NULL;
+    }
     PyObject *a = Tensor_numpy(self, NULL);
-    if (!a || dtype == Py_None) return a;
-    PyObject *r = PyObject_CallMethod(a, "astype", "O", dtype);
+    if (!a) return NULL;
+    if (dtype == Py_None) {
+        if (!want_copy || self->device.kind != FT_DEVICE_CPU) return a;   /* a device tensor's array is a copy already */
+        PyObject *r = PyObject_CallMethod(a, "copy", NULL);
+        Py_DECREF(a);
+        return r;
+    }
+    /* astype copies unless asked not to and the dtype is the same */
+    PyObject *r = NULL, *astype = PyObject_GetAttrString(a, "astype"), *pos = PyTuple_Pack(1, dtype), *kws = PyDict_New();
+    if (astype && pos && kws && PyDict_SetItemString(kws, "copy", no_copy ? Py_False : Py_True) == 0)
+        r = PyObject_Call(astype, pos, kws);
+    Py_XDECREF(astype);
+    Py_XDECREF(pos);
+    Py_XDECREF(kws);
     Py_DECREF(a);
+    if (r && no_copy && PyArray_Check(r) && !PyArray_BASE((PyArrayObject *)r)) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_ValueError, "this dtype needs a copy of the tensor: use copy=True");
+        return NULL;
+    }
     return r;
 }
 
