@@ -56,9 +56,46 @@ def default_lr(optimizer, head="classification"):
     return lr
 
 
-#: Top-layer fine-tuning (train_layers > 0): one learning rate for the layers and the head, the
-#: rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py measures them).
-DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
+#: Top-layer fine-tuning (train_layers = k > 0) with lr=None: a recipe per optimizer and k -- the
+#: layers' lr (the top layer's), the head's lr, the layer-wise lr decay (layer d below the top trains
+#: at lr x decay**d), and optionally warmup and epochs (where the Trainer is given None). A k between
+#: those listed takes the nearest one listed below it. LAMB's were chosen by benchmarks/sweep_recipes.py
+#: (benchmarks/recipes_sweep.json: MiniLM, selected on a slice held out of each training split);
+#: AdamW's are the rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py).
+DEFAULT_TOPK_RECIPES = {
+    "lamb": {1: {"lr": 2e-3, "head_lr": 2e-3, "layer_lr_decay": 1.0},
+             2: {"lr": 2e-3, "head_lr": 2e-3, "layer_lr_decay": 1.0},
+             3: {"lr": 2e-3, "head_lr": 2e-3, "layer_lr_decay": 1.0},
+             6: {"lr": 2e-3, "head_lr": 2e-3, "layer_lr_decay": 1.0}},
+    "adamw": {1: {"lr": 1e-4, "head_lr": 1e-4, "layer_lr_decay": 1.0}},
+}
+#: the layers' default lr per optimizer at k = 1 (the recipes above hold every k's)
+DEFAULT_TOPK_LR = {name: r[1]["lr"] for name, r in DEFAULT_TOPK_RECIPES.items()}
+_DEFAULT_WARMUP, _DEFAULT_EPOCHS = 0.1, 3
+
+
+def topk_recipe(optimizer, k):
+    """The default recipe (a dict: lr, head_lr, layer_lr_decay[, warmup, epochs]) for training the top
+    `k` layers with `optimizer` ('lamb' | 'adamw'): DEFAULT_TOPK_RECIPES at the largest k listed <= k."""
+    table = DEFAULT_TOPK_RECIPES[str(optimizer).lower()]
+    ks = sorted(table)
+    return dict(table[max([x for x in ks if x <= k] or ks[:1])])
+
+
+def lr_factors(model, lr, head_lr=None, layer_lr_decay=1.0):
+    """Each tensor's factor of the schedule's learning rate, in the model's table order (that of
+    model.named_parameters()): the head's tensors head_lr / lr (1 when head_lr is None), the tensors of
+    the trained layer d layers below the top one layer_lr_decay ** d. The one place these factors are
+    computed: the Trainer's optimizer groups carry them (lr_scale), both training loops apply them."""
+    head = 1.0 if head_lr is None else float(head_lr) / float(lr)
+    out = []
+    buckets = [(int(o), int(n)) for o, n in model._core.buckets()]   # the head, then the top layer down
+    for name, shape, off in model._table:
+        where = next((b for b, (o, n) in enumerate(buckets) if o <= off < o + n), None)
+        if where is None:   # pragma: no cover - every tensor lies in a bucket
+            raise RuntimeError(f"tensor {name} lies in no gradient bucket")
+        out.append(head if where == 0 else float(layer_lr_decay) ** (where - 1))
+    return out
 _TEMPO = MEMORY_OPTIONS   # the Trainer's `tempo` keys: the layer stack's memory options
 
 
@@ -186,9 +223,10 @@ class Trainer:
     """
 
     def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
-                 warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
+                 warmup=None, epochs=None, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
-                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction="auto"):
+                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction="auto",
+                 head_lr=None, layer_lr_decay=None):
         if isinstance(head, str):
             if head not in TASKS:
                 raise InputError(f"unknown head {head!r}; choose one of {sorted(TASKS)} or pass a head object")
@@ -209,12 +247,26 @@ class Trainer:
         unknown = set(tempo) - set(_TEMPO)
         if unknown:
             raise InputError(f"unknown tempo option(s) {sorted(unknown)}; known: {list(_TEMPO)}")
+        for name, v in (("head_lr", head_lr), ("layer_lr_decay", layer_lr_decay)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v))):
+                raise InputError(f"{name} must be a finite number > 0 (or None for the default), got {v!r}")
+        if not train_layers and head_lr is not None:
+            raise InputError("head_lr is the head's learning rate beside the trained layers' (train_layers > 0); with "
+                             "train_layers=0 the head is all that trains: give its rate as lr")
+        recipe = {}
+        if lr is None and train_layers:   # the recipe: the layers' lr, the head's, the layer-wise decay
+            recipe = topk_recipe(optimizer, int(train_layers))
+            lr = recipe["lr"]
+            head_lr = recipe["head_lr"] if head_lr is None else head_lr
         if lr is None:
-            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else (
-                head_class(head).class_default_lr(optimizer, pooler=bool(pooler or TASKS[head][1].get("pooler")))
-                if isinstance(head, str) else head.default_lr(optimizer))
+            lr = (head_class(head).class_default_lr(optimizer, pooler=bool(pooler or TASKS[head][1].get("pooler")))
+                  if isinstance(head, str) else head.default_lr(optimizer))
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
             raise InputError(f"lr must be a finite number > 0 (or None for the default), got {lr!r}")
+        if layer_lr_decay is None:
+            layer_lr_decay = recipe.get("layer_lr_decay", 1.0)
+        warmup = recipe.get("warmup", _DEFAULT_WARMUP) if warmup is None else warmup
+        epochs = recipe.get("epochs", _DEFAULT_EPOCHS) if epochs is None else epochs
         if schedule not in SCHEDULES:
             raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         for name, v in (("epochs", epochs), ("batch_size", batch_size)):
@@ -251,6 +303,9 @@ class Trainer:
         self._head_name = head if isinstance(head, str) else None
         self.optimizer_name = optimizer.lower()
         self.lr, self.weight_decay, self.schedule, self.warmup = float(lr), float(weight_decay), schedule, warmup
+        # the head's lr (None: lr's) and the layer-wise decay: each tensor's factor of the schedule (lr_factors)
+        self.head_lr = None if head_lr is None or float(head_lr) == self.lr else float(head_lr)
+        self.layer_lr_decay = float(layer_lr_decay)
         self.epochs, self.batch_size, self.seed, self.device = int(epochs), int(batch_size), int(seed), device
         self.max_grad_norm, self.betas, self.eps = max_grad_norm, tuple(betas), float(eps)
         self.dropout, self.num_labels = dropout, num_labels
@@ -320,12 +375,27 @@ class Trainer:
                 self.top.load_state(ckpt["layers"], "the checkpoint's trained layers")
         self.model = Model(self.head, self.top, self.device,
                            shared_grads=getattr(self.reduction, "shared_grads", False))
-        self.optimizer = make_optimizer(self.optimizer_name, self.model.named_parameters(), lr=self.lr,
+        self.optimizer = make_optimizer(self.optimizer_name, self._param_groups(), lr=self.lr,
                                         betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                         max_grad_norm=self.max_grad_norm)
         if ckpt.get("optimizer") is not None:
             load_flat_state(self.optimizer, *ckpt["optimizer"])
         return prep
+
+    def _param_groups(self):
+        """The optimizer's parameters: the model's named tensors in table order, one group per run of
+        tensors with the same factor of the lr (lr_factors), each carrying it as its lr_scale; all of
+        them in one plain group when every factor is 1."""
+        named = self.model.named_parameters()
+        factors = lr_factors(self.model, self.lr, self.head_lr, self.layer_lr_decay)
+        if all(f == 1.0 for f in factors):
+            return named
+        groups = []
+        for (name, t), f in zip(named, factors):
+            if not groups or groups[-1]["lr_scale"] != f:
+                groups.append({"params": [], "lr_scale": f})
+            groups[-1]["params"].append((name, t))
+        return groups
 
     def _unbuild(self):
         """let the built parts go (the head keeps its parameters): a checkpoint is read into a new set"""
@@ -1036,7 +1106,8 @@ class Trainer:
                 "batch_size": self.batch_size, "seed": self.seed, "device": self.device,
                 "max_grad_norm": self.max_grad_norm, "betas": list(self.betas), "eps": self.eps,
                 "train_layers": self.train_layers, "pooling": self.pooling, "tempo": self.tempo,
-                "layer_dropout": self.layer_dropout, "precision": self.precision}
+                "layer_dropout": self.layer_dropout, "precision": self.precision, "head_lr": self.head_lr,
+                "layer_lr_decay": self.layer_lr_decay}
 
     def save(self, path):
         """Write head weights and optimizer state (safetensors) and the trainer state (JSON),
@@ -1182,6 +1253,8 @@ class Trainer:
         return (f"Trainer(head={head}, optimizer={self.optimizer_name!r}, lr={self.lr:g}, schedule={self.schedule!r}, "
                 f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step}"
                 + (f", train_layers={self.train_layers}" if self.train_layers else "")
+                + (f", head_lr={self.head_lr:g}" if self.head_lr is not None else "")
+                + (f", layer_lr_decay={self.layer_lr_decay:g}" if self.layer_lr_decay != 1.0 else "")
                 + (f", precision={self.precision!r}" if self.precision != "float32" else "")
                 + (f", device={str(self.device)!r}" if self.device.is_cuda else "") + ")")
 

@@ -41,7 +41,8 @@ def _cache(enc, inputs, **kw):
 def caches(enc, inputs):
     L = enc.num_layers
     return {"mean": _cache(enc, inputs, positions="mean"), "cls": _cache(enc, inputs, positions="cls"),
-            "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1)}
+            "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1),
+            "top2": _cache(enc, inputs, positions="all", layer=L - 2)}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,9 @@ CASES = {   # name: (task, cache, Trainer arguments)
     "token": ("token-classification", "all", dict(optimizer="adamw", dropout=0.1)),
     "top1": ("classification", "top1", dict(optimizer="adamw", lr=1e-4, dropout=0.1, train_layers=1,
                                             layer_dropout=0.1)),
+    # a learning rate per group: the head's own, the lower layer's decayed (lr_scale in both loops)
+    "top2groups": ("classification", "top2", dict(optimizer="lamb", lr=1e-3, head_lr=4e-3, layer_lr_decay=0.6,
+                                                  dropout=0.1, train_layers=2, layer_dropout=0.1)),
 }
 
 
@@ -149,7 +153,7 @@ def test_env_var_forces_the_python_loop(caches, targets, monkeypatch, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["linear", "top1"])
+@pytest.mark.parametrize("case", ["linear", "top1", "top2groups"])
 def test_stop_checkpoints_and_resume(case, device, caches, targets, tmp_path, monkeypatch):
     """stop_at_step mid-epoch with checkpoints every 4 steps, then resume: the Python loop's run,
     its checkpoints, and the full run's end state, bit for bit"""

@@ -1,8 +1,9 @@
 /* Training steps in one call: the Trainer's common loop (one process, float32, no loss scaling)
  * without a return to Python per step. Per step: the batch's place in the caller's buffers (rows,
  * lengths, targets laid out one step after another), ft_model_step, the finiteness check of the
- * loss, then ft_optim_table_step at the step's learning rate -- exactly the calls, arguments and
- * order of fasttran/trainer.py's per-step loop, so both give the same bits. The caller's callback
+ * loss, then ft_optim_table_step at the step's learning rate (times each group's lr_scale) --
+ * exactly the calls, arguments and order of fasttran/trainer.py's per-step loop, so both give the
+ * same bits. The caller's callback
  * (progress, Ctrl-C) runs every `every` steps. */
 #include <math.h>
 #include <stdlib.h>
@@ -27,6 +28,10 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
     if (ft_head_needs(head) & FT_HEAD_NEEDS_MASK)
         return ft_error(FT_ERR_UNSUPPORTED, "train steps: the %s head needs a row mask per batch; train it step by step",
                         ft_head_kind_name((int)head->kind));
+    for (size_t g = 0; g < cfg->num_groups; g++)
+        if (!(cfg->groups[g].lr_scale > 0.0) || !isfinite(cfg->groups[g].lr_scale))
+            return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: parameter group %zu: lr_scale must be a finite "
+                            "number > 0 (the factor of the plan's lr; 1 for none), got %g", g, cfg->groups[g].lr_scale);
     ft_optim_group *groups = malloc(cfg->num_groups * sizeof *groups);
     if (!groups) return ft_error(FT_ERR_NOMEM, "out of memory");
     memcpy(groups, cfg->groups, cfg->num_groups * sizeof *groups);
@@ -54,7 +59,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
         if (st != FT_OK) break;
         out->loss[k] = loss;
         if (!isfinite(loss)) { out->stop = FT_TRAIN_NONFINITE_LOSS; break; }
-        for (size_t g = 0; g < oc.num_groups; g++) groups[g].lr = plan->lr[k];
+        for (size_t g = 0; g < oc.num_groups; g++) groups[g].lr = plan->lr[k] * groups[g].lr_scale;
         for (size_t t = 0; t < opt->count; t++) opt->active[t] = 1;
         st = ft_optim_table_step(opt, &oc, &out->info);
         if (st != FT_OK) {
