@@ -326,6 +326,7 @@ class Trainer:
         self._resume_from = None     # a checkpoint's layers and optimizer state, for _build to put in place
         self.history = []            # one dict per finished epoch (train_loss, seconds, eval_* ...)
         self.best_epoch = None       # fit(keep_best=...): the epoch whose weights were kept
+        self.lr_search_tries = None  # search_lr(): each lr tried and its held-out score
         self.loss_curve = []         # (step, loss) of every step of this process's fit() calls
         self.features = None         # what the head was trained on: fingerprint, layer, positions, hidden
         self.global_step = 0
@@ -435,6 +436,63 @@ class Trainer:
                 raise CacheMismatchError(f"{what} comes from another encoder than the layers being trained")
         if self.head is not None and cache.hidden != self.head.hidden_size:
             raise InputError(f"the cache holds width {cache.hidden}, the head expects {self.head.hidden_size}")
+
+    #: search_lr's tries when none are given: these factors of the trainer's lr (its recipe's, or the one given)
+    LR_SEARCH_FACTORS = (0.5, 1.0, 2.0)
+
+    def search_lr(self, cache, targets, holdout, lrs=None, metric=None, epochs=1):
+        """Pick the learning rate on data held out of the training split, before fit(): a cached epoch is
+        cheap. `cache`, `targets`: the training split less a held-out slice; `holdout`: (cache, targets) of
+        the slice (fasttran finetune --search cuts the split's last 10%). Each lr of `lrs` (default: the
+        trainer's lr times LR_SEARCH_FACTORS) trains a fresh copy of this trainer for `epochs` (its schedule
+        over them, same seed and start) and is scored on the slice by `metric` (default the head's main
+        one; loss and mse: lower is better); the best (ties: the earlier try) becomes this trainer's lr,
+        the head's own lr keeping its ratio to it. Then fit() on the whole training split. Returns the
+        tries, also `lr_search_tries`: [{"lr", "head_lr", metric, "seconds"}] (NaN for a diverged try)."""
+        if self.model is not None or self.global_step:
+            raise InputError("search_lr() picks the lr before training: call it before fit() (this trainer has "
+                             "been built or trained already)")
+        if not (isinstance(holdout, (tuple, list)) and len(holdout) == 2):
+            raise InputError("holdout must be a pair (cache, targets): the slice held out of the training split")
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
+            raise InputError(f"epochs must be a positive int, got {epochs!r}")
+        if lrs is None:
+            lrs = [self.lr * f for f in self.LR_SEARCH_FACTORS]
+        lrs = list(lrs)
+        if not lrs or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not (x > 0 and math.isfinite(x))
+                          for x in lrs):
+            raise InputError(f"lrs must be finite numbers > 0, got {lrs!r}")
+        ratio = None if self.head_lr is None else self.head_lr / self.lr
+        tries = []
+        for lr in lrs:
+            cfg = dict(self._config(), lr=float(lr), head_lr=None if ratio is None else float(lr) * ratio,
+                       epochs=int(epochs), show_progress=False, dropout=self.dropout, num_labels=self.num_labels,
+                       pooler=self.pooler, label_names=self.label_names)
+            head = self._head_name if self.head is None else Head.from_config(self.head.config())
+            if self.head is not None:
+                head.params[...] = self.head.params
+            scratch = Trainer(head, **cfg, reduction=None)
+            name = metric or scratch._head_class().main_metric
+            t0 = time.perf_counter()
+            try:
+                rec = scratch.fit(cache, targets, eval=holdout)[-1]
+                value = self._metric_of(rec, name)
+            except FloatingPointError:   # diverged: never the pick
+                value = float("nan")
+            tries.append({"lr": float(lr), "head_lr": scratch.head_lr, name: value,
+                          "seconds": time.perf_counter() - t0})
+            if self.show_progress:
+                print(f"search_lr: lr {lr:g}{'' if ratio is None else f' (head {scratch.head_lr:g})'}: held-out "
+                      f"{name} {value:.4f} in {tries[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+        best = None
+        for t in tries:
+            if best is None or _better(name, t[name], best[name]):
+                best = t
+        if math.isnan(best[name]):
+            raise FloatingPointError(f"search_lr: every try diverged ({lrs}); try lower learning rates")
+        self.lr, self.head_lr = best["lr"], best["head_lr"]
+        self.lr_search_tries = tries
+        return tries
 
     def cache_for(self, encoder, input_ids, attention_mask=None, token_type_ids=None, **cache_kwargs):
         """The ActivationCache top-layer training reads: every real token's state at layer

@@ -17,16 +17,21 @@ from fasttran.trainer import DEFAULT_TOPK_RECIPES, lr_factors, topk_recipe
 N = 40
 
 
-@pytest.fixture(scope="module")
-def data(enc):
-    rng = np.random.default_rng(11)
+def _tokens(enc, seed=11):
+    rng = np.random.default_rng(seed)
     lengths = rng.integers(3, 9, N)
     ids = rng.integers(1000, 5000, (N, 8))
     mask = (np.arange(8)[None, :] < lengths[:, None]).astype(np.int64)
+    return ids * mask, mask
+
+
+@pytest.fixture(scope="module")
+def data(enc):
+    ids, mask = _tokens(enc)
     L = enc.num_layers
-    top3 = ActivationCache.build(enc, ids * mask, mask, positions="all", layer=L - 3, show_progress=False)
-    mean = ActivationCache.build(enc, ids * mask, mask, positions="mean", show_progress=False)
-    return top3, mean, rng.integers(0, 2, N)
+    top3 = ActivationCache.build(enc, ids, mask, positions="all", layer=L - 3, show_progress=False)
+    mean = ActivationCache.build(enc, ids, mask, positions="mean", show_progress=False)
+    return top3, mean, np.random.default_rng(5).integers(0, 2, N)
 
 
 def _reference_factor(name, L, lr, head_lr, decay):
@@ -205,3 +210,34 @@ def test_recipe_defaults(enc):
 def test_refusals(kw, match):
     with pytest.raises(fasttran.InputError, match=match):
         Trainer("classification", **kw)
+
+
+# ---- the lr picked on held-out training data ----------------------------------------------------
+def test_search_lr_keeps_the_best_try(enc, data):
+    """each try is the run a trainer at that lr gives (its held-out score, bit for bit); the best
+    becomes the lr, the head's keeping its ratio"""
+    top3, mean, y = data
+    ho = ActivationCache.build(enc, *[a[:12] for a in _tokens(enc, seed=12)], positions="all", layer=enc.num_layers - 3,
+                               show_progress=False)
+    y_ho = y[:12]
+    kw = dict(train_layers=3, batch_size=8, seed=2, show_progress=False, reduction=None)
+    tr = Trainer("classification", lr=1e-3, head_lr=4e-3, **kw)
+    tries = tr.search_lr(top3, y, (ho, y_ho), lrs=[1e-4, 3e-3], metric="loss")
+    assert [t["lr"] for t in tries] == [1e-4, 3e-3] and [t["head_lr"] for t in tries] == [4e-4, 1.2e-2]
+    for t in tries:
+        ref = Trainer("classification", lr=t["lr"], head_lr=t["head_lr"], epochs=1, **kw)
+        ref.fit(top3, y, eval=(ho, y_ho))
+        assert ref.history[-1]["eval_loss"] == t["loss"]
+    best = min(tries, key=lambda t: t["loss"])
+    assert (tr.lr, tr.head_lr) == (best["lr"], best["head_lr"]) and tr.lr_search_tries is tries
+    tr.fit(top3, y)
+    with pytest.raises(fasttran.InputError, match="before fit"):
+        tr.search_lr(top3, y, (ho, y_ho))
+    t2 = Trainer("classification", show_progress=False)
+    with pytest.raises(fasttran.InputError, match="lrs must be"):
+        t2.search_lr(mean, y, (mean, y), lrs=[0.0])
+    with pytest.raises(fasttran.InputError, match="holdout must be a pair"):
+        t2.search_lr(mean, y, mean)
+    # the default tries: the lr x LR_SEARCH_FACTORS
+    t2.search_lr(mean, y, (mean, y))
+    assert [t["lr"] for t in t2.lr_search_tries] == [t2.LR_SEARCH_FACTORS[i] * 2e-2 for i in range(3)]
