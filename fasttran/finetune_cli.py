@@ -287,7 +287,8 @@ def run(args):
         cache_seconds = time.perf_counter() - t0
         n_train, n_dev = len(train_cache), len(ev[0])
         kw = dict(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, train_layers=K,
-                  device=enc.device)
+                  device=enc.device, head_lr=getattr(args, "head_lr", None),
+                  layer_lr_decay=getattr(args, "layer_lr_decay", None))
         if data.label_names is not None:
             kw["label_names"] = list(data.label_names)
         if sequence and K:   # BERT's pooler on [CLS]: the layout transformers' pipelines load, head in place
@@ -337,7 +338,7 @@ def cmd_finetune(args):
 
 def add_parser(sub):
     """the `finetune` subcommand on the CLI's subparsers"""
-    from .trainer import DEFAULT_LR, DEFAULT_TOPK_LR
+    from .trainer import DEFAULT_LR, DEFAULT_TOPK_RECIPES
     table = "\n".join(f"  {t.name:<6} {t.what}" for t in TASKS.values())
     f = sub.add_parser(
         "finetune", formatter_class=cli_io.Fmt,
@@ -356,10 +357,20 @@ def add_parser(sub):
     f.add_argument("--train-layers", type=int, default=0, metavar="K",
                    help="also train the encoder's top K layers (sentence tasks then pool [CLS] through BERT's pooler: "
                         "the export loads in transformers' pipelines)")
-    f.add_argument("--epochs", type=int, default=3, help="passes over the training split")
+    f.add_argument("--epochs", type=int, default=None,
+                   help="passes over the training split (default 3, or the --train-layers recipe's)")
     f.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: the Trainer's, LAMB: head " +
-                        f"{DEFAULT_LR[('lamb', 'linear')]:g}, with --train-layers {DEFAULT_TOPK_LR['lamb']:g})")
+                        f"{DEFAULT_LR[('lamb', 'linear')]:g}; with --train-layers K the recipe for K, "
+                        f"fasttran.trainer.DEFAULT_TOPK_RECIPES: e.g. K=3 layers " +
+                        f"{DEFAULT_TOPK_RECIPES['lamb'][3]['lr']:g}, head {DEFAULT_TOPK_RECIPES['lamb'][3]['head_lr']:g},"
+                        f" decay {DEFAULT_TOPK_RECIPES['lamb'][3]['layer_lr_decay']:g}). A given --lr is every "
+                        "parameter's unless --head-lr / --layer-lr-decay say otherwise")
+    f.add_argument("--head-lr", type=float, default=None,
+                   help="with --train-layers: the head's own learning rate (default: the recipe's, or --lr)")
+    f.add_argument("--layer-lr-decay", type=float, default=None,
+                   help="with --train-layers: the layer d below the top trains at lr x decay^d (default: the "
+                        "recipe's, or 1 with --lr)")
     f.add_argument("--search", action="store_true",
                    help="pick the lr first: the default's x0.5, x1, x2 each trained an epoch on the training split "
                         "less its last tenth and scored on that tenth (Trainer.search_lr; about 1.5-2x the time)")
