@@ -198,7 +198,13 @@ class Trainer:
     `pooler=True` puts BERT's pooler in front of a classification, regression or multi-label head
     (the layout transformers' AutoModelForSequenceClassification has: export() writes it).
     `lr=None` takes the measured default for the optimizer and head (`DEFAULT_LR`, from
-    benchmarks/sweep_defaults.py). `warmup` is a fraction of all steps (< 1) or a step count. The
+    benchmarks/sweep_defaults.py); with train_layers=k the recipe for k (`topk_recipe`: the layers' lr,
+    `head_lr`, `layer_lr_decay`, from benchmarks/sweep_recipes.py). `head_lr` (train_layers > 0): the
+    head's own lr (None: lr); `layer_lr_decay`: the layer d below the top trains at lr x decay**d (None:
+    the recipe's with lr=None, else 1); both follow the schedule (`lr_factors`). A given lr alone trains
+    everything at it. `search_lr(...)` before fit picks the lr on a held-out slice of the training data.
+    `warmup` is a fraction of all steps (< 1) or a step count (None: 0.1, or the recipe's); `epochs`
+    None: 3, or the recipe's. The
     head remembers the features it was trained on (model, layer, positions): evaluating it on
     another encoder's cache raises CacheMismatchError.
 
