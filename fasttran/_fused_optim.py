@@ -190,6 +190,12 @@ class _FusedOptimizer(metaclass=_Dispatch):
         group["lr"], group["betas"], group["eps"], group["weight_decay"] = _check_hyper(
             group["lr"], group["betas"], group["eps"], group["weight_decay"], where=f"parameter group {i}: ",
             lr_zero=self._table is not None)
+        if "lr_scale" in group:   # the group's factor of the lr (fasttran's; 1 where absent)
+            sc = group["lr_scale"]
+            if not _number(sc) or not (sc > 0 and math.isfinite(sc)):
+                raise InputError(f"parameter group {i}: lr_scale must be a finite number > 0 (the group's factor of "
+                                 f"the lr), got {sc!r}")
+            group["lr_scale"] = float(sc)
         for name in _TORCH_FLAGS:
             if group.get(name):
                 raise UnsupportedError(f"parameter group {i}: {name}=True is not supported by fasttran's fused "
@@ -306,8 +312,10 @@ class _FusedOptimizer(metaclass=_Dispatch):
     def step(self, grads=None, lr=None):
         """Update every parameter in place from `grads`, a list aligned with the parameters
         (group after group; None for a tensor without a gradient this step, which keeps its
-        state and update count). `lr`: set every group's learning rate first. Returns the global
-        gradient norm before clipping (NaN when neither clipping nor the finiteness check took it)."""
+        state and update count). `lr`: set every group's learning rate first (as torch's
+        schedulers do: a group with an 'lr_scale' is then updated at lr x lr_scale). Returns the
+        global gradient norm before clipping (NaN when neither clipping nor the finiteness check
+        took it)."""
         if grads is None:
             raise InputError("step() needs the gradients: NumPy arrays and fasttran Tensors have no .grad, so pass "
                              "step(grads), a list aligned with the parameters (None where there is none)")
@@ -381,7 +389,8 @@ class _FusedOptimizer(metaclass=_Dispatch):
     # ---- conveniences ------------------------------------------------------------------------------
     @property
     def lr(self):
-        """The first group's learning rate; setting it sets every group's."""
+        """The first group's learning rate; setting it sets every group's (each group's tensors are
+        updated at its lr x its 'lr_scale', where it has one)."""
         return self.param_groups[0]["lr"]
 
     @lr.setter

@@ -247,7 +247,10 @@ def run(args):
     if work is None and squad:   # QA windows keep every token: on disk, not in memory
         tmp = tempfile.TemporaryDirectory(prefix="fasttran-finetune-")
         work = tmp.name
+    if getattr(args, "search", False) and squad:
+        cli_io.fail("--search is for the sentence and token tasks (QA's windows are cut per question)")
     t0 = time.perf_counter()
+    search = None
     try:
         if squad:
             st = {"max_length": args.max_length or 384, "doc_stride": 128}
@@ -269,16 +272,34 @@ def run(args):
                 c = _cache(enc, ids, mask, types, layer, positions, "float32",
                            os.path.join(work, split) if work else None, args.cache_batch_size)
                 caches.append((c, cli_io.targets(ex, tok)))
+                if split == "train" and getattr(args, "search", False):   # the split less its last tenth; that tenth
+                    y = cli_io.targets(ex, tok)
+                    n = len(y)
+                    cut = n - max(1, n // 10)
+                    if cut < 1:
+                        cli_io.fail(f"--search needs at least 2 training examples, the split has {n}")
+                    search = []
+                    for part, sl in (("search-train", slice(0, cut)), ("search-holdout", slice(cut, n))):
+                        sc = _cache(enc, ids[sl], mask[sl], None if types is None else types[sl], layer, positions,
+                                    "float32", os.path.join(work, part) if work else None, args.cache_batch_size)
+                        search.append((sc, y[sl]))
             (train_cache, targets), ev = caches
         cache_seconds = time.perf_counter() - t0
         n_train, n_dev = len(train_cache), len(ev[0])
         kw = dict(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, train_layers=K,
-                  device=enc.device)
+                  device=enc.device, head_lr=getattr(args, "head_lr", None),
+                  layer_lr_decay=getattr(args, "layer_lr_decay", None))
         if data.label_names is not None:
             kw["label_names"] = list(data.label_names)
         if sequence and K:   # BERT's pooler on [CLS]: the layout transformers' pipelines load, head in place
             kw.update(pooling="cls", pooler=True)
         tr = Trainer(head, **kw)
+        if search is not None:   # the lr picked on the split's last tenth, an epoch per try
+            print(f"searching the lr: {', '.join(f'{x:g}' for x in [tr.lr * f for f in tr.LR_SEARCH_FACTORS])}, an "
+                  f"epoch each on {len(search[0][1])} training examples, scored on the {len(search[1][1])} after them",
+                  file=sys.stderr)
+            tr.search_lr(*search[0], search[1], metric=data.metric)
+            del search
         print(f"{tr!r}", file=sys.stderr)
         tr.fit(train_cache, targets, eval=ev, keep_best=data.metric)
     finally:
@@ -288,12 +309,17 @@ def run(args):
     tr.export(out, encoder=enc)
     info = {"task": args.task, "kind": data.kind, "files": data.files, "metric": data.metric,
             "best_epoch": tr.best_epoch, "train_layers": K, "model": enc.path, "cache_seconds": cache_seconds,
-            "history": tr.history}
+            "history": tr.history, "lr": tr.lr, "head_lr": tr.head_lr, "lr_search": tr.lr_search_tries}
     from ._C import atomic_write
     atomic_write(os.path.join(out, "finetune.json"), [json.dumps(info, indent=1).encode()])
     best = tr.history[tr.best_epoch - 1]
     print(f"\n{args.task}: {n_train} train / {n_dev} dev examples, caches built in "
           f"{cache_seconds:.1f} s, {'head only' if not K else f'top {K} layer(s) + head'}")
+    if tr.lr_search_tries:
+        print("lr search (held out: the training split's last tenth, one epoch per try):")
+        for t in tr.lr_search_tries:
+            mark = "*" if t["lr"] == tr.lr else " "
+            print(f"{mark} lr {t['lr']:<8g}  held-out {data.metric} {_fmt(t[data.metric])}  {t['seconds']:>8.2f} s")
     print(results_table(tr.history, data.metric, tr.best_epoch))
     print(f"kept epoch {tr.best_epoch}: dev {data.metric} {_fmt(best.get('eval_' + data.metric))}")
     print(f"wrote {layout_of(tr.head)} model to {out}")
@@ -312,7 +338,7 @@ def cmd_finetune(args):
 
 def add_parser(sub):
     """the `finetune` subcommand on the CLI's subparsers"""
-    from .trainer import DEFAULT_LR, DEFAULT_TOPK_LR
+    from .trainer import DEFAULT_LR, DEFAULT_TOPK_RECIPES
     table = "\n".join(f"  {t.name:<6} {t.what}" for t in TASKS.values())
     f = sub.add_parser(
         "finetune", formatter_class=cli_io.Fmt,
@@ -331,10 +357,23 @@ def add_parser(sub):
     f.add_argument("--train-layers", type=int, default=0, metavar="K",
                    help="also train the encoder's top K layers (sentence tasks then pool [CLS] through BERT's pooler: "
                         "the export loads in transformers' pipelines)")
-    f.add_argument("--epochs", type=int, default=3, help="passes over the training split")
+    f.add_argument("--epochs", type=int, default=None,
+                   help="passes over the training split (default 3, or the --train-layers recipe's)")
     f.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: the Trainer's, LAMB: head " +
-                        f"{DEFAULT_LR[('lamb', 'linear')]:g}, with --train-layers {DEFAULT_TOPK_LR['lamb']:g})")
+                        f"{DEFAULT_LR[('lamb', 'linear')]:g}; with --train-layers K the recipe for K, "
+                        f"fasttran.trainer.DEFAULT_TOPK_RECIPES: e.g. K=3 layers " +
+                        f"{DEFAULT_TOPK_RECIPES['lamb'][3]['lr']:g}, head {DEFAULT_TOPK_RECIPES['lamb'][3]['head_lr']:g},"
+                        f" decay {DEFAULT_TOPK_RECIPES['lamb'][3]['layer_lr_decay']:g}). A given --lr is every "
+                        "parameter's unless --head-lr / --layer-lr-decay say otherwise")
+    f.add_argument("--head-lr", type=float, default=None,
+                   help="with --train-layers: the head's own learning rate (default: the recipe's, or --lr)")
+    f.add_argument("--layer-lr-decay", type=float, default=None,
+                   help="with --train-layers: the layer d below the top trains at lr x decay^d (default: the "
+                        "recipe's, or 1 with --lr)")
+    f.add_argument("--search", action="store_true",
+                   help="pick the lr first: the default's x0.5, x1, x2 each trained an epoch on the training split "
+                        "less its last tenth and scored on that tenth (Trainer.search_lr; about 1.5-2x the time)")
     f.add_argument("--metric", default=None, help="dev metric that picks the best epoch (default: the task's)")
     f.add_argument("--seed", type=int, default=0, help="head init, batch order and dropout")
     f.add_argument("--max-length", type=int, default=None, help="truncate to N tokens (QA: window length, 384)")

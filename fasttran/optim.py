@@ -18,6 +18,14 @@ Tensors (CPU or CUDA) work without torch, with the gradients passed to step():
     >>> opt = fasttran.optim.LAMB({"w": w, "b": b}, lr=1e-3)
     >>> opt.step([dw, db])          # None for a tensor without a gradient this step
 
+Learning rate per group: a group's `lr` is what torch's schedulers and `step(lr=)` write (every
+group's); a group may also carry an `lr_scale` (fasttran's; 1 where absent), and its tensors are
+updated at lr x lr_scale. So one schedule drives groups at fixed ratios -- layer-wise lr decay, a
+head faster than the layers -- and `step(lr=x)` still sets every group's lr to x, as in torch:
+
+    >>> opt = fasttran.optim.LAMB([{"params": layers, "lr_scale": 0.5}, {"params": head}], lr=1e-3)
+    >>> opt.step(grads, lr=2e-4)    # the layers at 1e-4, the head at 2e-4
+
 Weight decay: each group's weight_decay applies to its tensors, except named tensors matched by
 `no_decay` (name substrings; default biases and LayerNorm, as in BERT; or a callable
 (name, shape) -> bool, which sees every tensor; None: decay everything). Names come from

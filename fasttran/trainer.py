@@ -57,9 +57,48 @@ def default_lr(optimizer, head="classification"):
     return lr
 
 
-#: Top-layer fine-tuning (train_layers > 0): one learning rate for the layers and the head, the
-#: rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py measures them).
-DEFAULT_TOPK_LR = {"adamw": 1e-4, "lamb": 2e-3}
+#: Top-layer fine-tuning (train_layers = k > 0) with lr=None: a recipe per optimizer and k -- the
+#: layers' lr (the top layer's), the head's lr, the layer-wise lr decay (layer d below the top trains
+#: at lr x decay**d), and optionally warmup and epochs (where the Trainer is given None). A k between
+#: those listed takes the nearest one listed below it. LAMB's were chosen by benchmarks/sweep_recipes.py
+#: (benchmarks/recipes_sweep.json: MiniLM, selected on a slice held out of each training split);
+#: AdamW's are the rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py).
+#: (The sweep's k = 0 pick, lr 4e-2 for the head alone after 2 x 16 steps, is not taken: the heads'
+#: DEFAULT_LR come from all of SST-2, benchmarks/sweep_defaults.py.)
+DEFAULT_TOPK_RECIPES = {
+    "lamb": {1: {"lr": 1.5e-3, "head_lr": 1e-2, "layer_lr_decay": 1.0, "epochs": 3},
+             2: {"lr": 1.5e-3, "head_lr": 1e-2, "layer_lr_decay": 1.0, "epochs": 3},
+             3: {"lr": 1.5e-3, "head_lr": 1e-2, "layer_lr_decay": 0.8, "epochs": 2},
+             6: {"lr": 1.5e-3, "head_lr": 1.5e-3, "layer_lr_decay": 0.8, "epochs": 3}},
+    "adamw": {1: {"lr": 1e-4, "head_lr": 1e-4, "layer_lr_decay": 1.0}},
+}
+#: the layers' default lr per optimizer at k = 1 (the recipes above hold every k's)
+DEFAULT_TOPK_LR = {name: r[1]["lr"] for name, r in DEFAULT_TOPK_RECIPES.items()}
+_DEFAULT_WARMUP, _DEFAULT_EPOCHS = 0.1, 3
+
+
+def topk_recipe(optimizer, k):
+    """The default recipe (a dict: lr, head_lr, layer_lr_decay[, warmup, epochs]) for training the top
+    `k` layers with `optimizer` ('lamb' | 'adamw'): DEFAULT_TOPK_RECIPES at the largest k listed <= k."""
+    table = DEFAULT_TOPK_RECIPES[str(optimizer).lower()]
+    ks = sorted(table)
+    return dict(table[max([x for x in ks if x <= k] or ks[:1])])
+
+
+def lr_factors(model, lr, head_lr=None, layer_lr_decay=1.0):
+    """Each tensor's factor of the schedule's learning rate, in the model's table order (that of
+    model.named_parameters()): the head's tensors head_lr / lr (1 when head_lr is None), the tensors of
+    the trained layer d layers below the top one layer_lr_decay ** d. The one place these factors are
+    computed: the Trainer's optimizer groups carry them (lr_scale), both training loops apply them."""
+    head = 1.0 if head_lr is None else float(head_lr) / float(lr)
+    out = []
+    buckets = [(int(o), int(n)) for o, n in model._core.buckets()]   # the head, then the top layer down
+    for name, shape, off in model._table:
+        where = next((b for b, (o, n) in enumerate(buckets) if o <= off < o + n), None)
+        if where is None:   # pragma: no cover - every tensor lies in a bucket
+            raise RuntimeError(f"tensor {name} lies in no gradient bucket")
+        out.append(head if where == 0 else float(layer_lr_decay) ** (where - 1))
+    return out
 _TEMPO = MEMORY_OPTIONS   # the Trainer's `tempo` keys: the layer stack's memory options
 
 
@@ -161,7 +200,13 @@ class Trainer:
     `pooler=True` puts BERT's pooler in front of a classification, regression or multi-label head
     (the layout transformers' AutoModelForSequenceClassification has: export() writes it).
     `lr=None` takes the measured default for the optimizer and head (`DEFAULT_LR`, from
-    benchmarks/sweep_defaults.py). `warmup` is a fraction of all steps (< 1) or a step count. The
+    benchmarks/sweep_defaults.py); with train_layers=k the recipe for k (`topk_recipe`: the layers' lr,
+    `head_lr`, `layer_lr_decay`, from benchmarks/sweep_recipes.py). `head_lr` (train_layers > 0): the
+    head's own lr (None: lr); `layer_lr_decay`: the layer d below the top trains at lr x decay**d (None:
+    the recipe's with lr=None, else 1); both follow the schedule (`lr_factors`). A given lr alone trains
+    everything at it. `search_lr(...)` before fit picks the lr on a held-out slice of the training data.
+    `warmup` is a fraction of all steps (< 1) or a step count (None: 0.1, or the recipe's); `epochs`
+    None: 3, or the recipe's. The
     head remembers the features it was trained on (model, layer, positions): evaluating it on
     another encoder's cache raises CacheMismatchError.
 
@@ -186,9 +231,10 @@ class Trainer:
     """
 
     def __init__(self, head="classification", optimizer="lamb", lr=None, weight_decay=0.01, schedule="linear",
-                 warmup=0.1, epochs=3, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
+                 warmup=None, epochs=None, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
-                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction="auto"):
+                 tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction="auto",
+                 head_lr=None, layer_lr_decay=None):
         if isinstance(head, str):
             if head not in TASKS:
                 raise InputError(f"unknown head {head!r}; choose one of {sorted(TASKS)} or pass a head object")
@@ -209,12 +255,26 @@ class Trainer:
         unknown = set(tempo) - set(_TEMPO)
         if unknown:
             raise InputError(f"unknown tempo option(s) {sorted(unknown)}; known: {list(_TEMPO)}")
+        for name, v in (("head_lr", head_lr), ("layer_lr_decay", layer_lr_decay)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v))):
+                raise InputError(f"{name} must be a finite number > 0 (or None for the default), got {v!r}")
+        if not train_layers and head_lr is not None:
+            raise InputError("head_lr is the head's learning rate beside the trained layers' (train_layers > 0); with "
+                             "train_layers=0 the head is all that trains: give its rate as lr")
+        recipe = {}
+        if lr is None and train_layers:   # the recipe: the layers' lr, the head's, the layer-wise decay
+            recipe = topk_recipe(optimizer, int(train_layers))
+            lr = recipe["lr"]
+            head_lr = recipe["head_lr"] if head_lr is None else head_lr
         if lr is None:
-            lr = DEFAULT_TOPK_LR[optimizer.lower()] if train_layers else (
-                head_class(head).class_default_lr(optimizer, pooler=bool(pooler or TASKS[head][1].get("pooler")))
-                if isinstance(head, str) else head.default_lr(optimizer))
+            lr = (head_class(head).class_default_lr(optimizer, pooler=bool(pooler or TASKS[head][1].get("pooler")))
+                  if isinstance(head, str) else head.default_lr(optimizer))
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
             raise InputError(f"lr must be a finite number > 0 (or None for the default), got {lr!r}")
+        if layer_lr_decay is None:
+            layer_lr_decay = recipe.get("layer_lr_decay", 1.0)
+        warmup = recipe.get("warmup", _DEFAULT_WARMUP) if warmup is None else warmup
+        epochs = recipe.get("epochs", _DEFAULT_EPOCHS) if epochs is None else epochs
         if schedule not in SCHEDULES:
             raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         for name, v in (("epochs", epochs), ("batch_size", batch_size)):
@@ -251,6 +311,9 @@ class Trainer:
         self._head_name = head if isinstance(head, str) else None
         self.optimizer_name = optimizer.lower()
         self.lr, self.weight_decay, self.schedule, self.warmup = float(lr), float(weight_decay), schedule, warmup
+        # the head's lr (None: lr's) and the layer-wise decay: each tensor's factor of the schedule (lr_factors)
+        self.head_lr = None if head_lr is None or float(head_lr) == self.lr else float(head_lr)
+        self.layer_lr_decay = float(layer_lr_decay)
         self.epochs, self.batch_size, self.seed, self.device = int(epochs), int(batch_size), int(seed), device
         self.max_grad_norm, self.betas, self.eps = max_grad_norm, tuple(betas), float(eps)
         self.dropout, self.num_labels = dropout, num_labels
@@ -271,6 +334,7 @@ class Trainer:
         self._resume_from = None     # a checkpoint's layers and optimizer state, for _build to put in place
         self.history = []            # one dict per finished epoch (train_loss, seconds, eval_* ...)
         self.best_epoch = None       # fit(keep_best=...): the epoch whose weights were kept
+        self.lr_search_tries = None  # search_lr(): each lr tried and its held-out score
         self.loss_curve = []         # (step, loss) of every step of this process's fit() calls
         self.features = None         # what the head was trained on: fingerprint, layer, positions, hidden
         self.global_step = 0
@@ -320,12 +384,27 @@ class Trainer:
                 self.top.load_state(ckpt["layers"], "the checkpoint's trained layers")
         self.model = Model(self.head, self.top, self.device,
                            shared_grads=getattr(self.reduction, "shared_grads", False))
-        self.optimizer = make_optimizer(self.optimizer_name, self.model.named_parameters(), lr=self.lr,
+        self.optimizer = make_optimizer(self.optimizer_name, self._param_groups(), lr=self.lr,
                                         betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                         max_grad_norm=self.max_grad_norm)
         if ckpt.get("optimizer") is not None:
             load_flat_state(self.optimizer, *ckpt["optimizer"])
         return prep
+
+    def _param_groups(self):
+        """The optimizer's parameters: the model's named tensors in table order, one group per run of
+        tensors with the same factor of the lr (lr_factors), each carrying it as its lr_scale; all of
+        them in one plain group when every factor is 1."""
+        named = self.model.named_parameters()
+        factors = lr_factors(self.model, self.lr, self.head_lr, self.layer_lr_decay)
+        if all(f == 1.0 for f in factors):
+            return named
+        groups = []
+        for (name, t), f in zip(named, factors):
+            if not groups or groups[-1]["lr_scale"] != f:
+                groups.append({"params": [], "lr_scale": f})
+            groups[-1]["params"].append((name, t))
+        return groups
 
     def _unbuild(self):
         """let the built parts go (the head keeps its parameters): a checkpoint is read into a new set"""
@@ -365,6 +444,63 @@ class Trainer:
                 raise CacheMismatchError(f"{what} comes from another encoder than the layers being trained")
         if self.head is not None and cache.hidden != self.head.hidden_size:
             raise InputError(f"the cache holds width {cache.hidden}, the head expects {self.head.hidden_size}")
+
+    #: search_lr's tries when none are given: these factors of the trainer's lr (its recipe's, or the one given)
+    LR_SEARCH_FACTORS = (0.5, 1.0, 2.0)
+
+    def search_lr(self, cache, targets, holdout, lrs=None, metric=None, epochs=1):
+        """Pick the learning rate on data held out of the training split, before fit(): a cached epoch is
+        cheap. `cache`, `targets`: the training split less a held-out slice; `holdout`: (cache, targets) of
+        the slice (fasttran finetune --search cuts the split's last 10%). Each lr of `lrs` (default: the
+        trainer's lr times LR_SEARCH_FACTORS) trains a fresh copy of this trainer for `epochs` (its schedule
+        over them, same seed and start) and is scored on the slice by `metric` (default the head's main
+        one; loss and mse: lower is better); the best (ties: the earlier try) becomes this trainer's lr,
+        the head's own lr keeping its ratio to it. Then fit() on the whole training split. Returns the
+        tries, also `lr_search_tries`: [{"lr", "head_lr", metric, "seconds"}] (NaN for a diverged try)."""
+        if self.model is not None or self.global_step:
+            raise InputError("search_lr() picks the lr before training: call it before fit() (this trainer has "
+                             "been built or trained already)")
+        if not (isinstance(holdout, (tuple, list)) and len(holdout) == 2):
+            raise InputError("holdout must be a pair (cache, targets): the slice held out of the training split")
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
+            raise InputError(f"epochs must be a positive int, got {epochs!r}")
+        if lrs is None:
+            lrs = [self.lr * f for f in self.LR_SEARCH_FACTORS]
+        lrs = list(lrs)
+        if not lrs or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not (x > 0 and math.isfinite(x))
+                          for x in lrs):
+            raise InputError(f"lrs must be finite numbers > 0, got {lrs!r}")
+        ratio = None if self.head_lr is None else self.head_lr / self.lr
+        tries = []
+        for lr in lrs:
+            cfg = dict(self._config(), lr=float(lr), head_lr=None if ratio is None else float(lr) * ratio,
+                       epochs=int(epochs), show_progress=False, dropout=self.dropout, num_labels=self.num_labels,
+                       pooler=self.pooler, label_names=self.label_names)
+            head = self._head_name if self.head is None else Head.from_config(self.head.config())
+            if self.head is not None:
+                head.params[...] = self.head.params
+            scratch = Trainer(head, **cfg, reduction=None)
+            name = metric or scratch._head_class().main_metric
+            t0 = time.perf_counter()
+            try:
+                rec = scratch.fit(cache, targets, eval=holdout)[-1]
+                value = self._metric_of(rec, name)
+            except FloatingPointError:   # diverged: never the pick
+                value = float("nan")
+            tries.append({"lr": float(lr), "head_lr": scratch.head_lr, name: value,
+                          "seconds": time.perf_counter() - t0})
+            if self.show_progress:
+                print(f"search_lr: lr {lr:g}{'' if ratio is None else f' (head {scratch.head_lr:g})'}: held-out "
+                      f"{name} {value:.4f} in {tries[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+        best = None
+        for t in tries:
+            if best is None or _better(name, t[name], best[name]):
+                best = t
+        if math.isnan(best[name]):
+            raise FloatingPointError(f"search_lr: every try diverged ({lrs}); try lower learning rates")
+        self.lr, self.head_lr = best["lr"], best["head_lr"]
+        self.lr_search_tries = tries
+        return tries
 
     def cache_for(self, encoder, input_ids, attention_mask=None, token_type_ids=None, **cache_kwargs):
         """The ActivationCache top-layer training reads: every real token's state at layer
@@ -1058,7 +1194,8 @@ class Trainer:
                 "batch_size": self.batch_size, "seed": self.seed, "device": self.device,
                 "max_grad_norm": self.max_grad_norm, "betas": list(self.betas), "eps": self.eps,
                 "train_layers": self.train_layers, "pooling": self.pooling, "tempo": self.tempo,
-                "layer_dropout": self.layer_dropout, "precision": self.precision}
+                "layer_dropout": self.layer_dropout, "precision": self.precision, "head_lr": self.head_lr,
+                "layer_lr_decay": self.layer_lr_decay}
 
     def save(self, path):
         """Write head weights and optimizer state (safetensors) and the trainer state (JSON),
@@ -1204,6 +1341,8 @@ class Trainer:
         return (f"Trainer(head={head}, optimizer={self.optimizer_name!r}, lr={self.lr:g}, schedule={self.schedule!r}, "
                 f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step}"
                 + (f", train_layers={self.train_layers}" if self.train_layers else "")
+                + (f", head_lr={self.head_lr:g}" if self.head_lr is not None else "")
+                + (f", layer_lr_decay={self.layer_lr_decay:g}" if self.layer_lr_decay != 1.0 else "")
                 + (f", precision={self.precision!r}" if self.precision != "float32" else "")
                 + (f", device={str(self.device)!r}" if self.device.is_cuda else "") + ")")
 

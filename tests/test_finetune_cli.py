@@ -351,3 +351,23 @@ def test_own_files_keep_the_best_epoch(minilm_dir, tmp_path, capsys, sst_small):
     for k, v in tr.head.state_dict().items():
         np.testing.assert_array_equal(exported[k], v)
     assert "kept epoch 1" in out
+
+
+def test_search_picks_the_lr_on_the_training_split(minilm_dir, tmp_path, capsys):
+    """--search: the default lr x 0.5, 1, 2 each tried for an epoch on the training split less its last
+    tenth, scored on that tenth (never on dev); the best is the lr the run trains with, in the table
+    and finetune.json"""
+    from conftest import glue_file
+    glue_file("MRPC", "train")
+    res, out = finetune(capsys, "--task", "mrpc", "--data", DATA, "--limit", "40", "--epochs", "1", "--train-layers",
+                        "1", "--search", "--model", minilm_dir, "--output", str(tmp_path / "s"))
+    tries = res.trainer.lr_search_tries
+    base = fasttran.trainer.topk_recipe("lamb", 1)["lr"]
+    assert [t["lr"] for t in tries] == pytest.approx([base * 0.5, base, base * 2])
+    best = max(tries, key=lambda t: t["f1"])   # (ties: the first)
+    assert res.trainer.lr == best["lr"]
+    assert "lr search" in out and out.count(" lr ") >= 3
+    info = json.load(open(tmp_path / "s" / "finetune.json"))
+    assert info["lr"] == best["lr"] and len(info["lr_search"]) == 3
+    with pytest.raises(SystemExit, match="--search is for the sentence and token tasks"):
+        finetune(capsys, "--task", "squad", "--data", DATA, "--limit", "4", "--search", "--model", minilm_dir)

@@ -44,7 +44,8 @@ def caches(enc, inputs):
     pairs = (ids, mask, (np.arange(10)[None, :] >= 1) * mask)   # QA: every token but the first is context
     return {"mean": _cache(enc, inputs, positions="mean"), "cls": _cache(enc, inputs, positions="cls"),
             "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1),
-            "qa": _cache(enc, pairs, positions="all"), "qatop1": _cache(enc, pairs, positions="all", layer=L - 1)}
+            "qa": _cache(enc, pairs, positions="all"), "qatop1": _cache(enc, pairs, positions="all", layer=L - 1),
+            "top2": _cache(enc, inputs, positions="all", layer=L - 2)}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,9 @@ CASES = {   # name: (task, cache, Trainer arguments)
     "qa": ("qa", "qa", dict(optimizer="adamw", lr=0.05)),
     "qa-top1": ("qa", "qatop1", dict(optimizer="lamb", train_layers=1, layer_dropout=0.1)),
     "choice": ("multiple-choice", "cls", dict(optimizer="lamb", dropout=0.1, batch_size=4)),   # 3 choices each
+    # a learning rate per group: the head's own, the lower layer's decayed (lr_scale in both loops)
+    "top2groups": ("classification", "top2", dict(optimizer="lamb", lr=1e-3, head_lr=4e-3, layer_lr_decay=0.6,
+                                                  dropout=0.1, train_layers=2, layer_dropout=0.1)),
 }
 
 
@@ -160,7 +164,7 @@ def test_env_var_forces_the_python_loop(caches, targets, monkeypatch, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["linear", "top1"])
+@pytest.mark.parametrize("case", ["linear", "top1", "top2groups"])
 def test_stop_checkpoints_and_resume(case, device, caches, targets, tmp_path, monkeypatch):
     """stop_at_step mid-epoch with checkpoints every 4 steps, then resume: the Python loop's run,
     its checkpoints, and the full run's end state, bit for bit"""

@@ -503,6 +503,9 @@ typedef struct {
     double eps;            /* > 0 */
     double weight_decay;   /* >= 0, for the group's tensors with decay != 0 */
     int bias_correction;
+    double lr_scale;       /* > 0: ft_model_train_steps gives the group lr = the plan's lr x lr_scale (a
+                            * layer's or the head's factor of the schedule; 1 for none). The step
+                            * itself reads lr only. */
 } ft_optim_group;
 
 typedef struct {

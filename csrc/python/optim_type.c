@@ -2,7 +2,8 @@
  * per parameter set, then stepped with per-step checks only for what can change between steps:
  *   - the parameter groups: same parameter objects in the same order (else step() returns None
  *     and the caller rebuilds), and their hyper-parameters (lr, betas, eps, weight_decay,
- *     bias_correction), read from the group dicts each step (learning-rate schedulers write them);
+ *     bias_correction; optional lr_scale: the step's lr is lr x lr_scale), read from the group
+ *     dicts each step (learning-rate schedulers write them);
  *   - each gradient: present or not (a tensor without one sits the step out), its address (torch
  *     makes a new .grad after zero_grad(set_to_none=True)), dtype, device, shape, layout;
  *   - each parameter read through DLPack's exchange API: its address (p.data = ... swaps it).
@@ -14,6 +15,7 @@
  *     correct, not fast).
  * For CUDA tensors read through the exchange API, one DLPack handshake per step asks the
  * producer to make its work visible to the backend's stream (what from_dlpack did per tensor). */
+#include <math.h>
 #include <time.h>
 
 #include "binding.h"
@@ -51,7 +53,7 @@ static int64_t clock_ns(clockid_t c) {
 }
 
 static PyTypeObject *opt_table_type;   /* Model.train_steps checks its argument against it */
-static PyObject *s_params, *s_lr, *s_betas, *s_eps, *s_weight_decay, *s_bias_correction, *s_grad;
+static PyObject *s_params, *s_lr, *s_lr_scale, *s_betas, *s_eps, *s_weight_decay, *s_bias_correction, *s_grad;
 
 /* ---- reading tensors in place ----------------------------------------------------------------- */
 
@@ -467,6 +469,16 @@ static int read_groups(OptTableObject *self, PyObject *groups) {
         if (!group_number(d, s_lr, g, &h->lr) || !group_number(d, s_eps, g, &h->eps) ||
             !group_number(d, s_weight_decay, g, &h->weight_decay))
             return 0;
+        /* 'lr_scale' (optional, 1): the group's factor of the lr; the step runs at lr x lr_scale */
+        h->lr_scale = 1.0;
+        PyObject *sc = PyDict_GetItemWithError(d, s_lr_scale);
+        if (!sc && PyErr_Occurred()) return 0;
+        if (sc && !group_number(d, s_lr_scale, g, &h->lr_scale)) return 0;
+        if (!(h->lr_scale > 0.0) || !isfinite(h->lr_scale)) {
+            ft_py_fail(ft_errors.input, "parameter group %zd: lr_scale must be a finite number > 0, got %R", g, sc);
+            return 0;
+        }
+        h->lr *= h->lr_scale;
         PyObject *b = PyDict_GetItemWithError(d, s_betas);
         if (!b) {
             if (!PyErr_Occurred()) ft_py_fail(ft_errors.input, "parameter group %zd has no 'betas'", g);
@@ -810,7 +822,7 @@ static PyType_Spec OptTable_spec = {"fasttran.OptimizerTable", sizeof(OptTableOb
 
 int ft_py_add_optimizer_type(PyObject *m) {
     struct { PyObject **slot; const char *s; } keys[] = {
-        {&s_params, "params"}, {&s_lr, "lr"}, {&s_betas, "betas"}, {&s_eps, "eps"}, {&s_weight_decay, "weight_decay"},
+        {&s_params, "params"}, {&s_lr, "lr"}, {&s_lr_scale, "lr_scale"}, {&s_betas, "betas"}, {&s_eps, "eps"}, {&s_weight_decay, "weight_decay"},
         {&s_bias_correction, "bias_correction"}, {&s_grad, "grad"}};
     for (size_t i = 0; i < sizeof keys / sizeof *keys; i++)
         if (!(*keys[i].slot = PyUnicode_InternFromString(keys[i].s))) return -1;

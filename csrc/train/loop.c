@@ -2,7 +2,7 @@
  * per step. Per step: the batch's place in the caller's buffers (rows, lengths, targets and QA's
  * row mask laid out one step after another; or the rows read from the cache into the model's
  * memory: on a GPU the device tier's rows gathered there), ft_model_step, the finiteness check of
- * the loss, then ft_optim_table_step at the step's learning rate and float16's loss scaling
+ * the loss, then ft_optim_table_step at the step's learning rate (times each group's lr_scale) and float16's loss scaling
  * decision (skip and halve, or count and grow) -- exactly the calls, arguments and order of
  * fasttran/trainer.py's per-step loop, so both give the same bits. The caller's callback
  * (progress, Ctrl-C) runs every `every` steps. */
@@ -102,6 +102,10 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
     if (plan->steps && !(ft_head_needs(head) & FT_HEAD_NEEDS_MASK) != !plan->valid)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: the %s head %s a row mask per row",
                         ft_head_kind_name((int)head->kind), plan->valid ? "takes no" : "needs");
+    for (size_t g = 0; g < cfg->num_groups; g++)
+        if (!(cfg->groups[g].lr_scale > 0.0) || !isfinite(cfg->groups[g].lr_scale))
+            return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: parameter group %zu: lr_scale must be a finite "
+                            "number > 0 (the factor of the plan's lr; 1 for none), got %g", g, cfg->groups[g].lr_scale);
     step_rows rows;
     ft_status st = rows_open(&rows, m, plan, head->hidden);
     ft_optim_group *groups = st == FT_OK ? malloc(cfg->num_groups * sizeof *groups) : NULL;
@@ -136,7 +140,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
         if (st != FT_OK) break;
         out->loss[k] = loss;
         if (!isfinite(loss)) { out->stop = FT_TRAIN_NONFINITE_LOSS; break; }
-        for (size_t g = 0; g < oc.num_groups; g++) groups[g].lr = plan->lr[k];
+        for (size_t g = 0; g < oc.num_groups; g++) groups[g].lr = plan->lr[k] * groups[g].lr_scale;
         for (size_t t = 0; t < opt->count; t++) opt->active[t] = 1;
         st = ft_optim_table_step(opt, &oc, &out->info);
         st = scaler_after_step(&scaler, st);
