@@ -108,7 +108,7 @@ class Sweep:
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "machine": {"cpu": platform.processor() or platform.machine(), "threads": fasttran.get_num_threads(),
                                 "fasttran": fasttran.__version__},
-                    "model": "all-MiniLM-L6-v2", "command": " ".join(sys.argv), "grid": {
+                    "model": "all-MiniLM-L6-v2", "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "grid": {
                         "lr": LRS, "head_lr": HEAD_LRS, "decay": [1.0] + DECAYS, "head_only_lr": HEAD_ONLY_LRS},
                     "tasks": {}, "runs": [], "choice": {}, "dev_check": []}
         self.data, self.done = {}, {}
