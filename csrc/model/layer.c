@@ -76,7 +76,7 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
     FT_TRY(be->broadcast_rows(be, a->qkv, w->bqkv, N, 3 * A));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, 3 * A, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * A));
     FT_TRY(be->attention_train_forward(be, o->matmul_precision, a->ctx, a->probs, a->attn_stats, a->attn_mask, a->qkv,
-                                       bt->seqs, bt->B, A, NH, o->attention_dropout,
+                                       bt->seqs, bt->B, A, NH, 0, o->attention_dropout,
                                        site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
     /* h1 = LN(x + dropout(ctx Wo^T + bo)) */
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, C, A, 1.0f, a->ctx, A, w->wo, A, 0.0f, wk->tmp, C));
@@ -140,7 +140,7 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, A, C, 1.0f, da, C, w->wo, A, 0.0f, wk->dctx, A));
     FT_TRY(rec->heads(rec, be, layer, wk->dctx, a->ctx, N, A, NH));
     FT_TRY(be->attention_backward(be, o->matmul_precision, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_stats,
-                                  a->attn_mask, bt->seqs, bt->B, A, NH, o->attention_dropout,
+                                  a->attn_mask, bt->seqs, bt->B, A, NH, 0, o->attention_dropout,
                                   site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
     FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * A, 0));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, 3 * A, C, N, 1.0f, wk->dbig, 3 * A, a->x, C, 0.0f, gw->wqkv, C));
