@@ -184,6 +184,8 @@ typedef struct {
     /* x (n) *= s, in place (loss scaling: a gradient scaled up before a half-precision backward,  \
      * and the gradients scaled back after it) */                                                  \
     X(scale, (ft_backend *be, float *x, int64_t n, float s), (be, x, n, s))                        \
+    /* y (n) += x, elementwise (a gradient reaching a tensor by two paths: a pre-LN residual) */  \
+    X(add, (ft_backend *be, float *y, const float *x, int64_t n), (be, y, x, n))                  \
     /* dx (n) = dy * (1 - y^2): tanh backward from its output y; dx may alias dy */               \
     X(tanh_backward, (ft_backend *be, float *dx, const float *dy, const float *y, int64_t n), (be, dx, dy, y, n))      \
     /* Row-wise softmax cross-entropy over (N, K) logits. valid (valid_rows, K) or NULL: row r    \

@@ -504,6 +504,24 @@ for N, NH, hs, theta in [(1, 1, 2, 10000.0), (37, 3, 8, 160000.0), (300, 12, 64,
     case("rotary_backward", f"{N}-{NH}h{hs}-theta{theta:g}")(_rotary_backward(N, NH, hs, theta))
 
 
+def _add(n):
+    def build(rng):
+        y, x = f32(rng, n), f32(rng, n)
+        return dict(y=Out((n,), tol=0.0, init=y), x=In(x), n=n)
+    return build
+
+
+for n in [1, 7, 70001, 0]:
+    case("add", f"{n}")(_add(n))
+
+
+def test_cpu_add_is_the_float32_sum():
+    rng = np.random.default_rng(5)
+    y, x = f32(rng, 1000), f32(rng, 1000)
+    got = run_case(Backend(-1), "add", dict(y=Out((1000,), init=y), x=In(x), n=1000))["y"]
+    assert np.array_equal(got, y + x)
+
+
 def _gated_backward(N, K, act):
     return lambda rng: dict(dh=Out((N, 2 * K), tol=2e-5), dout=In(f32(rng, N, K)), h=In(f32(rng, N, 2 * K, scale=2.0)),
                             N=N, K=K, act=act)
