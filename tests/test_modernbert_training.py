@@ -225,3 +225,96 @@ def test_what_stays_refused_by_name(small):
     with pytest.raises(fasttran.UnsupportedModelError, match="compression .* ModernBertModel"):
         from fasttran.compress import model as cmodel
         cmodel.TaskModel(enc, None)
+
+
+# ---- Trainer(train_layers=k) end to end ---------------------------------------------------------------
+def labelled_batch(n=12, seed=5):
+    rng = np.random.default_rng(seed)
+    lengths = [int(v) for v in rng.integers(5, 60, n)]
+    lengths[0] = 60   # longer than the window
+    ids, mask = packed_batch(seed, lengths)
+    return ids, mask, lengths, (np.arange(n) % 2).astype(np.int64)
+
+
+def make_trainer(k, **kw):
+    from fasttran.heads import make_head
+    head = make_head("classification", SMALL["hidden_size"], num_labels=2, dropout=0.0, seed=11)
+    args = dict(optimizer="adamw", lr=1e-3, schedule="constant", warmup=0, weight_decay=0.0, max_grad_norm=1e9,
+                epochs=3, batch_size=12, seed=3, show_progress=False, train_layers=k)
+    args.update(kw)
+    return fasttran.Trainer(head, **args), head
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_trainer_steps_equal_torch_adamw_on_the_same_layers_and_head(small, k):
+    """three AdamW steps of Trainer(train_layers=k) on the cache of layer L - k give the layers and the
+    head that torch.optim.AdamW gives training the same float64 layers + mean pooling + linear head
+    + cross-entropy from the same start (one batch of every example per step)"""
+    path, hf0 = small
+    enc = fasttran.Encoder.from_pretrained(path)
+    L = enc.num_layers
+    ids, mask, lengths, y = labelled_batch()
+    tr, head = make_trainer(k)
+    cache = tr.cache_for(enc, ids, mask, show_progress=False)
+    # the cache holds hidden state L - k as inference gives it: the top layers on it are the encoder
+    x0, offsets = cache.get(cache.example_ids, ragged=True)
+    assert np.array_equal(np.diff(offsets), lengths)
+    W0 = {n: np.array(v) for n, v in head.named_parameters()}
+    tr.fit(cache, y)
+    # torch: the same layers from the checkpoint, the head from its initial weights
+    hf = transformers.AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
+    names = [n for n, _ in tr.top.named_parameters()]
+    P = dict(hf.named_parameters())
+    trained = {n: P[enc.architecture.checkpoint_name(n)] for n in names}
+    hw = {n: torch.tensor(v, dtype=torch.float64, requires_grad=True) for n, v in W0.items()}
+    wname = next(n for n in hw if hw[n].dim() == 2)
+    bname = next(n for n in hw if hw[n].dim() == 1)
+    opt = torch.optim.AdamW(list(trained.values()) + list(hw.values()), lr=1e-3, betas=(0.9, 0.999), eps=1e-6,
+                            weight_decay=0.0)
+    x = torch.from_numpy(np.asarray(x0, np.float64))
+    for step in range(3):
+        opt.zero_grad()
+        out = torch_layers(hf, L - k, k, x, lengths)
+        pooled = torch.stack([out[a:b].mean(0) for a, b in zip(offsets[:-1], offsets[1:])])
+        logits = pooled @ hw[wname].T + hw[bname]
+        torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).backward()
+        opt.step()
+    for name, got in tr.top.named_parameters():
+        want = trained[name].detach().numpy()
+        # three steps of at most lr each: agreement to a small fraction of a step
+        assert np.abs(np.asarray(got) - want).max() <= 3e-5, name
+    for name, got in tr.head.named_parameters():
+        assert np.abs(np.asarray(got) - hw[name].detach().numpy()).max() <= 3e-5, name
+    # and it moved: three steps of lr, not the starting weights
+    moved = max(np.abs(np.asarray(v) - P0).max() for (n, v), P0 in
+                zip(tr.top.named_parameters(), [dict(transformers.AutoModel.from_pretrained(path).named_parameters())[
+                    enc.architecture.checkpoint_name(n)].detach().numpy() for n in names]))
+    assert moved > 1e-3
+
+
+def test_trainer_c_epoch_loop_equals_the_per_step_loop(small, monkeypatch):
+    """the C epoch loop (csrc/train/loop.c, the default) runs the pre-LN layers' step: the same
+    weights, bit for bit, as the Python per-step loop; the memory report bounds what is allocated"""
+    path, _ = small
+    enc = fasttran.Encoder.from_pretrained(path)
+    ids, mask, lengths, y = labelled_batch(n=24, seed=8)
+    runs = []
+    for py_loop in ("", "1"):
+        monkeypatch.setenv("FASTTRAN_PY_LOOP", py_loop)
+        tr, _ = make_trainer(2, batch_size=8, epochs=2, lr=3e-4)
+        cache = tr.cache_for(enc, ids, mask, show_progress=False)
+        hist = tr.fit(cache, y)
+        runs.append((tr, hist))
+        assert (tr._c_loop_refusal(cache) is None) == (py_loop == "")   # the first run was the C loop's
+    (c_tr, c_hist), (py_tr, py_hist) = runs
+    assert c_hist[-1]["train_loss"] == py_hist[-1]["train_loss"]
+    for (n, a), (_, b) in zip(c_tr.top.named_parameters(), py_tr.top.named_parameters()):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), n
+    assert np.array_equal(np.asarray(c_tr.head.params), np.asarray(py_tr.head.params))
+    # memory: a full batch of the longest examples bounds every real batch (as BERT's)
+    now, peak = c_tr.top.allocated()
+    rep = c_tr.memory_report(batch_size=8, seq_len=max(lengths))
+    held = rep["weights"] + rep["gradients"] + sum(v for k, v in rep["activations"].items() if k != "input") \
+        + rep["workspace"]
+    assert peak <= held + 64 * 64
+    assert rep["activations"]["gelu_inputs"] > 0 and rep["activations"]["gelu_branch_bits"] == 0
