@@ -318,3 +318,22 @@ def test_trainer_c_epoch_loop_equals_the_per_step_loop(small, monkeypatch):
         + rep["workspace"]
     assert peak <= held + 64 * 64
     assert rep["activations"]["gelu_inputs"] > 0 and rep["activations"]["gelu_branch_bits"] == 0
+
+
+def test_trained_layers_export_into_an_encoder(small):
+    """export_to writes the trained layers and the final norm back into an encoder, whose forward then
+    gives the stack's output (the final norm's place in the encoder's buffer is the stack's)"""
+    from fasttran.finetune import TopLayers
+    path, _ = small
+    enc = fasttran.Encoder.from_pretrained(path)
+    ids, mask = packed_batch(seed=4)
+    x = pack(enc.forward(ids, mask, output_layers=[2])[0], LENGTHS).astype(np.float32)
+    top = TopLayers(enc, 2)
+    rng = np.random.default_rng(0)
+    for name, view in top.named_parameters():   # other weights than the checkpoint's
+        view[...] = view * (1 + 0.1 * rng.standard_normal(view.shape).astype(np.float32))
+    out = np.asarray(top.forward(x, LENGTHS)).copy()
+    assert np.abs(pack(enc.forward(ids, mask), LENGTHS) - out).max() > 1e-2   # not yet the encoder's
+    top.export_to(enc)
+    assert np.abs(pack(enc.forward(ids, mask), LENGTHS) - out).max() <= 1e-4 * np.abs(out).max()
+    assert "final_norm.weight" in dict(top.named_parameters())
