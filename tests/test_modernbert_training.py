@@ -184,6 +184,34 @@ def test_gradients_match_autograd(small, device, k, recompute):
     assert np.abs(dx - xt.grad.numpy()).max() <= 1e-4 * np.abs(xt.grad.numpy()).max()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_at_modernbert_base_width(tmp_path, device):
+    """ModernBERT-base's layer width (hidden 768, 12 heads, FFN 1152), the top 2 of 3 layers (a local
+    one under a global one): outputs, gradients and d input within 1e-4 of float64 autograd"""
+    from fasttran.finetune import TopLayers
+    path = make_model(tmp_path / "base", seed=2, hidden_size=768, num_attention_heads=12, intermediate_size=1152,
+                      num_hidden_layers=3, global_attn_every_n_layers=2)
+    hf = transformers.AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
+    assert [p[0] for p in layer_plan(hf)] == [None, 16, None]
+    enc = fasttran.Encoder.from_pretrained(path)
+    ids, mask = packed_batch(seed=9)
+    x = pack(enc.forward(ids, mask, output_layers=[1])[0], LENGTHS).astype(np.float32)
+    top = TopLayers(enc, 2, device=device)
+    out = np.asarray(top.forward(x, LENGTHS, training=True))
+    dout = np.random.default_rng(2).standard_normal(out.shape).astype(np.float32)
+    dx = np.asarray(top.backward(dout, want_dx=True))
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    ref = torch_layers(hf, 1, 2, xt, LENGTHS)
+    (ref * torch.from_numpy(dout).double()).sum().backward()
+    ref = ref.detach().numpy()
+    assert np.abs(out - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+    params = dict(hf.named_parameters())
+    for name, g in top.named_gradients():
+        want = params[enc.architecture.checkpoint_name(name)].grad.numpy()
+        assert np.abs(np.asarray(g) - want).max() <= 1e-4 * np.abs(want).max(), name
+    assert np.abs(dx - xt.grad.numpy()).max() <= 1e-4 * np.abs(xt.grad.numpy()).max()
+
+
 def test_a_sequence_alone_and_packed(small):
     """a sequence's outputs and its share of d x alone and packed after others (RoPE's positions
     restart in each sequence, windows stay in it); as BERT's layers, not bit for bit: the
