@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 14
+#define FT_BACKEND_ABI 15
 
 typedef struct ft_backend ft_backend;
 
@@ -184,6 +184,8 @@ typedef struct {
     /* x (n) *= s, in place (loss scaling: a gradient scaled up before a half-precision backward,  \
      * and the gradients scaled back after it) */                                                  \
     X(scale, (ft_backend *be, float *x, int64_t n, float s), (be, x, n, s))                        \
+    /* y (n) += x, elementwise (a gradient reaching a tensor by two paths: a pre-LN residual) */  \
+    X(add, (ft_backend *be, float *y, const float *x, int64_t n), (be, y, x, n))                  \
     /* dx (n) = dy * (1 - y^2): tanh backward from its output y; dx may alias dy */               \
     X(tanh_backward, (ft_backend *be, float *dx, const float *dy, const float *y, int64_t n), (be, dx, dy, y, n))      \
     /* Row-wise softmax cross-entropy over (N, K) logits. valid (valid_rows, K) or NULL: row r    \
@@ -245,6 +247,16 @@ typedef struct {
     X(bias_act_backward, (ft_backend *be, float *dh, const float *df, const float *saved,          \
                           const uint8_t *bits, const float *in, const float *w, const float *bias,  \
                           int64_t N, int64_t K, int64_t C, ft_activation act), (be, dh, df, saved, bits, in, w, bias, N, K, C, act))                     \
+    /* the backward of rotary_forward (float32), in place on the Q and K columns of dqkv (N, 3C): \
+     * each pair rotated by minus rotary_forward's angle (the same float32 cos / sin, the sine    \
+     * negated); V's columns untouched */                                                          \
+    X(rotary_backward, (ft_backend *be, float *dqkv, const int32_t *positions, int64_t N, int64_t C, \
+                        int64_t NH, double theta), (be, dqkv, positions, N, C, NH, theta))         \
+    /* the backward of gated_act_forward (float32): dh (N, 2K) from dout (N, K) and the forward's \
+     * input h (N, 2K): dh[:, :K] = dout h[:, K:] act'(h[:, :K]), dh[:, K:] = dout act(h[:, :K]); \
+     * dh aliases neither dout nor h */                                                            \
+    X(gated_act_backward, (ft_backend *be, float *dh, const float *dout, const float *h, int64_t N, \
+                           int64_t K, ft_activation act), (be, dh, dout, h, N, K, act))            \
     /* probs (sum over b of NH n_b^2, sequence after sequence, (NH, n, n) each) = softmax(Q K^T / \
      * sqrt(C/NH)) per (b, h), or NULL (not kept); stats (N, NH, 2) or NULL: per query row and    \
      * head, the scaled scores' maximum m and 1 / sum(exp(s - m)), so that P = exp(s - m) / sum    \
@@ -253,19 +265,22 @@ typedef struct {
      * the backward recomputes it). qkv (N, 3C): Q, K, V at column offsets 0, C, 2C. prec: the    \
      * products' precision, as gemm_prec's: FT_F32, or FT_BF16 / FT_F16 (mixed precision: the     \
      * inputs of Q K^T and of dropout(P) V rounded to it, float32 sums; softmax, its statistics    \
-     * and the kept probabilities in float32). */                                                  \
+     * and the kept probabilities in float32). window > 0: local attention as attention_forward's \
+     * (row i sees the keys j with |i - j| <= window / 2; the kept probabilities are 0 elsewhere, \
+     * the statistics over the row's reach), dropout refused (p must be 0); 0: every key. */        \
     X(attention_train_forward, (ft_backend *be, ft_dtype prec, float *ctx, float *probs,           \
                                 float *stats, uint8_t *dmask, const float *qkv, const int32_t *seqs,\
-                                int64_t B, int64_t C, int64_t NH, float p, uint64_t key,            \
-                                float *scratch, size_t scratch_bytes), (be, prec, ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, scratch, scratch_bytes))                 \
+                                int64_t B, int64_t C, int64_t NH, int64_t window, float p, uint64_t key, \
+                                float *scratch, size_t scratch_bytes), (be, prec, ctx, probs, stats, dmask, qkv, seqs, B, C, NH, window, p, key, scratch, scratch_bytes))                 \
     /* dqkv (N, 3C) = the gradients of Q, K and V from dctx (N, C), with the forward's probs, or  \
      * (probs NULL) the probabilities recomputed from qkv and the forward's stats, and its dmask  \
      * (or the same p and key). prec as the forward's: the inputs of dO V^T, dropout(P)^T dO,     \
-     * dS K and dS^T Q rounded to it (dS = P (dP - D) in float32, then rounded), float32 sums. */  \
+     * dS K and dS^T Q rounded to it (dS = P (dP - D) in float32, then rounded), float32 sums.     \
+     * window: the forward's (recomputed probabilities are 0 outside a row's reach). */            \
     X(attention_backward, (ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx,          \
                            const float *qkv, const float *probs, const float *stats,               \
                            const uint8_t *dmask, const int32_t *seqs, int64_t B, int64_t C,         \
-                           int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes), (be, prec, dqkv, dctx, qkv, probs, stats, dmask, seqs, B, C, NH, p, key, scratch, scratch_bytes))                \
+                           int64_t NH, int64_t window, float p, uint64_t key, float *scratch, size_t scratch_bytes), (be, prec, dqkv, dctx, qkv, probs, stats, dmask, seqs, B, C, NH, window, p, key, scratch, scratch_bytes))                \
     /* dh (N, C) = the backward of mean pooling: row r of sequence b (rows [first[b], first[b] +  \
      * count[b]), device int32) gets dout[b] / count[b] (CLS pooling: count 1); rows of no        \
      * sequence get 0 */                                                                           \

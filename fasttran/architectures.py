@@ -10,7 +10,8 @@ An entry whose fields name something the C encoder does not implement is refused
 The C encoder runs BERT's post-LN layers and ModernBERT's (pre-LN, rotary positions, GeGLU, no biases,
 local / global attention): its forward, and what stands on it (encode, the cache, heads trained on the
 cache). The operations that run BERT's layer code besides the forward (training encoder layers, int8,
-compression, export of task heads) are refused for other layers by one check, :meth:`Architecture.require`.
+compression, export of task heads) are refused for other layers by one check, :meth:`Architecture.require`;
+training the top layers also runs ModernBERT's (PRE_LN_OPERATIONS).
 """
 import dataclasses
 import re
@@ -63,6 +64,9 @@ class Architecture:
     #: export: {layout: {BertFor*'s tensor name: this architecture's}} where the head's tensors are named
     #: otherwise, or {layout: why no class of this architecture holds fasttran's head}
     heads: dict = dataclasses.field(default_factory=dict)
+    #: the config's (hidden, attention) dropout keys, and their value when absent (training encoder layers)
+    dropout_keys: tuple = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+    dropout_default: float = 0.1
 
     def unsupported(self):
         """Why the C encoder cannot run this architecture ([] when it can)."""
@@ -96,6 +100,8 @@ class Architecture:
         when the operation (one of OPERATIONS) cannot run its layers."""
         if operation not in OPERATIONS:
             raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
+        if self.norm == "pre" and operation in PRE_LN_OPERATIONS and not self.unsupported():
+            return   # the C code also has ModernBERT's pre-LN layer for these
         why = self.layer_differences()
         if why:
             raise UnsupportedModelError(
@@ -175,6 +181,8 @@ OPERATIONS = {
     "export": "export of a task model (fasttran.export)",
     "reduced_precision": "half-precision and bfloat16 encoders",
 }
+#: the operations of OPERATIONS that also run ModernBERT's pre-LN layers (csrc/model/layer.c's pre-LN pair)
+PRE_LN_OPERATIONS = ("train_layers",)
 
 _ROBERTA = dict(position_ids="after_padding", token_types="zero", prefixes=("roberta.", ""),
                 defaults={"pad_token_id": 1},
@@ -227,7 +235,7 @@ ARCHITECTURES = (
                  config_keys={"hidden_act": "hidden_activation", "layer_norm_eps": "norm_eps"},
                  defaults={"vocab_size": 50368, "num_hidden_layers": 22, "intermediate_size": 1152,
                            "max_position_embeddings": 8192, "pad_token_id": 50283, "layer_norm_eps": 1e-5},
-                 fixed={"type_vocab_size": 0},
+                 fixed={"type_vocab_size": 0}, dropout_keys=("mlp_dropout", "attention_dropout"), dropout_default=0.0,
                  heads={layout: "ModernBERT's task classes put a dense + GELU + LayerNorm head on the pooled "
                                 "output, fasttran's heads differ" for layout in ("sequence-classification",
                                                                              "multiple-choice")},

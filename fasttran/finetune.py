@@ -39,7 +39,7 @@ class TopLayers:
     each, with named views (`named_parameters()`, `named_gradients()`)."""
 
     def __init__(self, encoder, k, device=None, hidden_dropout=None, attention_dropout=None, inplace_gelu=None,
-                 inplace_layernorm=True, recompute_attention_dropout=True, matmul_precision="float32",
+                 inplace_layernorm=None, recompute_attention_dropout=True, matmul_precision="float32",
                  recompute_attention_probs=False, extra=0, shared_grads=False):
         """k: how many of the top layers to train (1..L). device: where to train ('cpu', 'cuda:N';
         default the encoder's). Dropout defaults to the checkpoint's (hidden_dropout_prob,
@@ -48,7 +48,9 @@ class TopLayers:
         recompute_attention_dropout (the attention-dropout mask regenerated, never stored: saves one
         byte per attention probability), inplace_gelu (keep GELU's output and one bit per element,
         not its input: saves about N I floats per layer; default on for CUDA only, because inverting
-        GELU costs more CPU time than the memory is worth there).
+        GELU costs more CPU time than the memory is worth there). Pre-LN layers (ModernBERT) have
+        neither in-place option (off by default there; asking for one is refused) and no dropout
+        (their checkpoints' default 0; asking for more is refused).
         recompute_attention_probs (FlashAttention's: the attention probabilities, NH n^2 floats per
         sequence of n tokens, are not kept; each row's softmax maximum and 1/sum are, 2 floats per
         row and head, and the backward recomputes the probabilities from Q and K: at 512 tokens a
@@ -67,17 +69,22 @@ class TopLayers:
         buffer in memory the other processes of this machine can map (a data-parallel rank's, whose
         reduction sums the ranks' tables in place: fasttran.distributed.DataParallel)."""
         L = encoder.num_layers
-        if getattr(encoder, "architecture", None) is not None:
-            encoder.architecture.require("train_layers")
+        arch = getattr(encoder, "architecture", None)
+        if arch is not None:
+            arch.require("train_layers")
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= L:
             raise InputError(f"k (the number of top layers to train) must be an integer in [1, {L}], got {k!r}")
         device = parse_device(encoder.device if device is None else device)
         raw = getattr(encoder, "_raw_config", {}) or {}
-        hidden_dropout = float(raw.get("hidden_dropout_prob", 0.1) if hidden_dropout is None else hidden_dropout)
-        attention_dropout = float(raw.get("attention_probs_dropout_prob", 0.1) if attention_dropout is None
-                                  else attention_dropout)
+        keys, default = (arch.dropout_keys, arch.dropout_default) if arch is not None else \
+            (("hidden_dropout_prob", "attention_probs_dropout_prob"), 0.1)
+        hidden_dropout = float(raw.get(keys[0], default) if hidden_dropout is None else hidden_dropout)
+        attention_dropout = float(raw.get(keys[1], default) if attention_dropout is None else attention_dropout)
+        pre_ln = arch is not None and arch.norm == "pre"   # Tempo's in-place options are post-LN layers'
         if inplace_gelu is None:
-            inplace_gelu = device.is_cuda
+            inplace_gelu = device.is_cuda and not pre_ln
+        if inplace_layernorm is None:
+            inplace_layernorm = not pre_ln
         if matmul_precision not in _MATMUL_PRECISIONS:
             raise InputError(f"matmul_precision must be one of {', '.join(map(repr, _MATMUL_PRECISIONS))}, "
                              f"got {matmul_precision!r}")

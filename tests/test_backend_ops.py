@@ -492,6 +492,45 @@ for N, K, act in [(1, 1, 0), (7, 150, 0), (33, 37, 1), (509, 3, 2), (5, 1152, 0)
     case("gated_act_forward", f"{N}x{K}-act{act}")(_gated(N, K, act))
 
 
+def _rotary_backward(N, NH, hs, theta, P=9000):
+    def build(rng):
+        C = NH * hs
+        return dict(dqkv=Out((N, 3 * C), tol=2e-6, init=f32(rng, N, 3 * C)),
+                    positions=In(rng.integers(0, P, N).astype(np.int32)), N=N, C=C, NH=NH, theta=theta)
+    return build
+
+
+for N, NH, hs, theta in [(1, 1, 2, 10000.0), (37, 3, 8, 160000.0), (300, 12, 64, 10000.0), (5, 2, 34, 500.0), (0, 2, 4, 1e4)]:
+    case("rotary_backward", f"{N}-{NH}h{hs}-theta{theta:g}")(_rotary_backward(N, NH, hs, theta))
+
+
+def _add(n):
+    def build(rng):
+        y, x = f32(rng, n), f32(rng, n)
+        return dict(y=Out((n,), tol=0.0, init=y), x=In(x), n=n)
+    return build
+
+
+for n in [1, 7, 70001, 0]:
+    case("add", f"{n}")(_add(n))
+
+
+def test_cpu_add_is_the_float32_sum():
+    rng = np.random.default_rng(5)
+    y, x = f32(rng, 1000), f32(rng, 1000)
+    got = run_case(Backend(-1), "add", dict(y=Out((1000,), init=y), x=In(x), n=1000))["y"]
+    assert np.array_equal(got, y + x)
+
+
+def _gated_backward(N, K, act):
+    return lambda rng: dict(dh=Out((N, 2 * K), tol=2e-5), dout=In(f32(rng, N, K)), h=In(f32(rng, N, 2 * K, scale=2.0)),
+                            N=N, K=K, act=act)
+
+
+for N, K, act in [(1, 1, 0), (7, 150, 0), (33, 37, 1), (509, 3, 2), (5, 1152, 0), (9, 77, 3), (0, 8, 0)]:
+    case("gated_act_backward", f"{N}x{K}-act{act}")(_gated_backward(N, K, act))
+
+
 def _residual_ln(N, C, with_y, bias):
     def build(rng):
         return dict(x=Out((N, C), tol=1e-5, init=f32(rng, N, C)), h=Out((N, C), tol=2e-5),
@@ -863,6 +902,12 @@ for lens, NH, hs, p, keep, kept in [([1], 1, 1, 0.0, False, "probs"), ([7, 3, 5]
                                     ([128, 64], 4, 16, 0.0, False, "stats")]:
     case("attention_train_forward", "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}" + ("-mask" if keep else "")
          + ("" if kept == "probs" else f"-{kept}-recompute"))(_attn_train(lens, NH, hs, p, keep, kept))
+# local attention (ModernBERT's windows; no dropout): sequences longer and shorter than the window
+for lens, NH, hs, win, kept in [([70, 9, 45], 2, 8, 16, "probs"), ([130, 3], 3, 16, 64, "both"), ([40, 1, 7], 1, 5, 2, "stats"),
+                                ([100], 4, 4, 7, "stats")]:
+    def _win_build(rng, _b=_attn_train(lens, NH, hs, 0.0, False, kept), _w=win):
+        return dict(_b(rng), window=_w)
+    case("attention_train_forward", "-".join(map(str, lens)) + f"-{NH}h{hs}-win{win}-{kept}")(_win_build)
 for prec in ("bfloat16", "float16"):
     for lens, NH, hs, p, keep, kept in [([7, 3, 5], 3, 5, 0.1, True, "probs"), ([70, 0, 45, 3], 2, 40, 0.1, True, "both"),
                                         ([100], 3, 64, 0.0, False, "stats")]:
@@ -911,6 +956,52 @@ for lens, NH, hs, p, keep, rec in [([1], 1, 1, 0.0, False, False), ([7, 3, 5], 3
                                    ([65, 31], 2, 33, 0.3, False, True), ([128, 64], 4, 16, 0.0, False, True)]:
     case("attention_backward", "-".join(map(str, lens)) + f"-{NH}h{hs}-p{p}" + ("-mask" if keep else "")
          + ("-recompute" if rec else ""))(_attn_backward(lens, NH, hs, p, keep, rec))
+
+
+def _attn_backward_window(lengths, NH, hs, window, recompute):
+    """local attention's backward: probabilities (or statistics) of the windowed forward in float64"""
+    def build(rng):
+        lens = np.asarray(lengths, np.int32)
+        seqs, N, T = _packed(rng, lens)
+        C = NH * hs
+        qkv = f32(rng, N, 3 * C)
+        probs, stats = [], np.zeros((N, NH, 2), np.float32)
+        for first, n in zip(seqs[:, 0], lens):
+            if not n:
+                continue
+            _, P, m, l = _attention64(qkv[first:first + n], NH, hs, window)
+            stats[first:first + n, :, 0] = m.T
+            stats[first:first + n, :, 1] = (1 / l).T
+            probs.append(P.ravel())
+        probs = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
+        return dict(prec=0, dqkv=Out((N, 3 * C), tol=5e-5), dctx=In(f32(rng, N, C)), qkv=In(qkv),
+                    probs=None if recompute else In(probs), stats=In(stats) if recompute else None, dmask=None,
+                    seqs=Host(seqs), B=len(lens), C=C, NH=NH, window=window, p=0.0, key=0,
+                    scratch=Scratch(len(lens), T, NH, "attention_train_scratch_bytes"), scratch_bytes=ScratchSize("scratch"))
+    return build
+
+
+def _attention64(qkv, NH, hs, window):
+    """one sequence's attention in float64: ctx (n, C), P (NH, n, n), the rows' max and sum of exp"""
+    n, C = qkv.shape[0], NH * hs
+    q = qkv[:, :C].reshape(n, NH, hs).transpose(1, 0, 2).astype(np.float64)
+    k = qkv[:, C:2 * C].reshape(n, NH, hs).transpose(1, 0, 2).astype(np.float64)
+    v = qkv[:, 2 * C:].reshape(n, NH, hs).transpose(1, 0, 2).astype(np.float64)
+    s = q @ k.transpose(0, 2, 1) / np.sqrt(hs)
+    if window:
+        i = np.arange(n)
+        s = np.where(np.abs(i[:, None] - i[None, :]) <= window // 2, s, -np.inf)
+    m = s.max(axis=-1)
+    e = np.exp(s - m[..., None])
+    l = e.sum(axis=-1)
+    P = e / l[..., None]
+    return (P @ v).transpose(1, 0, 2).reshape(n, C), P, m, l
+
+
+for lens, NH, hs, win, rec in [([70, 9, 45], 2, 8, 16, False), ([70, 9, 45], 2, 8, 16, True), ([130, 3], 3, 16, 64, True),
+                               ([40, 1, 7], 1, 5, 2, True), ([100], 4, 4, 7, False)]:
+    case("attention_backward", "-".join(map(str, lens)) + f"-{NH}h{hs}-win{win}" + ("-recompute" if rec else ""))(
+        _attn_backward_window(lens, NH, hs, win, rec))
 for prec in ("bfloat16", "float16"):
     for lens, NH, hs, p, keep, rec in [([7, 3, 5], 3, 5, 0.1, True, False), ([70, 0, 45, 3], 2, 40, 0.1, True, True),
                                        ([65, 31], 2, 33, 0.3, False, False), ([100], 3, 64, 0.0, False, True)]:
@@ -1161,6 +1252,119 @@ def test_cpu_attention_training_never_uses_more_scratch_than_it_was_given(op):
         fasttran.set_num_threads(old)
 
 
+def _act64(x, act):
+    from math import erf
+    if act == 0:
+        return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+    if act == 1:
+        return 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+    return np.maximum(x, 0) if act == 2 else np.tanh(x)
+
+
+def _devices():
+    return [-1] + ([0] if fasttran.cuda_available() else [])
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("act", [0, 1, 2, 3])
+def test_gated_act_backward_against_float64(device, act):
+    """dh of out = act(a) g against float64: central differences of the float64 forward"""
+    rng = np.random.default_rng(act)
+    N, K = 6, 41
+    h, dout = f32(rng, N, 2 * K, scale=2.0), f32(rng, N, K)
+    a, g = h[:, :K].astype(np.float64), h[:, K:].astype(np.float64)
+    eps = 1e-6
+    dact = (_act64(a + eps, act) - _act64(a - eps, act)) / (2 * eps)
+    want = np.concatenate([dout * g * dact, dout * _act64(a, act)], axis=1)
+    got = run_case(Backend(device), "gated_act_backward", dict(dh=Out((N, 2 * K)), dout=In(dout), h=In(h), N=N, K=K,
+                                                                act=act))["dh"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_rotary_backward_is_the_transposed_rotation_in_float64(device):
+    """<rotary(x), y> = <x, rotary_backward(y)> in float64 (the backward is the forward's transpose),
+    and V's columns pass through untouched"""
+    rng = np.random.default_rng(3)
+    N, NH, hs, theta = 29, 3, 16, 160000.0
+    C = NH * hs
+    x, y = f32(rng, N, 3 * C), f32(rng, N, 3 * C)
+    pos = rng.integers(0, 8000, N).astype(np.int32)
+    be = Backend(device)
+    fx = run_case(be, "rotary_forward", dict(qkv=Out((N, 3 * C), init=x), positions=In(pos), N=N, C=C, NH=NH,
+                                             theta=theta))["qkv"]
+    by = run_case(be, "rotary_backward", dict(dqkv=Out((N, 3 * C), init=y), positions=In(pos), N=N, C=C, NH=NH,
+                                              theta=theta))["dqkv"]
+    assert np.array_equal(by[:, 2 * C:], y[:, 2 * C:])
+    # float64 rotation by minus the angle
+    h2 = hs // 2
+    inv = 1.0 / theta ** (np.arange(h2) * 2.0 / hs)
+    ang = pos[:, None].astype(np.float64) * inv[None, :]
+    c, s_ = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    qk = y[:, :2 * C].astype(np.float64).reshape(N, 2 * NH, hs)
+    u, v = qk[..., :h2], qk[..., h2:]
+    want = np.concatenate([u * c + v * s_, v * c - u * s_], axis=-1).reshape(N, 2 * C)
+    np.testing.assert_allclose(by[:, :2 * C], want, rtol=0, atol=2e-3)   # float32 angles of positions up to 8000
+    lhs = float((fx.astype(np.float64) * y).sum())
+    rhs = float((x.astype(np.float64) * by).sum())
+    assert abs(lhs - rhs) <= 1e-4 * (abs(lhs) + np.abs(x).sum())
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("window,recompute", [(16, False), (16, True), (2, True), (7, False), (0, True)])
+def test_windowed_training_attention_against_float64(device, window, recompute):
+    """attention_train_forward (ctx, kept probabilities or statistics) and attention_backward (dQ, dK,
+    dV) with a window against float64 (the gradient of <ctx, dctx> by hand), sequences longer and
+    shorter than the window"""
+    rng = np.random.default_rng(window + recompute)
+    lens, NH, hs = np.array([45, 5, 30], np.int32), 2, 8
+    seqs, N, T = _packed(rng, lens)
+    C = NH * hs
+    qkv, dctx = f32(rng, N, 3 * C), f32(rng, N, C)
+    total = int(NH * np.sum(lens.astype(np.int64) ** 2))
+    be = Backend(device)
+    fwd = run_case(be, "attention_train_forward", dict(
+        prec=0, ctx=Out((N, C)), probs=None if recompute else Out((total,)), stats=Out((N, NH, 2)) if recompute else None,
+        dmask=None, qkv=In(qkv), seqs=Host(seqs), B=3, C=C, NH=NH, window=window, p=0.0, key=0,
+        scratch=Scratch(3, T, NH, "attention_train_scratch_bytes"), scratch_bytes=ScratchSize("scratch")))
+    bwd = run_case(be, "attention_backward", dict(
+        prec=0, dqkv=Out((N, 3 * C)), dctx=In(dctx), qkv=In(qkv), probs=None if recompute else In(fwd["probs"]),
+        stats=In(fwd["stats"]) if recompute else None, dmask=None, seqs=Host(seqs), B=3, C=C, NH=NH, window=window,
+        p=0.0, key=0, scratch=Scratch(3, T, NH, "attention_train_scratch_bytes"), scratch_bytes=ScratchSize("scratch")))
+    at = 0
+    for first, n in zip(seqs[:, 0], lens):
+        rows = slice(first, first + n)
+        ctx, P, m, l = _attention64(qkv[rows], NH, hs, window)
+        np.testing.assert_allclose(fwd["ctx"][rows], ctx, rtol=1e-4, atol=1e-5)
+        if recompute:
+            np.testing.assert_allclose(fwd["stats"][rows, :, 0], m.T, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(fwd["stats"][rows, :, 1], 1 / l.T, rtol=1e-5)
+        else:
+            got = fwd["probs"][at:at + NH * n * n].reshape(NH, n, n)
+            np.testing.assert_allclose(got, P, rtol=1e-5, atol=1e-7)
+            assert (got[P == 0] == 0).all()   # exactly 0 outside each row's reach
+        at += NH * n * n
+        # backward in float64: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = dS K / sqrt(hs), dK = dS^T Q / sqrt(hs)
+        x = qkv[rows].astype(np.float64)
+        q, k, v = (x[:, j * C:(j + 1) * C].reshape(n, NH, hs).transpose(1, 0, 2) for j in range(3))
+        do = dctx[rows].astype(np.float64).reshape(n, NH, hs).transpose(1, 0, 2)
+        dP = do @ v.transpose(0, 2, 1)
+        dS = P * (dP - (P * dP).sum(-1, keepdims=True))
+        grads = [dS @ k / np.sqrt(hs), dS.transpose(0, 2, 1) @ q / np.sqrt(hs), P.transpose(0, 2, 1) @ do]
+        want = np.concatenate([g.transpose(1, 0, 2).reshape(n, C) for g in grads], axis=1)
+        np.testing.assert_allclose(bwd["dqkv"][rows], want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("op", ["attention_train_forward", "attention_backward"])
+def test_windowed_training_attention_refuses_dropout(device, op):
+    build = dict(CASES[op])[f"{op}-70-9-45-2h8-win16" + ("-probs" if op == "attention_train_forward" else "")]
+    args = build(np.random.default_rng(0))
+    args["p"] = 0.1
+    with pytest.raises(AssertionError, match="dropout on local attention"):
+        run_case(Backend(device), op, args)
+
+
 cuda = pytest.mark.skipif(not fasttran.cuda_available(),
                           reason="no CUDA device and no emulator (build with FASTTRAN_CUDA=emu, run with "
                                  "FASTTRAN_CUDA_EMU=1): " + str(fasttran.build_info()["cuda"]["unavailable_reason"]))
@@ -1305,7 +1509,9 @@ def test_cuda_per_sequence_training_attention_variant():
         env = dict(os.environ, FASTTRAN_CUDA_TRAIN_ATTENTION=variant)
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", *k],
                               env=env, capture_output=True, text=True, timeout=600)
-    r = sub("per_sequence", "cuda_op_matches_cpu and (attention_train_forward or attention_backward) and not recompute")
+    # (local attention runs on the fused kernels only: per_sequence refuses windows by name)
+    r = sub("per_sequence", "cuda_op_matches_cpu and (attention_train_forward or attention_backward) and not recompute "
+            "and not win")
     assert r.returncode == 0 and " 0 passed" not in r.stdout and "passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
     r = sub("flash", "cuda_op_matches_cpu and attention_backward-1-1h1")
     assert r.returncode != 0 and "FASTTRAN_CUDA_TRAIN_ATTENTION=flash is not a variant: use fused" in r.stdout, \

@@ -188,10 +188,9 @@ def test_config_forms_and_refusals(base, tmp_path):
 
 
 def test_operations_on_bert_layers_are_refused_by_name(base):
+    """(training the top layers runs ModernBERT's own pre-LN layers: tests/test_modernbert_training.py)"""
     enc = fasttran.Encoder.from_pretrained(base)
-    from fasttran.finetune import TopLayers
-    with pytest.raises(fasttran.UnsupportedModelError, match=r"training encoder layers .* ModernBertModel"):
-        TopLayers(enc, 2)
+    enc.architecture.require("train_layers")
     with pytest.raises(fasttran.UnsupportedModelError, match=r"int8 quantization .* ModernBertModel"):
         enc.quantize()
     with pytest.raises(fasttran.UnsupportedModelError, match=r"int8 quantization .* ModernBertModel"):

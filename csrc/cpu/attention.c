@@ -19,7 +19,8 @@
  *
  * A window (local attention, ModernBERT): a block of query rows computes scores only over the key
  * panels its rows reach, softmax over each row's own reach, zeros elsewhere in the block (adding
- * 0 x V changes no bit), so a row's result still depends on its own sequence only.
+ * 0 x V changes no bit), so a row's result still depends on its own sequence only. A training
+ * forward keeps the row (0 outside its reach) and the statistics of its reach; no dropout.
  *
  * attention_heads_forward (compressed models: a mode per head, sign matching) is its own op, in
  * attention_heads.c; its exact heads run ft_cpu_attention_head, the tasks above. */
@@ -106,13 +107,23 @@ static void head_forward(const ft_cpu_kernel *kr, float *out, const float *q, in
         for (int i = 0; i < m && half >= 0; i++) {   /* a window: softmax over the row's reach, zeros around it */
             float *row = S + i * lds;
             const int64_t qi = i0 + i, lo = qi - half > kb ? qi - half : kb, hi = qi + half + 1 < ke ? qi + half + 1 : ke;
+            float *st = tr && tr->stats ? tr->stats + qi * tr->stats_ld : NULL;
             if (hi <= lo) {
                 memset(row, 0, (size_t)nkb * sizeof(float));
+                if (st) st[0] = st[1] = 0.0f;   /* recomputed: exp(.) 0 = 0 */
+                if (tr && tr->probs) memset(tr->probs + qi * nk, 0, (size_t)nk * sizeof(float));
                 continue;
             }
-            ft_cpu_softmax_row(row + (lo - kb), hi - lo, scale, NULL);
+            ft_cpu_softmax_row(row + (lo - kb), hi - lo, scale, st);
             memset(row, 0, (size_t)(lo - kb) * sizeof(float));
             memset(row + (hi - kb), 0, (size_t)(ke - hi) * sizeof(float));
+            if (!tr) continue;   /* a training forward (no dropout with a window): the row kept, 0 outside its reach */
+            if (tr->probs) {
+                float *pr = tr->probs + qi * nk;
+                memset(pr, 0, (size_t)nk * sizeof(float));
+                memcpy(pr + lo, row + (lo - kb), (size_t)(hi - lo) * sizeof(float));
+            }
+            if (prec != FT_F32) ft_cpu_round_row(row, row, nkb, prec);
         }
         for (int i = 0; i < m && half < 0; i++) {
             float *row = S + i * lds;
@@ -227,6 +238,6 @@ ft_status cpu_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const vo
 
 ft_status ft_cpu_attention_train_heads(ft_dtype prec, float *ctx, float *probs, float *stats, uint8_t *dmask,
                                        const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
-                                       uint64_t key, int workers) {
-    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, stats, dmask, p, key, prec, -1);
+                                       uint64_t key, int workers, int64_t half) {
+    return attention_run(ctx, qkv, seqs, B, C, NH, workers, probs, stats, dmask, p, key, prec, half);
 }

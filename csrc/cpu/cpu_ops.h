@@ -72,10 +72,11 @@ void ft_cpu_dropout_row(float *row, uint8_t *mask, int64_t n, uint64_t key, uint
 /* attention_train_forward's work (attention.c): the inference tasks, keeping each (sequence,
  * head)'s probabilities (probs) and/or their rows' softmax statistics (stats, (N, NH, 2)) and
  * dropping them out before P V, on at most `workers` threads; prec FT_BF16 / FT_F16: Q, K, V and
- * the dropped probabilities rounded to it before their products (float32 sums) */
+ * the dropped probabilities rounded to it before their products (float32 sums); half >= 0: local
+ * attention, row i sees the keys j with |i - j| <= half (the kept row 0 elsewhere; no dropout) */
 ft_status ft_cpu_attention_train_heads(ft_dtype prec, float *ctx, float *probs, float *stats, uint8_t *dmask,
                                        const float *qkv, const int32_t *seqs, int64_t B, int64_t C, int64_t NH, float p,
-                                       uint64_t key, int workers);
+                                       uint64_t key, int workers, int64_t half);
 
 /* one (sequence, head) of inference attention, exactly as attention_forward computes it (the
  * same bits): out (nq rows, stride C) from q = the head's Q columns of the sequence's first row of

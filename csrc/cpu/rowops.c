@@ -125,6 +125,27 @@ ft_status cpu_rotary_forward(ft_backend *be, ft_dtype dt, void *qkv_, const int3
     return FT_OK;
 }
 
+/* rotation by minus the forward's angle: the forward's cos / sin bits, the sine negated (exact) */
+ft_status cpu_rotary_backward(ft_backend *be, float *dqkv, const int32_t *positions, int64_t N, int64_t C, int64_t NH,
+                              double theta) {
+    (void)be;
+    const int64_t hs = C / NH, h2 = hs / 2;
+    if (hs % 2 || !(theta > 0.0))
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "rotary_backward: needs an even head size and theta > 0, got %lld, %g",
+                        (long long)hs, theta);
+    float inv[h2 > 0 ? h2 : 1];
+    ft_rotary_inv_freq(inv, hs, theta);
+#pragma omp parallel for schedule(dynamic, ROWS_PER_CHUNK) num_threads(ft_num_threads()) if (N * C > 65536)
+    for (int64_t r = 0; r < N; r++) {
+        float cs[2 * (h2 > 0 ? h2 : 1)];
+        ft_rotary_cos_sin(cs, inv, h2, positions[r]);
+        for (int64_t i = 0; i < h2; i++) cs[h2 + i] = -cs[h2 + i];
+        float *row = dqkv + r * 3 * C;
+        for (int64_t k = 0; k < 2 * NH; k++) ft_rotary_row(row + k * hs, cs, h2);
+    }
+    return FT_OK;
+}
+
 ft_status cpu_gated_act_forward(ft_backend *be, ft_dtype dt, void *out_, const void *h_, int64_t N, int64_t I,
                                 ft_activation act) {
     (void)be;

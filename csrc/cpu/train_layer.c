@@ -181,6 +181,24 @@ ft_status cpu_bias_act_backward(ft_backend *be, float *dh, const float *df, cons
     return FT_OK;
 }
 
+/* per row: a = h[:K], g = h[K:]; dh[:K] = dout g act'(a) (the kernel set's derivative), dh[K:] =
+ * dout act(a) (act(a) as gated_act_forward computes it) */
+ft_status cpu_gated_act_backward(ft_backend *be, float *dh, const float *dout, const float *h, int64_t N, int64_t K,
+                                 ft_activation act) {
+    (void)be;
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * K > 16384)
+    for (int64_t r = 0; r < N; r++) {
+        const float *a = h + r * 2 * K, *g = a + K, *d = dout + r * K;
+        float *da = dh + r * 2 * K, *dg = da + K;
+        for (int64_t i = 0; i < K; i++) da[i] = d[i] * g[i];
+        ft_cpu_act_grad_row(da, da, a, K, (int)act);
+        memcpy(dg, a, (size_t)K * sizeof(float));
+        ft_activation_row(dg, K, act);
+        for (int64_t i = 0; i < K; i++) dg[i] *= d[i];
+    }
+    return FT_OK;
+}
+
 /* score blocks per worker: the recomputed probabilities (when they are not kept), and one that
  * holds the dropped probabilities until dV is done, then dP and dS */
 #define ATTN_BLOCKS 2
@@ -238,11 +256,22 @@ static ft_status scratch_workers(const attn_plan *pl, size_t scratch_bytes, cons
     return FT_OK;
 }
 
+/* local attention's training ops: a window >= 0, and no dropout with one */
+static ft_status check_window(int64_t window, float p, const char *op) {
+    if (window < 0) return ft_error(FT_ERR_INVALID_ARGUMENT, "%s: window %lld < 0", op, (long long)window);
+    if (window > 0 && p > 0.0f)
+        return ft_error(FT_ERR_UNSUPPORTED, "%s: dropout on local attention's probabilities (window %lld, p %g) is not "
+                        "supported; use attention dropout 0", op, (long long)window, (double)p);
+    return FT_OK;
+}
+
 ft_status cpu_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx, float *probs, float *stats,
                                       uint8_t *dmask, const float *qkv, const int32_t *seqs, int64_t B, int64_t C,
-                                      int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
+                                      int64_t NH, int64_t window, float p, uint64_t key, float *scratch,
+                                      size_t scratch_bytes) {
     (void)be;
     FT_TRY(ft_cpu_check_prec(prec, "attention_train_forward"));
+    FT_TRY(check_window(window, p, "attention_train_forward"));
     if (!probs && !stats)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_train_forward: probs and stats are both NULL (the "
                         "backward needs one of them)");
@@ -255,15 +284,18 @@ ft_status cpu_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx,
     /* the packed-panel kernels of inference attention (attention.c): the scratch only bounds the
      * team here, each worker packs its panels in its own buffer */
     (void)scratch;
-    return ft_cpu_attention_train_heads(prec, ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, workers);
+    return ft_cpu_attention_train_heads(prec, ctx, probs, stats, dmask, qkv, seqs, B, C, NH, p, key, workers,
+                                        window > 0 ? window / 2 : -1);
 }
 
 ft_status cpu_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx, const float *qkv,
                                  const float *probs, const float *stats, const uint8_t *dmask, const int32_t *seqs,
-                                 int64_t B, int64_t C, int64_t NH, float p, uint64_t key, float *scratch,
-                                 size_t scratch_bytes) {
+                                 int64_t B, int64_t C, int64_t NH, int64_t window, float p, uint64_t key,
+                                 float *scratch, size_t scratch_bytes) {
     (void)be;
     FT_TRY(ft_cpu_check_prec(prec, "attention_backward"));
+    FT_TRY(check_window(window, p, "attention_backward"));
+    const int64_t half = window > 0 ? window / 2 : -1;
     if (!probs && !stats)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "attention_backward: probs and stats are both NULL");
     attn_plan pl;
@@ -321,6 +353,11 @@ ft_status cpu_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, con
                     float *row = Pr + i * n;
 #pragma omp simd
                     for (int64_t c = 0; c < n; c++) row[c] = ft_expf(row[c] - m) * inv;
+                    if (half >= 0) {   /* a window: 0 outside the row's reach */
+                        const int64_t lo = i - half > 0 ? i - half : 0, hi = i + half + 1 < n ? i + half + 1 : n;
+                        memset(row, 0, (size_t)lo * sizeof(float));
+                        if (hi < n) memset(row + hi, 0, (size_t)(n - hi) * sizeof(float));
+                    }
                 }
             }
             if (thr) {

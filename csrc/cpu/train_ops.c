@@ -40,6 +40,13 @@ ft_status cpu_scale(ft_backend *be, float *x, int64_t n, float s) {
     return FT_OK;
 }
 
+ft_status cpu_add(ft_backend *be, float *y, const float *x, int64_t n) {
+    (void)be;
+#pragma omp parallel for simd schedule(static) num_threads(ft_num_threads()) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) y[i] += x[i];
+    return FT_OK;
+}
+
 ft_status cpu_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n) {
     (void)be;
 #pragma omp parallel for simd schedule(static) num_threads(ft_num_threads()) if (n > 65536)

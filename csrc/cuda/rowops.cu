@@ -112,12 +112,12 @@ __global__ void rotary_kernel_f(float *inv, int64_t h2, int64_t hs, double theta
 
 template <typename T>
 __global__ void rotary_kernel(T *qkv, const int32_t *positions, const float *inv, int64_t N, int64_t C, int64_t NH,
-                              int64_t h2) {
+                              int64_t h2, int backward) {
     const int64_t total = N * 2 * NH * h2, hs = 2 * h2;
     for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
         const int64_t i = k % h2, head = (k / h2) % (2 * NH), r = k / (h2 * 2 * NH);
         const float a = __fmul_rn((float)positions[r], inv[i]);
-        const float cs = (float)cos((double)a), sn = (float)sin((double)a);
+        const float cs = (float)cos((double)a), sf = (float)sin((double)a), sn = backward ? -sf : sf;
         T *x = qkv + r * 3 * C + head * hs;
         const float u = to_f(x[i]), v = to_f(x[h2 + i]);
         x[i] = from_f<T>(__fsub_rn(__fmul_rn(u, cs), __fmul_rn(v, sn)));
@@ -153,27 +153,39 @@ __global__ void residual_ln_kernel(T *x, T *hout, const T *y, const T *gamma, co
 
 }  // namespace
 
-ft_status cuda_rotary_forward(ft_backend *be, ft_dtype dt, void *qkv, const int32_t *positions, int64_t N, int64_t C,
-                              int64_t NH, double theta) {
+// rotary_forward (backward = 0) or its backward on float32 gradients (1: minus the angle)
+static ft_status rotary(ft_backend *be, ft_dtype dt, void *qkv, const int32_t *positions, int64_t N, int64_t C,
+                        int64_t NH, double theta, int backward) {
+    const char *what = backward ? "rotary_backward" : "rotary_forward";
     const int64_t hs = C / NH, h2 = hs / 2;
     if (hs % 2 || !(theta > 0.0))
-        return g_host->error(FT_ERR_INVALID_ARGUMENT, "rotary_forward: needs an even head size and theta > 0, got "
-                             "%lld, %g", (long long)hs, theta);
+        return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: needs an even head size and theta > 0, got %lld, %g", what,
+                             (long long)hs, theta);
     if (N == 0 || h2 == 0) return FT_OK;
     cuda_ctx *c = ctx_of(be);
     float *inv = nullptr;   // the frequencies, made on the device for this call (a few hundred bytes)
-    FT_CU(cudaMallocAsync((void **)&inv, (size_t)h2 * sizeof(float), c->stream), "rotary_forward frequencies");
+    FT_CU(cudaMallocAsync((void **)&inv, (size_t)h2 * sizeof(float), c->stream), "rotary frequencies");
     FT_LAUNCH(rotary_kernel_f, 1, 128, 0, c->stream)(inv, h2, hs, theta);
-    ft_status st = launched("rotary_forward");
+    ft_status st = launched(what);
     if (st == FT_OK)
-        st = with_dtype(dt, "rotary_forward", [&](auto tag) {
+        st = with_dtype(dt, what, [&](auto tag) {
             typedef decltype(tag) T;
             FT_LAUNCH(rotary_kernel<T>, grid_of(N * 2 * NH * h2, 256), 256, 0, c->stream)(
-                (T *)qkv, positions, inv, N, C, NH, h2);
-            return launched("rotary_forward");
+                (T *)qkv, positions, inv, N, C, NH, h2, backward);
+            return launched(what);
         });
     cudaFreeAsync(inv, c->stream);
     return st;
+}
+
+ft_status cuda_rotary_forward(ft_backend *be, ft_dtype dt, void *qkv, const int32_t *positions, int64_t N, int64_t C,
+                              int64_t NH, double theta) {
+    return rotary(be, dt, qkv, positions, N, C, NH, theta, 0);
+}
+
+ft_status cuda_rotary_backward(ft_backend *be, float *dqkv, const int32_t *positions, int64_t N, int64_t C, int64_t NH,
+                               double theta) {
+    return rotary(be, FT_F32, dqkv, positions, N, C, NH, theta, 1);
 }
 
 ft_status cuda_gated_act_forward(ft_backend *be, ft_dtype dt, void *out, const void *h, int64_t N, int64_t I,

@@ -218,17 +218,24 @@ __device__ inline float prob_of(float score_acc, float scale, float m, float inv
     return expf(score_acc * scale - m) * inv;
 }
 
+// local attention: query i sees key j when |i - j| <= half (half < 0: every key)
+__device__ inline bool in_reach(int64_t i, int64_t j, int64_t half) {
+    return half < 0 || (i - j <= half && j - i <= half);
+}
+
 // p = the probabilities of a tile (query rows q0.., keys k0..; zero outside the real ones): read
 // from probs (P: the tile's P[0][0], row stride n), or recomputed from Q K^T and the rows' (m, 1/sum)
 template <typename H>
 __device__ inline void probs_tile(float p[2][4], op_tile<H> &As, op_tile<H> &Bs, res_tile<H> &R, const float *P,
                                   int64_t n, const float *qg, const float *kg, int64_t ld, int64_t nq, int64_t nk,
-                                  int hs, float scale, const float m[2], const float inv[2]) {
+                                  int hs, float scale, const float m[2], const float inv[2], int64_t q0, int64_t k0,
+                                  int64_t half) {
     if (!P) product_tile_abt<H>(p, As, Bs, R, qg, ld, nq, kg, ld, nk, hs);
     FT_UNROLL for (int i = 0; i < 2; i++)
         FT_UNROLL for (int j = 0; j < 4; j++) {
             const int r = tile_row(i), c = tile_col(j);
-            p[i][j] = r >= nq || c >= nk ? 0.0f : P ? P[r * n + c] : prob_of(p[i][j], scale, m[i], inv[i]);
+            p[i][j] = r >= nq || c >= nk || !in_reach(q0 + r, k0 + c, half) ? 0.0f
+                      : P ? P[r * n + c] : prob_of(p[i][j], scale, m[i], inv[i]);
         }
 }
 
@@ -240,8 +247,9 @@ __device__ inline void grad_tiles(float p[2][4], int keep[2][4], float dp[2][4],
                                   res_tile<H> &R, const float *P, int64_t n, const float *qg, const float *kg,
                                   const float *og, int64_t C, const float *vg, int64_t ld, int64_t nq, int64_t nk,
                                   int hs, float scale, const float m[2], const float inv[2], const uint8_t *dmask,
-                                  int64_t pidx, uint32_t thr, float keep_scale, uint64_t key) {
-    probs_tile<H>(p, As, Bs, R, P, n, qg, kg, ld, nq, nk, hs, scale, m, inv);
+                                  int64_t pidx, uint32_t thr, float keep_scale, uint64_t key, int64_t q0, int64_t k0,
+                                  int64_t half) {
+    probs_tile<H>(p, As, Bs, R, P, n, qg, kg, ld, nq, nk, hs, scale, m, inv, q0, k0, half);
     product_tile_abt<H>(dp, As, Bs, R, og, C, nq, vg, ld, nk, hs);
     FT_UNROLL for (int i = 0; i < 2; i++)
         FT_UNROLL for (int j = 0; j < 4; j++) {
@@ -275,7 +283,7 @@ template <typename H>
 __global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, float *stats, uint8_t *dmask,
                                const float *qkv, int64_t C, int NH, int hs, int tiles, float scale, uint32_t thr,
-                               float keep_scale, uint64_t key) {
+                               float keep_scale, uint64_t key, int64_t half) {
     __align__(32) __shared__ op_tile<H> As, Bs, Ps;
     __align__(32) __shared__ res_tile<H> R;
     const seq_entry sq = seqs[blockIdx.y];
@@ -294,12 +302,14 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
         FT_UNROLL for (int i = 0; i < 2; i++) {
             float mt = -INFINITY;
             FT_UNROLL for (int j = 0; j < 4; j++)
-                if (k0 + tile_col(j) < n) mt = fmaxf(mt, acc[i][j] * scale);
+                if (k0 + tile_col(j) < n && in_reach(q0 + tile_row(i), k0 + tile_col(j), half))
+                    mt = fmaxf(mt, acc[i][j] * scale);
             if (mt != -INFINITY) {   // else none of this thread's columns is a key here
                 const float mn = fmaxf(m[i], mt);
                 float sum = l[i] * expf(m[i] - mn);
                 FT_UNROLL for (int j = 0; j < 4; j++)
-                    if (k0 + tile_col(j) < n) sum += expf(acc[i][j] * scale - mn);
+                    if (k0 + tile_col(j) < n && in_reach(q0 + tile_row(i), k0 + tile_col(j), half))
+                        sum += expf(acc[i][j] * scale - mn);
                 l[i] = sum;
                 m[i] = mn;
             }
@@ -334,7 +344,7 @@ attention_train_forward_kernel(const seq_entry *seqs, float *ctx, float *probs, 
                 float pd = 0.0f;
                 if (r < nq && k0 + c < n) {
                     const int64_t at = r * n + k0 + c;
-                    const float p = prob_of(acc[i][j], scale, m[i], inv[i]);
+                    const float p = in_reach(q0 + r, k0 + c, half) ? prob_of(acc[i][j], scale, m[i], inv[i]) : 0.0f;
                     if (probs) probs[pbase + at] = p;
                     pd = p;
                     if (thr) {
@@ -361,7 +371,7 @@ template <typename H>
 __global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, const float *dctx, const float *qkv,
                              const float *probs, const float *stats, const uint8_t *dmask, int64_t C, int NH, int hs,
-                             int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
+                             int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key, int64_t half) {
     __align__(32) __shared__ op_tile<H> As, Bs, Ss;
     __align__(32) __shared__ res_tile<H> R;
     const seq_entry sq = seqs[blockIdx.y];
@@ -383,7 +393,7 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
         float p[2][4], dp[2][4];
         int keep[2][4];
         grad_tiles<H>(p, keep, dp, As, Bs, R, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq,
-                      n - k0, hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
+                      n - k0, hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key, q0, k0, half);
         FT_UNROLL for (int i = 0; i < 2; i++)
             FT_UNROLL for (int j = 0; j < 4; j++) dsum[i] += dp[i][j] * p[i][j];   // zero outside the tile
     }
@@ -397,7 +407,7 @@ attention_backward_dq_kernel(const seq_entry *seqs, float *dqkv, float *Dsum, co
         float p[2][4], dp[2][4];
         int keep[2][4];
         grad_tiles<H>(p, keep, dp, As, Bs, R, P ? P + k0 : nullptr, n, qg, kg + k0 * ld, og, C, vg + k0 * ld, ld, nq,
-                      n - k0, hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key);
+                      n - k0, hs, scale, m, inv, dmask, pbase + k0, thr, keep_scale, key, q0, k0, half);
         FT_UNROLL for (int i = 0; i < 2; i++)
             FT_UNROLL for (int j = 0; j < 4; j++) {
                 const int r = tile_row(i), c = tile_col(j);
@@ -419,7 +429,8 @@ template <typename H>
 __global__ void __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS)
 attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *Dsum, const float *dctx,
                               const float *qkv, const float *probs, const float *stats, const uint8_t *dmask, int64_t C,
-                              int NH, int hs, int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key) {
+                              int NH, int hs, int tiles, float scale, uint32_t thr, float keep_scale, uint64_t key,
+                              int64_t half) {
     __align__(32) __shared__ op_tile<H> As, Bs, Ss, Ps;
     __align__(32) __shared__ res_tile<H> R, R2;
     const seq_entry sq = seqs[blockIdx.y];
@@ -439,7 +450,7 @@ attention_backward_dkv_kernel(const seq_entry *seqs, float *dqkv, const float *D
         row_stats(m, inv, probs ? nullptr : stats, sq.first + q0, nq, NH, head);
         grad_tiles<H>(p, keep, dp, As, Bs, R, probs ? probs + hbase + q0 * n + k0 : nullptr, n, qg + q0 * ld, kt,
                       og + q0 * C, C, vt, ld, nq, nk, hs, scale, m, inv, dmask, hbase + q0 * n + k0, thr, keep_scale,
-                      key);
+                      key, q0, k0, half);
         FT_UNROLL for (int i = 0; i < 2; i++) {
             const int r = tile_row(i);
             const float D = r < nq ? Dsum[(sq.first + q0 + r) * NH + head] : 0.0f;
@@ -723,6 +734,18 @@ ft_status check_prec(cuda_ctx *c, ft_dtype prec, const char *op) {
     return FT_OK;
 }
 
+// local attention (window > 0): the fused kernels only, and no dropout
+ft_status check_window(int64_t window, float p, variant_id v, const char *op) {
+    if (window < 0) return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: window %lld < 0", op, (long long)window);
+    if (window > 0 && p > 0.0f)
+        return g_host->error(FT_ERR_UNSUPPORTED, "%s: dropout on local attention's probabilities (window %lld, p %g) "
+                             "is not supported; use attention dropout 0", op, (long long)window, (double)p);
+    if (window > 0 && v == PER_SEQUENCE)
+        return g_host->error(FT_ERR_UNSUPPORTED, "%s: the per_sequence variant (FASTTRAN_CUDA_TRAIN_ATTENTION) has no "
+                             "local attention (window %lld): use the fused one", op, (long long)window);
+    return FT_OK;
+}
+
 // f(H()) with H the products' operand type of prec (float for FT_F32)
 template <typename F> ft_status with_prec(ft_dtype prec, F &&f) {
     return prec == FT_BF16 ? f(__nv_bfloat16()) : prec == FT_F16 ? f(__half()) : f(float());
@@ -732,12 +755,14 @@ template <typename F> ft_status with_prec(ft_dtype prec, F &&f) {
 
 ft_status cuda_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx, float *probs, float *stats,
                                        uint8_t *dmask, const float *qkv, const int32_t *seqs, int64_t B, int64_t C,
-                                       int64_t NH, float p, uint64_t key, float *scratch, size_t scratch_bytes) {
+                                       int64_t NH, int64_t window, float p, uint64_t key, float *scratch,
+                                       size_t scratch_bytes) {
     const char *op = "attention_train_forward";
     const variant_id v = variant();
     if (v == UNKNOWN) return unknown_variant(op);
     cuda_ctx *c = ctx_of(be);
     FT_TRY(check_prec(c, prec, op));
+    FT_TRY(check_window(window, p, v, op));
     if (!probs && !stats)
         return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: probs and stats are both NULL (the backward needs one of "
                              "them)", op);
@@ -748,7 +773,7 @@ ft_status cuda_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx
                                  "keeps the probabilities and no statistics: recomputing them needs the fused one", op);
         return forward_per_sequence(be, prec, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
     }
-    if (prec != FT_F32 && !probs && !dmask && p == 0.0f) {   // cuDNN where it can (attention_cudnn.cu)
+    if (prec != FT_F32 && !probs && !dmask && p == 0.0f && window == 0) {   // cuDNN where it can (attention_cudnn.cu)
         bool ran = false;
         FT_TRY(cudnn_attention_train_forward(be, prec, ctx, stats, qkv, seqs, B, C, NH, &ran));
         if (ran) return FT_OK;
@@ -763,19 +788,20 @@ ft_status cuda_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx
         return launch_over_sequences(c, attention_train_forward_kernel<H>, op, B, tiles, NH,
                                      reinterpret_cast<const seq_entry *>(scratch), ctx, probs, stats, dmask, qkv, C,
                                      (int)NH, hs, (int)tiles, 1.0f / sqrtf((float)hs), thr,
-                                     p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, key);
+                                     p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, key, window > 0 ? window / 2 : (int64_t)-1);
     });
 }
 
 ft_status cuda_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx, const float *qkv,
                                   const float *probs, const float *stats, const uint8_t *dmask, const int32_t *seqs,
-                                  int64_t B, int64_t C, int64_t NH, float p, uint64_t key, float *scratch,
-                                  size_t scratch_bytes) {
+                                  int64_t B, int64_t C, int64_t NH, int64_t window, float p, uint64_t key,
+                                  float *scratch, size_t scratch_bytes) {
     const char *op = "attention_backward";
     const variant_id v = variant();
     if (v == UNKNOWN) return unknown_variant(op);
     cuda_ctx *c = ctx_of(be);
     FT_TRY(check_prec(c, prec, op));
+    FT_TRY(check_window(window, p, v, op));
     if (!probs && !stats) return g_host->error(FT_ERR_INVALID_ARGUMENT, "%s: probs and stats are both NULL", op);
     if (B == 0) return FT_OK;
     if (v == PER_SEQUENCE) {
@@ -784,7 +810,7 @@ ft_status cuda_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, co
                                  "reads kept probabilities: recomputing them needs the fused one", op);
         return backward_per_sequence(be, prec, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch);
     }
-    if (prec != FT_F32 && !probs && !dmask && p == 0.0f) {   // cuDNN where it can (attention_cudnn.cu)
+    if (prec != FT_F32 && !probs && !dmask && p == 0.0f && window == 0) {   // cuDNN where it can (attention_cudnn.cu)
         bool ran = false;
         FT_TRY(cudnn_attention_backward(be, prec, dqkv, dctx, qkv, seqs, B, C, NH, &ran));
         if (ran) return FT_OK;
@@ -797,12 +823,13 @@ ft_status cuda_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, co
     const float scale = 1.0f / sqrtf((float)hs), keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
     const seq_entry *table = reinterpret_cast<const seq_entry *>(scratch);
     float *D = reinterpret_cast<float *>(reinterpret_cast<char *>(scratch) + table_bytes(B));
+    const int64_t half = window > 0 ? window / 2 : -1;
     return with_prec(prec, [&](auto tag) {
         typedef decltype(tag) H;
         FT_TRY(launch_over_sequences(c, attention_backward_dq_kernel<H>, op, B, tiles, NH, table, dqkv, D, dctx, qkv,
-                                     probs, stats, dmask, C, (int)NH, hs, (int)tiles, scale, thr, keep_scale, key));
+                                     probs, stats, dmask, C, (int)NH, hs, (int)tiles, scale, thr, keep_scale, key, half));
         return launch_over_sequences(c, attention_backward_dkv_kernel<H>, op, B, tiles, NH, table, dqkv,
                                      static_cast<const float *>(D), dctx, qkv, probs, stats, dmask, C, (int)NH, hs,
-                                     (int)tiles, scale, thr, keep_scale, key);
+                                     (int)tiles, scale, thr, keep_scale, key, half);
     });
 }

@@ -117,6 +117,17 @@ __global__ void bias_act_train_kernel(float *f, float *pre, uint8_t *bits, const
     }
 }
 
+// one thread per (row, k): a = h[r, k], g = h[r, K + k]; dh[r, k] = dout g act'(a), dh[r, K + k] = dout act(a)
+__global__ void gated_act_backward_kernel(float *dh, const float *dout, const float *h, int64_t total, int64_t K,
+                                          int act) {
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = k / K, i = k % K;
+        const float a = h[r * 2 * K + i], g = h[r * 2 * K + K + i], d = dout[k];
+        dh[r * 2 * K + i] = (float)((double)(d * g) * ft_act_grad((double)a, act));
+        dh[r * 2 * K + K + i] = d * (float)ft_act_value((double)a, act);
+    }
+}
+
 // one thread per element: dh = df act'(x), x recovered from the saved output where that is
 // accurate; elements in Tempo's flat GELU band are left (dh may be df itself) to bias_act_flat_kernel
 __global__ void bias_act_backward_kernel(float *dh, const float *df, const float *saved, const uint8_t *bits,
@@ -251,4 +262,12 @@ ft_status cuda_pool_backward(ft_backend *be, float *dh, const float *dout, const
     if (B == 0) return FT_OK;
     FT_LAUNCH(pool_backward_kernel, dim3((unsigned)B, (unsigned)((C + 127) / 128)), 128, 0, s)(dh, dout, first, count, C);
     return launched("pool_backward");
+}
+
+ft_status cuda_gated_act_backward(ft_backend *be, float *dh, const float *dout, const float *h, int64_t N, int64_t K,
+                                  ft_activation act) {
+    if (N * K == 0) return FT_OK;
+    FT_LAUNCH(gated_act_backward_kernel, grid_of(N * K, 256), 256, 0, ctx_of(be)->stream)(dh, dout, h, N * K, K,
+                                                                                         (int)act);
+    return launched("gated_act_backward");
 }

@@ -22,6 +22,11 @@ __global__ void scale_kernel(float *x, int64_t n, float s) {
         x[i] *= s;
 }
 
+__global__ void add_kernel(float *y, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] += x[i];
+}
+
 __global__ void tanh_backward_kernel(float *dx, const float *dy, const float *y, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         dx[i] = dy[i] * (1.0f - y[i] * y[i]);
@@ -148,6 +153,12 @@ ft_status cuda_scale(ft_backend *be, float *x, int64_t n, float s) {
     if (n <= 0) return FT_OK;
     FT_LAUNCH(scale_kernel, grid_of(n, 256), 256, 0, ctx_of(be)->stream)(x, n, s);
     return launched("scale");
+}
+
+ft_status cuda_add(ft_backend *be, float *y, const float *x, int64_t n) {
+    if (n <= 0) return FT_OK;
+    FT_LAUNCH(add_kernel, grid_of(n, 256), 256, 0, ctx_of(be)->stream)(y, x, n);
+    return launched("add");
 }
 
 ft_status cuda_tanh_backward(ft_backend *be, float *dx, const float *dy, const float *y, int64_t n) {

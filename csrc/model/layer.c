@@ -8,7 +8,16 @@
  *   h1    (N, C)  = LN(x + dropout(ctx Wo^T + bo))                     gemm + residual_ln_train_forward
  *   act   (N, I)  = GELU(h1 W1^T + b1)                                 gemm + bias_act_train_forward
  *   out   (N, C)  = LN(h1 + dropout(act W2^T + b2))                    gemm + residual_ln_train_forward
- * and its backward, in reverse (see ft_layer_backward). Dropout keys: (seed, step, layer, site). */
+ * and its backward, in reverse (see ft_layer_backward). Dropout keys: (seed, step, layer, site).
+ *
+ * A pre-LN layer (ModernBERT: no biases, no dropout) keeps its input x, the residual stream:
+ *   a     (N, C)  = LN_attn(x) (x itself in encoder layer 0)          residual_ln_train_forward
+ *   qkv   (N, 3A) = a Wqkv^T, RoPE on Q and K                          gemm + rotary_forward
+ *   ctx   (N, A)  = attention(qkv) over the layer's window             attention_train_forward
+ *   x1    (N, C)  = x + ctx Wo^T;  m = LN_mlp(x1)                      gemm + residual_ln_train_forward
+ *   big   (N, 2I) = m Wi^T;  act (N, I) = GELU(big[:, :I]) big[:, I:]  gemm + gated_act_forward
+ *   out   (N, C)  = x1 + act W2^T, then final_norm(out) in the encoder's last layer
+ * (ft_layer_forward_train_pre; its backward: ft_layer_backward_pre). */
 #include "model/layer.h"
 
 #include <math.h>
@@ -53,6 +62,18 @@ void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt,
     const size_t C = (size_t)cfg->hidden_size, A = (size_t)sh->attn, I = (size_t)sh->inter, n = (size_t)N,
                  f = sizeof(float), probs = (size_t)P * (size_t)sh->heads;
     memset(sizes, 0, FT_LAYER_ACT_KINDS * sizeof(size_t));
+    if (cfg->norm == FT_NORM_PRE) {   /* ft_layer_forward_train_pre's (no dropout, no Tempo) */
+        const size_t nc = n * C * f, first = sh->index > 0, fin = sh->final_norm != 0;
+        sizes[ACT_QKV] = n * 3 * A * f;
+        sizes[ACT_PROBS] = opt->recompute_attention_probs ? n * (size_t)sh->heads * 2 * f : probs * f;
+        sizes[ACT_CTX] = n * A * f;
+        sizes[ACT_LN_IN] = (1 + fin) * nc;                       /* x1, and the final norm's input */
+        sizes[ACT_LN_STATS] = (first + 1 + fin) * n * 2 * f;
+        sizes[ACT_LN_OUT] = (first + 2) * nc;                    /* the attention norm's output, the MLP norm's, out */
+        sizes[ACT_GELU_IN] = n * 2 * I * f;
+        sizes[ACT_GELU_OUT] = n * I * f;
+        return;
+    }
     sizes[ACT_QKV] = n * 3 * A * f;
     /* the probabilities, or (recomputed in the backward) each row's softmax statistics: 2 floats per row and head */
     sizes[ACT_PROBS] = opt->recompute_attention_probs ? n * (size_t)sh->heads * 2 * f : probs * f;
@@ -76,7 +97,7 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
     FT_TRY(be->broadcast_rows(be, a->qkv, w->bqkv, N, 3 * A));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, 3 * A, C, 1.0f, a->x, C, w->wqkv, C, 1.0f, a->qkv, 3 * A));
     FT_TRY(be->attention_train_forward(be, o->matmul_precision, a->ctx, a->probs, a->attn_stats, a->attn_mask, a->qkv,
-                                       bt->seqs, bt->B, A, NH, o->attention_dropout,
+                                       bt->seqs, bt->B, A, NH, 0, o->attention_dropout,
                                        site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
     /* h1 = LN(x + dropout(ctx Wo^T + bo)) */
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 1, N, C, A, 1.0f, a->ctx, A, w->wo, A, 0.0f, wk->tmp, C));
@@ -140,12 +161,92 @@ ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t la
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 0, 0, N, A, C, 1.0f, da, C, w->wo, A, 0.0f, wk->dctx, A));
     FT_TRY(rec->heads(rec, be, layer, wk->dctx, a->ctx, N, A, NH));
     FT_TRY(be->attention_backward(be, o->matmul_precision, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_stats,
-                                  a->attn_mask, bt->seqs, bt->B, A, NH, o->attention_dropout,
+                                  a->attn_mask, bt->seqs, bt->B, A, NH, 0, o->attention_dropout,
                                   site_key(bt, layer, SITE_ATTN_PROBS), wk->attn_scratch, wk->attn_scratch_bytes));
     FT_TRY(be->sum_axis(be, gw->bqkv, wk->dbig, N, 3 * A, 0));
     FT_TRY(be->gemm_prec(be, o->matmul_precision, 1, 0, 3 * A, C, N, 1.0f, wk->dbig, 3 * A, a->x, C, 0.0f, gw->wqkv, C));
     if (!want_dx) return FT_OK;   /* the bottom trained layer: nothing below needs d x */
     return be->gemm_prec(be, o->matmul_precision, 0, 0, N, C, 3 * A, 1.0f, wk->dbig, 3 * A, w->wqkv, C, 1.0f, wk->g, C);
+}
+
+ft_status ft_layer_forward_train_pre(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
+                                     const ft_layer_weights *w, ft_layer_acts *a, const ft_layer_work *wk) {
+    const ft_bert_config *c = bt->cfg;
+    const ft_dtype mp = bt->opt->matmul_precision;
+    const int64_t N = bt->N, C = c->hidden_size, A = sh->attn, I = sh->inter, NH = sh->heads;
+    const float eps = c->layer_norm_eps, *z = wk->zeros;
+    /* a = LN_attn(x): the LayerNorm of 0 + (x + 0), its statistics kept */
+    if (w->ln1_g)
+        FT_TRY(be->residual_ln_train_forward(be, a->h1, NULL, a->ln1_stats, z, a->x, z, w->ln1_g, w->ln1_b ? w->ln1_b : z,
+                                             N, C, eps, 0.0f, 0));
+    const float *in = w->ln1_g ? a->h1 : a->x;
+    FT_TRY(be->gemm_prec(be, mp, 0, 1, N, 3 * A, C, 1.0f, in, C, w->wqkv, C, 0.0f, a->qkv, 3 * A));
+    const double theta = ft_config_layer_rope_theta(c, layer);
+    if (theta > 0) FT_TRY(be->rotary_forward(be, FT_F32, a->qkv, wk->positions, N, A, NH, theta));
+    FT_TRY(be->attention_train_forward(be, mp, a->ctx, a->probs, a->attn_stats, NULL, a->qkv, bt->seqs, bt->B, A, NH,
+                                       ft_config_layer_window(c, layer), 0.0f, 0, wk->attn_scratch,
+                                       wk->attn_scratch_bytes));
+    /* x1 = x + ctx Wo^T (kept), m = LN_mlp(x1) */
+    FT_TRY(be->gemm_prec(be, mp, 0, 1, N, C, A, 1.0f, a->ctx, A, w->wo, A, 0.0f, wk->tmp, C));
+    FT_TRY(be->residual_ln_train_forward(be, a->mlp_in, a->ln1_in, a->ln2_stats, a->x, wk->tmp, z, w->ln2_g,
+                                         w->ln2_b ? w->ln2_b : z, N, C, eps, 0.0f, 0));
+    /* big = m Wi^T, act = GELU(big[:, :I]) big[:, I:] */
+    FT_TRY(be->gemm_prec(be, mp, 0, 1, N, 2 * I, C, 1.0f, a->mlp_in, C, w->w1, C, 0.0f, a->ffn_pre, 2 * I));
+    FT_TRY(be->gated_act_forward(be, FT_F32, a->ffn_act, a->ffn_pre, N, I, c->activation));
+    /* out = x1 + act W2^T; the encoder's last layer: final_norm of it */
+    FT_TRY(be->gemm_prec(be, mp, 0, 1, N, C, I, 1.0f, a->ffn_act, I, w->w2, I, 0.0f, wk->tmp, C));
+    if (w->fin_g)
+        return be->residual_ln_train_forward(be, a->out, a->res_out, a->fin_stats, a->ln1_in, wk->tmp, z, w->fin_g,
+                                             w->fin_b ? w->fin_b : z, N, C, eps, 0.0f, 0);
+    FT_TRY(be->copy(be, a->out, a->ln1_in, (size_t)N * (size_t)C * sizeof(float)));
+    return be->add(be, a->out, wk->tmp, N * C);
+}
+
+/* Backward of a pre-LN layer. On entry wk->g = d out; on exit wk->g = d x.
+ *   g     = d res_out                final norm backward (the encoder's last layer)   -> dfin_g
+ *   dW2   = g^T act;  dact = g W2    (dbig's last I columns)
+ *   dbig  = GeGLU backward of dact                                                    -> dWi = dbig^T m
+ *   tmp   = dbig Wi = d m;  tmp = LN_mlp backward;  g += tmp   (g = d x1)             -> dln2_g
+ *   dWo   = g^T ctx;  dctx = g Wo;  dbig = d qkv (attention backward), RoPE backward  -> dWqkv = dbig^T a
+ *   tmp   = dbig Wqkv = d a;  LN_attn backward (not in layer 0);  g += tmp  (g = d x; skipped
+ *           when nothing below needs it)                                               -> dln1_g */
+ft_status ft_layer_backward_pre(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
+                                const ft_layer_weights *w, const ft_layer_acts *a, const ft_layer_work *wk,
+                                const ft_layer_weights *gw, int want_dx, const ft_layer_recorder *rec) {
+    const ft_bert_config *c = bt->cfg;
+    const ft_dtype mp = bt->opt->matmul_precision;
+    const int64_t N = bt->N, C = c->hidden_size, A = sh->attn, I = sh->inter, NH = sh->heads;
+    const float *z = wk->zeros;
+    FT_TRY(rec->output(rec, be, layer, wk->g, a->out, a->x, N, C));
+    if (w->fin_g)
+        FT_TRY(be->layernorm_backward(be, wk->g, gw->fin_g, gw->fin_b ? gw->fin_b : wk->dump, wk->g, a->res_out,
+                                      a->fin_stats, w->fin_g, w->fin_b ? w->fin_b : z, N, C, 0));
+    float *dact = wk->dbig + (size_t)N * 2 * (size_t)I;
+    FT_TRY(be->gemm_prec(be, mp, 1, 0, C, I, N, 1.0f, wk->g, C, a->ffn_act, I, 0.0f, gw->w2, I));
+    FT_TRY(be->gemm_prec(be, mp, 0, 0, N, I, C, 1.0f, wk->g, C, w->w2, I, 0.0f, dact, I));
+    FT_TRY(rec->ffn(rec, be, layer, dact, a->ffn_act, N, I));
+    FT_TRY(be->gated_act_backward(be, wk->dbig, dact, a->ffn_pre, N, I, c->activation));
+    FT_TRY(be->gemm_prec(be, mp, 1, 0, 2 * I, C, N, 1.0f, wk->dbig, 2 * I, a->mlp_in, C, 0.0f, gw->w1, C));
+    FT_TRY(be->gemm_prec(be, mp, 0, 0, N, C, 2 * I, 1.0f, wk->dbig, 2 * I, w->w1, C, 0.0f, wk->tmp, C));
+    FT_TRY(be->layernorm_backward(be, wk->tmp, gw->ln2_g, gw->ln2_b ? gw->ln2_b : wk->dump, wk->tmp, a->ln1_in,
+                                  a->ln2_stats, w->ln2_g, w->ln2_b ? w->ln2_b : z, N, C, 0));
+    FT_TRY(be->add(be, wk->g, wk->tmp, N * C));
+    FT_TRY(be->gemm_prec(be, mp, 1, 0, C, A, N, 1.0f, wk->g, C, a->ctx, A, 0.0f, gw->wo, A));
+    FT_TRY(be->gemm_prec(be, mp, 0, 0, N, A, C, 1.0f, wk->g, C, w->wo, A, 0.0f, wk->dctx, A));
+    FT_TRY(rec->heads(rec, be, layer, wk->dctx, a->ctx, N, A, NH));
+    FT_TRY(be->attention_backward(be, mp, wk->dbig, wk->dctx, a->qkv, a->probs, a->attn_stats, NULL, bt->seqs, bt->B, A,
+                                  NH, ft_config_layer_window(c, layer), 0.0f, 0, wk->attn_scratch,
+                                  wk->attn_scratch_bytes));
+    const double theta = ft_config_layer_rope_theta(c, layer);
+    if (theta > 0) FT_TRY(be->rotary_backward(be, wk->dbig, wk->positions, N, A, NH, theta));
+    const float *in = w->ln1_g ? a->h1 : a->x;
+    FT_TRY(be->gemm_prec(be, mp, 1, 0, 3 * A, C, N, 1.0f, wk->dbig, 3 * A, in, C, 0.0f, gw->wqkv, C));
+    if (!want_dx && !w->ln1_g) return FT_OK;   /* the bottom trained layer: nothing below needs d x */
+    FT_TRY(be->gemm_prec(be, mp, 0, 0, N, C, 3 * A, 1.0f, wk->dbig, 3 * A, w->wqkv, C, 0.0f, wk->tmp, C));
+    if (w->ln1_g)   /* d LN_attn's weight, whether or not d x is wanted */
+        FT_TRY(be->layernorm_backward(be, wk->tmp, gw->ln1_g, gw->ln1_b ? gw->ln1_b : wk->dump, wk->tmp, a->x,
+                                      a->ln1_stats, w->ln1_g, w->ln1_b ? w->ln1_b : z, N, C, 0));
+    return want_dx ? be->add(be, wk->g, wk->tmp, N * C) : FT_OK;
 }
 
 /* the recorder that records nothing: a layer's backward calls its recorder unconditionally */
@@ -210,21 +311,48 @@ struct ft_layer_stack {
     int64_t seqs_cap;
     ft_layer_batch batch;
     int ready;                          /* a training forward is waiting for its backward */
+    /* the layer pair, chosen once from the config: post-LN (BERT) or pre-LN (ModernBERT) */
+    ft_status (*forward_train)(ft_backend *, const ft_layer_batch *, int64_t, const ft_layer_shape *,
+                               const ft_layer_weights *, ft_layer_acts *, const ft_layer_work *);
+    ft_status (*backward)(ft_backend *, const ft_layer_batch *, int64_t, const ft_layer_shape *,
+                          const ft_layer_weights *, const ft_layer_acts *, const ft_layer_work *,
+                          const ft_layer_weights *, int, const ft_layer_recorder *);
+    int32_t *pos_host;                  /* host (N): each row's position in its sequence (pre-LN) */
+    float *zeros_host;                  /* host (N, C) zeros, uploaded into the workspace (pre-LN) */
+    int64_t pos_cap;
 };
 
-/* the offsets (floats, from the layer's start) of the 12 tensors, in the encoder's order */
-static void layer_offsets(const ft_bert_config *c, const ft_layer_shape *sh, size_t off[12], size_t *total) {
+/* the offsets (floats, from the layer's start) of its tensors (slots in ft_layer_weights' order:
+ * wqkv bqkv wo bo ln1_g ln1_b w1 b1 w2 b2 ln2_g ln2_b fin_g fin_b), laid out in the encoder's order
+ * (model/encoder.c); an absent tensor has NO_TENSOR. A pre-LN layer (bias-free: the stack refuses
+ * others) is wqkv, the attention norm (not in layer 0), wo, the MLP norm, Wi (2I rows), W2, then in
+ * the encoder's last layer the final norm, which follows it in the encoder's buffer. */
+enum { TENSORS = 14 };
+#define NO_TENSOR ((size_t)-1)
+static void layer_offsets(const ft_bert_config *c, const ft_layer_shape *sh, size_t off[TENSORS], size_t *total) {
     const size_t C = (size_t)c->hidden_size, A = (size_t)sh->attn, I = (size_t)sh->inter;
-    const size_t sizes[12] = {3 * A * C, 3 * A, C * A, C, C, C, I * C, I, C * I, C, C, C};
+    size_t sizes[TENSORS] = {3 * A * C, 3 * A, C * A, C, C, C, I * C, I, C * I, C, C, C, 0, 0};
+    int order[TENSORS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+    if (c->norm == FT_NORM_PRE) {
+        const size_t pre[TENSORS] = {3 * A * C, 0, C * A, 0, sh->index > 0 ? C : 0, 0, 2 * I * C, 0, C * I, 0, C, 0,
+                                     sh->final_norm ? C : 0, 0};
+        const int pre_order[TENSORS] = {0, 4, 2, 10, 6, 8, 12, 1, 3, 5, 7, 9, 11, 13};
+        memcpy(sizes, pre, sizeof sizes);
+        memcpy(order, pre_order, sizeof order);
+    }
     size_t o = 0;
-    for (int k = 0; k < 12; k++) { off[k] = o; o += sizes[k]; }
+    for (int k = 0; k < TENSORS; k++) {
+        const int t = order[k];
+        off[t] = sizes[t] ? o : NO_TENSOR;
+        o += sizes[t];
+    }
     *total = o;
 }
 
-static void bind_weights(ft_layer_weights *w, float *base, const size_t off[12]) {
-    float **slots[12] = {&w->wqkv, &w->bqkv, &w->wo, &w->bo, &w->ln1_g, &w->ln1_b,
-                         &w->w1,   &w->b1,   &w->w2, &w->b2, &w->ln2_g, &w->ln2_b};
-    for (int k = 0; k < 12; k++) *slots[k] = base + off[k];
+static void bind_weights(ft_layer_weights *w, float *base, const size_t off[TENSORS]) {
+    float **slots[TENSORS] = {&w->wqkv, &w->bqkv, &w->wo, &w->bo, &w->ln1_g, &w->ln1_b, &w->w1,
+                              &w->b1,   &w->w2,   &w->b2, &w->ln2_g, &w->ln2_b, &w->fin_g, &w->fin_b};
+    for (int k = 0; k < TENSORS; k++) *slots[k] = off[k] == NO_TENSOR ? NULL : base + off[k];
 }
 
 static size_t stack_bytes_now(const ft_layer_stack *s) {
@@ -247,6 +375,8 @@ void ft_layer_stack_free(ft_layer_stack *s) {
     free(s->acts);
     free(s->seqs);
     free(s->pool_host);
+    free(s->pos_host);
+    free(s->zeros_host);
     free(s->shape);
     free(s->layer_start);
     free(s->layer_heads);
@@ -285,8 +415,9 @@ static ft_status copy_structure(ft_layer_stack *s, const ft_encoder *e) {
                 return ft_error(FT_ERR_UNSUPPORTED, "layer %lld has sign-matching attention heads, which cannot be "
                                 "trained (their backward would be exact attention's); train these layers before "
                                 "applying sign matching, or train fewer top layers", (long long)l);
-        s->shape[i] = (ft_layer_shape){e->layer_heads[l], e->layer_heads[l] * hs, e->layer_intermediate[l]};
-        size_t off[12], floats;
+        s->shape[i] = (ft_layer_shape){e->layer_heads[l], e->layer_heads[l] * hs, e->layer_intermediate[l], l,
+                                       e->cfg.norm == FT_NORM_PRE && l + 1 == L};
+        size_t off[TENSORS], floats;
         layer_offsets(&s->cfg, &s->shape[i], off, &floats);
         s->layer_start[i + 1] = s->layer_start[i] + floats;
     }
@@ -299,8 +430,17 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
                                 ft_layer_stack **out) {
     *out = NULL;
     const int64_t L = e->cfg.num_layers;
-    if (e->cfg.norm != FT_NORM_POST)   /* its ops are post-LN BERT layers' */
-        return ft_error(FT_ERR_UNSUPPORTED, "training encoder layers (the layer stack) is not supported for pre-LN encoders (ModernBERT) yet");
+    const int pre = e->cfg.norm == FT_NORM_PRE;
+    if (pre && (!e->cfg.no_bias || !e->cfg.gated_ffn))   /* ModernBERT's layers: bias-free, GeGLU */
+        return ft_error(FT_ERR_UNSUPPORTED, "training pre-LN encoder layers needs ModernBERT's layer: no biases and a "
+                        "gated FFN (this config has %s)", !e->cfg.no_bias ? "biases" : "an ungated FFN");
+    if (pre && opt && (opt->hidden_dropout > 0.0f || opt->attention_dropout > 0.0f))
+        return ft_error(FT_ERR_UNSUPPORTED, "training pre-LN encoder layers (ModernBERT) supports no dropout: hidden "
+                        "and attention dropout must be 0, got %g and %g", opt ? (double)opt->hidden_dropout : 0.0,
+                        opt ? (double)opt->attention_dropout : 0.0);
+    if (pre && opt && (opt->inplace_gelu || opt->inplace_layernorm))
+        return ft_error(FT_ERR_UNSUPPORTED, "training pre-LN encoder layers (ModernBERT): Tempo's in-place %s is not "
+                        "supported; turn it off", opt->inplace_gelu ? "GELU (inplace_gelu)" : "LayerNorm (inplace_layernorm)");
     if (e->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "an int8 model asked to train: quantization kept int8 weights and their "
                         "scales, not the float32 weights training updates. Fine-tune the float32 model, then quantize "
@@ -321,6 +461,8 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     ft_layer_stack *s = calloc(1, sizeof *s);
     if (!s) return ft_error(FT_ERR_NOMEM, "out of memory");
     ft_layer_recorder_none(&s->rec);
+    s->forward_train = pre ? ft_layer_forward_train_pre : ft_layer_forward_train;
+    s->backward = pre ? ft_layer_backward_pre : ft_layer_backward;
     s->cfg = e->cfg;
     s->opt = *opt;
     s->first = first;
@@ -351,7 +493,10 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     }
     for (size_t k = 0; st == FT_OK && k < e->n_views; k++) {
         long long l;
-        if (sscanf(e->views[k].name, "encoder.layer.%lld.", &l) != 1 || l < first || l >= first + count) continue;
+        if (pre && first + count == L && !strncmp(e->views[k].name, "final_norm.", 11))
+            l = L - 1;   /* the final norm belongs to the encoder's last layer */
+        else if (sscanf(e->views[k].name, "encoder.layer.%lld.", &l) != 1 || l < first || l >= first + count)
+            continue;
         stack_view *v = &s->views[s->n_views++];
         snprintf(v->name, sizeof v->name, "%s", e->views[k].name);
         v->ndim = e->views[k].ndim;
@@ -365,7 +510,7 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
                                                  (void **)&s->grads);
     for (int64_t l = 0; st == FT_OK && l < count; l++) {
         /* the encoder's layer block is contiguous in the same order (model/encoder.c's layout) */
-        size_t off[12], floats;
+        size_t off[TENSORS], floats;
         layer_offsets(&s->cfg, &s->shape[l], off, &floats);
         st = s->be->upload(s->be, s->params + s->layer_start[l], e->host_params + e->layers[first + l].wqkv,
                            floats * sizeof(float));
@@ -404,23 +549,28 @@ ft_status ft_layer_stack_tensor_info(const ft_layer_stack *s, size_t i, const ch
 /* per-step buffers for N rows of sequences of at most T rows */
 static size_t work_layout(const ft_layer_stack *s, int64_t B, int64_t N, int64_t T, ft_layer_work *wk, char *base) {
     const size_t C = (size_t)s->cfg.hidden_size, n = (size_t)N;
-    size_t wide = 0;   /* the widest layer's FFN or QKV */
+    const int pre = s->cfg.norm == FT_NORM_PRE;
+    size_t wide = 0;   /* the widest layer's FFN or QKV (pre-LN: its GeGLU input and output, 3I) */
     int64_t NH = 1;
     for (int64_t l = 0; l < s->count; l++) {
-        const size_t I = (size_t)s->shape[l].inter, A3 = 3 * (size_t)s->shape[l].attn;
+        const size_t I = (size_t)s->shape[l].inter * (pre ? 3 : 1), A3 = 3 * (size_t)s->shape[l].attn;
         wide = I > wide ? I : wide;
         wide = A3 > wide ? A3 : wide;
         NH = s->shape[l].heads > NH ? s->shape[l].heads : NH;
     }
-    const size_t sizes[6] = {align64(n * C * 4), align64(n * C * 4), align64(n * C * 4), align64(n * wide * 4),
+    const size_t sizes[9] = {align64(n * C * 4), align64(n * C * 4), align64(n * C * 4), align64(n * wide * 4),
                              align64(s->be->attention_train_scratch_bytes(s->be, B, T, NH)),
-                             align64((size_t)B * 2 * 4)};
+                             align64((size_t)B * 2 * 4), pre ? align64(n * 4) : 0, pre ? align64(n * C * 4) : 0,
+                             pre ? align64(C * 4) : 0};
     float **slots[5] = {&wk->tmp, &wk->g, &wk->dctx, &wk->dbig, &wk->attn_scratch};
     if (wk) wk->attn_scratch_bytes = sizes[4];
     size_t o = 0;
-    for (int k = 0; k < 6; k++) {
+    for (int k = 0; k < 9; k++) {
         if (base && k < 5) *slots[k] = (float *)(base + o);
         if (base && k == 5) wk->pool_index = (int32_t *)(base + o);
+        if (base && k == 6) wk->positions = pre ? (int32_t *)(base + o) : NULL;
+        if (base && k == 7) wk->zeros = pre ? (float *)(base + o) : NULL;
+        if (base && k == 8) wk->dump = pre ? (float *)(base + o) : NULL;
         o += sizes[k];
     }
     return o;
@@ -459,6 +609,46 @@ static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, char *
         TAKE(a->ffn_pre, float *, sizes[ACT_GELU_IN]);
         TAKE(a->gelu_bits, uint8_t *, sizes[ACT_GELU_BITS]);
         TAKE(a->ffn_act, float *, sizes[ACT_GELU_OUT]);
+    }
+#undef TAKE
+    return o;
+}
+
+/* a pre-LN stack's saved activations (ft_layer_forward_train_pre; ft_layer_acts_sizes' kinds) */
+static size_t arena_layout_pre(const ft_layer_stack *s, int64_t N, int64_t P, char *base) {
+    const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4, st = (size_t)N * 2 * 4;
+    size_t o = 0;
+#define TAKE(ptr, type, bytes)                                              \
+    do {                                                                     \
+        size_t b_ = (bytes);                                                 \
+        if (base) (ptr) = b_ ? (type)(base + o) : NULL;                      \
+        o += align64(b_);                                                    \
+    } while (0)
+    for (int64_t l = 0; l < s->count; l++) {
+        ft_layer_acts *a = &s->acts[l];
+        const ft_layer_shape *sh = &s->shape[l];
+        const size_t n = (size_t)N, A = (size_t)sh->attn, I = (size_t)sh->inter, first = sh->index > 0,
+                     fin = sh->final_norm != 0;
+        TAKE(a->qkv, float *, n * 3 * A * 4);
+        if (s->opt.recompute_attention_probs) {
+            if (base) a->probs = NULL;
+            TAKE(a->attn_stats, float *, n * (size_t)sh->heads * 2 * 4);
+        } else {
+            if (base) a->attn_stats = NULL;
+            TAKE(a->probs, float *, (size_t)P * (size_t)sh->heads * 4);
+        }
+        if (base) a->attn_mask = NULL, a->ln2_in = NULL, a->gelu_bits = NULL;
+        TAKE(a->ctx, float *, n * A * 4);
+        TAKE(a->h1, float *, first * nc);
+        TAKE(a->ln1_stats, float *, first * st);
+        TAKE(a->ln1_in, float *, nc);
+        TAKE(a->ln2_stats, float *, st);
+        TAKE(a->mlp_in, float *, nc);
+        TAKE(a->ffn_pre, float *, n * 2 * I * 4);
+        TAKE(a->ffn_act, float *, n * I * 4);
+        TAKE(a->res_out, float *, fin * nc);
+        TAKE(a->fin_stats, float *, fin * st);
+        TAKE(a->out, float *, nc);
     }
 #undef TAKE
     return o;
@@ -503,10 +693,27 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     }
     s->ready = 0;
     s->sig_valid = 0;
-    FT_TRY(grow(s, &s->arena, &s->arena_bytes, arena_layout(s, N, P, NULL)));
+    const int pre = s->cfg.norm == FT_NORM_PRE;
+    size_t (*layout)(const ft_layer_stack *, int64_t, int64_t, char *) = pre ? arena_layout_pre : arena_layout;
+    FT_TRY(grow(s, &s->arena, &s->arena_bytes, layout(s, N, P, NULL)));
     FT_TRY(grow(s, &s->ws, &s->ws_bytes, work_layout(s, B, N, T, NULL, NULL)));
-    arena_layout(s, N, P, s->arena);
+    layout(s, N, P, s->arena);
     work_layout(s, B, N, T, &s->work, s->ws);
+    if (pre) {   /* RoPE's positions (each row's index in its sequence) and the zeros, for this batch */
+        if (N > s->pos_cap) {
+            int32_t *np = realloc(s->pos_host, (size_t)N * sizeof *np);
+            if (np) s->pos_host = np;
+            float *nz = np ? calloc((size_t)N * (size_t)C, sizeof *nz) : NULL;
+            if (!np || !nz) return ft_error(FT_ERR_NOMEM, "out of memory");
+            free(s->zeros_host);
+            s->zeros_host = nz;
+            s->pos_cap = N;
+        }
+        for (int64_t b = 0; b < B; b++)
+            for (int32_t t = 0; t < s->seqs[3 * b + 1]; t++) s->pos_host[s->seqs[3 * b] + t] = t;
+        FT_TRY(s->be->upload(s->be, s->work.positions, s->pos_host, (size_t)N * sizeof(int32_t)));
+        FT_TRY(s->be->upload(s->be, s->work.zeros, s->zeros_host, (size_t)N * (size_t)C * sizeof(float)));
+    }
     ft_layer_options inference = s->opt;
     if (!training) inference.hidden_dropout = inference.attention_dropout = 0.0f;
     s->batch = (ft_layer_batch){&s->cfg, training ? &s->opt : NULL, N, B, P, s->seqs, seed, step, row_base, sq_base};
@@ -516,7 +723,7 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
         FT_TRY(grow(s, (void **)&s->rec.rows, &s->rec_bytes, (size_t)N * (size_t)s->rec.ld * sizeof(float)));
     for (int64_t l = 0; l < s->count; l++) {
         s->acts[l].x = l ? s->acts[l - 1].out : x;
-        FT_TRY(ft_layer_forward_train(s->be, &bt, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work));
+        FT_TRY(s->forward_train(s->be, &bt, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work));
     }
     FT_TRY(s->be->copy(s->be, out, s->acts[s->count - 1].out, (size_t)N * (size_t)C * sizeof(float)));
     FT_TRY(s->be->synchronize(s->be));
@@ -534,8 +741,8 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
     FT_TRY(s->be->copy(s->be, s->work.g, dout, (size_t)N * (size_t)C * sizeof(float)));
     if (loss_scale != 1.0f) FT_TRY(s->be->scale(s->be, s->work.g, N * C, loss_scale));
     for (int64_t l = s->count - 1; l >= 0; l--) {
-        FT_TRY(ft_layer_backward(s->be, &s->batch, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work,
-                                 &s->gw[l], l > 0 || dx != NULL, &s->rec));
+        FT_TRY(s->backward(s->be, &s->batch, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work, &s->gw[l],
+                           l > 0 || dx != NULL, &s->rec));
         if (loss_scale != 1.0f)
             FT_TRY(s->be->scale(s->be, s->grads + s->layer_start[l], (int64_t)(s->layer_start[l + 1] - s->layer_start[l]),
                                 1.0f / loss_scale));
@@ -590,6 +797,9 @@ ft_status ft_layer_stack_memory(const ft_layer_stack *s, const ft_layer_options 
     if (B < 1 || T < 1) return ft_error(FT_ERR_INVALID_ARGUMENT, "memory report: batch %lld x %lld", (long long)B,
                                         (long long)T);
     if (!opt) opt = &s->opt;
+    if (s->cfg.norm == FT_NORM_PRE && (opt->inplace_gelu || opt->inplace_layernorm))
+        return ft_error(FT_ERR_UNSUPPORTED, "training pre-LN encoder layers (ModernBERT): Tempo's in-place GELU and "
+                        "LayerNorm are not supported");
     if (opt->inplace_gelu && !inplace_act_ok(s->cfg.activation))
         return ft_error(FT_ERR_UNSUPPORTED, "in-place activation needs GELU or ReLU");
     memset(m, 0, sizeof *m);

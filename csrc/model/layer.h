@@ -9,14 +9,18 @@
 #include "backend.h"
 
 /* a layer's shape: its attention heads, their width (heads x head size: C unless heads were pruned)
- * and its FFN width (compressed models have them per layer) */
+ * and its FFN width (compressed models have them per layer); index: the encoder's layer; final_norm:
+ * (pre-LN) the layer is the encoder's last and owns the final LayerNorm */
 typedef struct {
     int64_t heads, attn, inter;
+    int64_t index;
+    int final_norm;
 } ft_layer_shape;
 
 /* a layer's parameters, or their gradients: views into one flat buffer, in the encoder's order */
 typedef struct {
     float *wqkv, *bqkv, *wo, *bo, *ln1_g, *ln1_b, *w1, *b1, *w2, *b2, *ln2_g, *ln2_b;
+    float *fin_g, *fin_b;   /* pre-LN: the final LayerNorm, in the encoder's last layer only (else NULL) */
 } ft_layer_weights;
 
 /* What a layer's backward needs, kept by its training forward: views into one arena. NULL views
@@ -37,6 +41,13 @@ typedef struct {
     float *ln2_in;       /* (N, C)   LayerNorm 2 input, unless the backward uses its output (Tempo) */
     float *ln2_stats;    /* (N, 2) */
     float *out;          /* (N, C)   the layer output */
+    /* a pre-LN layer's (ft_layer_forward_train_pre) in these views: h1 = its attention input (the
+     * attention norm's output; x itself in encoder layer 0), ln1_stats its statistics, ln1_in = x +
+     * attention (the residual stream), ln2_stats the MLP norm's, ffn_pre = the (N, 2I) GeGLU input,
+     * ffn_act its (N, I) output; and these: */
+    float *mlp_in;       /* (N, C)   the MLP norm's output */
+    float *res_out;      /* (N, C)   with a final norm: the residual stream it normalises (else NULL) */
+    float *fin_stats;    /* (N, 2)   the final norm's statistics */
 } ft_layer_acts;
 
 /* the per-step buffers that nothing keeps between forward and backward */
@@ -48,6 +59,10 @@ typedef struct {
     float *attn_scratch; /* attention_train_scratch_bytes */
     size_t attn_scratch_bytes;
     int32_t *pool_index; /* (2, B)   pooling's first rows and row counts (ft_layer_stack_pool) */
+    /* pre-LN layers: */
+    int32_t *positions;  /* (N)      each row's position in its sequence (RoPE) */
+    float *zeros;        /* (N, C)   zeros: the norms' absent biases, a LayerNorm without a residual */
+    float *dump;         /* (C)      the gradients of absent LayerNorm biases, thrown away */
 } ft_layer_work;
 
 typedef struct {
@@ -95,4 +110,12 @@ ft_status ft_layer_forward_train(ft_backend *be, const ft_layer_batch *bt, int64
 ft_status ft_layer_backward(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
                             const ft_layer_weights *w, const ft_layer_acts *acts, const ft_layer_work *work,
                             const ft_layer_weights *grads, int want_dx, const ft_layer_recorder *rec);
+
+/* The same pair for a pre-LN layer (ModernBERT: no biases, RoPE, GeGLU, the layer's attention
+ * window; see layer.c). The stack picks one pair from the config when it is made. */
+ft_status ft_layer_forward_train_pre(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
+                                     const ft_layer_weights *w, ft_layer_acts *acts, const ft_layer_work *work);
+ft_status ft_layer_backward_pre(ft_backend *be, const ft_layer_batch *bt, int64_t layer, const ft_layer_shape *sh,
+                                const ft_layer_weights *w, const ft_layer_acts *acts, const ft_layer_work *work,
+                                const ft_layer_weights *grads, int want_dx, const ft_layer_recorder *rec);
 #endif
