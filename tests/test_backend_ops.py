@@ -46,7 +46,8 @@ def parse_params(params):
 
 class OptimGroup(ctypes.Structure):
     _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
-                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("bias_correction", ctypes.c_int)]
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("bias_correction", ctypes.c_int),
+                ("lr_scale", ctypes.c_double)]   # ft_optim_group's fields, in its order
 
 
 class OptimConfig(ctypes.Structure):
@@ -735,8 +736,8 @@ def _optim(kind, sizes, clip, copy, bias_correction=True, step=3):
             if copy:
                 args[f"_c{i}"] = Out((n,), np.uint16, tol=0)
         # two parameter groups (the second: another lr and no bias correction), per-tensor step counts
-        groups = (OptimGroup * 2)(OptimGroup(1e-2, 0.9, 0.999, 1e-6, 0.01, int(bias_correction)),
-                                  OptimGroup(3e-3, 0.8, 0.99, 1e-8, 0.1, 0))
+        groups = (OptimGroup * 2)(OptimGroup(1e-2, 0.9, 0.999, 1e-6, 0.01, int(bias_correction), 1.0),
+                                  OptimGroup(3e-3, 0.8, 0.99, 1e-8, 0.1, 0, 1.0))
         cfg = OptimConfig(kind=kind, groups=groups, num_groups=2, max_grad_norm=clip, check_finite=1)
         cfg._groups = groups   # kept alive with the config
 
@@ -1743,7 +1744,8 @@ def _lamb_steps(be, clip, copy, steps, sizes, rng, host):
     bufs = [tuple(be.upload(a) for a in h) for h in host]
     grad = [be.alloc(4 * n) for n in sizes]
     cbuf = [be.upload(np.zeros(n, np.uint16)) if copy else None for n in sizes]
-    groups = (OptimGroup * 2)(OptimGroup(1e-2, 0.9, 0.999, 1e-6, 0.01, 1), OptimGroup(3e-3, 0.8, 0.99, 1e-8, 0.0, 0))
+    groups = (OptimGroup * 2)(OptimGroup(1e-2, 0.9, 0.999, 1e-6, 0.01, 1, 1.0),
+                              OptimGroup(3e-3, 0.8, 0.99, 1e-8, 0.0, 0, 1.0))
     cfg = OptimConfig(kind=1, groups=groups, num_groups=2, max_grad_norm=clip, check_finite=int(clip > 0))
     counts = [2 + i % 3 for i in range(len(sizes))]
     infos = []
