@@ -331,7 +331,8 @@ typedef struct {
                                       int64_t N, float eps),                                        \
       (be, wt, out, x, w_packed, bias, residual, gamma, beta, M, K, N, eps))                        \
     /* embed_ln_forward with int8 word embeddings: row r = LayerNorm(word_scale[id] word[id] +    \
-     * type[types[r]] + pos[positions[r]]), word (V, C) int8, word_scale (V); float32 otherwise */ \
+     * type[types[r]] + pos[positions[r]]), word (V, C) int8, word_scale (V); float32 otherwise;    \
+     * pos NULL: no position or type term (rotary models), beta NULL: no LayerNorm bias */          \
     X(embed_i8_ln_forward, (ft_backend *be, float *out, const int32_t *ids, const int32_t *types,  \
                             const int32_t *positions, const int8_t *word, const float *word_scale, \
                             const float *pos, const float *type, const float *gamma, const float *beta, \

@@ -11,7 +11,7 @@ The C encoder runs BERT's post-LN layers and ModernBERT's (pre-LN, rotary positi
 local / global attention): its forward, and what stands on it (encode, the cache, heads trained on the
 cache). The operations that run BERT's layer code besides the forward (training encoder layers, int8,
 compression, export of task heads) are refused for other layers by one check, :meth:`Architecture.require`;
-training the top layers also runs ModernBERT's (PRE_LN_OPERATIONS).
+training the top layers and int8 also run ModernBERT's (PRE_LN_OPERATIONS).
 """
 import dataclasses
 import re
@@ -181,8 +181,9 @@ OPERATIONS = {
     "export": "export of a task model (fasttran.export)",
     "reduced_precision": "half-precision and bfloat16 encoders",
 }
-#: the operations of OPERATIONS that also run ModernBERT's pre-LN layers (csrc/model/layer.c's pre-LN pair)
-PRE_LN_OPERATIONS = ("train_layers",)
+#: the operations of OPERATIONS that also run ModernBERT's pre-LN layers (csrc/model/layer.c's pre-LN pair;
+#: int8: csrc/model/encoder_int8.c quantizes the pre-LN layer's four projections)
+PRE_LN_OPERATIONS = ("train_layers", "int8")
 
 _ROBERTA = dict(position_ids="after_padding", token_types="zero", prefixes=("roberta.", ""),
                 defaults={"pad_token_id": 1},

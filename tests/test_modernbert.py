@@ -188,13 +188,11 @@ def test_config_forms_and_refusals(base, tmp_path):
 
 
 def test_operations_on_bert_layers_are_refused_by_name(base):
-    """(training the top layers runs ModernBERT's own pre-LN layers: tests/test_modernbert_training.py)"""
+    """(training the top layers runs ModernBERT's own pre-LN layers: tests/test_modernbert_training.py; int8:
+    tests/test_modernbert_int8.py)"""
     enc = fasttran.Encoder.from_pretrained(base)
     enc.architecture.require("train_layers")
-    with pytest.raises(fasttran.UnsupportedModelError, match=r"int8 quantization .* ModernBertModel"):
-        enc.quantize()
-    with pytest.raises(fasttran.UnsupportedModelError, match=r"int8 quantization .* ModernBertModel"):
-        fasttran.Encoder.from_pretrained(base, dtype="int8")
+    enc.architecture.require("int8")
     with pytest.raises(fasttran.UnsupportedModelError, match="compression .* ModernBertModel"):
         from fasttran.compress import model as cmodel
         cmodel.TaskModel(enc, None)

@@ -247,9 +247,7 @@ def test_what_stays_refused_by_name(small):
     top = TopLayers(enc, 2)
     with pytest.raises(fasttran.FastTranError, match="in-place GELU and LayerNorm"):
         top.memory_report(4, 64, inplace_layernorm=True)
-    # the other operations that run BERT's layer code stay refused
-    with pytest.raises(fasttran.UnsupportedModelError, match="int8 quantization .* ModernBertModel"):
-        enc.quantize()
+    # the other operations that run BERT's layer code stay refused (int8: tests/test_modernbert_int8.py)
     with pytest.raises(fasttran.UnsupportedModelError, match="compression .* ModernBertModel"):
         from fasttran.compress import model as cmodel
         cmodel.TaskModel(enc, None)

@@ -215,8 +215,14 @@ ft_status cpu_embed_i8_ln_forward(ft_backend *be, float *out, const int32_t *ids
     for (int64_t r = 0; r < N; r++) {
         const int8_t *w = word + (int64_t)ids[r] * C;
         const float s = word_scale[ids[r]];
-        const float *p = pos + (int64_t)positions[r] * C;
         float *o = out + r * C;
+        if (!pos) {   /* no position table (rotary models) and no type table: embed_ln_forward's */
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) o[c] = (float)w[c] * s;
+            ft_layernorm_row(o, gamma, beta, C, eps);
+            continue;
+        }
+        const float *p = pos + (int64_t)positions[r] * C;
         if (type) {
             const float *ty = type + (types ? (int64_t)types[r] * C : 0);
 #pragma omp simd

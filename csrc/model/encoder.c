@@ -1041,8 +1041,8 @@ static ft_status forward_locked(ft_encoder *e, int64_t B, int64_t T, const ft_in
     void *emb = e->proj_w != FT_NO_OFFSET ? w.big : w.x;   /* (N, E): projected into x when E != C */
     if (N > 0 && start == 0 && e->int8 && e->int8->word)   /* int8 word embeddings (per-row scales) */
         FT_TRY(be->embed_i8_ln_forward(be, emb, w.ids, w.types, w.positions, e->int8->data + e->int8->word_q,
-                                       e->int8->scale + e->int8->word_s, P(e->pos), TYPES, P(e->emb_ln_g),
-                                       P(e->emb_ln_b), N, E, c->layer_norm_eps));
+                                       e->int8->scale + e->int8->word_s, PN(e->pos), TYPES, P(e->emb_ln_g),
+                                       PN(e->emb_ln_b), N, E, c->layer_norm_eps));
     else if (N > 0 && start == 0)
         FT_TRY(be->embed_ln_forward(be, dt, emb, w.ids, w.types, w.positions, P(e->word), PN(e->pos), TYPES,
                                     P(e->emb_ln_g), PN(e->emb_ln_b), N, E, c->layer_norm_eps));

@@ -1,5 +1,6 @@
 /* int8 encoders: a float32 CPU encoder quantized in place -- each layer's four
- * projection matrices, and optionally the word embeddings, become int8 with one float32 scale per
+ * projection matrices (post-LN BERT's Wqkv, Wo, W1, W2; pre-LN ModernBERT's Wqkv, Wo, Wi of 2I rows, Wo of
+ * the MLP, without biases), and optionally the word embeddings, become int8 with one float32 scale per
  * output channel (row); their float32 copies are freed, the other tensors stay float32 (ELECTRA's
  * embeddings_project among them: one small linear layer, run in float32) -- and the named int8
  * tensors (read, write) that saving and loading go through. */
@@ -22,8 +23,6 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     if (e->be->device.kind != FT_DEVICE_CPU)
         return ft_error(FT_ERR_UNSUPPORTED, "int8 encoders run on the CPU backend; quantize a CPU encoder");
     if (e->int8) return ft_error(FT_ERR_INVALID_ARGUMENT, "this encoder is already int8");
-    if (e->cfg.norm != FT_NORM_POST)   /* its ops are post-LN BERT layers' */
-        return ft_error(FT_ERR_UNSUPPORTED, "int8 quantization is not supported for pre-LN encoders (ModernBERT) yet");
     if (e->wtype != FT_F32 || e->dtype != FT_F32)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "quantize a float32 encoder (this one is %s)",
                         ft_dtype_name(ft_encoder_dtype(e)));
@@ -139,7 +138,7 @@ ft_status ft_encoder_quantize(ft_encoder *e, int embeddings) {
     /* every offset the encoder keeps names a view's start: move it with its view (int8: gone) */
 #define MOVE(field) do { const int64_t vk = view_at(e, field); field = vk < 0 ? FT_NO_OFFSET : moved[vk]; } while (0)
     MOVE(e->word); MOVE(e->pos); MOVE(e->type); MOVE(e->emb_ln_g); MOVE(e->emb_ln_b);
-    MOVE(e->pooler_w); MOVE(e->pooler_b); MOVE(e->proj_w); MOVE(e->proj_b);
+    MOVE(e->pooler_w); MOVE(e->pooler_b); MOVE(e->proj_w); MOVE(e->proj_b); MOVE(e->final_g); MOVE(e->final_b);
     for (int64_t l = 0; l < L; l++) {
         ft_layer_offsets *o = &e->layers[l];
         MOVE(o->wqkv); MOVE(o->bqkv); MOVE(o->wo); MOVE(o->bo); MOVE(o->ln1_g); MOVE(o->ln1_b);
