@@ -11,7 +11,8 @@ The C encoder runs BERT's post-LN layers and ModernBERT's (pre-LN, rotary positi
 local / global attention): its forward, and what stands on it (encode, the cache, heads trained on the
 cache). The operations that run BERT's layer code besides the forward (training encoder layers, int8,
 compression, export of task heads) are refused for other layers by one check, :meth:`Architecture.require`;
-training the top layers and int8 also run ModernBERT's (PRE_LN_OPERATIONS).
+training the top layers, int8 and compression's model, files and int8 also run ModernBERT's
+(PRE_LN_OPERATIONS).
 """
 import dataclasses
 import re
@@ -178,12 +179,17 @@ OPERATIONS = {
     "train_layers": "training encoder layers (Trainer(train_layers > 0), TopLayers)",
     "int8": "int8 quantization (dtype='int8', Encoder.quantize)",
     "compression": "compression (fasttran.compress)",
+    "pruning": "pruning, sign matching, significance and the compression search (fasttran.compress apply / masks / "
+               "significance / search)",
+    "compressed_export": "transformers / ONNX export of a compressed model (fasttran.compress export_transformers / "
+                         "export_onnx)",
     "export": "export of a task model (fasttran.export)",
     "reduced_precision": "half-precision and bfloat16 encoders",
 }
 #: the operations of OPERATIONS that also run ModernBERT's pre-LN layers (csrc/model/layer.c's pre-LN pair;
-#: int8: csrc/model/encoder_int8.c quantizes the pre-LN layer's four projections)
-PRE_LN_OPERATIONS = ("train_layers", "int8")
+#: int8: csrc/model/encoder_int8.c quantizes the pre-LN layer's four projections; compression: a TaskModel's
+#: evaluation, files and int8, its pruning and export staying refused as "pruning" / "compressed_export")
+PRE_LN_OPERATIONS = ("train_layers", "int8", "compression")
 
 _ROBERTA = dict(position_ids="after_padding", token_types="zero", prefixes=("roberta.", ""),
                 defaults={"pad_token_id": 1},

@@ -247,10 +247,12 @@ def test_what_stays_refused_by_name(small):
     top = TopLayers(enc, 2)
     with pytest.raises(fasttran.FastTranError, match="in-place GELU and LayerNorm"):
         top.memory_report(4, 64, inplace_layernorm=True)
-    # the other operations that run BERT's layer code stay refused (int8: tests/test_modernbert_int8.py)
-    with pytest.raises(fasttran.UnsupportedModelError, match="compression .* ModernBertModel"):
-        from fasttran.compress import model as cmodel
-        cmodel.TaskModel(enc, None)
+    # the other operations that run BERT's layer code stay refused (int8: tests/test_modernbert_int8.py;
+    # compression: tests/test_modernbert_compress.py)
+    with pytest.raises(fasttran.UnsupportedModelError, match="^pruning, .* ModernBertModel"):
+        from fasttran import compress
+        compress.apply(compress.TaskModel(enc, fasttran.heads.ClassificationHead(enc.hidden_size, 2)),
+                       {"layers": {"0": "prune"}})
 
 
 # ---- Trainer(train_layers=k) end to end ---------------------------------------------------------------

@@ -387,6 +387,7 @@ def export_transformers(model, path):
     row is a copy of the unknown token's: what fasttran reads for it). An int8 model's weights are written dequantized
     (scale x q, float32): transformers then computes what fasttran's int8 model computes up to the
     int8 activations' rounding. Returns `path`."""
+    model.encoder.architecture.require("compressed_export")   # BERT's layer names, written out below
     s = model.structure
     if any(m != 0 for m in s["head_attention"]):
         raise UnsupportedError("this model has sign-matching attention heads, which transformers cannot express; "
@@ -464,6 +465,7 @@ def export_onnx(model, path, opset=17):
     ONNX file for ONNX Runtime, through the transformers layout (export_transformers: pruned parts
     zero-filled, sign matching refused) and torch.onnx's TorchScript exporter; batch and sequence
     axes dynamic. Needs torch, transformers and onnx. Returns `path`."""
+    model.encoder.architecture.require("compressed_export")
     try:
         import torch
         from transformers import AutoModel
@@ -528,9 +530,10 @@ def quantize(model, embeddings=True):
                      origin=copy.deepcopy(model.origin), info=copy.deepcopy(info))
 
 
-#: the tensors Encoder.quantize stores in int8 (the layers' four projections; the word embeddings too)
+#: the tensors Encoder.quantize stores in int8 (the layers' four projections -- ModernBERT's fused Wqkv is one
+#: qkv view --; the word embeddings too)
 _INT8_SUFFIXES = ("attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight",
-                  "output.dense.weight", "intermediate.dense.weight")
+                  "attention.self.qkv.weight", "output.dense.weight", "intermediate.dense.weight")
 
 
 def int8_size(model, embeddings=True, vocab_rows=None, int8=True):

@@ -165,6 +165,7 @@ def apply(model, plan):
         return quantize(model, embeddings=weights == "int8")
     if weights != "float32":
         return quantize(apply(model, {k: v for k, v in plan.items() if k != "weights"}), embeddings=weights == "int8")
+    model.encoder.architecture.require("pruning")   # (a plan that only quantizes: above, every architecture)
     keep_layers, keep_heads, keep_neurons, modes = _keep_arrays(model, p)
     voc = {"keep_tokens": p["vocab"][0], "unknown_token": p["vocab"][1]} if p["vocab"] else {}
     enc = model.encoder.compressed_copy(keep_layers=keep_layers, keep_heads=keep_heads, keep_neurons=keep_neurons,
@@ -192,6 +193,7 @@ def masks(model, plan):
     """The forward masks (keyword arguments of TaskModel.evaluate / logits) that switch the plan's
     removed parts off in `model` as it is: equal outputs to apply(model, plan), without copying it.
     Sign matching is not a mask: a plan with sign-matching heads is refused here."""
+    model.encoder.architecture.require("pruning")
     p = parse(model, plan)
     if any(a == "sign_match" for acts in p["heads"].values() for a in acts.values()):
         raise InputError("masks(): sign matching changes how a head computes, it is not a mask; use apply()")

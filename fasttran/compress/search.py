@@ -165,6 +165,7 @@ def search(model, train, select, dev=None, *, max_drop=None, target_latency_ms=N
     row (False); `int8`: try int8 weights last. `retrain_targets`: what the re-fine-tuning after pruning learns,
     "labels" or "teacher" (the fine-tuned model's logits on `train`: knowledge distillation).
     Returns a SearchResult; an unreachable budget gives met=False and why."""
+    model.encoder.architecture.require("pruning")
     kinds = ("layer", "head", "ffn")
     if isinstance(prune, str) or not all(k in kinds for k in prune) or len(set(prune)) != len(tuple(prune)):
         raise InputError(f"prune must name kinds of part among {kinds} (a tuple, each at most once), got {prune!r}")

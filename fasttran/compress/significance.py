@@ -282,6 +282,7 @@ def significance(model, data, methods=("mask", "gradient"), ffn_group_size_=None
     and / or by gradient x activation (`methods`; see the module's text). `ffn_group_size_`: neurons per FFN group
     (default intermediate_size / 16). control=True adds the random-order control. Returns a
     Significance."""
+    model.encoder.architecture.require("pruning")
     methods = tuple(methods)
     unknown = set(methods) - {"mask", "gradient"}
     if unknown or not methods:
