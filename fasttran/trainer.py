@@ -355,7 +355,7 @@ class Trainer:
         pooling = cache.positions if cache.positions in ("mean", "cls") else self.pooling
         return make_head(self._head_name, cache.hidden, targets, num_labels=self.num_labels, dropout=self.dropout,
                          seed=self.seed, pooling=pooling, pooler=self.pooler, label_names=self.label_names,
-                         examples=len(cache))
+                         examples=len(cache), encoder=self._encoder or cache.encoder)
 
     def _build(self, encoder, cache=None, targets=None):
         """The trainer's parts, built once, here, in this order: the head (given, the checkpoint's, or
