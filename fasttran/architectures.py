@@ -11,7 +11,9 @@ The C encoder runs BERT's post-LN layers and ModernBERT's (pre-LN, rotary positi
 local / global attention): its forward, and what stands on it (encode, the cache, heads trained on the
 cache). The operations that run BERT's layer code besides the forward (training encoder layers, int8,
 compression, export of task heads) are refused for other layers by one check, :meth:`Architecture.require`;
-training the top layers also runs ModernBERT's (PRE_LN_OPERATIONS).
+training the top layers also runs ModernBERT's, and export writes its own classes (PRE_LN_OPERATIONS).
+Each entry also says which dense layer its task classes run before their classifier (`head_shapes`:
+fasttran.heads.DenseShape), so a head made for an encoder exports to the architecture's own class.
 """
 import dataclasses
 import re
@@ -227,7 +229,8 @@ OPERATIONS = {
     "export": "export of a task model (fasttran.export)",
     "reduced_precision": "half-precision and bfloat16 encoders",
 }
-#: the operations of OPERATIONS that also run ModernBERT's pre-LN layers (csrc/model/layer.c's pre-LN pair)
+#: the operations of OPERATIONS that also run ModernBERT's pre-LN layers (csrc/model/layer.c's pre-LN pair;
+#: export writes them in ModernBERT's own classes)
 PRE_LN_OPERATIONS = ("train_layers", "export")
 
 #: a config's activation names (transformers' ACT2FN) -> fasttran's head activations (fasttran._C.HEAD_ACTS)

@@ -10,6 +10,9 @@ layouts the Hugging Face tools load, so that it goes straight into a transformer
       pooling, or no pooler)                 [Dense tanh (the pooler)] -> Dense (the classifier); encode() gives
                                              the logits
 
+Another architecture's encoder goes out in its own classes (DistilBertForSequenceClassification,
+ModernBertForTokenClassification ...), where the class's dense layer before its classifier is the
+head's shape (fasttran.architectures' head_shapes; ModernBERT's classes also pool by mean).
 BERT's classes put a classifier on the pooler of the [CLS] token only: a head on mean-pooled
 states, or one without the pooler, has no transformers class, so it goes out in the layout
 sentence-transformers loads (its Pooling and Dense modules, the classic module names every
