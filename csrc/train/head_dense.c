@@ -7,8 +7,6 @@
  * Backward in reverse: the LayerNorm's from its input and statistics, the activation's from its
  * output (tanh) or its input (relu, gelu), then the GEMMs. A missing bias reads a zero vector, so
  * every backend runs the same ops as for the shapes with biases. */
-#include <stdlib.h>
-
 #include "core/status.h"
 #include "head.h"
 
@@ -98,14 +96,9 @@ ft_status ft_head_dense_forward(ft_backend *be, const ft_head_config *cfg, const
     const int64_t C = cfg->hidden;
     float *w[D_COUNT];
     split(cfg, R, ws, w);
-    if (w[D_ZERO]) {   /* the zeros: uploaded (every backend has upload; none has a fill) */
-        const size_t n = (has_norm(cfg) ? (size_t)(R * C) : 0) + (zero_c(cfg, R, w) ? (size_t)C : 0);
-        float *zeros = calloc(n, sizeof *zeros);
-        if (!zeros) return ft_error(FT_ERR_NOMEM, "head: out of memory");
-        ft_status st = be->upload(be, w[D_ZERO], zeros, n * sizeof *zeros);
-        if (st == FT_OK) st = be->synchronize(be);   /* (the upload reads `zeros`) */
-        free(zeros);
-        FT_TRY(st);
+    if (w[D_ZERO]) {   /* the zeros: rows of C, cleared on the device */
+        const int64_t rows = (has_norm(cfg) ? R : 0) + (zero_c(cfg, R, w) ? 1 : 0);
+        FT_TRY(be->zero_columns(be, FT_F32, w[D_ZERO], rows, C, 0, C));
     }
     const dense_params d = params_of(cfg, params, zero_c(cfg, R, w));
     FT_TRY(be->gemm(be, 0, 1, R, C, C, 1.0f, in, C, d.W1, C, 0.0f, w[D_H], C));
