@@ -11,8 +11,10 @@ The C encoder runs BERT's post-LN layers and ModernBERT's (pre-LN, rotary positi
 local / global attention): its forward, and what stands on it (encode, the cache, heads trained on the
 cache). The operations that run BERT's layer code besides the forward (training encoder layers, int8,
 compression, export of task heads) are refused for other layers by one check, :meth:`Architecture.require`;
-training the top layers, int8 and compression's model, files and int8 also run ModernBERT's
-(PRE_LN_OPERATIONS).
+training the top layers, int8 and compression's model, files and int8 also run ModernBERT's, and
+export writes its own classes (PRE_LN_OPERATIONS).
+Each entry also says which dense layer its task classes run before their classifier (`head_shapes`:
+fasttran.heads.DenseShape), so a head made for an encoder exports to the architecture's own class.
 """
 import dataclasses
 import re
@@ -65,6 +67,17 @@ class Architecture:
     #: export: {layout: {BertFor*'s tensor name: this architecture's}} where the head's tensors are named
     #: otherwise, or {layout: why no class of this architecture holds fasttran's head}
     heads: dict = dataclasses.field(default_factory=dict)
+    #: the dense layer each *For* class runs before its classifier: {layout: fasttran.heads.DenseShape
+    #: fields}; a layout not named has BERT's (sequence classification, multiple choice: the pooler,
+    #: dense + tanh) or none (token classification, QA)
+    head_shapes: dict = dataclasses.field(default_factory=dict)
+    #: {layout: {DenseShape field: the config key that sets it}} (ModernBERT's classifier_activation ...)
+    head_shape_keys: dict = dataclasses.field(default_factory=dict)
+    #: {layout: {config key: value}} an export writes besides the shape's keys (ELECTRA's summary_type ...)
+    head_configs: dict = dataclasses.field(default_factory=dict)
+    #: the config key by which the *For* classes pool ("cls" / "mean"; ModernBERT's classifier_pooling),
+    #: None: they read the first token
+    head_pooling_key: str = None
     #: the config's (hidden, attention) dropout keys, and their value when absent (training encoder layers)
     dropout_keys: tuple = ("hidden_dropout_prob", "attention_probs_dropout_prob")
     dropout_default: float = 0.1
@@ -149,6 +162,41 @@ class Architecture:
             names[wrapper + hf[len("bert."):] if hf.startswith("bert.") else hf] = ours
         return self.hf_class[:-len("Model")] + bert_class[len("Bert"):], names
 
+    def head_shape(self, layout, cfg=None, source="config.json"):
+        """The fasttran.heads.DenseShape of the dense layer the architecture's class for `layout` runs
+        before its classifier, under config `cfg`; None where the class has none (BERT's token and QA
+        classes). An activation a class runs that fasttran's heads have not is refused, naming it."""
+        from .heads.base import DenseShape
+        if layout not in self.head_shapes:
+            return DenseShape() if layout in ("sequence-classification", "multiple-choice") else None
+        fields = dict(self.head_shapes[layout])
+        keys = self.head_shape_keys.get(layout, {})
+        for field, key in keys.items():
+            if cfg is not None and key in cfg and cfg[key] is not None:
+                fields[field] = cfg[key]
+        act = fields.get("act", "tanh")
+        if act not in _HEAD_ACTS:
+            raise UnsupportedModelError(
+                f"{source}: {keys.get('act', 'the activation')}={act!r}: {self.hf_class[:-5]}'s "
+                f"{layout} head runs {act!r}, which fasttran's heads have not (they run {', '.join(_HEAD_ACTS)})")
+        fields["act"] = _HEAD_ACTS[act]
+        if not isinstance(fields.get("bias", True), bool):
+            raise CheckpointError(f"{source}: {keys.get('bias', 'bias')} must be true or false, got "
+                                  f"{fields['bias']!r}")
+        return DenseShape(**fields)
+
+    def head_config(self, layout, head):
+        """The config entries an export of `head` in the architecture's class for `layout` writes: the
+        shape's and pooling's keys, and the class's fixed ones."""
+        out = dict(self.head_configs.get(layout, {}))
+        acts = {v: k for k, v in _HEAD_ACTS.items()}
+        for field, key in self.head_shape_keys.get(layout, {}).items():
+            value = getattr(head.shape, field)
+            out[key] = acts[value] if field == "act" else value
+        if self.head_pooling_key and layout in ("sequence-classification", "multiple-choice"):
+            out[self.head_pooling_key] = head.pooling
+        return out
+
     def exported_name(self, name):
         """fasttran's encoder tensor `name` in the architecture's *For* classes"""
         return self.prefixes[0] + self.checkpoint_name(name)
@@ -188,8 +236,12 @@ OPERATIONS = {
 }
 #: the operations of OPERATIONS that also run ModernBERT's pre-LN layers (csrc/model/layer.c's pre-LN pair;
 #: int8: csrc/model/encoder_int8.c quantizes the pre-LN layer's four projections; compression: a TaskModel's
-#: evaluation, files and int8, its pruning and export staying refused as "pruning" / "compressed_export")
-PRE_LN_OPERATIONS = ("train_layers", "int8", "compression")
+#: evaluation, files and int8, its pruning and export staying refused as "pruning" / "compressed_export";
+#: export writes them in ModernBERT's own classes)
+PRE_LN_OPERATIONS = ("train_layers", "int8", "compression", "export")
+
+#: a config's activation names (transformers' ACT2FN) -> fasttran's head activations (fasttran._C.HEAD_ACTS)
+_HEAD_ACTS = {"tanh": "tanh", "relu": "relu", "gelu": "gelu"}
 
 _ROBERTA = dict(position_ids="after_padding", token_types="zero", prefixes=("roberta.", ""),
                 defaults={"pad_token_id": 1},
@@ -211,10 +263,11 @@ ARCHITECTURES = (
                               "intermediate_size": "hidden_dim", "hidden_act": "activation"},
                  defaults={"num_hidden_layers": 6}, fixed={"layer_norm_eps": 1e-12, "type_vocab_size": 0},
                  layer_prefix="transformer.layer.", prefixes=("distilbert.", ""),
-                 heads={"sequence-classification": "DistilBertForSequenceClassification's pre_classifier is followed by "
-                                                   "ReLU, fasttran's pooler by tanh",
-                        "multiple-choice": "DistilBertForMultipleChoice's pre_classifier is followed by ReLU, fasttran's "
-                                           "pooler by tanh"},
+                 # DistilBertFor{SequenceClassification,MultipleChoice}: pre_classifier + ReLU + classifier on CLS
+                heads={layout: {"bert.pooler.dense.weight": "pre_classifier.weight",
+                                "bert.pooler.dense.bias": "pre_classifier.bias"}
+                       for layout in ("sequence-classification", "multiple-choice")},
+                head_shapes={"sequence-classification": {"act": "relu"}, "multiple-choice": {"act": "relu"}},
                  names={"attention.self.query.weight": "attention.q_lin.weight",
                         "attention.self.query.bias": "attention.q_lin.bias",
                         "attention.self.key.weight": "attention.k_lin.weight",
@@ -232,10 +285,18 @@ ARCHITECTURES = (
     Architecture("electra", ("electra",), "ElectraModel", embedding_projection=True, pooler=False,
                  defaults={"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024,
                            "embedding_size": 128}, prefixes=("electra.", ""),
-                 heads={"sequence-classification": "ElectraClassificationHead's dense layer is followed by GELU, "
-                                                   "fasttran's pooler by tanh",
-                        "multiple-choice": "ElectraForMultipleChoice's summary layer is followed by GELU, fasttran's "
-                                           "pooler by tanh"}),
+                 # ElectraClassificationHead: dense + GELU + out_proj on CLS; ElectraForMultipleChoice: its
+                # SequenceSummary (first token, dense, summary_activation) + classifier
+                heads={"sequence-classification": {"bert.pooler.dense.weight": "classifier.dense.weight",
+                                                   "bert.pooler.dense.bias": "classifier.dense.bias",
+                                                   "classifier.weight": "classifier.out_proj.weight",
+                                                   "classifier.bias": "classifier.out_proj.bias"},
+                       "multiple-choice": {"bert.pooler.dense.weight": "sequence_summary.summary.weight",
+                                           "bert.pooler.dense.bias": "sequence_summary.summary.bias"}},
+                head_shapes={"sequence-classification": {"act": "gelu"}, "multiple-choice": {"act": "gelu"}},
+                head_shape_keys={"multiple-choice": {"act": "summary_activation"}},
+                head_configs={"multiple-choice": {"summary_type": "first", "summary_use_proj": True,
+                                                  "summary_proj_to_labels": False}}),
     Architecture("modernbert", ("modernbert",), "ModernBertModel", norm="pre", positions="rotary",
                  gated_activation=True, biases=False, attention_window=True, fused_qkv=True, pooler=False,
                  token_types="none", prefixes=("model.", ""), layer_prefix="layers.",
@@ -243,9 +304,21 @@ ARCHITECTURES = (
                  defaults={"vocab_size": 50368, "num_hidden_layers": 22, "intermediate_size": 1152,
                            "max_position_embeddings": 8192, "pad_token_id": 50283, "layer_norm_eps": 1e-5},
                  fixed={"type_vocab_size": 0}, dropout_keys=("mlp_dropout", "attention_dropout"), dropout_default=0.0,
-                 heads={layout: "ModernBERT's task classes put a dense + GELU + LayerNorm head on the pooled "
-                                "output, fasttran's heads differ" for layout in ("sequence-classification",
-                                                                             "multiple-choice")},
+                 # ModernBertFor*: ModernBertPredictionHead (dense [classifier_bias] + classifier_activation +
+                # LayerNorm without bias) on the pooled state (classifier_pooling) or on every token, then classifier
+                heads={layout: {"bert.pooler.dense.weight": "head.dense.weight", "bert.pooler.dense.bias": "head.dense.bias",
+                                "bert.pooler.norm.weight": "head.norm.weight", "qa_outputs.weight": "classifier.weight",
+                                "qa_outputs.bias": "classifier.bias"}
+                       for layout in ("sequence-classification", "multiple-choice", "token-classification",
+                                      "question-answering")},
+                head_shapes={layout: {"act": "gelu", "bias": False, "norm": "layernorm", "norm_eps": 1e-5,
+                                      "per_token": layout in ("token-classification", "question-answering")}
+                             for layout in ("sequence-classification", "multiple-choice", "token-classification",
+                                            "question-answering")},
+                head_shape_keys={layout: {"act": "classifier_activation", "bias": "classifier_bias", "norm_eps": "norm_eps"}
+                                 for layout in ("sequence-classification", "multiple-choice", "token-classification",
+                                                "question-answering")},
+                head_pooling_key="classifier_pooling",
                  names={"embeddings.word_embeddings.weight": "embeddings.tok_embeddings.weight",
                         "embeddings.LayerNorm.weight": "embeddings.norm.weight",
                         "attention.self.qkv.weight": "attn.Wqkv.weight", "attention.LayerNorm.weight": "attn_norm.weight",

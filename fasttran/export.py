@@ -10,6 +10,9 @@ layouts the Hugging Face tools load, so that it goes straight into a transformer
       pooling, or no pooler)                 [Dense tanh (the pooler)] -> Dense (the classifier); encode() gives
                                              the logits
 
+Another architecture's encoder goes out in its own classes (DistilBertForSequenceClassification,
+ModernBertForTokenClassification ...), where the class's dense layer before its classifier is the
+head's shape (fasttran.architectures' head_shapes; ModernBERT's classes also pool by mean).
 BERT's classes put a classifier on the pooler of the [CLS] token only: a head on mean-pooled
 states, or one without the pooler, has no transformers class, so it goes out in the layout
 sentence-transformers loads (its Pooling and Dense modules, the classic module names every
@@ -22,8 +25,12 @@ import os
 from . import _C
 from .architectures import BERT
 from .errors import InputError, UnsupportedModelError
-from .heads.base import Head
+from .heads.base import Head, describe_shape
 from .safetensors_io import write_safetensors
+
+#: sentence-transformers' Dense activation of a head's dense layer (a shape without a LayerNorm)
+_ST_ACTS = {"tanh": "torch.nn.modules.activation.Tanh", "relu": "torch.nn.modules.activation.ReLU",
+            "gelu": "torch.nn.modules.activation.GELU"}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
@@ -71,19 +78,38 @@ def _own_config(encoder, architecture, extra):
     return cfg
 
 
+def _mismatch(arch, layout, head, cfg):
+    """why the architecture's class for `layout` cannot hold `head` (None: it can): its dense layer's
+    shape (fasttran.architectures' head_shapes) or its pooling"""
+    want = arch.head_shape(layout, cfg)
+    have = head.shape if head.dense else None
+    cls = arch.hf_class[:-len("Model")]
+    if want != have:
+        return (f"{cls}'s {layout} head runs {describe_shape(want)}, this head {describe_shape(have)} (a head made "
+                f"for this encoder -- Trainer(..., pooler=True), make_head(..., encoder=) -- has its shape)")
+    if layout in ("sequence-classification", "multiple-choice") and head.pooling != "cls" and not arch.head_pooling_key:
+        return f"{cls}'s {layout} class scores the first token; this head pools by {head.pooling}"
+    return None
+
+
 def _layout(encoder, head):
     """head.export_layout() in the encoder's architecture: RobertaForSequenceClassification ... for
-    BertFor*; a sequence head whose class has no counterpart goes out as sentence-transformers'
-    layout, any other such head is refused with the reason"""
-    layout, cls, extra, names = head.export_layout()
-    if cls is None or encoder.architecture is BERT:
+    BertFor*, where the class's head is this head's shape; a sequence head whose class cannot hold
+    it goes out as sentence-transformers' layout, any other such head is refused with the reason"""
+    arch = encoder.architecture
+    layout, cls, extra, names = head.export_layout(mean=arch.head_pooling_key is not None)
+    if cls is None:
         return layout, cls, extra, names
-    own, how = encoder.architecture.export_class(layout, cls, names)
-    if own is not None:
-        return layout, own, extra, how
-    if layout == "sequence-classification":
+    how = _mismatch(arch, layout, head, encoder._raw_config)
+    if how is None:
+        if arch is BERT:
+            return layout, cls, extra, names
+        own, how = arch.export_class(layout, cls, names)
+        if own is not None:
+            return layout, own, dict(extra, **arch.head_config(layout, head)), how
+    if layout == "sequence-classification" and head.shape.norm is None and not head.shape.per_token:
         return Head.export_layout(head)
-    raise UnsupportedModelError(f"export of a {layout} head is not supported for {encoder.architecture.hf_class}: {how}")
+    raise UnsupportedModelError(f"export of a {layout} head is not supported for {arch.hf_class}: {how}")
 
 
 def export(path, encoder, head, pooling="mean"):
@@ -109,16 +135,16 @@ def export(path, encoder, head, pooling="mean"):
             "pooling_mode_mean_sqrt_len_tokens": False})
         dense = []
         if "pooler.dense.weight" in heads:
-            dense.append((heads["pooler.dense.weight"], heads["pooler.dense.bias"], "torch.nn.modules.activation.Tanh"))
+            dense.append((heads["pooler.dense.weight"], heads.get("pooler.dense.bias"), _ST_ACTS[head.shape.act]))
         dense.append((heads["classifier.weight"], heads["classifier.bias"], "torch.nn.modules.linear.Identity"))
         for k, (w, b, act) in enumerate(dense, start=2):
             sub = f"{k}_Dense"
             os.makedirs(os.path.join(path, sub), exist_ok=True)
             _write_json(os.path.join(path, sub, "config.json"), {
-                "in_features": int(w.shape[1]), "out_features": int(w.shape[0]), "bias": True,
+                "in_features": int(w.shape[1]), "out_features": int(w.shape[0]), "bias": b is not None,
                 "activation_function": act})
-            write_safetensors(os.path.join(path, sub, "model.safetensors"), {"linear.weight": w, "linear.bias": b},
-                              {"format": "pt"})
+            write_safetensors(os.path.join(path, sub, "model.safetensors"),
+                              {"linear.weight": w, **({} if b is None else {"linear.bias": b})}, {"format": "pt"})
             mods.append({"idx": k, "name": str(k), "path": sub, "type": "sentence_transformers.models.Dense"})
         _write_json(os.path.join(path, "modules.json"), mods)
         _write_json(os.path.join(path, "sentence_bert_config.json"),

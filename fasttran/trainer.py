@@ -198,7 +198,10 @@ class Trainer:
     "token-classification" (a label per token: cross-entropy; entity F1 with `label_names`), "qa"
     (extractive spans; SQuAD EM / F1). The head is sized from the cache and the targets at fit time;
     `pooler=True` puts BERT's pooler in front of a classification, regression or multi-label head
-    (the layout transformers' AutoModelForSequenceClassification has: export() writes it).
+    (the layout transformers' AutoModelForSequenceClassification has: export() writes it) -- in the
+    encoder's architecture's shape (DistilBERT's ReLU, ELECTRA's GELU, ModernBERT's prediction head,
+    also on every token of a token or QA head: fasttran.architectures' head_shapes), so that the
+    export is that architecture's own class.
     `lr=None` takes the measured default for the optimizer and head (`DEFAULT_LR`, from
     benchmarks/sweep_defaults.py); with train_layers=k the recipe for k (`topk_recipe`: the layers' lr,
     `head_lr`, `layer_lr_decay`, from benchmarks/sweep_recipes.py). `head_lr` (train_layers > 0): the
@@ -355,7 +358,7 @@ class Trainer:
         pooling = cache.positions if cache.positions in ("mean", "cls") else self.pooling
         return make_head(self._head_name, cache.hidden, targets, num_labels=self.num_labels, dropout=self.dropout,
                          seed=self.seed, pooling=pooling, pooler=self.pooler, label_names=self.label_names,
-                         examples=len(cache))
+                         examples=len(cache), encoder=self._encoder or cache.encoder)
 
     def _build(self, encoder, cache=None, targets=None):
         """The trainer's parts, built once, here, in this order: the head (given, the checkpoint's, or

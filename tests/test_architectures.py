@@ -398,10 +398,14 @@ def test_pooler_head_exports_as_roberta_for_sequence_classification(models, tmp_
 
 @pytest.mark.parametrize("model_type", ["distilbert", "electra"])
 def test_pooler_head_without_a_counterpart_goes_out_as_sentence_transformers(models, tmp_path, model_type):
+    """BERT's pooler (dense + tanh) over DistilBERT / ELECTRA: no class of theirs holds it (a head made
+    for the encoder has its classes' shape and exports to them: tests/test_export_heads.py)"""
     from fasttran.export import how_to_load, layout_of
     enc = fasttran.Encoder.from_pretrained(models[model_type])
     ids, mask = _batch(enc)
-    tr, _ = _fit(enc, "classification", 1, ids, mask, np.arange(len(ids)) % 2, pooler=True)
+    tanh = fasttran.heads.make_head("classification", enc.hidden_size, num_labels=2, pooler=True, pooling="cls",
+                                    shape=fasttran.heads.DenseShape())
+    tr, _ = _fit(enc, tanh, 1, ids, mask, np.arange(len(ids)) % 2)
     assert layout_of(tr.head) == "sequence-classification"   # as BERT
     assert layout_of(tr.head, enc) == "sentence-transformers"   # no class of this architecture holds it
     assert "sentence-transformers layout" in how_to_load(tr.head, "m", enc)

@@ -615,6 +615,19 @@ enum {
 };
 typedef enum { FT_LOSS_XENT = 0, FT_LOSS_MSE = 1, FT_LOSS_BCE = 2 } ft_head_loss;
 
+/* The activations of a head's dense layer, declared once: X(NAME, code, "name", ft_activation).
+ * BERT's pooler is tanh; DistilBERT's pre_classifier ReLU; ELECTRA's classification head and
+ * ModernBERT's prediction head GELU (exact, erf). */
+#define FT_HEAD_ACTS(X)                            \
+    X(TANH, 0, "tanh", FT_ACT_TANH)                \
+    X(RELU, 1, "relu", FT_ACT_RELU)                \
+    X(GELU, 2, "gelu", FT_ACT_GELU_ERF)
+#define FT_HEAD_ACT_ENUM_(NAME, code, name, act) FT_HEAD_ACT_##NAME = code,
+typedef enum { FT_HEAD_ACTS(FT_HEAD_ACT_ENUM_) FT_HEAD_ACT_END_ } ft_head_act;
+#undef FT_HEAD_ACT_ENUM_
+/* the LayerNorm after a head's dense layer (ModernBERT's prediction head) */
+typedef enum { FT_HEAD_NORM_NONE = 0, FT_HEAD_NORM_LN = 1, FT_HEAD_NORM_LN_BIAS = 2 } ft_head_norm;
+
 typedef struct {
     ft_head_kind kind;
     int64_t hidden;        /* C */
@@ -622,7 +635,17 @@ typedef struct {
     float dropout;         /* probability, [0, 1) */
     ft_head_loss loss;     /* LINEAR / POOLER: XENT, MSE or BCE; TOKEN and QA: XENT */
     ft_pooling pooling;    /* LINEAR / POOLER over several rows per sequence: FT_POOL_MEAN or _CLS */
+    /* The dense layer before the classifier (POOLER and CHOICE always; TOKEN and QA when `dense`,
+     * on every row): h = act(in W1^T [+ b1]) [then LayerNorm(h) with gamma [and beta], norm_eps].
+     * All zero is BERT's pooler: tanh, with a bias, no LayerNorm. */
+    ft_head_act act;
+    int no_dense_bias;     /* 1: the dense layer has no bias (ModernBERT's classifier_bias false) */
+    ft_head_norm norm;
+    float norm_eps;        /* > 0 with a norm */
+    int dense;             /* TOKEN / QA: 1 runs the dense layer on every row (ModernBERT's head) */
 } ft_head_config;
+/* the activation's name ("tanh", ...), NULL for none */
+const char *ft_head_act_name(int act);
 
 /* A batch as a head sees it. */
 typedef struct {

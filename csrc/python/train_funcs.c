@@ -74,16 +74,20 @@ static int same_device(ft_device *have, int *set, ft_device d, const char *what)
 }
 
 static int parse_head(PyObject *args_tuple, ft_head_config *cfg) {
-    int kind, loss = FT_LOSS_XENT, pooling = FT_POOL_MEAN;
+    int kind, loss = FT_LOSS_XENT, pooling = FT_POOL_MEAN, act = FT_HEAD_ACT_TANH, no_bias = 0, norm = FT_HEAD_NORM_NONE;
+    int dense = 0;
     long long hidden, labels;
-    float dropout;
+    float dropout, norm_eps = 0.0f;
     if (!PyTuple_Check(args_tuple)) {
         ft_py_fail(ft_errors.input_type, "a head configuration is a tuple (kind, hidden, num_labels, dropout[, loss, "
-                   "pooling])");
+                   "pooling, act, no_dense_bias, norm, norm_eps, dense])");
         return 0;
     }
-    if (!PyArg_ParseTuple(args_tuple, "iLLf|ii", &kind, &hidden, &labels, &dropout, &loss, &pooling)) return 0;
-    *cfg = (ft_head_config){(ft_head_kind)kind, hidden, labels, dropout, (ft_head_loss)loss, (ft_pooling)pooling};
+    if (!PyArg_ParseTuple(args_tuple, "iLLf|iiiiifi", &kind, &hidden, &labels, &dropout, &loss, &pooling, &act,
+                          &no_bias, &norm, &norm_eps, &dense))
+        return 0;
+    *cfg = (ft_head_config){(ft_head_kind)kind, hidden, labels, dropout, (ft_head_loss)loss, (ft_pooling)pooling,
+                            (ft_head_act)act, no_bias, (ft_head_norm)norm, norm_eps, dense};
     ft_status st = ft_head_check(cfg);
     if (st != FT_OK) { ft_py_raise(st); return 0; }
     return 1;
@@ -91,7 +95,7 @@ static int parse_head(PyObject *args_tuple, ft_head_config *cfg) {
 
 int ft_py_parse_head(PyObject *config, ft_head_config *cfg) { return parse_head(config, cfg); }
 
-/* head_tensors((kind, hidden, num_labels, dropout[, loss, pooling])) -> ([(name, shape, offset)], total) */
+/* head_tensors((kind, hidden, num_labels, dropout[, loss, pooling, act, no_dense_bias, norm, norm_eps, dense])) -> ([(name, shape, offset)], total) */
 static PyObject *py_head_tensors(PyObject *self, PyObject *arg) {
     (void)self;
     ft_head_config cfg;
@@ -319,8 +323,23 @@ static int add_head_kinds(PyObject *m) {
         }
         Py_DECREF(v);
     }
-    const int r = PyModule_AddObjectRef(m, "HEAD_KINDS", d);
+    int r = PyModule_AddObjectRef(m, "HEAD_KINDS", d);
     Py_DECREF(d);
+    if (r < 0) return r;
+    /* HEAD_ACTS {name: code} of a head's dense layer, from FT_HEAD_ACTS */
+    PyObject *acts = PyDict_New();
+    if (!acts) return -1;
+    for (int k = 0; k < FT_HEAD_ACT_END_; k++) {
+        PyObject *v = PyLong_FromLong(k);
+        if (!v || PyDict_SetItemString(acts, ft_head_act_name(k), v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(acts);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    r = PyModule_AddObjectRef(m, "HEAD_ACTS", acts);
+    Py_DECREF(acts);
     return r;
 }
 

@@ -32,23 +32,29 @@ ft_status ft_head_check(const ft_head_config *cfg) {
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: unknown loss %d", (int)cfg->loss);
     if (!(cfg->dropout >= 0.0f && cfg->dropout < 1.0f))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: dropout must lie in [0, 1), got %g", (double)cfg->dropout);
+    FT_TRY(ft_head_check_dense(cfg));
     return kd->check(cfg);
 }
 
+#define FT_HEAD_ACT_NAME_(NAME, code, name, act) [code] = name,
+static const char *const ACT_NAMES[] = {FT_HEAD_ACTS(FT_HEAD_ACT_NAME_)};
+#undef FT_HEAD_ACT_NAME_
+const char *ft_head_act_name(int act) { return act >= 0 && act < FT_HEAD_ACT_END_ ? ACT_NAMES[act] : NULL; }
+
 unsigned ft_head_needs(const ft_head_config *cfg) { return cfg && kind_of(cfg) ? kind_of(cfg)->needs : 0; }
 
-static size_t tensors(const ft_head_config *cfg, head_tensor t[4]) { return kind_of(cfg)->tensors(cfg, t); }
+static size_t tensors(const ft_head_config *cfg, head_tensor t[HEAD_MAX_TENSORS]) { return kind_of(cfg)->tensors(cfg, t); }
 static size_t numel(const head_tensor *t) { return (size_t)t->shape[0] * (size_t)(t->ndim == 2 ? t->shape[1] : 1); }
 
 size_t ft_head_num_tensors(const ft_head_config *cfg) {
-    head_tensor t[4];
+    head_tensor t[HEAD_MAX_TENSORS];
     return ft_head_check(cfg) == FT_OK ? tensors(cfg, t) : 0;
 }
 
 ft_status ft_head_tensor_info(const ft_head_config *cfg, size_t i, const char **name, int *ndim, int64_t shape[2],
                               size_t *offset) {
     FT_TRY(ft_head_check(cfg));
-    head_tensor t[4];
+    head_tensor t[HEAD_MAX_TENSORS];
     size_t n = tensors(cfg, t), off = 0;
     if (i >= n) return ft_error(FT_ERR_OUT_OF_RANGE, "head tensor %zu out of range (%zu tensors)", i, n);
     for (size_t k = 0; k < i; k++) off += numel(&t[k]);
@@ -61,7 +67,7 @@ ft_status ft_head_tensor_info(const ft_head_config *cfg, size_t i, const char **
 }
 
 size_t ft_head_param_count(const ft_head_config *cfg) {
-    head_tensor t[4];
+    head_tensor t[HEAD_MAX_TENSORS];
     if (ft_head_check(cfg) != FT_OK) return 0;
     size_t n = tensors(cfg, t), total = 0;
     for (size_t k = 0; k < n; k++) total += numel(&t[k]);

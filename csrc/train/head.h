@@ -8,6 +8,7 @@
 enum { HEAD_SITE_INPUT = 0, HEAD_SITE_HIDDEN = 1 };   /* dropout sites 0..15 belong to the heads */
 
 typedef struct { const char *name; int ndim; int64_t shape[2]; } head_tensor;
+enum { HEAD_MAX_TENSORS = 8 };
 
 /* everything one step of a head works on (backend memory unless said) */
 typedef struct {
@@ -31,8 +32,8 @@ typedef struct {
     /* the kind's own rules for a configuration (num_labels, loss, pooling); the shared ones (hidden,
      * dropout, loss and pooling codes) are checked before */
     ft_status (*check)(const ft_head_config *cfg);
-    /* tensors in buffer order; returns the count (at most 4) */
-    size_t (*tensors)(const ft_head_config *cfg, head_tensor out[4]);
+    /* tensors in buffer order; returns the count (at most HEAD_MAX_TENSORS) */
+    size_t (*tensors)(const ft_head_config *cfg, head_tensor out[HEAD_MAX_TENSORS]);
     int64_t (*logits_count)(const ft_head_config *cfg, int64_t B, int64_t N);
     int64_t (*loss_count)(const ft_head_config *cfg, int64_t B, int64_t N);
     int64_t (*target_count)(const ft_head_config *cfg, int64_t B, int64_t N);
@@ -47,14 +48,31 @@ typedef struct {
 FT_HEAD_KINDS(FT_HEAD_DECLARE_)
 #undef FT_HEAD_DECLARE_
 
+/* The dense layer a head runs before its classifier (head_dense.c), in the shape the configuration
+ * gives (ft_head_config: act, no_dense_bias, norm), on R rows of C:
+ *   h (R, C) = act(in W1^T [+ b1]) [then LayerNorm(h) gamma [beta]]
+ * Tensors: pooler.dense.weight (C, C), [pooler.dense.bias (C),] [pooler.norm.weight (C),
+ * [pooler.norm.bias (C)]] (fasttran.export renames them per architecture). */
+size_t ft_head_dense_tensors(const ft_head_config *cfg, head_tensor *out);
+size_t ft_head_dense_floats(const ft_head_config *cfg);       /* its parameters */
+size_t ft_head_dense_workspace(const ft_head_config *cfg, int64_t R);
+ft_status ft_head_check_dense(const ft_head_config *cfg);
+/* *out = h (in ws) from in (R, C); params: the block's parameters; ws: ft_head_dense_workspace floats */
+ft_status ft_head_dense_forward(ft_backend *be, const ft_head_config *cfg, const float *params, const float *in,
+                                int64_t R, float *ws, const float **out);
+/* from d h (R, C; overwritten): grads of the block's parameters (like params), din (R, C) = d in
+ * when not NULL; ws and in as the forward left them */
+ft_status ft_head_dense_backward(ft_backend *be, const ft_head_config *cfg, const float *params, const float *in,
+                                 int64_t R, float *ws, float *dh, float *grads, float *din);
+
 /* The pooled sequence head (head_sequence.c), shared by the heads that score pooled sequences:
- *   pooled (B, C) = mean / CLS row of each sequence (x itself when N == B); with `pooler`, BERT's
- *   h = tanh(dropout(pooled) W1^T + b1); logits (B, K) = dropout(h or pooled) W^T + b.
- * Tensors: [pooler.dense.weight (C, C), pooler.dense.bias (C),] classifier.weight (K, C),
- * classifier.bias (K). `loss` computes the loss terms from c->logits (B, K) and, when dlogits is
- * not NULL, d logits; the step then runs the backward from them. */
+ *   pooled (B, C) = mean / CLS row of each sequence (x itself when N == B); with `pooler`, the
+ *   dense layer (BERT's: h = tanh(dropout(pooled) W1^T + b1)); logits (B, K) = dropout(h or pooled) W^T + b.
+ * Tensors: [the dense layer's,] classifier.weight (K, C), classifier.bias (K). `loss` computes the
+ * loss terms from c->logits (B, K) and, when dlogits is not NULL, d logits; the step then runs the
+ * backward from them. */
 typedef ft_status (*head_loss_fn)(ft_backend *be, const head_call *c, float *dlogits);
-size_t ft_head_pooled_tensors(const ft_head_config *cfg, int pooler, int64_t K, head_tensor out[4]);
+size_t ft_head_pooled_tensors(const ft_head_config *cfg, int pooler, int64_t K, head_tensor *out);
 size_t ft_head_pooled_workspace(const ft_head_config *cfg, int pooler, int64_t K, int64_t B, int64_t N, int grads,
                                 int dx, int drop);
 ft_status ft_head_pooled_step(ft_backend *be, const head_call *c, int pooler, int64_t K, head_loss_fn loss);

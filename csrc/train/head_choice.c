@@ -3,6 +3,8 @@
  * BERT's pooler, the scores of a question compared by a softmax (B sequences, N rows, C hidden;
  * num_labels = G, the choices per question):
  *   h = tanh(dropout(pooled) W1^T + b1); score (B) = dropout(h) w^T + b       W1 (C, C), w (1, C), b (1)
+ *   (h: the dense layer in the configured shape, head_dense.c: DistilBERT's ReLU, ELECTRA's and
+ *   ModernBERT's GELU ...)
  *   loss: per question, softmax cross-entropy over its G scores against labels (B / G) in [0, G),
  *   each term times `scale` (1 / the questions of the global batch).
  * The pooled step is head_sequence.c's (ft_head_pooled_step) with one output per sequence. */
@@ -18,7 +20,7 @@ static ft_status check(const ft_head_config *cfg) {
     return ft_head_check_pooling(cfg);
 }
 
-static size_t tensors(const ft_head_config *cfg, head_tensor out[4]) { return ft_head_pooled_tensors(cfg, 1, 1, out); }
+static size_t tensors(const ft_head_config *cfg, head_tensor *out) { return ft_head_pooled_tensors(cfg, 1, 1, out); }
 static int64_t scores(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)N; return B; }
 static int64_t questions(const ft_head_config *cfg, int64_t B, int64_t N) { (void)N; return B / cfg->num_labels; }
 static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {

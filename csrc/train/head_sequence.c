@@ -4,6 +4,7 @@
  *                   sequence has one row (features pooled by the cache)
  *   linear: logits (B, K) = dropout(pooled) W^T + b                            W (K, C), b (K)
  *   pooler: h = tanh(dropout(pooled) W1^T + b1); logits = dropout(h) W^T + b   W1 (C, C)
+ *           (BERT's; the dense layer in the configured shape: head_dense.c)
  *   loss: softmax cross-entropy (labels (B)), squared error (regression: targets (B, K)) or binary
  *   cross-entropy per label (multi-label: targets (B, K) in [0, 1]), each term times `scale`.
  * Backward in reverse, the dropout masks recomputed; d x = the pooling's backward.
@@ -15,13 +16,9 @@
 #include "core/status.h"
 #include "head.h"
 
-size_t ft_head_pooled_tensors(const ft_head_config *cfg, int pooler, int64_t K, head_tensor out[4]) {
+size_t ft_head_pooled_tensors(const ft_head_config *cfg, int pooler, int64_t K, head_tensor *out) {
     const int64_t C = cfg->hidden;
-    size_t n = 0;
-    if (pooler) {
-        out[n++] = (head_tensor){"pooler.dense.weight", 2, {C, C}};
-        out[n++] = (head_tensor){"pooler.dense.bias", 1, {C, 0}};
-    }
+    size_t n = pooler ? ft_head_dense_tensors(cfg, out) : 0;
     out[n++] = (head_tensor){"classifier.weight", 2, {K, C}};
     out[n++] = (head_tensor){"classifier.bias", 1, {K, 0}};
     return n;
@@ -34,8 +31,8 @@ static int64_t loss_count(const ft_head_config *cfg, int64_t B, int64_t N) {
 }
 static int64_t target_count(const ft_head_config *cfg, int64_t B, int64_t N) { return loss_count(cfg, B, N); }
 
-/* workspace parts in floats, in order: pooled, dropped input, pooler hidden, its dropout, d pooler
- * input, d pooled, d logits, CLS row counts (int32) */
+/* workspace parts in floats, in order: pooled, dropped input, the dense layer's (its output first),
+ * its output's dropout, d of the classifier's input, d pooled, d logits, CLS row counts (int32) */
 enum { P_POOLED, P_DROP, P_H, P_H2, P_DFEAT, P_DPOOLED, P_DLOGITS, P_ONES, P_COUNT };
 static size_t parts(const ft_head_config *cfg, int pooler, int64_t K, int64_t B, int64_t N, int grads, int dx, int drop,
                     size_t part[P_COUNT]) {
@@ -43,7 +40,7 @@ static size_t parts(const ft_head_config *cfg, int pooler, int64_t K, int64_t B,
     const int pool = N != B;
     part[P_POOLED] = pool ? BC : 0;
     part[P_DROP] = drop ? BC : 0;
-    part[P_H] = pooler ? BC : 0;
+    part[P_H] = pooler ? ft_head_dense_workspace(cfg, B) : 0;
     part[P_H2] = pooler && drop ? BC : 0;
     part[P_DFEAT] = grads && pooler ? BC : 0;
     part[P_DPOOLED] = dx && pool ? BC : 0;
@@ -115,15 +112,13 @@ ft_status ft_head_pooled_step(ft_backend *be, const head_call *c, int pooler, in
         FT_TRY(be->dropout(be, w[P_DROP], in, B * C, p, key_in));
         in = w[P_DROP];
     }
-    const float *W1 = c->params, *b1 = W1 + C * C;
-    const float *W = pooler ? c->params + C * C + C : c->params, *b = W + K * C;
+    const int64_t dense = pooler ? (int64_t)ft_head_dense_floats(cfg) : 0;
+    const float *W = c->params + dense, *b = W + K * C;
     const float *feat = in;
     if (pooler) {
-        FT_TRY(be->gemm(be, 0, 1, B, C, C, 1.0f, in, C, W1, C, 0.0f, w[P_H], C));
-        FT_TRY(be->bias_act_forward(be, w[P_H], b1, B, C, FT_ACT_TANH));
-        feat = w[P_H];
+        FT_TRY(ft_head_dense_forward(be, cfg, c->params, in, B, w[P_H], &feat));
         if (c->drop) {
-            FT_TRY(be->dropout(be, w[P_H2], w[P_H], B * C, p, key_hid));
+            FT_TRY(be->dropout(be, w[P_H2], feat, B * C, p, key_hid));
             feat = w[P_H2];
         }
     }
@@ -133,17 +128,13 @@ ft_status ft_head_pooled_step(ft_backend *be, const head_call *c, int pooler, in
     FT_TRY(loss(be, c, dlogits));
     if (!c->grads) return FT_OK;
     /* backward */
-    float *gW1 = c->grads, *gb1 = c->grads + C * C;
-    float *gW = c->grads + (pooler ? C * C + C : 0), *gb = gW + K * C;
+    float *gW = c->grads + dense, *gb = gW + K * C;
     float *dpooled = pool ? w[P_DPOOLED] : c->dx;    /* d of the pooled input (NULL: not wanted) */
     float *df = pooler ? w[P_DFEAT] : dpooled;       /* d of what the classifier read */
     FT_TRY(ft_head_linear_backward(be, gW, gb, df, dlogits, feat, W, B, C, K));
     if (pooler) {
         if (c->drop) FT_TRY(be->dropout(be, df, df, B * C, p, key_hid));
-        FT_TRY(be->tanh_backward(be, df, df, w[P_H], B * C));                            /* d pre-tanh */
-        FT_TRY(be->gemm(be, 1, 0, C, C, B, 1.0f, df, C, in, C, 0.0f, gW1, C));          /* dW1 (C, C) */
-        FT_TRY(be->sum_axis(be, gb1, df, B, C, 0));
-        if (dpooled) FT_TRY(be->gemm(be, 0, 0, B, C, C, 1.0f, df, C, W1, C, 0.0f, dpooled, C));
+        FT_TRY(ft_head_dense_backward(be, cfg, c->params, in, B, w[P_H], df, c->grads, dpooled));
     }
     if (!dpooled) return FT_OK;
     if (c->drop) FT_TRY(be->dropout(be, dpooled, dpooled, B * C, p, key_in));
@@ -175,10 +166,10 @@ static ft_status configured_loss(ft_backend *be, const head_call *c, float *dlog
     return be->bce_logits_loss(be, c->loss, dlogits, c->logits, c->targets, B * K, c->scale);
 }
 
-static size_t tensors_linear(const ft_head_config *cfg, head_tensor out[4]) {
+static size_t tensors_linear(const ft_head_config *cfg, head_tensor *out) {
     return ft_head_pooled_tensors(cfg, 0, cfg->num_labels, out);
 }
-static size_t tensors_pooler(const ft_head_config *cfg, head_tensor out[4]) {
+static size_t tensors_pooler(const ft_head_config *cfg, head_tensor *out) {
     return ft_head_pooled_tensors(cfg, 1, cfg->num_labels, out);
 }
 static size_t workspace_linear(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {

@@ -3,24 +3,30 @@
  *   logits (2, N) = W dropout(x)^T + b: each row's start and end score       W (2, C), b (2)
  *   loss: per sequence and end, softmax cross-entropy over its rows with valid != 0 (the
  *   context: token type 1 but the final [SEP]) against labels (2, B) = the answer's start and
- *   end row within the sequence; each term times `scale` (1 / 2 B of the global batch). */
+ *   end row within the sequence; each term times `scale` (1 / 2 B of the global batch).
+ * With `dense` (ModernBERT's prediction head), the dense layer (head_dense.c) on every row first:
+ *   logits = W dropout(dense(dropout(x)))^T + b. */
 #include "core/status.h"
 #include "head.h"
 
-static size_t tensors(const ft_head_config *cfg, head_tensor out[4]) {
-    out[0] = (head_tensor){"qa_outputs.weight", 2, {2, cfg->hidden}};
-    out[1] = (head_tensor){"qa_outputs.bias", 1, {2, 0}};
-    return 2;
+static size_t tensors(const ft_head_config *cfg, head_tensor *out) {
+    size_t n = cfg->dense ? ft_head_dense_tensors(cfg, out) : 0;
+    out[n++] = (head_tensor){"qa_outputs.weight", 2, {2, cfg->hidden}};
+    out[n++] = (head_tensor){"qa_outputs.bias", 1, {2, 0}};
+    return n;
 }
 
 static int64_t logits_count(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)B; return 2 * N; }
 static int64_t two_per_sequence(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)N; return 2 * B; }
 
-/* workspace: dropped input (N, C), d logits (2, N) */
+/* workspace: dropped input (N, C), d logits (2, N), then with `dense` its workspace, its output's
+ * dropout (N, C) and d of the scores' input (N, C) */
 static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
     (void)B;
     (void)dx;
-    return (drop ? (size_t)(N * cfg->hidden) : 0) + (grads ? (size_t)(2 * N) : 0);
+    const size_t NC = (size_t)(N * cfg->hidden);
+    return (drop ? NC : 0) + (grads ? (size_t)(2 * N) : 0) +
+           (cfg->dense ? ft_head_dense_workspace(cfg, N) + (drop ? NC : 0) + (grads ? NC : 0) : 0);
 }
 
 static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *bt, const void *targets,
@@ -44,13 +50,27 @@ static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *b
 static ft_status step(ft_backend *be, const head_call *c) {
     const ft_head_batch *bt = c->bt;
     const int64_t B = bt->B, N = bt->N, C = c->cfg->hidden;
-    const float p = c->cfg->dropout, *W = c->params, *b = W + 2 * C;
+    const ft_head_config *cfg = c->cfg;
+    const int64_t dense = cfg->dense ? (int64_t)ft_head_dense_floats(cfg) : 0;
+    const float p = cfg->dropout, *W = c->params + dense, *b = W + 2 * C;
     const uint64_t key_in = c->key_in + bt->row_base * (uint64_t)C;
+    const uint64_t key_hid = c->key_hidden + bt->row_base * (uint64_t)C;
     float *dropped = c->drop ? c->ws : NULL, *dlogits = c->grads ? c->ws + (c->drop ? N * C : 0) : NULL;
-    const float *in = c->x;
+    float *dws = c->ws + (c->drop ? N * C : 0) + (c->grads ? 2 * N : 0);        /* the dense layer's */
+    float *hdrop = dws + (cfg->dense ? ft_head_dense_workspace(cfg, N) : 0);
+    float *dfeat = hdrop + (c->drop ? N * C : 0);
+    const float *x = c->x, *in;
     if (c->drop) {
-        FT_TRY(be->dropout(be, dropped, in, N * C, p, key_in));
-        in = dropped;
+        FT_TRY(be->dropout(be, dropped, x, N * C, p, key_in));
+        x = dropped;
+    }
+    in = x;   /* what the scores read */
+    if (cfg->dense) {
+        FT_TRY(ft_head_dense_forward(be, cfg, c->params, x, N, dws, &in));
+        if (c->drop) {
+            FT_TRY(be->dropout(be, hdrop, in, N * C, p, key_hid));
+            in = hdrop;
+        }
     }
     /* (2, N): the start scores of every row, then the end scores */
     for (int k = 0; k < 2; k++) FT_TRY(be->broadcast_rows(be, c->logits + k * N, b + k, N, 1));
@@ -59,10 +79,17 @@ static ft_status step(ft_backend *be, const head_call *c) {
     FT_TRY(be->span_xent(be, c->loss, dlogits, c->logits, c->valid, bt->seqs_dev, bt->seqs_dev + B, c->targets, B, N,
                          c->scale));
     if (!c->grads) return FT_OK;
-    FT_TRY(be->gemm(be, 0, 0, 2, C, N, 1.0f, dlogits, N, in, C, 0.0f, c->grads, C));   /* dW (2, C) */
-    FT_TRY(be->sum_axis(be, c->grads + 2 * C, dlogits, 2, N, 1));                       /* db (2) */
+    float *gW = c->grads + dense;
+    FT_TRY(be->gemm(be, 0, 0, 2, C, N, 1.0f, dlogits, N, in, C, 0.0f, gW, C));         /* dW (2, C) */
+    FT_TRY(be->sum_axis(be, gW + 2 * C, dlogits, 2, N, 1));                             /* db (2) */
+    if (cfg->dense) {
+        FT_TRY(be->gemm(be, 1, 0, N, C, 2, 1.0f, dlogits, N, W, C, 0.0f, dfeat, C));     /* d in (N, C) */
+        if (c->drop) FT_TRY(be->dropout(be, dfeat, dfeat, N * C, p, key_hid));
+        FT_TRY(ft_head_dense_backward(be, cfg, c->params, x, N, dws, dfeat, c->grads, c->dx));
+    } else if (c->dx) {
+        FT_TRY(be->gemm(be, 1, 0, N, C, 2, 1.0f, dlogits, N, W, C, 0.0f, c->dx, C));    /* dx (N, C) */
+    }
     if (!c->dx) return FT_OK;
-    FT_TRY(be->gemm(be, 1, 0, N, C, 2, 1.0f, dlogits, N, W, C, 0.0f, c->dx, C));        /* dx (N, C) */
     if (c->drop) FT_TRY(be->dropout(be, c->dx, c->dx, N * C, p, key_in));
     return FT_OK;
 }

@@ -3,24 +3,30 @@
  *   logits (N, K) = dropout(x) W^T + b                                       W (K, C), b (K)
  *   loss: softmax cross-entropy per row against labels (N); a negative label (special tokens,
  *   sub-tokens after a word's first, padding) takes no part; each term times `scale`
- *   (1 / the labelled rows of the global batch). */
+ *   (1 / the labelled rows of the global batch).
+ * With `dense` (ModernBERT's prediction head), the dense layer (head_dense.c) on every row first:
+ *   logits = dropout(dense(dropout(x))) W^T + b. */
 #include "core/status.h"
 #include "head.h"
 
-static size_t tensors(const ft_head_config *cfg, head_tensor out[4]) {
-    out[0] = (head_tensor){"classifier.weight", 2, {cfg->num_labels, cfg->hidden}};
-    out[1] = (head_tensor){"classifier.bias", 1, {cfg->num_labels, 0}};
-    return 2;
+static size_t tensors(const ft_head_config *cfg, head_tensor *out) {
+    size_t n = cfg->dense ? ft_head_dense_tensors(cfg, out) : 0;
+    out[n++] = (head_tensor){"classifier.weight", 2, {cfg->num_labels, cfg->hidden}};
+    out[n++] = (head_tensor){"classifier.bias", 1, {cfg->num_labels, 0}};
+    return n;
 }
 
 static int64_t logits_count(const ft_head_config *cfg, int64_t B, int64_t N) { (void)B; return N * cfg->num_labels; }
 static int64_t rows(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)B; return N; }
 
-/* workspace: dropped input (N, C), d logits (N, K) */
+/* workspace: dropped input (N, C), d logits (N, K), then with `dense` its workspace, its output's
+ * dropout (N, C) and d of the classifier's input (N, C) */
 static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
     (void)B;
     (void)dx;
-    return (drop ? (size_t)(N * cfg->hidden) : 0) + (grads ? (size_t)(N * cfg->num_labels) : 0);
+    const size_t NC = (size_t)(N * cfg->hidden);
+    return (drop ? NC : 0) + (grads ? (size_t)(N * cfg->num_labels) : 0) +
+           (cfg->dense ? ft_head_dense_workspace(cfg, N) + (drop ? NC : 0) + (grads ? NC : 0) : 0);
 }
 
 static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *bt, const void *targets,
@@ -37,19 +43,39 @@ static ft_status check_targets(const ft_head_config *cfg, const ft_head_batch *b
 static ft_status step(ft_backend *be, const head_call *c) {
     const ft_head_config *cfg = c->cfg;
     const int64_t N = c->bt->N, C = cfg->hidden, K = cfg->num_labels;
-    const float p = cfg->dropout, *W = c->params, *b = W + K * C;
+    const int64_t dense = cfg->dense ? (int64_t)ft_head_dense_floats(cfg) : 0;
+    const float p = cfg->dropout, *W = c->params + dense, *b = W + K * C;
     const uint64_t key_in = c->key_in + c->bt->row_base * (uint64_t)C;
+    const uint64_t key_hid = c->key_hidden + c->bt->row_base * (uint64_t)C;
     float *dropped = c->drop ? c->ws : NULL, *dlogits = c->grads ? c->ws + (c->drop ? N * C : 0) : NULL;
-    const float *in = c->x;
+    float *dws = c->ws + (c->drop ? N * C : 0) + (c->grads ? N * K : 0);        /* the dense layer's */
+    float *hdrop = dws + (cfg->dense ? ft_head_dense_workspace(cfg, N) : 0);
+    float *dfeat = hdrop + (c->drop ? N * C : 0);
+    const float *in = c->x, *feat;
     if (c->drop) {
         FT_TRY(be->dropout(be, dropped, in, N * C, p, key_in));
         in = dropped;
     }
-    FT_TRY(ft_head_linear_forward(be, c->logits, in, W, b, N, C, K));
+    feat = in;
+    if (cfg->dense) {
+        FT_TRY(ft_head_dense_forward(be, cfg, c->params, in, N, dws, &feat));
+        if (c->drop) {
+            FT_TRY(be->dropout(be, hdrop, feat, N * C, p, key_hid));
+            feat = hdrop;
+        }
+    }
+    FT_TRY(ft_head_linear_forward(be, c->logits, feat, W, b, N, C, K));
     if (!c->targets) return FT_OK;
     FT_TRY(be->softmax_xent(be, c->loss, dlogits, c->logits, NULL, 1, c->targets, N, K, c->scale));
     if (!c->grads) return FT_OK;
-    FT_TRY(ft_head_linear_backward(be, c->grads, c->grads + K * C, c->dx, dlogits, in, W, N, C, K));
+    float *gW = c->grads + dense;
+    if (!cfg->dense) {
+        FT_TRY(ft_head_linear_backward(be, gW, gW + K * C, c->dx, dlogits, in, W, N, C, K));
+    } else {
+        FT_TRY(ft_head_linear_backward(be, gW, gW + K * C, dfeat, dlogits, feat, W, N, C, K));
+        if (c->drop) FT_TRY(be->dropout(be, dfeat, dfeat, N * C, p, key_hid));
+        FT_TRY(ft_head_dense_backward(be, cfg, c->params, in, N, dws, dfeat, c->grads, c->dx));
+    }
     if (c->dx && c->drop) FT_TRY(be->dropout(be, c->dx, c->dx, N * C, p, key_in));
     return FT_OK;
 }

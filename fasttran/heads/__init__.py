@@ -17,7 +17,8 @@ elsewhere.
 import importlib
 import pkgutil
 
-from .base import REGISTRY, Head, Prepared
+from ..errors import InputError
+from .base import BERT_POOLER, REGISTRY, DenseShape, Head, Prepared
 
 for _m in pkgutil.iter_modules(__path__):   # every head module registers its classes
     if _m.name != "base":
@@ -39,20 +40,30 @@ _Head = Head   # the name fasttran 0.1 used
 def head_class(task):
     """The head class of a task name (TASKS), or an InputError listing them."""
     if task not in TASKS:
-        from ..errors import InputError
         raise InputError(f"unknown task {task!r}; choose one of {sorted(TASKS)} or pass a head object")
     return TASKS[task][0]
 
 
 def make_head(task, hidden_size, targets=None, num_labels=None, dropout=None, seed=0, pooling="mean", pooler=None,
-              label_names=None, examples=None):
+              label_names=None, examples=None, shape=None, encoder=None):
     """The head for a task name (TASKS), sized from the targets it will train on (for `examples`
     cache examples): num_labels from label_names, else given, else what the targets need (the head
-    class decides: Head.for_task)."""
+    class decides: Head.for_task). A head with a dense layer before its classifier (pooler=True;
+    multiple choice; token and QA heads with pooler=True where the architecture's classes have one)
+    takes `shape` (a DenseShape), else the shape of `encoder`'s architecture's class for the task
+    (fasttran.architectures: DistilBERT's ReLU, ELECTRA's GELU, ModernBERT's prediction head), so
+    that it exports to that class; else BERT's pooler."""
     cls = head_class(task)
     kw = dict(TASKS[task][1])
     own = kw.pop("pooler", None)
     pooler = own if pooler is None else pooler   # an explicit pooler= wins over the task's
+    if shape is None and encoder is not None and cls.has_dense(pooler):
+        shape = encoder.architecture.head_shape(cls.export_as, encoder._raw_config)
+    if shape is not None:
+        if not cls.has_dense(pooler):
+            raise InputError(f"shape= is the dense layer's before the classifier: a {task} head has one with "
+                             "pooler=True")
+        kw["shape"] = shape
     return cls.for_task(hidden_size, targets, num_labels=num_labels, dropout=dropout, seed=seed, pooling=pooling,
                         pooler=pooler, label_names=label_names, examples=examples, **kw)
 
@@ -68,5 +79,5 @@ def default_lr(optimizer, head="classification", pooler=None):
     return cls.class_default_lr(optimizer, pooler=bool(kw.get("pooler", pooler)))
 
 
-__all__ = ["make_head", "head_class", "default_lr", "Head", "Prepared", "ClassificationHead", "RegressionHead",
+__all__ = ["DenseShape", "BERT_POOLER", "make_head", "head_class", "default_lr", "Head", "Prepared", "ClassificationHead", "RegressionHead",
            "MultiLabelHead", "TokenClassificationHead", "QAHead", "HEADS", "TASKS", "REGISTRY"]

@@ -16,6 +16,7 @@ A head's task interface (what the Trainer and the model call):
     outputs(logits, lengths, valid)  one batch's logits as the head reports them
     evaluate(outputs, targets, prep) / predict(outputs): metrics and predictions
 """
+import dataclasses
 import html
 from typing import NamedTuple
 
@@ -41,6 +42,60 @@ REGISTRY = []
 #: multi-label, token and multiple-choice heads are such a layer too and take these rates.
 CLASSIFIER_LRS = {("lamb", "linear"): 0.02, ("lamb", "pooler"): 0.01, ("adamw", "linear"): 0.01,
                   ("adamw", "pooler"): 1e-3}
+
+
+_NORMS = {None: 0, "layernorm": 1, "layernorm+bias": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseShape:
+    """The shape of the dense layer a head runs before its classifier (csrc/train/head_dense.c), as
+    each architecture's *For* classes have it: `act` (tanh: BERT's pooler; relu: DistilBERT's
+    pre_classifier; gelu, exact: ELECTRA's classification head, ModernBERT's prediction head), a bias
+    or not, an optional LayerNorm after it ("layernorm" without a bias, "layernorm+bias") with `norm_eps`,
+    and `per_token`: token and QA heads run it on every row before their classifier (ModernBERT's).
+    fasttran.architectures says which shape each architecture's classes have."""
+    act: str = "tanh"
+    bias: bool = True
+    norm: object = None
+    norm_eps: float = 1e-5
+    per_token: bool = False
+
+    def __post_init__(self):
+        if self.act not in _C.HEAD_ACTS:
+            raise InputError(f"a head's dense activation must be one of {sorted(_C.HEAD_ACTS)}, got {self.act!r}")
+        if self.norm not in _NORMS:
+            raise InputError(f"a head's dense norm must be one of {list(_NORMS)}, got {self.norm!r}")
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise InputError(f"norm_eps must lie in (0, 1), got {eps!r}")
+        if not isinstance(self.bias, bool) or not isinstance(self.per_token, bool):
+            raise InputError("a head's dense bias and per_token are True or False")
+
+    def c_fields(self, per_token=False):
+        """(act, no_dense_bias, norm, norm_eps, dense) of the C head configuration"""
+        return (_C.HEAD_ACTS[self.act], int(not self.bias), _NORMS[self.norm], float(self.norm_eps), int(per_token))
+
+    def config(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def of(cls, value):
+        """a DenseShape from itself, its config() dict or None (BERT's pooler)"""
+        if value is None:
+            return BERT_POOLER
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise InputError(f"unknown dense-shape fields {sorted(unknown)}")
+            return cls(**value)
+        raise InputTypeError(f"a head's shape is a DenseShape or its dict, got {type(value).__name__}")
+
+
+#: BERT's pooler: dense + tanh (what every pooler head was before shapes)
+BERT_POOLER = DenseShape()
 
 
 class Prepared(NamedTuple):
@@ -74,7 +129,7 @@ class Head:
             REGISTRY.append(cls)
 
     def __init__(self, hidden_size, num_labels, dropout, seed, init_std, loss="xent", pooling="mean",
-                 label_names=None):
+                 label_names=None, shape=None):
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, (int, np.integer)) or hidden_size < 1:
             raise InputError(f"hidden_size must be a positive int, got {hidden_size!r}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
@@ -89,13 +144,17 @@ class Head:
         self.num_labels = int(num_labels)
         self.dropout = float(dropout)
         self.loss, self.pooling, self.label_names = loss, pooling, label_names
-        self._cfg = (_C.HEAD_KINDS[self.kind][0], self.hidden_size, self.num_labels, self.dropout, _LOSS[loss], _POOL[pooling])
+        self.shape = DenseShape.of(shape)
+        self._cfg = (_C.HEAD_KINDS[self.kind][0], self.hidden_size, self.num_labels, self.dropout, _LOSS[loss],
+                     _POOL[pooling]) + self.shape.c_fields(self.dense)
         self._table, total = _C.head_tensors(self._cfg)
         self._own = np.zeros(total, np.float32)   # the parameters' home until a model holds them
         self._home = None
         rng = np.random.default_rng(seed)
-        for name, t in self.tensors.items():   # BERT's init: N(0, 0.02) weights, zero biases
-            if name.endswith("weight"):
+        for name, t in self.tensors.items():   # BERT's init: N(0, 0.02) weights, zero biases, LayerNorms at 1
+            if name.endswith("norm.weight"):
+                t[...] = 1.0
+            elif name.endswith("weight"):
                 t[...] = rng.normal(0.0, init_std, t.shape).astype(np.float32)
 
     # ---- parameters ---------------------------------------------------------------------------
@@ -131,6 +190,11 @@ class Head:
             self._own[...] = flat
         else:
             self._home.write_head_params(np.ascontiguousarray(flat, np.float32))
+
+    @property
+    def dense(self):
+        """True when the head runs its dense layer (`shape`) before the classifier"""
+        return self.kind in ("pooler", "choice") or self.shape.per_token
 
     def views(self, flat):
         """Named views of a flat buffer laid out like `params` (e.g. the gradients)."""
@@ -172,6 +236,8 @@ class Head:
                "num_labels": self.num_labels, "dropout": self.dropout, "pooling": self.pooling}
         if self.label_names is not None:
             cfg["label_names"] = list(self.label_names)
+        if self.shape != BERT_POOLER:
+            cfg["shape"] = self.shape.config()
         return cfg
 
     # ---- what the rest of fasttran asks of a head class -------------------------------------------
@@ -206,12 +272,21 @@ class Head:
 
     def default_lr(self, optimizer):
         """The default learning rate of `optimizer` for this head."""
-        return type(self).class_default_lr(optimizer, pooler=self.kind == "pooler")
+        return type(self).class_default_lr(optimizer, pooler=self.dense)
 
-    def export_layout(self):
+    #: the layout of export_layout() (the architecture's class the head exports to)
+    export_as = "sentence-transformers"
+
+    @classmethod
+    def has_dense(cls, pooler):
+        """whether a head of this class made with `pooler` runs a dense layer before its classifier"""
+        return bool(pooler)
+
+    def export_layout(self, mean=False):
         """Where fasttran.export puts this head: (layout, transformers architecture or None,
         config entries, {transformers tensor name: head tensor name}); architecture None: the
-        sentence-transformers layout (Pooling, then Dense modules)."""
+        sentence-transformers layout (Pooling, then Dense modules). `mean`: the architecture's class
+        pools by mean too (ModernBERT's classifier_pooling)."""
         return "sentence-transformers", None, {}, {}
 
     @staticmethod
@@ -322,6 +397,20 @@ class Head:
     def _repr_html_(self):
         rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{tuple(t.shape)}</td></tr>" for n, t in self.tensors.items())
         return f"<b>{html.escape(repr(self))}</b><table>{rows}</table>"
+
+
+def per_token(shape):
+    """a token / QA head's shape: a given one runs on every row (ModernBERT's prediction head), None none"""
+    return None if shape is None else dataclasses.replace(DenseShape.of(shape), per_token=True)
+
+
+def describe_shape(shape):
+    """'dense + gelu + LayerNorm (no bias)' ...; None: 'no dense layer'"""
+    if shape is None:
+        return "no dense layer"
+    norm = {None: "", "layernorm": " + LayerNorm without bias", "layernorm+bias": " + LayerNorm"}[shape.norm]
+    return f"dense{'' if shape.bias else ' without bias'} + {shape.act}{norm}" + (" on every token" if shape.per_token
+                                                                                    else "")
 
 
 def token_offsets(lengths):

@@ -24,15 +24,20 @@ class MultipleChoiceHead(Head):
     tasks = {"multiple-choice": {}}
     lr_kind = "pooler"   # BERT's pooler + a linear layer: the classifier's rates with the pooler
     main_metric = "accuracy"
+    export_as = "multiple-choice"
+
+    @classmethod
+    def has_dense(cls, pooler):
+        return True
 
     def __init__(self, hidden_size, num_choices=None, dropout=0.1, seed=0, init_std=0.02, pooling="cls",
-                 num_labels=None, label_names=None):
+                 num_labels=None, label_names=None, shape=None):
         G = num_choices if num_choices is not None else num_labels
         if isinstance(G, bool) or not isinstance(G, (int, np.integer)) or G < 2:
             raise InputError(f"num_choices (choices per question) must be an int >= 2, got {G!r}")
         if label_names is not None:
             raise InputError("a multiple-choice head has no label names: its answers are choice positions")
-        super().__init__(hidden_size, int(G), dropout, seed, init_std, pooling=pooling)
+        super().__init__(hidden_size, int(G), dropout, seed, init_std, pooling=pooling, shape=shape)
 
     @property
     def num_choices(self):
@@ -59,7 +64,7 @@ class MultipleChoiceHead(Head):
     @classmethod
     def _from_config(cls, cfg):
         return cls(cfg["hidden_size"], cfg["num_labels"], dropout=cfg.get("dropout", 0.1),
-                   pooling=cfg.get("pooling", "cls"))
+                   pooling=cfg.get("pooling", "cls"), shape=cfg.get("shape"))
 
     def config(self):
         return dict(super().config(), task=self.task)
@@ -134,9 +139,9 @@ class MultipleChoiceHead(Head):
         logits, loss = self._run(x, lengths, t, None, grads, dx, training, seed, step)
         return logits.reshape(-1, self.num_choices), loss
 
-    def export_layout(self):
-        names = ("pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias")
-        if self.pooling != "cls":
+    def export_layout(self, mean=False):
+        names = [name for name, _, _ in self._table]
+        if self.pooling != "cls" and not mean:
             raise InputError("BertForMultipleChoice scores the [CLS] row: only a head with pooling='cls' exports")
         return ("multiple-choice", "BertForMultipleChoice", {},
                 {("bert." + n if n.startswith("pooler.") else n): n for n in names})

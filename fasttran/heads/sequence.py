@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import metrics as M
 from ..errors import InputError, InputTypeError
-from .base import Head, Prepared
+from .base import BERT_POOLER, DenseShape, Head, Prepared
 
 
 class _SequenceHead(Head):
@@ -22,17 +22,20 @@ class _SequenceHead(Head):
     least_labels = 2   # classes; regression and multi-label take one column or more
     default_labels = 2
     problem_type = None   # transformers' config.problem_type of the export
+    export_as = "sequence-classification"
 
     def __init__(self, hidden_size, num_labels=None, pooler=False, dropout=0.1, seed=0, init_std=0.02, pooling="mean",
-                 label_names=None):
+                 label_names=None, shape=None):
         least = self.least_labels
         num_labels = self.default_labels if num_labels is None else num_labels
         if isinstance(num_labels, bool) or not isinstance(num_labels, (int, np.integer)) or num_labels < least:
             raise InputError(f"num_labels{' (outputs per example)' if least == 1 else ''} must be an int >= {least}, "
                              f"got {num_labels!r}")
         self.kind = "pooler" if pooler else "linear"
+        if shape is not None and not pooler and DenseShape.of(shape) != BERT_POOLER:
+            raise InputError("shape= is the pooler's (the dense layer before the classifier): pass pooler=True with it")
         super().__init__(hidden_size, num_labels, dropout, seed, init_std, loss=self.loss_name, pooling=pooling,
-                         label_names=label_names)
+                         label_names=label_names, shape=shape)
 
     @property
     def pooler(self):
@@ -45,12 +48,14 @@ class _SequenceHead(Head):
             task_kw["pooler"] = bool(pooler)
         return cls._sized(hidden_size, targets, num_labels, dropout, seed, label_names, dict(task_kw, pooling=pooling))
 
-    def export_layout(self):
-        """BERT's pooler on the [CLS] row + classifier: transformers' BertForSequenceClassification;
-        any other pooling or no pooler has no transformers class: sentence-transformers' layout."""
-        if not (self.pooler and self.pooling == "cls"):
+    def export_layout(self, mean=False):
+        """BERT's pooler on the [CLS] row + classifier: transformers' BertForSequenceClassification
+        (another architecture's class: fasttran.export; `mean`: its class also pools by mean, as
+        ModernBERT's); any other pooling or no pooler has no transformers class: sentence-transformers'
+        layout."""
+        if not (self.pooler and (self.pooling == "cls" or mean)):
             return super().export_layout()
-        names = ("pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias")
+        names = [name for name, _, _ in self._table]
         return ("sequence-classification", "BertForSequenceClassification",
                 dict(self.label_config(), num_labels=self.num_labels, problem_type=self.problem_type),
                 {("bert." + n if n.startswith("pooler.") else n): n for n in names})
@@ -89,7 +94,7 @@ class _SequenceHead(Head):
     def _from_config(cls, cfg):
         return cls(cfg["hidden_size"], cfg["num_labels"], pooler=cfg.get("kind") == "pooler",
                    dropout=cfg.get("dropout", 0.1), pooling=cfg.get("pooling", "mean"),
-                   label_names=cfg.get("label_names"))
+                   label_names=cfg.get("label_names"), shape=cfg.get("shape"))
 
 
 def _numbers(values, what, want, fix=""):
@@ -252,8 +257,8 @@ class MultiLabelHead(_SequenceHead):
     main_metric = "micro_f1"
 
     def __init__(self, hidden_size, num_labels, pooler=False, dropout=0.1, seed=0, init_std=0.02, pooling="mean",
-                 label_names=None, threshold=0.5):
-        super().__init__(hidden_size, num_labels, pooler, dropout, seed, init_std, pooling, label_names)
+                 label_names=None, threshold=0.5, shape=None):
+        super().__init__(hidden_size, num_labels, pooler, dropout, seed, init_std, pooling, label_names, shape)
         th = np.asarray(threshold, np.float64)
         if th.shape not in ((), (num_labels,)) or not np.all((th > 0) & (th < 1)):
             raise InputError(f"threshold must be a probability in (0, 1), or one per label ({num_labels}), "
@@ -268,7 +273,7 @@ class MultiLabelHead(_SequenceHead):
     def _from_config(cls, cfg):
         return cls(cfg["hidden_size"], cfg["num_labels"], pooler=cfg.get("kind") == "pooler",
                    dropout=cfg.get("dropout", 0.1), pooling=cfg.get("pooling", "mean"),
-                   label_names=cfg.get("label_names"), threshold=cfg.get("threshold", 0.5))
+                   label_names=cfg.get("label_names"), threshold=cfg.get("threshold", 0.5), shape=cfg.get("shape"))
 
     @classmethod
     def infer_num_labels(cls, targets):

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import InputError, InputTypeError
 from .base import Head, Prepared, gather_rows, token_offsets
+from .base import per_token as _per_token
 
 
 def context_rows(cache, idx=None, squad=None):
@@ -54,27 +55,28 @@ class QAHead(Head):
     context tokens only (`valid`); cross-entropy averaged over start and end."""
     kind = "qa"
     task = "qa"
+    export_as = "question-answering"
     tasks = {"qa": {}}
     #: measured by benchmarks/sweep_defaults.py on a SQuAD v1.1 subset (see CLASSIFIER_LRS)
     default_lrs = {("lamb", "qa"): 0.1, ("adamw", "qa"): 0.01}
     takes_tokens = True
     main_metric = "exact_match"
 
-    def __init__(self, hidden_size, dropout=0.0, seed=0, init_std=0.02):
-        super().__init__(hidden_size, 2, dropout, seed, init_std)
+    def __init__(self, hidden_size, dropout=0.0, seed=0, init_std=0.02, shape=None):
+        super().__init__(hidden_size, 2, dropout, seed, init_std, shape=_per_token(shape))
 
     @classmethod
     def _from_config(cls, cfg):
-        return cls(cfg["hidden_size"], dropout=cfg.get("dropout", 0.0))
+        return cls(cfg["hidden_size"], dropout=cfg.get("dropout", 0.0), shape=cfg.get("shape"))
 
     @classmethod
     def for_task(cls, hidden_size, targets=None, num_labels=None, dropout=None, seed=0, pooling="mean", pooler=None,
                  label_names=None, examples=None, **task_kw):
         return cls(hidden_size, seed=seed, **({} if dropout is None else {"dropout": dropout}), **task_kw)
 
-    def export_layout(self):
+    def export_layout(self, mean=False):
         return ("question-answering", "BertForQuestionAnswering", {"num_labels": 2},
-                {"qa_outputs.weight": "qa_outputs.weight", "qa_outputs.bias": "qa_outputs.bias"})
+                {("bert." + n if n.startswith("pooler.") else n): n for n, _, _ in self._table})
 
     def check_features(self, cache):
         super().check_features(cache)

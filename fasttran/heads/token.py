@@ -12,6 +12,7 @@ import numpy as np
 from .. import metrics as M
 from ..errors import InputError, InputTypeError
 from .base import Head, Prepared, gather_rows, token_offsets
+from .base import per_token as _per_token
 
 IGNORE = -100   # transformers' ignore_index: a token without a label
 
@@ -21,16 +22,18 @@ class TokenClassificationHead(Head):
     label_names (e.g. ['O', 'B-PER', 'I-PER', ...]) let evaluate() score entities."""
     kind = "token"
     task = "token-classification"
+    export_as = "token-classification"
     tasks = {"token-classification": {}}
     cli_tasks = {"token": "tokens"}
     lr_kind = "linear"   # a linear layer like the classifier: its rates
     takes_tokens = True
     main_metric = "f1"
 
-    def __init__(self, hidden_size, num_labels, dropout=0.1, seed=0, init_std=0.02, label_names=None):
+    def __init__(self, hidden_size, num_labels, dropout=0.1, seed=0, init_std=0.02, label_names=None, shape=None):
         if isinstance(num_labels, bool) or not isinstance(num_labels, (int, np.integer)) or num_labels < 2:
             raise InputError(f"num_labels must be an int >= 2, got {num_labels!r}")
-        super().__init__(hidden_size, num_labels, dropout, seed, init_std, label_names=label_names)
+        super().__init__(hidden_size, num_labels, dropout, seed, init_std, label_names=label_names,
+                         shape=_per_token(shape))
 
     @classmethod
     def infer_num_labels(cls, labels):
@@ -43,15 +46,15 @@ class TokenClassificationHead(Head):
     @classmethod
     def _from_config(cls, cfg):
         return cls(cfg["hidden_size"], cfg["num_labels"], dropout=cfg.get("dropout", 0.1),
-                   label_names=cfg.get("label_names"))
+                   label_names=cfg.get("label_names"), shape=cfg.get("shape"))
 
     def config(self):
         return dict(super().config(), task=self.task)
 
-    def export_layout(self):
+    def export_layout(self, mean=False):
         return ("token-classification", "BertForTokenClassification",
                 dict(self.label_config(), num_labels=self.num_labels),
-                {"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"})
+                {("bert." + n if n.startswith("pooler.") else n): n for n, _, _ in self._table})
 
     def check_features(self, cache):
         super().check_features(cache)
