@@ -23,7 +23,7 @@ OK, REFUSED, INVALID = 0, 1, 2
 
 class Shape(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("type", ctypes.c_int), ("B", ctypes.c_int64), ("S", ctypes.c_int64),
-                ("H", ctypes.c_int64), ("D", ctypes.c_int64)]
+                ("H", ctypes.c_int64), ("D", ctypes.c_int64), ("window", ctypes.c_int64)]
 
 
 class Seqs(ctypes.Structure):
@@ -51,9 +51,9 @@ def lib():
     return L
 
 
-def validate(L, kind, typ, B, S, H, D, sm=90):
+def validate(L, kind, typ, B, S, H, D, sm=90, window=0):
     err = ctypes.create_string_buffer(4096)
-    st = L.ft_cudnn_att_validate(sm, ctypes.byref(Shape(kind, typ, B, S, H, D)), err, len(err))
+    st = L.ft_cudnn_att_validate(sm, ctypes.byref(Shape(kind, typ, B, S, H, D, window)), err, len(err))
     return st, err.value.decode()
 
 
@@ -76,6 +76,23 @@ def test_validate_accepts_every_shipped_shape_without_a_device(lib, model, kind,
         assert st == REFUSED and "Deterministic algorithm is not supported" in msg, msg
     else:
         assert st == OK, msg
+
+
+@pytest.mark.parametrize("typ", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", [FWD, FWD_STATS, BWD], ids=["forward", "forward-stats", "backward-deterministic"])
+@pytest.mark.parametrize("S", [512, 4096, 8192])
+def test_validate_accepts_modernberts_sliding_window_without_a_device(lib, S, kind, typ):
+    """ModernBERT-base's local layers (12 heads of 64, |i - j| <= 64: window 128) as cuDNN's
+    diagonal band on all three graphs at sm 90, up to its 8,192 tokens; the window is part of the
+    graph (the same shape with another window is another graph, validated on its own)."""
+    for window in (128, 2):
+        st, msg = validate(lib, kind, typ, 1 if S > 512 else 64, S, 12, 64, 90, window)
+        assert st == OK, msg
+
+
+def test_a_negative_window_is_refused(lib):
+    st, msg = validate(lib, FWD, BF16, 1, 512, 12, 64, 90, -2)
+    assert st == INVALID and "window -2" in msg, msg
 
 
 @pytest.mark.parametrize("kind", [FWD, FWD_STATS, BWD])
@@ -204,13 +221,17 @@ def test_the_device_check_runs_on_the_emulator_against_fasttrans_kernels():
 def _device_check(expect_cudnn=True):
     """Run in a child with FASTTRAN_CUDA_ATTENTION=cudnn (read once per process by the backend);
     expect_cudnn False: the rehearsal on the emulator (the calls go to fasttran's kernels). Head
-    sizes 32 (MiniLM) and 64 (BERT), bf16 and fp16."""
+    sizes 32 (MiniLM) and 64 (BERT), bf16 and fp16; then ModernBERT's local attention (head size 64,
+    |i - j| <= 64: window 128; and a window of 16 on the same sequences) as cuDNN's diagonal band."""
     for NH, hs in ((4, 32), (12, 64)):
         for dt in ("bfloat16", "float16"):
             _device_case(NH, hs, dt, expect_cudnn)
+    # (the emulator's rehearsal: one of them, its kernels being slow there)
+    for window, dt in ((128, "bfloat16"), (128, "float16"), (16, "bfloat16"))[0 if expect_cudnn else 2:]:
+        _device_case(12, 64, dt, expect_cudnn, window)
 
 
-def _device_case(NH, hs, dt, expect_cudnn):
+def _device_case(NH, hs, dt, expect_cudnn, window=0):
     import torch
     from test_backend_ops import Backend, Host, In, Out, Scratch, ScratchSize, run_case, DTYPE_CODES
 
@@ -230,7 +251,9 @@ def _device_case(NH, hs, dt, expect_cudnn):
         for f, n in zip(first, lens):
             rows = half(x[f:f + n]).requires_grad_(True)
             q, k, v = (rows[:, i * C:(i + 1) * C].reshape(n, NH, hs).transpose(0, 1) for i in range(3))
-            o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+            i = torch.arange(int(n))
+            band = (i[:, None] - i[None, :]).abs() <= window // 2 if window else None
+            o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=band)[0]
             o = o.transpose(0, 1).reshape(n, C)
             (o * half(dout[f:f + n])).sum().backward()
             outs.append(o.detach().numpy())
@@ -241,18 +264,19 @@ def _device_case(NH, hs, dt, expect_cudnn):
     gpu = Backend(0)
     before = _info.cuda_attention(0)["cudnn_calls"]
     seqs = np.stack([first, lens, lens], axis=1).astype(np.int32)
-    tag = f"{dt} head size {hs}:"
+    tag = f"{dt} head size {hs}" + (f" window {window}:" if window else ":")
     # inference forward in half storage
     x16 = torch.tensor(qkv).to(tdt).view(torch.int16).numpy()
     got = run_case(gpu, "attention_forward", dict(dt=DTYPE_CODES[dt], ctx=Out((N, C), np.int16),
                                                   qkv=In(x16), seqs=Host(seqs), seqs_dev=None, B=len(lens), C=C,
-                                                  NH=NH, scratch=Scratch(len(lens), int(lens.max()), NH)))
+                                                  NH=NH, window=window,
+                                                  scratch=Scratch(len(lens), int(lens.max()), NH)))
     o = torch.tensor(got["ctx"]).view(tdt).to(torch.float64).numpy()
     err = np.abs(o - ref_o).max()
     print(tag, "forward max abs error", err)
     assert np.isfinite(o).all() and err < 2e-2, (tag, err)
     # training forward (statistics) and the deterministic backward
-    common = dict(prec=DTYPE_CODES[dt], seqs=Host(seqs), B=len(lens), C=C, NH=NH, p=0.0, key=1,
+    common = dict(prec=DTYPE_CODES[dt], seqs=Host(seqs), B=len(lens), C=C, NH=NH, window=window, p=0.0, key=1,
                   scratch=Scratch(len(lens), int(lens.max()), NH, "attention_train_scratch_bytes"),
                   scratch_bytes=ScratchSize("scratch"))
     fwd = run_case(gpu, "attention_train_forward", dict(common, ctx=Out((N, C)), probs=None, stats=Out((N, NH, 2)),

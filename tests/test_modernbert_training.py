@@ -365,3 +365,27 @@ def test_trained_layers_export_into_an_encoder(small):
     top.export_to(enc)
     assert np.abs(pack(enc.forward(ids, mask), LENGTHS) - out).max() <= 1e-4 * np.abs(out).max()
     assert "final_norm.weight" in dict(top.named_parameters())
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["probs-kept", "probs-recomputed"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_memory_report_bounds_a_long_document_step(small, k, recompute):
+    """One sequence of 2,048 tokens (64 windows of 32; layer 3 global, 2 local) through a training
+    step of the top k layers: the report's weights, gradients, saved activations and workspace bound
+    the stack's peak within BERT's 64 x 64 bytes (tests/test_topk_trainer.py) and overshoot it by
+    under 1% (benchmarks/modernbert_memory.py: the same at ModernBERT-base's shape, 4k / 8k tokens)"""
+    from fasttran.finetune import TopLayers
+    path, _ = small
+    enc = fasttran.Encoder.from_pretrained(path)
+    T = 2048
+    top = TopLayers(enc, k, recompute_attention_probs=recompute)
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((T, SMALL["hidden_size"])).astype(np.float32)
+    out = np.asarray(top.forward(x, np.array([T], np.int32), training=True))
+    top.backward(rng.standard_normal(out.shape).astype(np.float32), want_dx=True)
+    now, peak = top.allocated()
+    rep = top.memory_report(batch_size=1, seq_len=T)
+    held = rep["weights"] + rep["gradients"] + sum(v for n, v in rep["activations"].items() if n != "input") \
+        + rep["workspace"]
+    assert peak <= held + 64 * 64, (peak, held, rep)
+    assert held - peak <= 0.01 * peak, (peak, held, rep)

@@ -329,9 +329,9 @@ ft_status cuda_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const v
     if (dt == FT_BF16 && c->cc_major < 8)
         return g_host->error(FT_ERR_UNSUPPORTED, "bfloat16 needs an Ampere or newer GPU (compute capability 8.0+); "
                              "%s is %d.x: use dtype float16", c->name, c->cc_major);
-    bool ran = false;   // cuDNN's fused attention where it takes this configuration (attention_cudnn.cu);
-                        // a window is the WMMA kernel's (cuDNN's graphs here have no sliding window)
-    if (half < 0) FT_TRY(cudnn_attention_forward(be, dt, ctx, qkv, seqs, B, C, NH, &ran));
+    bool ran = false;   // cuDNN's fused attention where it takes this configuration (attention_cudnn.cu),
+                        // a window as its diagonal band
+    FT_TRY(cudnn_attention_forward(be, dt, ctx, qkv, seqs, B, C, NH, window, &ran));
     if (ran) return FT_OK;
     const int32_t *seqs_dev = seqs_dev_in;
     if (!seqs_dev) {   // pageable source: the copy has read it when the call returns

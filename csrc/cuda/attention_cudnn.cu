@@ -349,26 +349,26 @@ void cudnn_release(cuda_ctx *c) {
 
 #ifdef FT_CUDA_EMU
 ft_status cudnn_attention_forward(ft_backend *, ft_dtype, void *, const void *, const int32_t *, int64_t, int64_t,
-                                  int64_t, bool *ran) {
+                                  int64_t, int64_t, bool *ran) {
     *ran = false;
     cudnn_ready(nullptr);
     return FT_OK;
 }
 ft_status cudnn_attention_train_forward(ft_backend *, ft_dtype, float *, float *, const float *, const int32_t *,
-                                        int64_t, int64_t, int64_t, bool *ran) {
+                                        int64_t, int64_t, int64_t, int64_t, bool *ran) {
     *ran = false;
     cudnn_ready(nullptr);
     return FT_OK;
 }
 ft_status cudnn_attention_backward(ft_backend *, ft_dtype, float *, const float *, const float *, const int32_t *,
-                                   int64_t, int64_t, int64_t, bool *ran) {
+                                   int64_t, int64_t, int64_t, int64_t, bool *ran) {
     *ran = false;
     cudnn_ready(nullptr);
     return FT_OK;
 }
 #else
 ft_status cudnn_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
-                                  int64_t B, int64_t C, int64_t NH, bool *ran) {
+                                  int64_t B, int64_t C, int64_t NH, int64_t window, bool *ran) {
     const char *op = "attention_forward";
     *ran = false;
     cuda_ctx *c = ctx_of(be);
@@ -378,7 +378,14 @@ ft_status cudnn_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const 
         note_refusal("%s: a sequence with no query or no key row (our kernel gives it zeros)", op);
         return FT_OK;
     }
-    const ft_cudnn_att_shape shape = {FT_CUDNN_ATT_FWD, att_type(dt), B, bucket(t.longest), NH, C / NH};
+    for (int64_t b = 0; window > 0 && b < B; b++)
+        if (t.q_len[b] > t.kv_len[b] + window / 2) {
+            note_refusal("%s: window %lld: sequence %lld has query rows beyond every key's reach (%d queries, %d "
+                         "keys; our kernel gives them zeros)", op, (long long)window, (long long)b, t.q_len[b],
+                         t.kv_len[b]);
+            return FT_OK;
+        }
+    const ft_cudnn_att_shape shape = {FT_CUDNN_ATT_FWD, att_type(dt), B, bucket(t.longest), NH, C / NH, window};
     device_cudnn *d = cudnn_device(c);
     if (!d) return FT_OK;
     char err[1024] = "";
@@ -475,7 +482,8 @@ int train_forward_run(cuda_ctx *c, device_cudnn *dv, const ft_cudnn_att_shape &f
 using namespace train_path;
 
 ft_status cudnn_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx, float *stats, const float *qkv,
-                                        const int32_t *seqs, int64_t B, int64_t C, int64_t NH, bool *ran) {
+                                        const int32_t *seqs, int64_t B, int64_t C, int64_t NH, int64_t window,
+                                        bool *ran) {
     const char *op = "attention_train_forward";
     *ran = false;
     cuda_ctx *c = ctx_of(be);
@@ -485,7 +493,7 @@ ft_status cudnn_attention_train_forward(ft_backend *be, ft_dtype prec, float *ct
         note_refusal("%s: an empty sequence (our kernel takes the batch)", op);
         return FT_OK;
     }
-    const ft_cudnn_att_shape fwd = {FT_CUDNN_ATT_FWD_STATS, att_type(prec), B, bucket(t.longest), NH, C / NH};
+    const ft_cudnn_att_shape fwd = {FT_CUDNN_ATT_FWD_STATS, att_type(prec), B, bucket(t.longest), NH, C / NH, window};
     device_cudnn *d = cudnn_device(c);
     if (!d) return FT_OK;
     char err[1024] = "";
@@ -531,7 +539,7 @@ ft_status cudnn_attention_train_forward(ft_backend *be, ft_dtype prec, float *ct
 }
 
 ft_status cudnn_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx, const float *qkv,
-                                   const int32_t *seqs, int64_t B, int64_t C, int64_t NH, bool *ran) {
+                                   const int32_t *seqs, int64_t B, int64_t C, int64_t NH, int64_t window, bool *ran) {
     const char *op = "attention_backward";
     *ran = false;
     cuda_ctx *c = ctx_of(be);
@@ -543,8 +551,8 @@ ft_status cudnn_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, c
         return FT_OK;
     }
     const int64_t S = bucket(t.longest);
-    const ft_cudnn_att_shape fwd = {FT_CUDNN_ATT_FWD_STATS, att_type(prec), B, S, NH, C / NH};
-    const ft_cudnn_att_shape bwd = {FT_CUDNN_ATT_BWD, att_type(prec), B, S, NH, C / NH};
+    const ft_cudnn_att_shape fwd = {FT_CUDNN_ATT_FWD_STATS, att_type(prec), B, S, NH, C / NH, window};
+    const ft_cudnn_att_shape bwd = {FT_CUDNN_ATT_BWD, att_type(prec), B, S, NH, C / NH, window};
     device_cudnn *d = cudnn_device(c);
     if (!d) return FT_OK;
     char err[1024] = "";

@@ -173,13 +173,15 @@ inline cudaDataType_t cuda_type(ft_dtype dt) {
 
 // Attention through cuDNN (attention_cudnn.cu): *ran = true when cuDNN ran the op, false when the
 // caller's own kernels must (cuDNN absent, refused the configuration, or the emulator); an error
-// only when cuDNN was asked and failed. cudnn_release frees the backend's cuDNN workspace.
+// only when cuDNN was asked and failed. window: the ops' (0 global; else |i - j| <= window / 2),
+// cuDNN's diagonal band. cudnn_release frees the backend's cuDNN workspace.
 ft_status cudnn_attention_forward(ft_backend *be, ft_dtype dt, void *ctx, const void *qkv, const int32_t *seqs,
-                                  int64_t B, int64_t C, int64_t NH, bool *ran);
+                                  int64_t B, int64_t C, int64_t NH, int64_t window, bool *ran);
 ft_status cudnn_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx, float *stats, const float *qkv,
-                                        const int32_t *seqs, int64_t B, int64_t C, int64_t NH, bool *ran);
+                                        const int32_t *seqs, int64_t B, int64_t C, int64_t NH, int64_t window,
+                                        bool *ran);
 ft_status cudnn_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, const float *dctx, const float *qkv,
-                                   const int32_t *seqs, int64_t B, int64_t C, int64_t NH, bool *ran);
+                                   const int32_t *seqs, int64_t B, int64_t C, int64_t NH, int64_t window, bool *ran);
 void cudnn_release(cuda_ctx *c);
 
 // release the cuBLASLt state of a backend (backend_cuda.cu's destroy)

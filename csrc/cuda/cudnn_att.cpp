@@ -10,20 +10,27 @@
 // one ragged-offset table (first row x 3 H D) shared by the three and by dQ, dK, dV; O and dO [T, H,
 // D] with their own table; the statistics [T, H] floats with theirs. Sequence lengths through
 // cuDNN's seq_len_q / seq_len_kv padding masks (never a bias mask: bias-mask attention gave NaN in
-// dQ on H100/H200 at seq % 128 == 64). The backward is cuDNN's deterministic algorithm. A graph is
-// built once per (kind, type, B, S, H, D) and kept with its workspace size; a configuration cuDNN
-// refuses is remembered as refused, with cuDNN's reason.
+// dQ on H100/H200 at seq % 128 == 64). The backward is cuDNN's deterministic algorithm. A window
+// (local attention) is the frontend's diagonal band on the same graphs (SDPA_attributes' and
+// SDPA_backward_attributes' set_diagonal_band_left_bound / _right_bound, top-left aligned: our
+// keys start at the queries' first row); a frontend without those setters refuses windowed shapes,
+// saying so. A graph is built once per (kind, type, B, S, H, D, window) and kept with its workspace
+// size; a configuration cuDNN refuses is remembered as refused, with cuDNN's reason.
 #include "cudnn_att.h"
 
+#include <climits>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 #include <cudnn_frontend.h>
@@ -64,8 +71,36 @@ int check_shape(const ft_cudnn_att_shape *s, char *err, size_t n) {
     if (s->B < 1 || s->S < 1 || s->H < 1 || s->D < 1)
         return fail(FT_CUDNN_ATT_INVALID, err, n, "cuDNN attention: shape B %lld, S %lld, H %lld, D %lld: every "
                     "size must be at least 1", (long long)s->B, (long long)s->S, (long long)s->H, (long long)s->D);
+    if (s->window < 0 || s->window > INT32_MAX - 2)
+        return fail(FT_CUDNN_ATT_INVALID, err, n, "cuDNN attention: window %lld is not in [0, 2^31 - 3] (0: global)",
+                    (long long)s->window);
     return FT_CUDNN_ATT_OK;
 }
+
+// whether this frontend's SDPA attributes (forward A = SDPA_attributes, backward
+// SDPA_backward_attributes) take a diagonal band: set_diagonal_band_left_bound / _right_bound
+template <typename A, typename = void> struct has_band : std::false_type {};
+template <typename A>
+struct has_band<A, std::void_t<decltype(std::declval<A &>().set_diagonal_band_left_bound(1)),
+                               decltype(std::declval<A &>().set_diagonal_band_right_bound(1))>> : std::true_type {};
+
+// the window (0: none) as the band of |i - j| <= window / 2, top-left aligned (the frontend's
+// default): the left bound keeps j > i - left, the right bound j <= i + right. false: this frontend
+// has no band (the caller refuses the shape).
+template <typename A> bool set_window(A &opts, int64_t window) {
+    if (window == 0) return true;
+    if constexpr (has_band<A>::value) {
+        const int half = (int)(window / 2);
+        opts.set_diagonal_band_left_bound(half + 1).set_diagonal_band_right_bound(half);
+        return true;
+    } else {
+        (void)opts;
+        return false;
+    }
+}
+
+constexpr const char *NO_BAND = "this cudnn-frontend's SDPA has no diagonal band (set_diagonal_band_left_bound / "
+                                "_right_bound): no sliding window";
 
 // sm_version > 0: the target's compute capability (x 10) for a check without a device; the nodes
 // copy the graph's context when they are made, so it is set first
@@ -101,6 +136,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const ft_cudnn_att_shape &s, int sm
         const bool stats = s.kind == FT_CUDNN_ATT_FWD_STATS;
         auto opts = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(stats)
                         .set_attn_scale(scale).set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+        if (!set_window(opts, s.window)) throw std::runtime_error(NO_BAND);
         auto [O, Stats] = g->sdpa(Q, K, V, opts);
         O->set_output(true).set_dim({B, H, S, D}).set_stride({S * H * D, D, H * D, 1}).set_uid(U_O)
             .set_ragged_offset(off_o);
@@ -118,6 +154,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const ft_cudnn_att_shape &s, int sm
     auto opts = fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(scale)
                     .set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv)
                     .set_deterministic_algorithm(true);
+    if (!set_window(opts, s.window)) throw std::runtime_error(NO_BAND);
     auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opts);
     auto out = [&](std::shared_ptr<Tensor_attributes> &t, int64_t id) {
         t->set_output(true).set_dim({B, H, S, D}).set_stride({S * row, D, row, 1}).set_uid(id)
@@ -129,8 +166,8 @@ std::shared_ptr<fe::graph::Graph> make_graph(const ft_cudnn_att_shape &s, int sm
     return g;
 }
 
-using graph_key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t>;
-graph_key key_of(const ft_cudnn_att_shape &s) { return graph_key{s.kind, s.type, s.B, s.S, s.H, s.D}; }
+using graph_key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t>;
+graph_key key_of(const ft_cudnn_att_shape &s) { return graph_key{s.kind, s.type, s.B, s.S, s.H, s.D, s.window}; }
 
 struct entry {
     std::shared_ptr<fe::graph::Graph> graph;   // null: refused
@@ -165,8 +202,9 @@ int ft_cudnn_att_validate(int sm_version, const ft_cudnn_att_shape *shape, char 
         auto e = g->validate();
         if (!e.is_good())
             return fail(FT_CUDNN_ATT_REFUSED, err, err_len, "cuDNN attention %s (B %lld, S %lld, H %lld, D %lld, "
-                        "sm %d): %s", kind_name(shape->kind), (long long)shape->B, (long long)shape->S,
-                        (long long)shape->H, (long long)shape->D, sm_version, e.get_message().c_str());
+                        "window %lld, sm %d): %s", kind_name(shape->kind), (long long)shape->B, (long long)shape->S,
+                        (long long)shape->H, (long long)shape->D, (long long)shape->window, sm_version,
+                        e.get_message().c_str());
     } catch (const std::exception &ex) {
         return fail(FT_CUDNN_ATT_REFUSED, err, err_len, "cuDNN attention %s: %s", kind_name(shape->kind), ex.what());
     }
@@ -236,9 +274,9 @@ int ft_cudnn_att_prepare(ft_cudnn_att *a, const ft_cudnn_att_shape *shape, size_
     }
     if (!it->second.graph)
         return fail(FT_CUDNN_ATT_REFUSED, err, err_len, "cuDNN refused the attention %s (B %lld, S %lld, H %lld, "
-                    "D %lld, %s): %s", kind_name(shape->kind), (long long)shape->B, (long long)shape->S,
-                    (long long)shape->H, (long long)shape->D, shape->type == FT_CUDNN_ATT_F16 ? "fp16" : "bf16",
-                    it->second.refused.c_str());
+                    "D %lld, window %lld, %s): %s", kind_name(shape->kind), (long long)shape->B, (long long)shape->S,
+                    (long long)shape->H, (long long)shape->D, (long long)shape->window,
+                    shape->type == FT_CUDNN_ATT_F16 ? "fp16" : "bf16", it->second.refused.c_str());
     if (workspace_bytes) *workspace_bytes = (size_t)it->second.workspace;
     return FT_CUDNN_ATT_OK;
 }

@@ -37,11 +37,15 @@ typedef enum { FT_CUDNN_ATT_FWD = 0, FT_CUDNN_ATT_FWD_STATS = 1, FT_CUDNN_ATT_BW
 /* the operands' type */
 typedef enum { FT_CUDNN_ATT_BF16 = 0, FT_CUDNN_ATT_F16 = 1 } ft_cudnn_att_type;
 
-/* One graph's shape: B sequences, the longest at most S rows (queries or keys), H heads of D. */
+/* One graph's shape: B sequences, the longest at most S rows (queries or keys), H heads of D, and
+ * the attention window: 0 global, else query i sees the keys j with |i - j| <= window / 2 (local
+ * attention, ModernBERT: the ops' window) -- cuDNN's diagonal band, top-left aligned, left bound
+ * window / 2 + 1 (it keeps j > i - left) and right bound window / 2 (it keeps j <= i + right). */
 typedef struct {
     int kind;   /* ft_cudnn_att_kind */
     int type;   /* ft_cudnn_att_type */
     int64_t B, S, H, D;
+    int64_t window;
 } ft_cudnn_att_shape;
 
 /* the cuDNN version the library was built against and the one loaded (cudnnGetVersion) */

@@ -773,9 +773,9 @@ ft_status cuda_attention_train_forward(ft_backend *be, ft_dtype prec, float *ctx
                                  "keeps the probabilities and no statistics: recomputing them needs the fused one", op);
         return forward_per_sequence(be, prec, ctx, probs, dmask, qkv, seqs, B, C, NH, p, key, scratch);
     }
-    if (prec != FT_F32 && !probs && !dmask && p == 0.0f && window == 0) {   // cuDNN where it can (attention_cudnn.cu)
+    if (prec != FT_F32 && !probs && !dmask && p == 0.0f) {   // cuDNN where it can (attention_cudnn.cu)
         bool ran = false;
-        FT_TRY(cudnn_attention_train_forward(be, prec, ctx, stats, qkv, seqs, B, C, NH, &ran));
+        FT_TRY(cudnn_attention_train_forward(be, prec, ctx, stats, qkv, seqs, B, C, NH, window, &ran));
         if (ran) return FT_OK;
     }
     int64_t tiles = 0;
@@ -810,9 +810,9 @@ ft_status cuda_attention_backward(ft_backend *be, ft_dtype prec, float *dqkv, co
                                  "reads kept probabilities: recomputing them needs the fused one", op);
         return backward_per_sequence(be, prec, dqkv, dctx, qkv, probs, dmask, seqs, B, C, NH, p, key, scratch);
     }
-    if (prec != FT_F32 && !probs && !dmask && p == 0.0f && window == 0) {   // cuDNN where it can (attention_cudnn.cu)
+    if (prec != FT_F32 && !probs && !dmask && p == 0.0f) {   // cuDNN where it can (attention_cudnn.cu)
         bool ran = false;
-        FT_TRY(cudnn_attention_backward(be, prec, dqkv, dctx, qkv, seqs, B, C, NH, &ran));
+        FT_TRY(cudnn_attention_backward(be, prec, dqkv, dctx, qkv, seqs, B, C, NH, window, &ran));
         if (ran) return FT_OK;
     }
     int64_t tiles = 0;
