@@ -2,7 +2,9 @@
 on gloo ranks of one machine, against one process at the same global batch: the same weights to
 fp32 rounding of the summation order after a step, bitwise the same on every rank after every step,
 dropout on and an uneven last batch included; top layers and head; checkpoints written by rank 0
-and resumed at another world size; a rank that diverges fails within the timeout, naming it."""
+and resumed at another world size; a rank that diverges fails within the timeout, naming it; the
+Trainer's C loop (the reduction between backward and optimizer inside csrc/train/loop.c) gives the
+per-step loop's bits, and a rank that fails or is stopped inside it does not hang the others."""
 import hashlib
 import json
 import os
