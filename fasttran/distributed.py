@@ -739,6 +739,9 @@ class _TorchGroup(Group):
 #   ready(bucket)   the model hands over gradient bucket `bucket`, final in memory
 #   finish(loss)    after the backward: every rank's table holds the summed gradients; returns the
 #                   ranks' loss sum
+#   in_loop(dp)     what the Trainer's C loop takes as its reduction (Model.train_steps(reduction=)):
+#                   None (nothing to reduce), (HostSum, steps, watch) run in C, or an object whose
+#                   begin / ready / finish the loop calls back with the GIL
 # DataParallel picks one when it attaches to a model and forwards to it.
 
 class OneProcess:
@@ -746,6 +749,9 @@ class OneProcess:
 
     def __init__(self, group):
         self.name = group.backend or "one process"
+
+    def in_loop(self, dp):
+        return None
 
     def begin(self, step):
         pass
@@ -774,6 +780,9 @@ class GroupAllReduce:
         self._works.append(self.group.all_reduce_(self.views[bucket], async_op=True, what="gradient bucket",
                                                   check=False))
 
+    def in_loop(self, dp):
+        return dp   # torch.distributed exists in Python only: the loop calls dp.begin / ready / finish back
+
     def finish(self, loss):
         works, self._works = self._works, []
         for w in works:
@@ -793,13 +802,23 @@ class SharedMemorySum:
 
     def __init__(self, group, host):
         self.group, self.host = group, host
-        self.rank, self.step = group.rank, 0
+        self.rank = group.rank
+        self._steps = np.zeros(1, np.int64)   # the steps begun: the sums' numbering (the C loop counts on in it)
+        self._watching = (0, None)            # (step, heartbeats seen while its sums wait)
+
+    @property
+    def step(self):
+        return int(self._steps[0])
 
     def begin(self, step):
-        self.step += 1
+        self._steps[0] += 1
 
     def ready(self, bucket):
         self._call("post", bucket, self.step)
+
+    def in_loop(self, dp):
+        """the C loop sums in C (HostSum, GIL released), calling watch only while a sum waits"""
+        return self.host, self._steps, self.watch
 
     def _call(self, method, *args):
         """HostSum.<method>(*args); its failure (the ranks' steps disagree) as this rank's CollectiveError"""
@@ -809,18 +828,29 @@ class SharedMemorySum:
         except FastTranError as e:
             raise CollectiveError(f"rank {self.rank}: {e}") from None
 
+    def watch(self, step, waited):
+        """Between the slices of a wait for step `step`'s sums (`waited` seconds so far): an error
+        when a rank exited, failed, moved on or stopped beating, or after the group's timeout."""
+        if self._watching[0] != step:
+            self._watching = (step, {})
+        what = f"the gradient sums of training step {step} (shared memory)"
+        self.group.check_peers(what, self._watching[1], time.monotonic())
+        if waited > self.group.timeout:
+            raise CollectiveTimeoutError("\n".join(
+                [f"rank {self.rank}: {what} did not complete within {self.group.timeout:g} s: a rank did not reach "
+                 "them. Where the other ranks are:", *self.group.whereabouts(),
+                 "every rank must take the same steps; look for a rank with another number of batches, or one "
+                 "that hangs (its log)"]))
+
     def finish(self, loss):
         loss, step = float(loss), self.step
-        what = f"the gradient sums of training step {step} (shared memory)"
         start = time.monotonic()
-        beats = {}
         while True:
             total = self._call("finish", step, loss, 0.5)
             if total is not None:
                 return total
-            now = time.monotonic()
             try:
-                self.group.check_peers(what, beats, now)
+                self.watch(step, time.monotonic() - start)
             except CollectiveError:
                 # a rank may have finished these sums and gone on (to the next collective, or out)
                 # between our last look at the counters and this look at the store: it set its
@@ -829,12 +859,6 @@ class SharedMemorySum:
                 if total is not None:
                     return total
                 raise
-            if now - start > self.group.timeout:
-                raise CollectiveTimeoutError("\n".join(
-                    [f"rank {self.rank}: {what} did not complete within {self.group.timeout:g} s: a rank did not reach "
-                     "them. Where the other ranks are:", *self.group.whereabouts(),
-                     "every rank must take the same steps; look for a rank with another number of batches, or one "
-                     "that hangs (its log)"]))
 
 
 class DataParallel:
@@ -988,6 +1012,13 @@ class DataParallel:
         self.seconds["finish"] += time.perf_counter() - t0
         self.seconds["steps"] += 1
         return total
+
+    def in_loop(self):
+        """The reduction the Trainer's C loop runs between each step's backward and its optimizer step
+        (Model.train_steps(reduction=)): None for one rank; shared memory: (HostSum, steps, watch),
+        summed in C with the GIL released (`seconds` does not count those steps); the group: this
+        object, its begin / ready / finish called back from the loop."""
+        return self._attached().in_loop(self)
 
     def sum(self, values):
         """Per-epoch counters summed over the ranks (float64)"""

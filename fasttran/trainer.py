@@ -829,8 +829,16 @@ class Trainer:
         for name in ("_step", "_optimizer_step"):   # a hook on each step (a subclass's, or set on the trainer)
             if name in self.__dict__ or getattr(type(self), name) is not getattr(Trainer, name):
                 return f"the per-step method {name} is replaced on this trainer"
-        if type(self.reduction) is not Reduction:
-            return "a gradient reduction (data-parallel) runs between the backward and the optimizer step"
+        red = self.reduction
+        if type(red) is not Reduction:
+            from .distributed import DataParallel
+            if not isinstance(red, DataParallel) or any(
+                    name in red.__dict__ or getattr(type(red), name) is not getattr(DataParallel, name)
+                    for name in ("begin", "ready", "finish", "in_loop")):
+                return ("a gradient reduction other than fasttran.distributed.DataParallel's runs between the backward "
+                        "and the optimizer step")
+            if red.world_size > 1 and self._group > 1:
+                return "groups of examples (multiple choice) are not sliced over ranks"
         if self.head is None or self.optimizer is None:
             return "the trainer is not built yet (fit() builds it)"
         opt = self.optimizer
@@ -865,7 +873,12 @@ class Trainer:
         ragged = cache.positions == "all"
         reads = self._c_loop_reads(cache)
         lengths_of = rows_of_lengths(cache)
-        counts = np.add.reduceat(lengths_of[order], np.arange(0, N, bs))   # rows per batch
+        counts = np.add.reduceat(lengths_of[order], np.arange(0, N, bs))   # rows per global batch
+        red = self.reduction
+        # data-parallel: each step is this rank's slice of its global batch (the reader's slices)
+        slices = None if red.world_size == 1 else cache._store.slices(np.ascontiguousarray(order, np.int64), bs,
+                                                                      red.rank, red.world_size)
+        reduction = None if type(red) is Reduction else red.in_loop()
         opt, head, model = self.optimizer, self.head, self.model
         if opt._table is None:
             opt._build()
@@ -874,6 +887,8 @@ class Trainer:
         known = {}
 
         def count_of(B, rows):   # (logits, loss terms, targets, float targets) of a batch
+            if B == 0:   # an empty slice of a global batch
+                return (0, 0, 0, 0)
             c = known.get((B, rows))
             if c is None:
                 c = known[(B, rows)] = _C.head_counts(head._cfg, B, rows)
@@ -890,25 +905,45 @@ class Trainer:
             calls.append((b, n))
             b, g = b + n, g + n
 
-        def read(i):   # a call's examples and their features: (glob, x or None, lengths)
+        sq = lengths_of.astype(np.int64) ** 2 if ragged else None
+
+        def read(i):
+            """a call's examples and their features: (glob, x or None, lengths, steps); steps: (each step's
+            first example in glob, rows, place in its global batch or None, denominator or None)"""
             b0, n = calls[i]
-            glob = np.ascontiguousarray(order[b0 * bs:min((b0 + n) * bs, N)], np.int64)
-            if reads:   # the cache's index of an example is its place in example_ids
-                return glob, None, lengths_of[glob].astype(np.int32)
+            if slices is None:
+                glob = np.ascontiguousarray(order[b0 * bs:min((b0 + n) * bs, N)], np.int64)
+                steps = (np.minimum(np.arange(n + 1, dtype=np.int64) * bs, len(glob)), counts[b0:b0 + n], None, None)
+            else:   # as the per-step loop's _step: the slice's place, the global batch's loss terms
+                parts, examples, rows = [], np.zeros(n + 1, np.int64), np.zeros(n, np.int64)
+                place, denominators = np.zeros((n, 3), np.int64), np.zeros(n, np.float64)
+                for k in range(n):
+                    g = order[(b0 + k) * bs:min((b0 + k + 1) * bs, N)]
+                    lo, hi = (int(v) for v in slices[b0 + k])
+                    parts.append(g[lo:hi])
+                    examples[k + 1] = examples[k] + hi - lo
+                    rows[k] = int(lengths_of[g[lo:hi]].sum())
+                    before = g[:lo]
+                    place[k] = (int(lengths_of[before].sum()), lo, int(sq[before].sum()) if sq is not None else lo)
+                    denominators[k] = head.denominator(head.batch(prep, g, None)[0])
+                glob = np.ascontiguousarray(np.concatenate(parts), np.int64)
+                steps = (examples, rows, place, denominators)
+            if reads or not len(glob):   # the cache's index of an example is its place in example_ids
+                return glob, None, lengths_of[glob].astype(np.int32), steps
             return (glob,) + rows_of(cache.get(cache.example_ids[glob], output="device", ragged=ragged,
-                                               device=self.device))
+                                               device=self.device)) + (steps,)
         # on the CPU the next call's features are read while this one trains (as the reader thread of
         # the per-step loop reads ahead); a CUDA backend's stream is the training step's alone
         ahead = None if self.device.is_cuda or reads else ThreadPoolExecutor(1, thread_name_prefix="fasttran-read")
         try:
             return self._c_calls(cache, prep, epoch, start, total, warm, bar, checkpoint_dir, checkpoint_every,
-                                 stop_at_step, calls, read, ahead, counts, count_of, groups, grads)
+                                 stop_at_step, calls, read, ahead, count_of, groups, grads, reduction)
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True)
 
     def _c_calls(self, cache, prep, epoch, start, total, warm, bar, checkpoint_dir, checkpoint_every, stop_at_step,
-                 calls, read, ahead, counts, count_of, groups, grads):
+                 calls, read, ahead, count_of, groups, grads, reduction):
         bs = self._batch_examples
         opt, head, model = self.optimizer, self.head, self.model
         acc = {"loss_sum": 0.0, "right": 0, "counted": 0, "seen": 0, "b": start}
@@ -917,15 +952,16 @@ class Trainer:
             if self._interrupt:
                 break
             self._pos = (epoch, b0)
-            glob, x, lengths = pending.result() if pending is not None else read(i)
+            glob, x, lengths, (examples, rows, place, denominators) = (pending.result() if pending is not None
+                                                                       else read(i))
             pending = ahead.submit(read, i + 1) if ahead is not None and i + 1 < len(calls) else None
-            examples = np.minimum(np.arange(n + 1, dtype=np.int64) * bs, len(glob))
             targets, valid = head.steps_batch(prep, glob, lengths, examples)
             targets = np.ascontiguousarray(targets)
-            sizes = [count_of(int(examples[k + 1] - examples[k]), int(counts[b0 + k])) for k in range(n)]
+            sizes = [count_of(int(examples[k + 1] - examples[k]), int(rows[k])) for k in range(n)]
             tcount = np.array([c[2] for c in sizes], np.int64)
             lcount = np.array([c[0] for c in sizes], np.int64)
-            denominators = head.denominators(targets, tcount)
+            if denominators is None:
+                denominators = head.denominators(targets, tcount)
             g0 = self.global_step
             lrs = np.array([self._lr_at(g0 + k, total, warm) for k in range(n)], np.float64)
             losses = np.zeros(n, np.float64)
@@ -950,8 +986,9 @@ class Trainer:
                 self._pos = (epoch, acc["b"])
                 a, z = (int(lsplit[k0 - 1]) if k0 else 0), int(lsplit[done - 1])
                 t0 = int(np.sum(tcount[:k0]))
-                c = head.correct(logits[a:z], targets.reshape(-1)[t0:t0 + int(tcount[k0:done].sum())].reshape(
-                    (-1,) + targets.shape[1:]))
+                c = None if examples[done] == examples[k0] else head.correct(   # (empty slices: None)
+                    logits[a:z], targets.reshape(-1)[t0:t0 + int(tcount[k0:done].sum())].reshape(
+                        (-1,) + targets.shape[1:]))
                 if c is not None:
                     acc["right"] += c[0]
                     acc["counted"] += c[1]
@@ -969,7 +1006,7 @@ class Trainer:
                 opt._table, groups, grads, float(opt.max_grad_norm or 0.0), opt.check_finite, x, lengths, examples,
                 targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback,
                 cache=None if x is not None else cache._store, index=None if x is not None else glob, valid=valid,
-                scaler=scaler)
+                scaler=scaler, place=place, reduction=reduction)
             del x
             if scaler is not None:
                 self.loss_scale = [float(scaler[0]), int(scaler[1])]

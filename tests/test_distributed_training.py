@@ -2,7 +2,9 @@
 on gloo ranks of one machine, against one process at the same global batch: the same weights to
 fp32 rounding of the summation order after a step, bitwise the same on every rank after every step,
 dropout on and an uneven last batch included; top layers and head; checkpoints written by rank 0
-and resumed at another world size; a rank that diverges fails within the timeout, naming it."""
+and resumed at another world size; a rank that diverges fails within the timeout, naming it; the
+Trainer's C loop (the reduction between backward and optimizer inside csrc/train/loop.c) gives the
+per-step loop's bits, and a rank that fails or is stopped inside it does not hang the others."""
 import hashlib
 import json
 import os
@@ -343,3 +345,123 @@ def test_a_plain_script_under_torchrun_is_data_parallel(minilm_dir, tmp_path):
     for e in range(2):
         mine = [h[e]["examples_this_rank"] for h in hist]
         assert sum(mine) == hist[0][e]["examples"] == 192 and min(mine) >= 0.4 * 192, mine
+
+
+# ---- the C training loop (csrc/train/loop.c) under DataParallel ------------------------------------
+def loop_run(rank, world, tiny_dir, head, batch_size, transport="auto", fail=None, steps=None, **kw):
+    """fit on this rank with the trainer's own loop (the C loop unless FASTTRAN_PY_LOOP=1): the final
+    flat parameter table, the loss curve, the history, which loop ran and the transport. fail (rank 1
+    only): "raise" -- an error in the loop's bookkeeping after 20 steps; "sigint" -- Ctrl-C then;
+    "repeat" -- its shared-memory sums numbered from the start again."""
+    import signal
+    from fasttran.distributed import DataParallel
+    enc, ids, mask, y = _data(tiny_dir)
+    red = DataParallel(transport=transport) if world > 1 else None
+    tr = _trainer(red, head, batch_size, **kw)
+    cache = tr.cache_for(enc, ids, mask, show_progress=False)
+    targets = y
+    if head == "token-classification":
+        targets = np.where(mask == 1, np.random.default_rng(1).integers(-100, 3, mask.shape), -100)
+        targets[:, 0] = -100
+        targets = np.where(targets < 0, -100, targets)
+    refusals = []
+    refusal = tr._c_loop_refusal
+
+    def recorded(c):   # (called once the reduction is attached, before the first step)
+        refusals.append(refusal(c))
+        if fail == "repeat" and rank == 1:   # rank 1 numbers its steps from 0 again: step 1's sums repeated
+            red._sums._steps[0] = -1
+        return refusals[-1]
+    tr._c_loop_refusal = recorded
+    if fail in ("raise", "sigint") and rank == 1:
+        tr._build(enc, cache, targets)
+        correct = tr.head.correct
+
+        def failing(logits, t):
+            if tr.global_step >= 20:
+                if fail == "raise":
+                    raise RuntimeError("rank 1 fails in the loop")
+                os.kill(os.getpid(), signal.SIGINT)
+            return correct(logits, t)
+        tr.head.correct = failing
+    hist = tr.fit(cache, targets, stop_at_step=steps)
+    return {"params": np.asarray(tr.model.params).copy(), "loss_curve": [l for _, l in tr.loss_curve],
+            "history": [{k: v for k, v in h.items() if "seconds" not in k} for h in hist], "step": tr.global_step,
+            "loop": "python" if refusals[0] else "c", "refusal": refusals[0],
+            "transport": red.transport_used if red is not None else None}
+
+
+@pytest.mark.parametrize("transport", ["shared_memory", "group"])
+@pytest.mark.parametrize("train_layers", [0, 1])
+def test_c_loop_equals_the_per_step_loop_under_data_parallel(tiny_dir, transport, train_layers):
+    """the C loop with the reduction between backward and optimizer: the per-step loop's bits on every
+    rank -- weights, losses, epoch records -- for a frozen head and a trained top layer, dropout on"""
+    kw = dict(transport=transport, train_layers=train_layers, timeout=300)
+    c = run_ranks(loop_run, 2, tiny_dir, "classification", 8, **kw)
+    py = run_ranks(loop_run, 2, tiny_dir, "classification", 8, env={"FASTTRAN_PY_LOOP": "1"}, **kw)
+    assert [r["loop"] for r in c] == ["c", "c"] and [r["loop"] for r in py] == ["python", "python"], \
+        [r["refusal"] for r in c]
+    assert [r["transport"] for r in c] == [r["transport"] for r in py] == [
+        transport if transport == "shared_memory" else "gloo"] * 2
+    for a, b in zip(c, py):
+        assert np.array_equal(a["params"], b["params"])
+        assert a["loss_curve"] == b["loss_curve"] and a["history"] == b["history"] and a["step"] == b["step"] == 8
+    assert np.array_equal(c[0]["params"], c[1]["params"])
+
+
+def test_c_loop_with_empty_slices_and_per_token_rows_equals_the_per_step_loop(tiny_dir):
+    """three ranks, batch 7 over 29 examples (the last global batch: 1 example, two empty slices),
+    a token head (slices balanced by rows, dropout keys placed by rows and squares): as the per-step
+    loop, bit for bit"""
+    kw = dict(epochs=1, timeout=300)
+    c = run_ranks(loop_run, 3, tiny_dir, "token-classification", 7, **kw)
+    py = run_ranks(loop_run, 3, tiny_dir, "token-classification", 7, env={"FASTTRAN_PY_LOOP": "1"}, **kw)
+    assert [r["loop"] for r in c] == ["c"] * 3 and [r["loop"] for r in py] == ["python"] * 3
+    for a, b in zip(c, py):
+        assert np.array_equal(a["params"], b["params"]) and a["loss_curve"] == b["loss_curve"]
+        assert a["history"] == b["history"]
+
+
+def test_c_loop_ranks_equal_one_process(tiny_dir):
+    """two ranks through the C loop against one process (also the C loop): after one step the weights
+    to fp32 rounding of the gradient sums' order (the bound of test_ranks_equal_one_process_and_each_other),
+    the whole run's losses within 1e-3"""
+    one_step = loop_run(0, 1, tiny_dir, "classification", 8, steps=1)
+    ranks = run_ranks(loop_run, 2, tiny_dir, "classification", 8, steps=1, timeout=300)
+    assert one_step["loop"] == "c" and [r["loop"] for r in ranks] == ["c", "c"]
+    d1 = np.abs(ranks[0]["params"] - one_step["params"])
+    assert np.median(d1) == 0.0 and d1.max() <= 1e-3 * 3e-3, (np.median(d1), d1.max())
+    one = loop_run(0, 1, tiny_dir, "classification", 8)
+    ranks = run_ranks(loop_run, 2, tiny_dir, "classification", 8, timeout=300)
+    assert np.array_equal(ranks[0]["params"], ranks[1]["params"])
+    assert ranks[0]["loss_curve"] == ranks[1]["loss_curve"]
+    assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-3)
+
+
+@pytest.mark.parametrize("transport", ["shared_memory", "group"])
+@pytest.mark.parametrize("fail", ["raise", "sigint"])
+def test_a_rank_that_stops_inside_the_c_loop_does_not_hang_the_other(tiny_dir, transport, fail):
+    """batch 1 (29 steps an epoch; 2 ranks: one example and an empty slice a step): rank 1 raises, or
+    gets Ctrl-C, in the C loop's bookkeeping after step 20; rank 0, waiting in step 21's sums (in C for
+    shared memory), learns that rank 1 left within the timeout and fails naming it"""
+    import time
+    t0 = time.monotonic()
+    out = run_ranks(loop_run, 2, tiny_dir, "classification", 1, transport=transport, fail=fail, check=False,
+                    timeout=120, env={"FASTTRAN_DIST_TIMEOUT": "20"})
+    assert time.monotonic() - t0 < 100
+    assert not out[0].ok and out[0].error_type in ("CollectiveError", "CollectiveTimeoutError"), out
+    assert "rank 1" in out[0].message, out[0].message
+    if fail == "raise":
+        assert not out[1].ok and "rank 1 fails in the loop" in out[1].message, out
+    else:   # Ctrl-C: rank 1 stops cleanly after the step in flight
+        assert out[1].ok and out[1].value["loop"] == "c" and out[1].value["step"] == 20, out
+
+
+def test_sums_that_disagree_inside_the_c_loop_are_a_collective_error(tiny_dir):
+    """the shared-memory sums in C refuse a step whose sums were already made (the per-step loop's
+    CollectiveError, "rank 1: ..."); the other rank learns that rank 1 left"""
+    out = run_ranks(loop_run, 2, tiny_dir, "classification", 8, transport="shared_memory", fail="repeat", check=False,
+                    timeout=120, env={"FASTTRAN_DIST_TIMEOUT": "20"})
+    assert out[1].error_type == "CollectiveError" and out[1].message.startswith(
+        "rank 1: gradient bucket 0 is handed over for step 0, whose sums were already made"), out
+    assert out[0].error_type == "CollectiveError" and "rank 1" in out[0].message, out

@@ -178,36 +178,39 @@ static int64_t slice_start(const int64_t *pre, int64_t gn, int64_t p, int64_t pa
     return k;
 }
 
+ft_status ft_cache_slice(const ft_cache *c, const int64_t *idx, int64_t gn, int64_t part, int64_t parts, int64_t *lo,
+                         int64_t *hi) {
+    *lo = 0, *hi = gn;
+    if (parts <= 1) return FT_OK;
+    int64_t *pre = malloc((size_t)(gn + 1) * sizeof *pre);   /* the costs' prefix sums */
+    if (!pre) return ft_error(FT_ERR_NOMEM, "out of memory");
+    const int64_t C = ft_cache_width(c);
+    pre[0] = 0;
+    for (int64_t k = 0; k < gn; k++) {
+        const int64_t rk = ft_cache_example_rows(c, idx[k]);
+        pre[k + 1] = pre[k] + rk * (6 * C + rk);
+    }
+    *lo = slice_start(pre, gn, part, parts);
+    *hi = slice_start(pre, gn, part + 1, parts);
+    free(pre);
+    return FT_OK;
+}
+
 /* One step into b (buffers grown as needed); the status and message stay with the batch.
  * A step is a batch of the order (the global batch); with parts > 1 only slice `part` of it is
- * read: a contiguous run of its positions, possibly none, chosen so that the slices' costs are
- * balanced -- an example of n rows costs n (6 hidden + n), its dense layers' products per row
- * and its attention's per pair of rows -- because every rank waits for the slowest at the
- * gradient sums: equal example counts of ragged sentences leave one rank idle for the length
- * difference. With rows all equal (one per example) the slices' sizes are within one. */
+ * read (ft_cache_slice). */
 static void read_step(ft_cache_reader *r, rbatch *b, int64_t step) {
     const int64_t a = step * r->batch_size, gn = r->n - a < r->batch_size ? r->n - a : r->batch_size;
     int64_t g_rows = 0, g_longest = 0;   /* the global batch's rows and longest example */
-    int64_t lo = 0, nb = gn;
-    ft_status st = FT_OK;
-    /* the costs' prefix sums, for a slice (one pass over the rows with the totals) */
-    int64_t *pre = r->parts > 1 ? malloc((size_t)(gn + 1) * sizeof *pre) : NULL;
-    if (r->parts > 1 && !pre) {
-        st = ft_error(FT_ERR_NOMEM, "out of memory");
-        nb = 0;
-    }
-    if (pre) pre[0] = 0;
+    int64_t lo = 0, hi = gn;
     for (int64_t k = 0; k < gn; k++) {
         const int64_t rk = ft_cache_example_rows(r->cache, r->order[a + k]);
         g_rows += rk;
         if (rk > g_longest) g_longest = rk;
-        if (pre) pre[k + 1] = pre[k] + rk * (6 * r->hidden + rk);
     }
-    if (pre) {
-        lo = slice_start(pre, gn, r->part, r->parts);
-        nb = slice_start(pre, gn, r->part + 1, r->parts) - lo;
-        free(pre);
-    }
+    ft_status st = ft_cache_slice(r->cache, r->order + a, gn, r->part, r->parts, &lo, &hi);
+    int64_t nb = st == FT_OK ? hi - lo : 0;
+    if (st != FT_OK) lo = 0;
     const int64_t *idx = r->order + a + lo;
     int64_t g_before = 0;                /* rows before the slice */
     for (int64_t k = 0; k < lo; k++) g_before += ft_cache_example_rows(r->cache, r->order[a + k]);

@@ -272,3 +272,45 @@ ft_status ft_host_sum_finish(ft_host_sum *h, int64_t step, double loss, double w
     h->done = step;
     return FT_OK;
 }
+
+/* ---- the C training loop's reduction (see host_sum.h) ------------------------------------------ */
+static ft_status loop_begin(void *ctx, uint64_t step) {
+    (void)step;
+    ft_host_sum_loop *l = ctx;
+    l->step++;
+    l->error = FT_OK;
+    return FT_OK;
+}
+
+static void loop_ready(void *ctx, size_t bucket) {
+    ft_host_sum_loop *l = ctx;
+    if (l->error != FT_OK) return;
+    l->error = ft_host_sum_post(l->h, (int)bucket, l->step);
+    if (l->error != FT_OK) l->failed = 1;
+}
+
+static ft_status loop_finish(void *ctx, double loss, double *total) {
+    ft_host_sum_loop *l = ctx;
+    if (l->error != FT_OK) return l->error;
+    const double t0 = now_s();
+    for (;;) {
+        int pending = 0;
+        ft_status st = ft_host_sum_finish(l->h, l->step, loss, l->slice_s, &pending, total);
+        if (st != FT_OK) { l->failed = 1; return st; }
+        if (!pending) return FT_OK;
+        if (!l->watch) continue;
+        const ft_status w = l->watch(l->watch_arg, l->step, now_s() - t0);
+        if (w == FT_OK) continue;
+        st = ft_host_sum_finish(l->h, l->step, loss, 0.0, &pending, total);   /* the last look */
+        if (st == FT_OK && !pending) {
+            if (l->dismiss) l->dismiss(l->watch_arg);
+            ft_clear_error();
+            return FT_OK;
+        }
+        return w;
+    }
+}
+
+ft_train_reduction ft_host_sum_reduction(ft_host_sum_loop *loop) {
+    return (ft_train_reduction){loop_begin, loop_ready, loop_finish, loop};
+}

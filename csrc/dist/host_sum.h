@@ -42,4 +42,25 @@ ft_status ft_host_sum_finish(ft_host_sum *h, int64_t step, double loss, double w
                              double *loss_sum);
 void ft_host_sum_free(ft_host_sum *h);
 
+/* The sums as the C training loop's reduction (ft_train_reduction, csrc/train/loop.c), no Python
+ * in the way: begin counts the step (`step`: the steps begun so far, the sums' numbering, which the
+ * caller keeps between calls), ready posts the bucket, finish waits for the sums in slices of
+ * `slice_s` seconds and between slices calls watch(watch_arg, step, seconds waited) -- the caller
+ * looks at the other ranks (exited, failed, moved on, silent, the timeout) and returns non-FT_OK to
+ * give up. A watch that gave up while the sums completed (a rank finished them and went on between
+ * the last look at the counters and the watch's look) is told so by dismiss(watch_arg) after one
+ * last look, and the step goes on. A failure of the sums themselves (the ranks' steps disagree)
+ * sets `failed`. */
+typedef struct {
+    ft_host_sum *h;
+    int64_t step;
+    double slice_s;
+    ft_status (*watch)(void *arg, int64_t step, double waited_s);
+    void (*dismiss)(void *arg);
+    void *watch_arg;
+    ft_status error;             /* a post's failure, returned by the step's finish */
+    int failed;                  /* the sums (post / finish) failed, not the watch */
+} ft_host_sum_loop;
+ft_train_reduction ft_host_sum_reduction(ft_host_sum_loop *loop);
+
 #endif

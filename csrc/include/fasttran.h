@@ -424,6 +424,16 @@ int64_t ft_cache_examples(const ft_cache *c);
 /* the rows example index i has: 1 (pooled), its tokens (all tokens); -1 outside 0..N-1 */
 int64_t ft_cache_rows_of(const ft_cache *c, int64_t i);
 const int64_t *ft_cache_ids(const ft_cache *c);
+/* Rank `part` of `parts`'s slice of a global batch (the cache indices idx[0..gn)): positions
+ * [*lo, *hi), contiguous, possibly empty; the slices of parts 0..parts-1 are the batch in order.
+ * Balanced by cost, not count -- an example of n rows costs n (6 hidden + n), its dense layers'
+ * products per row and its attention's per pair of rows -- because every rank waits for the
+ * slowest at the gradient sums: equal example counts of ragged sentences leave one rank idle for
+ * the length difference. Slice p starts at the position whose cost prefix is nearest p/parts of the
+ * batch's (ties to the earlier); with rows all equal (one per example) the sizes are within one.
+ * The reader's slices (ft_cache_reader parts) and the Trainer's C loop's are these. */
+ft_status ft_cache_slice(const ft_cache *c, const int64_t *idx, int64_t gn, int64_t part, int64_t parts, int64_t *lo,
+                         int64_t *hi);
 /* FT_OK if every example can be read: cached, or enc given to recompute it; else the error a
  * read of the first one that cannot would give. */
 ft_status ft_cache_check_readable(const ft_cache *c, const ft_encoder *enc);
@@ -875,6 +885,21 @@ typedef struct {
     int64_t skipped;             /* steps skipped so far */
 } ft_loss_scaler;
 
+/* A gradient reduction between a step's backward and its optimizer step (data-parallel training),
+ * as the per-step loop's reduction hook calls it: begin(ctx, step) before the model step (step: the
+ * global step number), ready(ctx, bucket) as the backward finishes each gradient bucket (the head,
+ * then the top layer down), finish(ctx, loss, &total) after it: every bucket holds the ranks' sum,
+ * *total the ranks' losses summed -- the global batch's loss. ready cannot fail: it keeps its
+ * error for finish. Implementations: the shared-memory host sum (dist/host_sum.h:
+ * ft_host_sum_reduction, in C) and the Python binding's callbacks (a transport that only exists in
+ * Python, called with the GIL). */
+typedef struct {
+    ft_status (*begin)(void *ctx, uint64_t step);
+    ft_bucket_fn ready;
+    ft_status (*finish)(void *ctx, double loss, double *total);
+    void *ctx;
+} ft_train_reduction;
+
 /* Many training steps in one call (csrc/train/loop.c): per step k of the plan, the batch of
  * examples [examples[k], examples[k + 1]) -- their rows packed one after another in x, `lengths`
  * rows each, or read per step from `cache` --, its targets (the steps' targets one after another,
@@ -903,6 +928,13 @@ typedef struct {
     const float *valid;          /* HOST: every step's row mask one after another (a row per row: QA's
                                     context rows), for a head that needs one; else NULL */
     ft_loss_scaler scaler;       /* at step 0 (scale 0: none) */
+    /* data-parallel: each step is this rank's slice of a global batch -- place[3k..3k+2] its rows,
+     * sequences and sum of n^2 before it in the global batch (dropout keys; NULL: whole batches),
+     * denominator[k] the global batch's loss terms -- and `reduction` (NULL: none) runs between each
+     * step's backward and its optimizer step; a slice may be empty (no examples: zero gradients, every
+     * bucket still handed over, loss 0), and the loss checked and reported is the reduction's total */
+    const int64_t *place;
+    const ft_train_reduction *reduction;
 } ft_train_plan;
 
 typedef enum {

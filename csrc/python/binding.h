@@ -65,6 +65,9 @@ int ft_py_add_host_sum(PyObject *module);
 /* Whether a gradient table whose model asks for shared memory (`asked`) gets it: not after
  * fasttran._C.shared_grads(False) (host_sum_type.c). GIL held. */
 int ft_py_shared_grads(int asked);
+/* the ft_host_sum of a fasttran._C.HostSum (connected or not) and its rank, or NULL (no exception) for
+ * any other object */
+struct ft_host_sum *ft_py_host_sum_of(PyObject *obj, int *rank);
 /* st = expr with the GIL released (expr must not touch Python objects) */
 #define FT_PY_NOGIL(st, expr) \
     do {                      \

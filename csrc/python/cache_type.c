@@ -307,6 +307,40 @@ static PyObject *CacheStore_index_of(CacheStore *self, PyObject *arg) {
     return out;
 }
 
+/* slices(order, batch_size, part, parts) -> (batches, 2) int64: [lo, hi) of slice `part` in each
+ * global batch of `batch_size` consecutive positions of `order` (cache indices): ft_cache_slice */
+static PyObject *CacheStore_slices(CacheStore *self, PyObject *args) {
+    PyObject *oo;
+    long long bs, part, parts;
+    if (!store_ready(self) || !PyArg_ParseTuple(args, "OLLL", &oo, &bs, &part, &parts)) return NULL;
+    if (bs < 1 || parts < 1 || part < 0 || part >= parts)
+        return ft_py_fail(ft_errors.input, "slices: need batch_size >= 1 and 0 <= part < parts (got %lld, %lld, %lld)",
+                          bs, part, parts);
+    PyArrayObject *order = int64_ids(oo, "order");
+    if (!order) return NULL;
+    const int64_t n = PyArray_DIM(order, 0), *idx = PyArray_DATA(order);
+    for (int64_t i = 0; i < n; i++)
+        if (ft_cache_rows_of(self->c, idx[i]) < 0) {
+            Py_DECREF(order);
+            return ft_py_fail(ft_errors.input, "order[%lld] = %lld is not an example of the cache (0..%lld)",
+                              (long long)i, (long long)idx[i], (long long)ft_cache_examples(self->c) - 1);
+        }
+    npy_intp dims[2] = {(npy_intp)((n + bs - 1) / bs), 2};
+    PyObject *out = PyArray_SimpleNew(2, dims, NPY_INT64);
+    ft_status st = FT_OK;
+    for (npy_intp k = 0; out && st == FT_OK && k < dims[0]; k++) {
+        int64_t *lh = (int64_t *)PyArray_DATA((PyArrayObject *)out) + 2 * k;
+        const int64_t a = (int64_t)k * bs;
+        st = ft_cache_slice(self->c, idx + a, n - a < bs ? n - a : bs, part, parts, lh, lh + 1);
+    }
+    Py_DECREF(order);
+    if (st != FT_OK) {
+        Py_XDECREF(out);
+        return ft_py_raise(st);
+    }
+    return out;
+}
+
 static PyObject *CacheStore_counters(CacheStore *self, PyObject *unused) {
     (void)unused;
     if (!store_ready(self)) return NULL;
@@ -700,6 +734,9 @@ static PyMethodDef CacheStore_methods[] = {
      "reader(*, order, batch_size, ragged=False, depth=2, encoder=None, device=False, threads=1, device_index=-1, "
      "seed=None, keep=-1, skip=0, part=0, parts=0, first_step=0) -> CacheReader."},
     {"counters", (PyCFunction)CacheStore_counters, METH_NOARGS, "(hits, misses) so far."},
+    {"slices", (PyCFunction)CacheStore_slices, METH_VARARGS,
+     "slices(order, batch_size, part, parts) -> (batches, 2) int64: [lo, hi) of slice `part` of `parts` in each global "
+     "batch of order (cache indices): the reader's slices, balanced by cost."},
     {NULL, NULL, 0, NULL}};
 
 static PyType_Slot CacheStore_slots[] = {

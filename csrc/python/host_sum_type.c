@@ -184,9 +184,19 @@ static PyMethodDef functions[] = {
      "shared_memory_of(address) -> (fd, offset, bytes) of the shared allocation holding it, or None."},
     {NULL, NULL, 0, NULL}};
 
+/* the HostSum type (the module's; one module per process) */
+static PyObject *host_sum_type;
+
+struct ft_host_sum *ft_py_host_sum_of(PyObject *obj, int *rank) {
+    if (!host_sum_type || !PyObject_TypeCheck(obj, (PyTypeObject *)host_sum_type)) return NULL;
+    *rank = ((HostSum *)obj)->rank;
+    return ((HostSum *)obj)->h;
+}
+
 int ft_py_add_host_sum(PyObject *m) {
     PyObject *tp = PyType_FromModuleAndSpec(m, &HostSum_spec, NULL);
     if (!tp) return -1;
+    Py_XSETREF(host_sum_type, Py_NewRef(tp));
     int r = PyModule_AddObjectRef(m, "HostSum", tp);
     Py_DECREF(tp);
     if (r < 0) return -1;

@@ -3,8 +3,11 @@
  * device, checked here once; a step runs in C with the GIL released, which it takes back only to
  * hand each finished gradient bucket to the Python callable `ready` (data-parallel reduction). */
 #include <math.h>
+#include <stdio.h>
 
 #include "binding.h"
+#include "core/status.h"
+#include "dist/host_sum.h"
 
 typedef struct {
     PyObject_HEAD
@@ -288,6 +291,127 @@ static int on_steps(void *arg, int64_t done) {
     return stop;
 }
 
+static void *host_exact(PyObject *o, const char *what, int npy, int64_t need, int writeable, int64_t *size);
+
+/* ---- the C loop's gradient reduction (ft_train_reduction) -----------------------------------------
+ * train_steps(reduction=...) takes one of:
+ *   (host_sum, steps, watch): the shared-memory sums in C (dist/host_sum.h: ft_host_sum_reduction),
+ *       the GIL released: `steps` a 1-element int64 array, the steps begun (read and written back),
+ *       watch(step, waited_s) called with the GIL only while the sums wait longer than a slice
+ *       (it raises to give up: a rank exited, failed, moved on, or the timeout);
+ *   an object with begin(step), ready(bucket), finish(loss) -> the ranks' loss: a transport that
+ *       exists only in Python (torch.distributed), called back with the GIL for the reduction only.
+ * The first exception a callback raises stops the steps and is raised by train_steps. */
+typedef struct {
+    PyObject *obj, *watch;                        /* borrowed */
+    int rank;                                     /* the host sum's */
+    PyObject *error_type, *error_value, *error_tb;
+    ft_host_sum_loop hs;
+} loop_reduction;
+
+static ft_status keep_error(loop_reduction *r) {   /* with the GIL and an exception set */
+    if (!r->error_type) PyErr_Fetch(&r->error_type, &r->error_value, &r->error_tb);
+    else PyErr_Clear();
+    return ft_error(FT_ERR_INVALID_ARGUMENT, "the gradient reduction raised an exception");
+}
+
+static ft_status py_begin(void *ctx, uint64_t step) {
+    loop_reduction *r = ctx;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *res = PyObject_CallMethod(r->obj, "begin", "K", (unsigned long long)step);
+    ft_status st = res ? FT_OK : keep_error(r);
+    Py_XDECREF(res);
+    PyGILState_Release(g);
+    return st;
+}
+
+static void py_ready(void *ctx, size_t bucket) {
+    loop_reduction *r = ctx;
+    PyGILState_STATE g = PyGILState_Ensure();
+    if (!r->error_type) {
+        PyObject *res = PyObject_CallMethod(r->obj, "ready", "n", (Py_ssize_t)bucket);
+        if (res) Py_DECREF(res);
+        else (void)keep_error(r);
+    }
+    PyGILState_Release(g);
+}
+
+static ft_status py_finish(void *ctx, double loss, double *total) {
+    loop_reduction *r = ctx;
+    PyGILState_STATE g = PyGILState_Ensure();
+    ft_status st = FT_OK;
+    if (r->error_type) {
+        st = ft_error(FT_ERR_INVALID_ARGUMENT, "the gradient reduction raised an exception");
+    } else {
+        PyObject *res = PyObject_CallMethod(r->obj, "finish", "d", loss);
+        const double t = res ? PyFloat_AsDouble(res) : -1.0;
+        if (!res || (t == -1.0 && PyErr_Occurred())) st = keep_error(r);
+        else *total = t;
+        Py_XDECREF(res);
+    }
+    PyGILState_Release(g);
+    return st;
+}
+
+static ft_status hs_watch(void *arg, int64_t step, double waited_s) {
+    loop_reduction *r = arg;
+    PyGILState_STATE g = PyGILState_Ensure();
+    ft_status st = FT_OK;
+    PyObject *res = PyErr_CheckSignals() < 0 ? NULL : PyObject_CallFunction(r->watch, "Ld", (long long)step, waited_s);
+    if (!res) st = keep_error(r);
+    Py_XDECREF(res);
+    PyGILState_Release(g);
+    return st;
+}
+
+static void hs_dismiss(void *arg) {   /* the sums completed after all: the watch's exception is void */
+    loop_reduction *r = arg;
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_CLEAR(r->error_type);
+    Py_CLEAR(r->error_value);
+    Py_CLEAR(r->error_tb);
+    PyGILState_Release(g);
+}
+
+/* reduction=... (above) into *out; 0 with an exception. *steps: the host sum's count to write back. */
+static int parse_reduction(PyObject *o, loop_reduction *r, ft_train_reduction *out, int64_t **steps) {
+    *steps = NULL;
+    if (PyTuple_Check(o)) {
+        PyObject *h, *so, *watch;
+        if (!PyArg_ParseTuple(o, "OOO", &h, &so, &watch)) return 0;
+        ft_host_sum *hs = ft_py_host_sum_of(h, &r->rank);
+        if (!hs) {
+            ft_py_fail(ft_errors.input_type, "reduction=(host_sum, steps, watch) needs a connected fasttran._C.HostSum");
+            return 0;
+        }
+        if (!PyCallable_Check(watch)) {
+            ft_py_fail(ft_errors.input_type, "reduction=(host_sum, steps, watch): watch must be callable");
+            return 0;
+        }
+        if (!(*steps = host_exact(so, "the reduction's steps", NPY_INT64, 1, 1, NULL))) return 0;
+        r->watch = watch;
+        r->hs = (ft_host_sum_loop){.h = hs, .step = **steps, .slice_s = 0.5, .watch = hs_watch,
+                                   .dismiss = hs_dismiss, .watch_arg = r};
+        *out = ft_host_sum_reduction(&r->hs);
+        return 1;
+    }
+    static const char *methods[] = {"begin", "ready", "finish"};
+    for (int k = 0; k < 3; k++) {
+        PyObject *m = PyObject_GetAttrString(o, methods[k]);
+        const int ok = m && PyCallable_Check(m);
+        Py_XDECREF(m);
+        if (!ok) {
+            PyErr_Clear();
+            ft_py_fail(ft_errors.input_type, "reduction must have begin(step), ready(bucket) and finish(loss), or be "
+                       "(host_sum, steps, watch)");
+            return 0;
+        }
+    }
+    r->obj = o;
+    *out = (ft_train_reduction){py_begin, py_ready, py_finish, r};
+    return 1;
+}
+
 /* a host array `o` of `npy`, C-contiguous, exactly `need` elements (need < 0: any), named `what` */
 static void *host_exact(PyObject *o, const char *what, int npy, int64_t need, int writeable, int64_t *size) {
     PyArrayObject *a = ft_py_want_array(o, what, npy, -1, writeable);
@@ -310,18 +434,21 @@ static void *host_exact(PyObject *o, const char *what, int npy, int64_t need, in
 static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "groups", "grads", "max_grad_norm", "check_finite", "x", "lengths",
                              "examples", "targets", "denominators", "lrs", "seed", "first_step", "losses", "logits",
-                             "every", "phase", "callback", "cache", "index", "valid", "scaler", NULL};
+                             "every", "phase", "callback", "cache", "index", "valid", "scaler", "place", "reduction",
+                             NULL};
     PyObject *opt_o, *groups, *grads, *xo, *lo, *eo, *to, *do_, *ro, *so, *zo = Py_None, *cb = Py_None;
     PyObject *cache_o = Py_None, *index_o = Py_None, *valid_o = Py_None, *scaler_o = Py_None;
+    PyObject *place_o = Py_None, *red_o = Py_None;
     double max_norm;
     int check_finite;
     unsigned long long seed, first_step;
     long long every = 0, phase = 0;
     if (!ready_model(self) ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLOOOOO", kwlist, &opt_o, &groups, &grads, &max_norm,
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLOOOOOOO", kwlist, &opt_o, &groups, &grads, &max_norm,
                                      &check_finite, &xo, &lo, &eo, &to, &do_, &ro, &seed, &first_step, &so, &zo,
-                                     &every, &phase, &cb, &cache_o, &index_o, &valid_o, &scaler_o))
+                                     &every, &phase, &cb, &cache_o, &index_o, &valid_o, &scaler_o, &place_o, &red_o))
         return NULL;
+    const int reducing = red_o != Py_None;
     if (cb != Py_None && !PyCallable_Check(cb)) return ft_py_fail(ft_errors.input_type, "callback must be callable or None");
     int64_t n_lengths, n_examples;
     const int32_t *lengths = host_exact(lo, "lengths", NPY_INT32, -1, 0, &n_lengths);
@@ -334,7 +461,8 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     int64_t N = 0, n_targets = 0, n_logits = 0;
     for (int64_t k = 0; k < steps; k++) {
         const int64_t B = examples[k + 1] - examples[k];
-        if (B < 1) return ft_py_fail(ft_errors.input, "step %lld has no examples", (long long)k);
+        if (B < 0 || (B == 0 && !reducing))   /* an empty slice of a global batch: only with a reduction */
+            return ft_py_fail(ft_errors.input, "step %lld has no examples", (long long)k);
         int64_t n = 0;
         for (int64_t i = examples[k]; i < examples[k + 1]; i++) {
             if (lengths[i] < 1)
@@ -408,13 +536,21 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
             return ft_py_fail(ft_errors.input, "step %lld: the denominator must be > 0 and the lr >= 0, both finite",
                               (long long)k);
     }
+    const int64_t *place = NULL;
+    if (place_o != Py_None && !(place = host_exact(place_o, "place", NPY_INT64, 3 * steps, 0, NULL))) return NULL;
+    for (int64_t k = 0; place && k < 3 * steps; k++)
+        if (place[k] < 0) return ft_py_fail(ft_errors.input, "place[%lld] = %lld < 0", (long long)k, (long long)place[k]);
+    loop_reduction lr = {0};
+    ft_train_reduction red;
+    int64_t *red_steps = NULL;
+    if (reducing && !parse_reduction(red_o, &lr, &red, &red_steps)) return NULL;
     ft_optim_table *table;
     ft_optim_config cfg;
     int r = ft_py_optim_prepare(opt_o, groups, grads, max_norm, check_finite, &table, &cfg);
     if (r < 0) return ft_py_fail(ft_errors.input, "the optimizer's groups no longer hold its table's parameters");
     if (r == 0) return NULL;
     const ft_train_plan plan = {steps, x.data, lengths, examples, targets, denom, lrs, seed, first_step, cache, index,
-                                valid, scaler};
+                                valid, scaler, place, reducing ? &red : NULL};
     ft_train_result res = {.loss = losses, .logits = logits, .stop = FT_TRAIN_DONE, .scaler = scaler};
     res.info.bad_tensor = -1;
     steps_hook hook = {cb, NULL, NULL, NULL};
@@ -426,6 +562,30 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
         sc[0] = res.scaler.scale;
         sc[1] = (double)res.scaler.good;
         sc[4] = (double)res.scaler.skipped;
+    }
+    if (red_steps) *red_steps = lr.hs.step;
+    if (lr.error_type) {   /* the reduction's exception is what stopped the steps */
+        PyObject *none = ft_py_optim_finish(opt_o, st, &res.info);
+        Py_XDECREF(none);
+        PyErr_Clear();
+        ft_clear_error();
+        Py_XDECREF(hook.error_type); Py_XDECREF(hook.error_value); Py_XDECREF(hook.error_tb);
+        PyErr_Restore(lr.error_type, lr.error_value, lr.error_tb);
+        return NULL;
+    }
+    if (st != FT_OK && lr.hs.failed) {   /* the sums themselves: the ranks' steps disagree */
+        char text[1024];   /* as SharedMemorySum._call says it */
+        snprintf(text, sizeof text, "rank %d: %s", lr.rank, ft_last_error());
+        PyObject *none = ft_py_optim_finish(opt_o, st, &res.info);
+        Py_XDECREF(none);
+        PyErr_Clear();
+        ft_clear_error();
+        Py_XDECREF(hook.error_type); Py_XDECREF(hook.error_value); Py_XDECREF(hook.error_tb);
+        PyObject *errors = PyImport_ImportModule("fasttran.errors");
+        PyObject *cls = errors ? PyObject_GetAttrString(errors, "CollectiveError") : NULL;
+        if (cls) PyErr_SetString(cls, text);
+        Py_XDECREF(cls); Py_XDECREF(errors);
+        return NULL;
     }
     PyObject *message = NULL;
     if (st == FT_OK && res.stop == FT_TRAIN_REFUSED) {
@@ -468,10 +628,13 @@ static PyMethodDef Model_methods[] = {
     {"train_steps", (PyCFunction)(void (*)(void))Model_train_steps, METH_VARARGS | METH_KEYWORDS,
      "train_steps(optimizer, groups, grads, max_grad_norm, check_finite, x, lengths, examples, targets, denominators, "
      "lrs, seed, first_step, losses, logits=None, every=0, phase=0, callback=None, cache=None, index=None, valid=None, "
-     "scaler=None) -> (done, stop, message): many training steps (model step + optimizer step each) in one call, the "
+     "scaler=None, place=None, reduction=None) -> (done, stop, message): many training steps (model step + optimizer step each) in one call, the "
      "GIL released; x None: each step's rows read from the CacheStore `cache` (examples `index`) into the model's "
      "memory; valid: every row's mask, for a head that needs one (QA); scaler: float16 loss scaling, float64 (scale, "
-     "clean steps, growth steps, max scale, skipped steps), updated in place."},
+     "clean steps, growth steps, max scale, skipped steps), updated in place; place: (steps, 3) int64, each step's rows, "
+     "sequences and sum of n^2 before it in its global batch; reduction: the data-parallel gradient reduction between "
+     "each backward and optimizer step -- (HostSum, steps, watch) in C, or an object with begin / ready / finish "
+     "called back -- with which a step may have no examples."},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x, lengths, logits, valid=None): the logits, no dropout."},
     {NULL, NULL, 0, NULL}};

@@ -4,8 +4,11 @@
  * memory: on a GPU the device tier's rows gathered there), ft_model_step, the finiteness check of
  * the loss, then ft_optim_table_step at the step's learning rate (times each group's lr_scale) and float16's loss scaling
  * decision (skip and halve, or count and grow) -- exactly the calls, arguments and order of
- * fasttran/trainer.py's per-step loop, so both give the same bits. The caller's callback
- * (progress, Ctrl-C) runs every `every` steps. */
+ * fasttran/trainer.py's per-step loop, so both give the same bits. Data-parallel (plan->reduction):
+ * each step is this rank's slice of a global batch (its place in it for the dropout keys, possibly
+ * empty), and the reduction runs as the per-step loop's hook does -- begin before the model step,
+ * ready per bucket during the backward, finish after it -- so the finiteness check and the optimizer
+ * see the ranks' sums. The caller's callback (progress, Ctrl-C) runs every `every` steps. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,6 +99,8 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
                                             !plan->lengths || !plan->examples || !plan->targets ||
                                             !plan->denominator || !plan->lr)))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: an incomplete plan");
+    if (plan->reduction && !plan->reduction->finish)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: a reduction without its finish");
     if (!cfg->groups || cfg->num_groups < 1)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: the optimizer has no parameter groups");
     const ft_head_config *head = ft_model_head(m);
@@ -117,27 +122,49 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
     ft_optim_config oc = *cfg;
     oc.groups = groups;
     ft_loss_scaler scaler = plan->scaler;
+    const ft_train_reduction *red = plan->reduction;
     const size_t tsize = 4;   /* int32 or float32 targets */
     int64_t row = 0, tgt = 0, lg = 0;
     for (int64_t k = 0; k < plan->steps; k++) {
         const int64_t e0 = plan->examples[k], B = plan->examples[k + 1] - e0;
-        if (B < 1) { st = ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: step %lld has no examples", (long long)k); break; }
+        if (B < 0 || (B == 0 && !red)) {
+            st = ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: step %lld has no examples", (long long)k);
+            break;
+        }
         int64_t N = 0;
         for (int64_t i = 0; i < B; i++) N += plan->lengths[e0 + i];
-        ft_model_batch b = {0};
-        st = rows_of_step(&rows, m, k, row, head->hidden, &b.x);
-        if (st != FT_OK) break;
-        b.lengths = plan->lengths + e0;
-        b.valid = plan->valid ? plan->valid + row : NULL;
-        b.B = B;
-        b.targets = (const char *)plan->targets + (size_t)tgt * tsize;
-        b.denominator = plan->denominator[k];
-        b.seed = plan->seed;
-        b.step = plan->first_step + (uint64_t)k;
-        b.loss_scale = scaler.scale > 0.0 ? (float)scaler.scale : 1.0f;
+        const uint64_t step = plan->first_step + (uint64_t)k;
+        if (red && red->begin && (st = red->begin(red->ctx, step)) != FT_OK) break;
         double loss = 0.0;
-        st = ft_model_step(m, &b, &loss, out->logits ? out->logits + lg : NULL, NULL, NULL);
+        if (B > 0) {
+            ft_model_batch b = {0};
+            st = rows_of_step(&rows, m, k, row, head->hidden, &b.x);
+            if (st != FT_OK) break;
+            b.lengths = plan->lengths + e0;
+            b.valid = plan->valid ? plan->valid + row : NULL;
+            b.B = B;
+            b.targets = (const char *)plan->targets + (size_t)tgt * tsize;
+            b.denominator = plan->denominator[k];
+            b.seed = plan->seed;
+            b.step = step;
+            if (plan->place) {
+                b.row_base = (uint64_t)plan->place[3 * k];
+                b.seq_base = (uint64_t)plan->place[3 * k + 1];
+                b.sq_base = (uint64_t)plan->place[3 * k + 2];
+            }
+            b.loss_scale = scaler.scale > 0.0 ? (float)scaler.scale : 1.0f;
+            st = ft_model_step(m, &b, &loss, out->logits ? out->logits + lg : NULL, red ? red->ready : NULL,
+                               red ? red->ctx : NULL);
+        } else {   /* an empty slice of its global batch: no gradient, every bucket still handed over */
+            st = ft_model_zero_grads(m);
+            for (size_t i = 0; st == FT_OK && red->ready && i < ft_model_num_buckets(m); i++) red->ready(red->ctx, i);
+        }
         if (st != FT_OK) break;
+        if (red) {   /* the ranks' sums: every gradient and the loss the global batch's */
+            double total = 0.0;
+            if ((st = red->finish(red->ctx, loss, &total)) != FT_OK) break;
+            loss = total;
+        }
         out->loss[k] = loss;
         if (!isfinite(loss)) { out->stop = FT_TRAIN_NONFINITE_LOSS; break; }
         for (size_t g = 0; g < oc.num_groups; g++) groups[g].lr = plan->lr[k] * groups[g].lr_scale;
