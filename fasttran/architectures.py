@@ -340,6 +340,13 @@ def of_config(cfg, source="config.json"):
     """The Architecture of a config dict (a config without model_type is BERT's), or
     UnsupportedModelError naming the model_type and what fasttran supports."""
     model_type = cfg.get("model_type", "bert")
+    named = cfg.get("architecture")
+    if "model_type" not in cfg and named is not None and named != BERT.name:
+        # Encoder.config (fasttran's parsed fields, naming a non-BERT architecture) read as BERT's would
+        # run the wrong layers and positions
+        raise CheckpointError(
+            f"{source}: a config without model_type naming architecture {named!r} is fasttran's parsed "
+            "Encoder.config; pass Encoder.raw_config (config.json's own keys) to make an encoder from it")
     arch = BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     listed = ", ".join(supported())
     if arch is None:

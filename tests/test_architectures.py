@@ -531,3 +531,14 @@ def test_bad_descriptions_refused_at_the_boundary(models):
         fasttran.Encoder({"model_type": "roberta", "max_position_embeddings": 2, "pad_token_id": 1, "vocab_size": 5})
     with pytest.raises(fasttran.CheckpointError, match="embedding_size must be a positive integer"):
         fasttran.Encoder({"model_type": "electra", "embedding_size": 0})
+
+
+def test_a_parsed_config_is_not_read_as_berts(tmp_path):
+    """Encoder.config of a non-BERT encoder (fasttran's parsed fields, no model_type) handed back to
+    Encoder() is refused, pointing at raw_config, instead of running BERT's positions silently"""
+    src = make_model(tmp_path / "r", "roberta", seed=3)
+    enc = fasttran.Encoder.from_pretrained(str(src))
+    with pytest.raises(fasttran.CheckpointError, match="raw_config"):
+        fasttran.Encoder(enc.config)
+    again = fasttran.Encoder(enc.raw_config)
+    assert again.architecture is enc.architecture
