@@ -5,7 +5,9 @@ quick), loaded by fasttran; every layer's hidden states on real tokens within 1e
 batches of sequences longer than the 128-token window (so local layers differ from global ones),
 pooled outputs, 1,024 tokens, the tokenizer's template, what rides on the forward (encode, the cache,
 a frozen head trained on it), and the operations refused by name. The same forward on
-device="cuda" where there is a CUDA backend (the emulator without a GPU)."""
+device="cuda" where there is a CUDA backend (the emulator without a GPU). bf16 / fp16 encoders (the
+CPU's bf16 products, CUDA's half storage) at every layer against transformers' float32 model within
+BERT's half-precision bounds, and a token's bits independent of its batch there too."""
 import json
 
 import numpy as np
@@ -393,3 +395,29 @@ def test_half_precision_on_cuda(base, dtype):
         assert _rel(alone[0], ours[-1][1, :n], np.ones(n)) <= FP16_BOUND
     assert all(o.dtype == np.float32 and np.isfinite(o).all() for o in ours)
     assert_half_bound(ours, ref, mask, dtype, hf_layers_bf16(base, ids, mask) if dtype == "bfloat16" else None)
+
+
+@needs_bf16
+def test_top_layers_train_on_a_bf16_encoders_cache(tmp_path):
+    """Trainer(train_layers=2) over a bf16 ModernBERT's cache: the top layers start from the float32
+    master weights and train in float32, or in mixed precision (precision='bfloat16': bf16 products,
+    float32 storage and sums); the losses follow the float32 encoder's within bf16's rounding, yet
+    differ from them"""
+    path = make_model(tmp_path / "m", num_hidden_layers=4, hidden_size=128, num_attention_heads=2,
+                      intermediate_size=192, seed=7)
+    ids, mask = ragged(np.random.default_rng(2), [40, 12, 200, 7, 90, 33, 150, 60], 200)
+    y = np.array([0, 1, 0, 1, 1, 0, 1, 0])
+    curves = {}
+    for dtype, precision in [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")]:
+        enc = fasttran.Encoder.from_pretrained(path, dtype=dtype)
+        trainer = fasttran.Trainer("classification", epochs=2, batch_size=4, show_progress=False, seed=1,
+                                   train_layers=2, lr=1e-3, precision=precision)
+        cache = trainer.cache_for(enc, ids, mask, show_progress=False)
+        trainer.fit(cache, y)
+        assert trainer.top.matmul_precision == precision
+        curves[dtype, precision] = np.array([l for _, l in trainer.loss_curve])
+    want = curves["float32", "float32"]
+    for key in [("bfloat16", "float32"), ("bfloat16", "bfloat16")]:
+        got = curves[key]
+        assert np.isfinite(got).all() and np.abs(got - want).max() <= 2e-2 * max(1.0, np.abs(want).max()), key
+        assert not np.array_equal(got, want), key
