@@ -11,8 +11,8 @@ The C encoder runs BERT's post-LN layers and ModernBERT's (pre-LN, rotary positi
 local / global attention): its forward, and what stands on it (encode, the cache, heads trained on the
 cache). The operations that run BERT's layer code besides the forward (training encoder layers, int8,
 compression, export of task heads) are refused for other layers by one check, :meth:`Architecture.require`;
-training the top layers, int8 and compression's model, files and int8 also run ModernBERT's, and
-export writes its own classes (PRE_LN_OPERATIONS).
+training the top layers, int8, bf16 / fp16 encoders and compression's model, files and int8 also run
+ModernBERT's, and export writes its own classes (PRE_LN_OPERATIONS).
 Each entry also says which dense layer its task classes run before their classifier (`head_shapes`:
 fasttran.heads.DenseShape), so a head made for an encoder exports to the architecture's own class.
 """
@@ -237,8 +237,9 @@ OPERATIONS = {
 #: the operations of OPERATIONS that also run ModernBERT's pre-LN layers (csrc/model/layer.c's pre-LN pair;
 #: int8: csrc/model/encoder_int8.c quantizes the pre-LN layer's four projections; compression: a TaskModel's
 #: evaluation, files and int8, its pruning and export staying refused as "pruning" / "compressed_export";
-#: export writes them in ModernBERT's own classes)
-PRE_LN_OPERATIONS = ("train_layers", "int8", "compression", "export")
+#: export writes them in ModernBERT's own classes; reduced precision: encoder.c's pre_ln_layer in the encoder's
+#: storage type, bf16 / fp16 on CUDA, bf16 products with float32 activations on the CPU)
+PRE_LN_OPERATIONS = ("train_layers", "int8", "compression", "export", "reduced_precision")
 
 #: a config's activation names (transformers' ACT2FN) -> fasttran's head activations (fasttran._C.HEAD_ACTS)
 _HEAD_ACTS = {"tanh": "tanh", "relu": "relu", "gelu": "gelu"}

@@ -1653,6 +1653,57 @@ def _half_scatter(N, C, rows, dt):
     return build
 
 
+
+def _half_rotary(N, NH, hs, theta, dt, P=9000):
+    """RoPE in the storage type: the op's float32 frequencies and angles (rotary_forward's contract, as
+    transformers has them), cos / sin and the rotation in float64 over the rounded inputs"""
+    def build(rng):
+        C, h2 = NH * hs, hs // 2
+        qkv = HalfIn(rng.standard_normal((N, 3 * C)), dt)
+        pos = rng.integers(0, P, N).astype(np.int32)
+        e = np.arange(0, hs, 2, dtype=np.float32) / np.float32(hs)
+        inv = (np.float32(1.0) / np.power(theta, e.astype(np.float64)).astype(np.float32)).astype(np.float32)
+        a = (pos.astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)   # (N, h2) float32 angles
+        ref = qkv.x.copy()
+        for head in range(2 * NH):   # Q's heads, then K's; V untouched
+            u, v = qkv.x[:, head * hs:head * hs + h2], qkv.x[:, head * hs + h2:(head + 1) * hs]
+            ref[:, head * hs:head * hs + h2] = u * np.cos(a) - v * np.sin(a)
+            ref[:, head * hs + h2:(head + 1) * hs] = v * np.cos(a) + u * np.sin(a)
+        return dict(dt=DTYPE_CODES[dt], qkv=Out((N, 3 * C), np.uint16, init=qkv.bits), positions=In(pos), N=N, C=C,
+                    NH=NH, theta=theta), {"qkv": ref}
+    return build
+
+
+def _half_gated(N, K, act, dt):
+    def build(rng):
+        h = HalfIn(rng.standard_normal((N, 2 * K)) * 2.0, dt)
+        return dict(dt=DTYPE_CODES[dt], out=Out((N, K), np.uint16), h=In(h.bits), N=N, K=K, act=act), \
+            {"out": _act64(h.x[:, :K], act) * h.x[:, K:]}
+    return build
+
+
+def _half_residual_ln(N, C, with_y, bias, dt):
+    """x += y stored in the type, then h = LN(x) over the stored x"""
+    def build(rng):
+        x, y = HalfIn(rng.standard_normal((N, C)), dt), HalfIn(rng.standard_normal((N, C)), dt)
+        g, b = HalfIn(1 + 0.1 * rng.standard_normal(C), dt), HalfIn(0.1 * rng.standard_normal(C), dt)
+        x1 = from_half(to_half(x.x + y.x, dt), dt) if with_y else x.x
+        return dict(dt=DTYPE_CODES[dt], x=Out((N, C), np.uint16, init=x.bits), h=Out((N, C), np.uint16),
+                    y=In(y.bits) if with_y else None, gamma=In(g.bits), beta=In(b.bits) if bias else None, N=N, C=C,
+                    eps=1e-5), {"x": x1, "h": _ln(x1, g.x, b.x if bias else 0.0, 1e-5)}
+    return build
+
+
+def _half_embed_rotary(N, C, dt, V=50):
+    """a rotary model's embeddings: no position or type table, a LayerNorm without bias"""
+    def build(rng):
+        word, g = HalfIn(rng.standard_normal((V, C)), dt), HalfIn(1 + 0.1 * rng.standard_normal(C), dt)
+        ids = rng.integers(0, V, N)
+        return dict(dt=DTYPE_CODES[dt], out=Out((N, C), np.uint16), ids=In(ids.astype(np.int32)), types=None,
+                    positions=In(np.arange(N, dtype=np.int32)), word=In(word.bits), pos=None, type=None,
+                    gamma=In(g.bits), beta=None, N=N, C=C, eps=1e-5), {"out": _ln(word.x[ids], g.x, 0.0, 1e-5)}
+    return build
+
 HALF_CASES = []
 for dt in ("bfloat16", "float16"):
     for lens, NH, hs, pq in [([1], 1, 1, 0), ([7, 2], 3, 5, 0), ([3, 70, 1], 2, 17, 4), ([131, 40], 2, 32, 0),
@@ -1677,6 +1728,17 @@ for dt in ("bfloat16", "float16"):
                            _half_pool(lens, C, cls, dt), dt))
     for N, C, rows in [(1, 1, 1), (7, 33, 12), (0, 4, 3)]:
         HALF_CASES.append((f"scatter_rows-{dt}-{N}x{C}-into{rows}", "scatter_rows", _half_scatter(N, C, rows, dt), dt))
+    # ModernBERT's ops (pre-LN layers: RoPE, GeGLU, the residual + LayerNorm, embeddings without positions)
+    for N, NH, hs, theta in [(1, 1, 2, 10000.0), (37, 3, 8, 160000.0), (300, 12, 64, 10000.0), (5, 2, 34, 500.0)]:
+        HALF_CASES.append((f"rotary_forward-{dt}-{N}-{NH}h{hs}-theta{theta:g}", "rotary_forward",
+                           _half_rotary(N, NH, hs, theta, dt), dt))
+    for N, K, act in [(1, 1, 0), (7, 150, 0), (33, 37, 1), (509, 3, 2), (5, 1152, 0)]:
+        HALF_CASES.append((f"gated_act_forward-{dt}-{N}x{K}-act{act}", "gated_act_forward", _half_gated(N, K, act, dt), dt))
+    for N, C, with_y, bias in [(1, 1, True, False), (14, 33, True, True), (509, 72, False, False), (6, 768, True, False)]:
+        HALF_CASES.append((f"residual_ln_forward-{dt}-{N}x{C}" + ("" if with_y else "-noy") + ("" if bias else "-nobias"),
+                           "residual_ln_forward", _half_residual_ln(N, C, with_y, bias, dt), dt))
+    for N, C in [(1, 1), (14, 33), (300, 768)]:
+        HALF_CASES.append((f"embed_ln_forward-{dt}-{N}x{C}-rotary", "embed_ln_forward", _half_embed_rotary(N, C, dt), dt))
 
 
 @cuda
@@ -1696,7 +1758,8 @@ def test_cuda_half_op_matches_float64(ident, op, build, dt):
 
 
 @cuda
-@pytest.mark.parametrize("op", ["linear_forward", "attention_forward", "pool_forward"])
+@pytest.mark.parametrize("op", ["linear_forward", "attention_forward", "pool_forward", "rotary_forward",
+                                "gated_act_forward", "residual_ln_forward"])
 def test_cpu_refuses_half_precision_with_the_reason(op):
     args, _ = dict((c[1], c) for c in HALF_CASES)[op][2](np.random.default_rng(0))
     with pytest.raises(AssertionError, match="the CPU backend computes in float32, not bfloat16|not float16"):

@@ -5,7 +5,9 @@ quick), loaded by fasttran; every layer's hidden states on real tokens within 1e
 batches of sequences longer than the 128-token window (so local layers differ from global ones),
 pooled outputs, 1,024 tokens, the tokenizer's template, what rides on the forward (encode, the cache,
 a frozen head trained on it), and the operations refused by name. The same forward on
-device="cuda" where there is a CUDA backend (the emulator without a GPU)."""
+device="cuda" where there is a CUDA backend (the emulator without a GPU). bf16 / fp16 encoders (the
+CPU's bf16 products, CUDA's half storage) at every layer against transformers' float32 model within
+BERT's half-precision bounds, and a token's bits independent of its batch there too."""
 import json
 
 import numpy as np
@@ -281,3 +283,157 @@ def test_8192_tokens(tmp_path):
     assert_close(ours[0], ref[1], mask, what="layer 1")
     assert_close(ours[1], ref[3], mask, what="layer 3")
     assert enc.memory_report()["workspace"] >= 8192 * (3 * 64 + 3 * 96) * 4
+
+
+# ---- bf16 / fp16: the same layers in reduced precision ----------------------------------------------
+# BERT's bounds (tests/test_cuda.py, test_half_precision_against_float64_and_transformers_bf16), here at
+# every layer, relative error = Frobenius norm over the real tokens against transformers' float32 model:
+# bfloat16's last layer never worse than transformers' own bfloat16 ModernBertModel (SDPA) on the same
+# inputs, every layer within 1.05 times it (on the 22-layer base model transformers' grows from 0.3% to
+# 2.3%; measured: the CPU's bf16 products 0.24% -> 1.06%, CUDA's bf16 storage on the emulator 0.98 to
+# 1.003 times transformers'), float16 within FP16_BOUND at every layer.
+FP16_BOUND = 1e-2
+needs_bf16 = pytest.mark.skipif(not fasttran.build_info()["bf16_kernels"],
+                                reason="bf16 on the CPU needs AVX512_BF16 (bf16 products)")
+
+
+def _rel(a, b, mask):
+    real = mask.astype(bool)
+    return float(np.linalg.norm((a - b)[real]) / np.linalg.norm(b[real]))
+
+
+def hf_layers_bf16(path, ids, mask):
+    """transformers' ModernBertModel in bfloat16 (SDPA): its hidden states as float32"""
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), output_hidden_states=True)
+    return [h.float().numpy() for h in out.hidden_states]
+
+
+def assert_half_bound(ours, ref, mask, dtype, hf_bf16=None):
+    """every layer within the bound of its type (above); and not float32's result (~1e-6)"""
+    errs = [_rel(o, r, mask) for o, r in zip(ours, ref)]
+    if dtype == "bfloat16":
+        theirs = [_rel(h, r, mask) for h, r in zip(hf_bf16, ref)]
+        assert errs[-1] <= theirs[-1] and all(e <= 1.05 * t for e, t in zip(errs, theirs)), list(zip(errs, theirs))
+    else:
+        assert max(errs) <= FP16_BOUND, errs
+    assert errs[-1] > 1e-4, errs
+    return errs
+
+
+def _invariance(enc, ids, mask, layers, threads=True):
+    """a token's bits never depend on its batch: sequence 1 alone, left padded, in the batch (and at
+    another thread count)"""
+    n = int(mask[1].sum())
+    full = enc.forward(ids, mask, output_layers=layers)
+    alone = enc.forward(ids[1:2, :n], mask[1:2, :n], output_layers=layers)
+    left_ids = np.concatenate([np.zeros((1, 50), np.int64), ids[1:2, :n]], 1)
+    left_mask = np.concatenate([np.zeros((1, 50), np.int64), mask[1:2, :n]], 1)
+    left = enc.forward(left_ids, left_mask, output_layers=layers)
+    other = full
+    if threads:
+        old = fasttran.get_num_threads()
+        try:
+            fasttran.set_num_threads(2 if old == 1 else 1)
+            other = enc.forward(ids, mask, output_layers=layers)
+        finally:
+            fasttran.set_num_threads(old)
+    for k in range(len(layers)):
+        assert np.array_equal(full[k][1, :n], alone[k][0]), f"layer {layers[k]}: alone"
+        assert np.array_equal(full[k][1, :n], left[k][0, 50:]), f"layer {layers[k]}: left padded"
+        assert np.array_equal(full[k], other[k]), f"layer {layers[k]}: threads"
+    return full
+
+
+@needs_bf16
+def test_bf16_on_the_cpu_every_layer_against_float32_transformers(base, batch):
+    """dtype='bfloat16' on the CPU (bf16 weights and products, float32 activations, RoPE, GeGLU and
+    statistics, as BERT's): all 22 layers, sequences past the 128-token window, within the bf16 bound
+    at every layer, pooled outputs too"""
+    ids, mask = batch
+    ref = hf_layers(base, ids, mask)
+    enc = fasttran.Encoder.from_pretrained(base, dtype="bfloat16")
+    assert enc.dtype == "bfloat16" and "bf16 products" in enc.memory_report()["weights"]
+    ours = enc.forward(ids, mask, output_layers=list(range(23)))
+    errs = assert_half_bound(ours, ref, mask, "bfloat16", hf_layers_bf16(base, ids, mask))
+    m = mask[..., None].astype(np.float64)
+    pooled = enc.forward(ids, mask, pooling="mean")
+    want = (ref[-1] * m).sum(1) / m.sum(1)
+    assert _rel(pooled, want, np.ones(len(want))) <= 2 * errs[-1]
+
+
+@needs_bf16
+def test_bf16_on_the_cpu_a_token_does_not_depend_on_its_batch(base, batch):
+    ids, mask = batch
+    _invariance(fasttran.Encoder.from_pretrained(base, dtype="bfloat16"), ids, mask, [1, 5, 22])
+
+
+def test_float16_on_the_cpu_is_refused_naming_the_devices(base):
+    with pytest.raises(fasttran.UnsupportedError, match="float16' runs on CUDA only"):
+        fasttran.Encoder.from_pretrained(base, dtype="float16")
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """ModernBERT-base's 22 layers, head size 64, window and thetas at a narrower width (128, 2 heads, FFN
+    192): the CUDA emulator runs the half-precision attention kernel's warps one lane at a time, ~5 s a
+    layer at base width"""
+    return make_model(tmp_path_factory.mktemp("modernbert") / "narrow", hidden_size=128, num_attention_heads=2,
+                      intermediate_size=192, seed=8)
+
+
+@pytest.mark.skipif(not fasttran.cuda_available(), reason="no CUDA device and no emulator")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_on_cuda(base, narrow, dtype):
+    """dtype='bfloat16' / 'float16' on CUDA (weights and activations stored in the type, RoPE and GeGLU
+    in float32 registers, the windowed half-precision attention kernel): all 22 layers within the
+    type's bound at every layer (the base model on a GPU, the narrow one on the emulator), sequences
+    past the window, float32 outputs; a sequence alone and left padded within the same bound (no
+    padding or neighbour leaks in; CUDA promises no bits here: cuBLAS, and the emulator's OpenBLAS
+    behind its cuBLAS, may sum in another order for another row count, and over 22 layers one ulp of
+    bf16 grows to the type's error)"""
+    emulated = fasttran.build_info()["cuda"]["emulated"]
+    path = narrow if emulated else base
+    ids, mask = ragged(np.random.default_rng(6), [150, 40, 9] if emulated else [300, 200, 37], 150 if emulated else 300)
+    ref = hf_layers(path, ids, mask)
+    enc = fasttran.Encoder.from_pretrained(path, device="cuda", dtype=dtype)
+    assert enc.dtype == dtype and enc._core.dtype == dtype
+    layers = list(range(23))
+    ours = enc.forward(ids, mask, output_layers=layers)
+    assert all(o.dtype == np.float32 and np.isfinite(o).all() for o in ours)
+    hf = hf_layers_bf16(path, ids, mask) if dtype == "bfloat16" else None
+    assert_half_bound(ours, ref, mask, dtype, hf)
+    n = int(mask[1].sum())
+    alone = enc.forward(ids[1:2, :n], mask[1:2, :n], output_layers=layers)
+    pad = np.zeros((1, 30), np.int64)
+    left = enc.forward(np.concatenate([pad, ids[1:2, :n]], 1), np.concatenate([pad, mask[1:2, :n]], 1), output_layers=layers)
+    one = [r[1:2, :n] for r in ref], mask[1:2, :n], dtype, hf and [h[1:2, :n] for h in hf]
+    assert_half_bound(alone, *one)
+    assert_half_bound([o[:, 30:] for o in left], *one)
+
+
+@needs_bf16
+def test_top_layers_train_on_a_bf16_encoders_cache(tmp_path):
+    """Trainer(train_layers=2) over a bf16 ModernBERT's cache: the top layers start from the float32
+    master weights and train in float32, or in mixed precision (precision='bfloat16': bf16 products,
+    float32 storage and sums); the losses follow the float32 encoder's within bf16's rounding, yet
+    differ from them"""
+    path = make_model(tmp_path / "m", num_hidden_layers=4, hidden_size=128, num_attention_heads=2,
+                      intermediate_size=192, seed=7)
+    ids, mask = ragged(np.random.default_rng(2), [40, 12, 200, 7, 90, 33, 150, 60], 200)
+    y = np.array([0, 1, 0, 1, 1, 0, 1, 0])
+    curves = {}
+    for dtype, precision in [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")]:
+        enc = fasttran.Encoder.from_pretrained(path, dtype=dtype)
+        trainer = fasttran.Trainer("classification", epochs=2, batch_size=4, show_progress=False, seed=1,
+                                   train_layers=2, lr=1e-3, precision=precision)
+        cache = trainer.cache_for(enc, ids, mask, show_progress=False)
+        trainer.fit(cache, y)
+        assert trainer.top.matmul_precision == precision
+        curves[dtype, precision] = np.array([l for _, l in trainer.loss_curve])
+    want = curves["float32", "float32"]
+    for key in [("bfloat16", "float32"), ("bfloat16", "bfloat16")]:
+        got = curves[key]
+        assert np.isfinite(got).all() and np.abs(got - want).max() <= 2e-2 * max(1.0, np.abs(want).max()), key
+        assert not np.array_equal(got, want), key
