@@ -61,14 +61,15 @@ def default_lr(optimizer, head="classification"):
 #: layers' lr (the top layer's), the head's lr, the layer-wise lr decay (layer d below the top trains
 #: at lr x decay**d), and optionally warmup and epochs (where the Trainer is given None). A k between
 #: those listed takes the nearest one listed below it. LAMB's were chosen by benchmarks/sweep_recipes.py
-#: (benchmarks/recipes_sweep.json: MiniLM, selected on a slice held out of each training split);
+#: (benchmarks/recipes_sweep.json: MiniLM, selected on a slice held out of each training split; k = 3
+#: from the sweep at full training size over MRPC and CoLA, benchmarks/recipes_sweep_full_k3.json);
 #: AdamW's are the rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py).
 #: (The sweep's k = 0 pick, lr 4e-2 for the head alone after 2 x 16 steps, is not taken: the heads'
 #: DEFAULT_LR come from all of SST-2, benchmarks/sweep_defaults.py.)
 DEFAULT_TOPK_RECIPES = {
     "lamb": {1: {"lr": 1.5e-3, "head_lr": 1e-2, "layer_lr_decay": 1.0, "epochs": 3},
              2: {"lr": 1.5e-3, "head_lr": 1e-2, "layer_lr_decay": 1.0, "epochs": 3},
-             3: {"lr": 1.5e-3, "head_lr": 1e-2, "layer_lr_decay": 0.8, "epochs": 2},
+             3: {"lr": 1.5e-3, "head_lr": 1.5e-3, "layer_lr_decay": 0.8, "epochs": 2},
              6: {"lr": 1.5e-3, "head_lr": 1.5e-3, "layer_lr_decay": 0.8, "epochs": 3}},
     "adamw": {1: {"lr": 1e-4, "head_lr": 1e-4, "layer_lr_decay": 1.0}},
 }
