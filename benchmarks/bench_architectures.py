@@ -3,10 +3,11 @@
 Models: random weights at the base models' shapes, written by transformers' own classes and loaded
 by both engines -- bert-base, roberta-base, xlm-roberta-base (its vocabulary cut to 32,000 rows: the
 embedding table is read, not multiplied, so the forward's cost is the same), distilbert-base
-(6 layers), electra-base (embedding_size = hidden_size = 768). Engines:
+(6 layers), electra-base (embedding_size = hidden_size = 768), modernbert-base (22 pre-LN layers,
+GeGLU, RoPE, local windows of 128: at 128 tokens every layer sees the whole sequence). Engines:
   fasttran   Encoder.forward (its own kernels), FASTTRAN threads = --threads
   torch      transformers' base class of the architecture (BertModel, RobertaModel, XLMRobertaModel,
-             DistilBertModel, ElectraModel), attn_implementation="sdpa", float32,
+             DistilBertModel, ElectraModel, ModernBertModel), attn_implementation="sdpa", float32,
              torch.set_num_threads(--threads), torch.inference_mode()
 Workload: one batch of 32 x 128 random token ids (no padding), last hidden state. fasttran's output
 is checked against torch's before anything is timed (within 1e-4). Rounds are interleaved (each
@@ -46,6 +47,10 @@ MODELS = {
                         "n_layers"),
     "electra-base": ("ElectraConfig", "ElectraModel", dict(BASE, vocab_size=30522, embedding_size=768, pad_token_id=0),
                      "num_hidden_layers"),
+    # ModernBERT-base: 22 pre-LN layers, GeGLU FFN 1152, RoPE, a global layer every third, local windows of 128
+    "modernbert-base": ("ModernBertConfig", "ModernBertModel",
+                        dict(vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hidden_layers=22,
+                             num_attention_heads=12, pad_token_id=50283), "num_hidden_layers"),
 }
 
 
