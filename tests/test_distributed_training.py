@@ -128,6 +128,23 @@ def test_other_architectures_ranks_equal_one_process(tiny_arch_dir):
     assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-3)
 
 
+def test_modernbert_ranks_equal_one_process(tmp_path):
+    """ModernBERT's top layer (pre-LN, RoPE, GeGLU, a local window shorter than the sequences) and
+    head over two ranks, as BERT's above; no dropout (its layers refuse it)"""
+    pytest.importorskip("transformers")
+    from test_modernbert import make_model
+    d = make_model(tmp_path / "mb", seed=2, hidden_size=32, num_attention_heads=2, intermediate_size=48,
+                   num_hidden_layers=3, local_attention=8, max_position_embeddings=64)
+    kw = dict(dropout=0.0, layer_dropout=0.0)
+    one = train_and_record(0, 1, d, "classification", 8, **kw)
+    ranks = run_ranks(train_and_record, 2, d, "classification", 8, transport="shared_memory", timeout=300, **kw)
+    assert ranks[1]["hashes"] == ranks[0]["hashes"] and ranks[1]["loss_curve"] == ranks[0]["loss_curve"]
+    assert len(ranks[0]["hashes"]) == len(one["hashes"]) == 8
+    d1 = np.abs(ranks[0]["first"] - one["first"])
+    assert np.median(d1) == 0.0 and d1.max() <= 1e-3 * 3e-3, (np.median(d1), d1.max())
+    assert np.allclose(ranks[0]["loss_curve"], one["loss_curve"], rtol=1e-3)
+
+
 def unshared_table(rank, world, tiny_dir, transport):
     """a model whose gradient table is made outside shared memory (gradient tables are shared only
     once a DataParallel of several ranks exists): `transport` "auto" sums through the group;
