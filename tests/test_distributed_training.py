@@ -41,11 +41,8 @@ def _trainer(reduction, head, batch_size, **kw):
     return fasttran.Trainer(head, **args)
 
 
-def train_and_record(rank, world, tiny_dir, head, batch_size, steps=None, ckpt=None, resume=False, transport="auto",
-                     **kw):
-    """fit on this rank (world 1: one process, no reduction); the flat parameter table after every
-    step (its sha256, and the arrays of the first and last steps)"""
-    import fasttran
+def _run_parts(tiny_dir, world, transport, head, batch_size, **kw):
+    """a rank's encoder, reduction (None for one process), trainer, cache and targets"""
     from fasttran.distributed import DataParallel
     enc, ids, mask, y = _data(tiny_dir)
     red = DataParallel(transport=transport) if world > 1 else None
@@ -56,6 +53,14 @@ def train_and_record(rank, world, tiny_dir, head, batch_size, steps=None, ckpt=N
         targets = np.where(mask == 1, np.random.default_rng(1).integers(-100, 3, mask.shape), -100)
         targets[:, 0] = -100
         targets = np.where(targets < 0, -100, targets)
+    return enc, red, tr, cache, targets
+
+
+def train_and_record(rank, world, tiny_dir, head, batch_size, steps=None, ckpt=None, resume=False, transport="auto",
+                     **kw):
+    """fit on this rank (world 1: one process, no reduction); the flat parameter table after every
+    step (its sha256, and the arrays of the first and last steps)"""
+    enc, red, tr, cache, targets = _run_parts(tiny_dir, world, transport, head, batch_size, **kw)
     record = {"hashes": [], "first": None, "last": None}
     step = tr._optimizer_step
 
@@ -199,7 +204,6 @@ def test_checkpoints_written_by_rank_0_resume_at_another_world_size(tiny_dir, tm
 
 def diverge(rank, world, tiny_dir):
     """rank 1 trains on one example fewer: the ranks' runs differ"""
-    import fasttran
     from fasttran.distributed import DataParallel
     enc, ids, mask, y = _data(tiny_dir)
     n = N_EXAMPLES - (rank == 1)
@@ -371,16 +375,7 @@ def loop_run(rank, world, tiny_dir, head, batch_size, transport="auto", fail=Non
     only): "raise" -- an error in the loop's bookkeeping after 20 steps; "sigint" -- Ctrl-C then;
     "repeat" -- its shared-memory sums numbered from the start again."""
     import signal
-    from fasttran.distributed import DataParallel
-    enc, ids, mask, y = _data(tiny_dir)
-    red = DataParallel(transport=transport) if world > 1 else None
-    tr = _trainer(red, head, batch_size, **kw)
-    cache = tr.cache_for(enc, ids, mask, show_progress=False)
-    targets = y
-    if head == "token-classification":
-        targets = np.where(mask == 1, np.random.default_rng(1).integers(-100, 3, mask.shape), -100)
-        targets[:, 0] = -100
-        targets = np.where(targets < 0, -100, targets)
+    enc, red, tr, cache, targets = _run_parts(tiny_dir, world, transport, head, batch_size, **kw)
     refusals = []
     refusal = tr._c_loop_refusal
 

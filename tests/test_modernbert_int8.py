@@ -11,7 +11,7 @@ import fasttran
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from test_modernbert import hf_layers, make_model, ragged   # noqa: E402
+from test_modernbert import _invariance, hf_layers, make_model, ragged   # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -106,21 +106,7 @@ def test_a_token_does_not_depend_on_its_batch(int8, batch):
     """the int8 activations are quantized per token: alone, padded, left padded, at any thread count,
     a sequence's results are the same bits"""
     ids, mask = batch
-    full = int8.forward(ids, mask, output_layers=[5, 22])
-    alone = int8.forward(ids[1:2, :200], mask[1:2, :200], output_layers=[5, 22])
-    left_ids = np.concatenate([np.zeros((1, 50), np.int64), ids[1:2, :200]], 1)
-    left_mask = np.concatenate([np.zeros((1, 50), np.int64), mask[1:2, :200]], 1)
-    left = int8.forward(left_ids, left_mask, output_layers=[5, 22])
-    old = fasttran.get_num_threads()
-    try:
-        fasttran.set_num_threads(2 if old == 1 else 1)
-        other = int8.forward(ids, mask, output_layers=[5, 22])
-    finally:
-        fasttran.set_num_threads(old)
-    for k in range(2):
-        assert np.array_equal(full[k][1, :200], alone[k][0])
-        assert np.array_equal(full[k][1, :200], left[k][0, 50:])
-        assert np.array_equal(full[k], other[k])
+    _invariance(int8, ids, mask, [5, 22])
 
 
 def test_the_cache_and_a_head_on_int8_features_and_what_stays_refused(int8, batch, tmp_path):
