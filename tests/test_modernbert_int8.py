@@ -11,18 +11,8 @@ import fasttran
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from test_modernbert import _invariance, hf_layers, make_model, ragged   # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("modernbert_int8") / "base")
-
-
-@pytest.fixture(scope="module")
-def batch():
-    # longer than the window (128: keys |i - j| <= 64), ragged, one shorter than half the window
-    return ragged(np.random.default_rng(0), [300, 200, 37], 300)
+# the base checkpoint and the ragged batch longer than the window: test_modernbert.py's fixtures
+from test_modernbert import _invariance, base, batch, hf_layers, make_model, ragged   # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
