@@ -74,7 +74,7 @@ def caches_for(enc, parts, k):
 
 
 def trainer_args(k, recipe, seed):
-    kw = dict(optimizer="lamb", seed=seed, batch_size=32, show_progress=False, reduction=None,
+    kw = dict(optimizer=recipe.get("optimizer", "lamb"), seed=seed, batch_size=32, show_progress=False, reduction=None,
               warmup=recipe.get("warmup", 0.1), epochs=recipe["epochs"], lr=recipe["lr"])
     if k:
         kw.update(train_layers=k, pooling="cls", pooler=True, head_lr=recipe["head_lr"],
@@ -120,6 +120,17 @@ class Sweep:
             self.data[task] = (parts, metric)
             self.out["tasks"][task] = dict(sizes, metric=metric)
             print(f"{task}: {sizes}, metric {metric}", flush=True)
+        for path in args.reuse:   # thread counts do not change a run's bits (the cache and training are invariant)
+            with open(path) as f:
+                old = json.load(f)
+            if any(old["tasks"].get(t, {}) != self.out["tasks"][t] for t in args.tasks):
+                raise SystemExit(f"{path}: another data split than this sweep's")
+            for rec in old["runs"]:
+                if rec["task"] in self.data and rec.get("scored_on", "holdout") == "holdout" and \
+                        rec.get("seed") == args.seed:
+                    key = json.dumps([rec["task"], rec["k"], rec["recipe"]], sort_keys=True)
+                    self.done[key] = dict(rec, reused_from=os.path.basename(path))
+                    self.out["runs"].append(self.done[key])
         self.t0 = time.perf_counter()
 
     def save(self):
@@ -174,6 +185,28 @@ class Sweep:
         self.out["choice"][str(k)]["seconds"] = time.perf_counter() - t0
         self.save()
 
+    def run_default(self, candidates):
+        """`fasttran finetune`'s default: each (k, recipe) of `candidates` scored on the held-out slices
+        like a stage above; the best mean is the choice (ties: the earlier, i.e. the cheaper, candidate),
+        then checked once on dev"""
+        scored = []
+        for i, (k, recipe) in enumerate(candidates):
+            caches = {task: caches_for(self.enc, parts, k) for task, (parts, _) in self.data.items()}
+            t0 = time.perf_counter()
+            s = self.score(k, recipe, caches)
+            scored.append((s, -i, k, recipe, time.perf_counter() - t0))
+            print(f"default candidate k={k} {json.dumps(recipe)}: mean held-out {s:.4f}", flush=True)
+            self.out["choice"]["finetune_default"] = {"tried": [(x, kk, r, sec) for x, _, kk, r, sec in scored]}
+            self.save()
+        s, _, k, r, _ = max(scored, key=lambda t: (t[0], t[1]))
+        self.out["choice"]["finetune_default"].update(chosen={"train_layers": k, "recipe": r}, mean_holdout=s)
+        caches = {task: caches_for(self.enc, parts, k) for task, (parts, _) in self.data.items()}
+        for task, (parts, metric) in self.data.items():
+            rec = run_one(task, metric, k, r, caches[task], self.args.seed, on="dev")
+            self.out["dev_check"].append(rec)
+            print(f"  default k={k} {task:5} on dev: {metric} {rec['best']:.4f}", flush=True)
+        self.save()
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,9 +219,19 @@ def main():
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(HERE, "recipes_sweep.json"))
+    ap.add_argument("--default-candidates", default=None, metavar="JSON",
+                    help="instead of the staged sweep: a JSON list of [k, recipe] pairs (a recipe may name its "
+                         "optimizer), scored on the held-out slices; the best is `fasttran finetune`'s default")
+    ap.add_argument("--reuse", nargs="*", default=[], metavar="JSON",
+                    help="earlier sweeps' runs at the same data, sizes and seed: not run again")
     args = ap.parse_args()
     enc = fasttran.Encoder.from_pretrained(fasttran.models.minilm_path())
     sw = Sweep(args, enc)
+    if args.default_candidates:
+        sw.run_default([(int(k), r) for k, r in json.loads(args.default_candidates)])
+        sw.save()
+        print(json.dumps(sw.out["choice"]["finetune_default"].get("chosen"), indent=1))
+        return
     for k in args.ks:
         sw.run_k(k)
     sw.save()

@@ -2,8 +2,8 @@
 fine-tuning every layer of the same checkpoint on the same machine and threads.
 
     python benchmarks/time_to_accuracy.py [--tasks mrpc stsb cola sst2 conll squad] [--seeds 0 1 2]
-        [--ref-lrs 2e-5 5e-5 1e-4] [--ks 0 1 2 3 6] [--epochs 3] [--threads 2] [--train-limit N]
-        [--dev-limit N] [--no-reference] [--json benchmarks/last_time_to_accuracy.json]
+        [--ref-lrs 2e-5 5e-5 1e-4] [--ks 0 1 2 3 6] [--optimizer adamw|lamb] [--epochs 3] [--threads 2]
+        [--train-limit N] [--dev-limit N] [--no-reference] [--json benchmarks/last_time_to_accuracy.json]
         [--plot benchmarks/time_to_accuracy.png]
 
 Tasks (from $FASTTRAN_DATA, default ../shared/data; all-MiniLM-L6-v2), data and metrics as in
@@ -16,9 +16,11 @@ learning rate of --ref-lrs, --epochs epochs, batch 32, 10% linear warm-up then l
 decay 0.01, dynamic padding -- with AutoModelFor{SequenceClassification, TokenClassification,
 QuestionAnswering}. Its best lr is the one with the best mean (over seeds) of its best epoch.
 
-fasttran: `Trainer(task, train_layers=k)` at its defaults (what a user gets without choosing
-anything) for --epochs epochs, k in --ks (0: the frozen encoder and a head; 6: every layer of
-MiniLM), its cache of layer L - k built once per k and counted in every seed's time.
+fasttran: `Trainer(task, train_layers=k, optimizer=--optimizer)` at its defaults otherwise, as
+`fasttran finetune --train-layers k` trains it (the optimizer by default finetune's,
+trainer.FINETUNE_DEFAULT; k > 0 sentence tasks pool [CLS] through BERT's pooler) for --epochs
+epochs, k in --ks (0: the frozen encoder and a head; 6: every layer of MiniLM), its cache of layer L
+- k built once per k and counted in every seed's time.
 
 Every run records the dev score after each epoch and the wall time to that point: training only,
 evaluation time taken out, the cache build included for fasttran, tokenisation excluded for both
@@ -176,7 +178,9 @@ def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
     """(cache build seconds, {seed: [(seconds, score) after each epoch]}) for train_layers=k"""
     import fasttran
     head_task, main, _ = task_data.TASKS[task]
-    kw = dict(epochs=args.epochs, train_layers=k, show_progress=False)
+    kw = dict(epochs=args.epochs, train_layers=k, show_progress=False, optimizer=args.optimizer)
+    if k and head_task in ("classification", "regression"):   # as `fasttran finetune`: [CLS] through BERT's pooler
+        kw.update(pooling="cls", pooler=True)
     if names is not None and head_task not in ("regression", "qa"):
         kw["label_names"] = names
     proto = fasttran.Trainer(head_task, seed=0, **kw)
@@ -257,6 +261,8 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--ref-lrs", type=float, nargs="*", default=[2e-5, 5e-5, 1e-4])
     ap.add_argument("--ks", type=int, nargs="*", default=None, help="layers fasttran trains (default 0 1 2 L/2 L)")
+    ap.add_argument("--optimizer", default=None, choices=["adamw", "lamb"],
+                    help="fasttran's optimizer (default: fasttran finetune's, trainer.FINETUNE_DEFAULT)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--train-limit", type=int, default=None, help="the first N training examples of each task")
@@ -268,12 +274,15 @@ def main():
     import fasttran
     import torch
     import transformers
+    if args.optimizer is None:
+        args.optimizer = fasttran.trainer.FINETUNE_DEFAULT["optimizer"]
     path, enc = engines(args.threads)
     L = enc.num_layers
     ks = args.ks if args.ks is not None else sorted({0, 1, 2, L // 2, L})
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "threads": args.threads, "epochs": args.epochs, "seeds": args.seeds,
-            "ref_lrs": args.ref_lrs, "ks": ks, "torch": torch.__version__, "transformers": transformers.__version__,
+            "ref_lrs": args.ref_lrs, "ks": ks, "optimizer": args.optimizer, "torch": torch.__version__,
+            "transformers": transformers.__version__,
             "fasttran": fasttran.__version__, "command": " ".join(sys.argv)}
     rows = []
     for task in args.tasks:

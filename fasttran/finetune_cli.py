@@ -1,16 +1,18 @@
 """`fasttran finetune`: one command from a task's files to an exported model.
 
-    fasttran finetune --task mrpc --data DIR [--train-layers K] [--epochs N] [--lr LR] [--output DIR]
+    fasttran finetune --task mrpc --data DIR [--train-layers K] [--optimizer adamw|lamb] [--epochs N] [--lr LR]
+        [--output DIR]
 
 The tasks are declared once, in TASKS: where each task's files are (GLUE's folder names, the split
-files), how they are read (columns, header, label names), the Trainer task and the metric that
-picks the best epoch. The command reads the train and dev splits, builds the activation caches
-(the encoder runs once; with --train-layers K the states of layer L-K), trains the task's head with
-the Trainer's defaults, evaluates on dev after every epoch, puts back the best epoch's weights
-(Trainer.fit(keep_best=...)), exports (fasttran.export) and prints a table of the epochs and the
-line saying what loads the export. `--input FILE [--eval-input FILE]` takes any file the `cache`
-command reads instead, with --task naming the kind of task (classification, pair, regression,
-token, qa ...) and the same column options.
+files), how they are read (columns, header, label names), the Trainer task and the metric that picks
+the best epoch. The command reads the train and dev splits, builds the activation caches (the
+encoder runs once to the states of layer L-K: by default K = L, every layer trained, with AdamW,
+trainer.FINETUNE_DEFAULT; --train-layers 0: the head alone on the last layer), trains with the
+recipe for the optimizer and K (trainer.DEFAULT_TOPK_RECIPES), evaluates on dev after every epoch,
+puts back the best epoch's weights (Trainer.fit(keep_best=...)), exports (fasttran.export) and
+prints a table of the epochs and the line saying what loads the export. `--input FILE [--eval-input
+FILE]` takes any file the `cache` command reads instead, with --task naming the kind of task
+(classification, pair, regression, token, qa ...) and the same column options.
 """
 import argparse
 import json
@@ -233,7 +235,11 @@ def run(args):
     from .export import how_to_load, layout_of
     data = _load(args)
     enc = cli_io.encoder(args)
+    from .trainer import FINETUNE_DEFAULT
     K = args.train_layers
+    if K is None:   # the sweep's default depth (trainer.FINETUNE_DEFAULT)
+        K = max(1, int(round(FINETUNE_DEFAULT["layers"] * enc.num_layers)))
+    optimizer = args.optimizer or FINETUNE_DEFAULT["optimizer"]
     if K < 0 or K > enc.num_layers:
         cli_io.fail(f"--train-layers {K}: the model has {enc.num_layers} layers")
     layer = enc.num_layers - K if K else -1
@@ -287,6 +293,7 @@ def run(args):
         cache_seconds = time.perf_counter() - t0
         n_train, n_dev = len(train_cache), len(ev[0])
         kw = dict(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, train_layers=K,
+                  optimizer=optimizer,
                   device=enc.device, head_lr=getattr(args, "head_lr", None),
                   layer_lr_decay=getattr(args, "layer_lr_decay", None))
         if data.label_names is not None:
@@ -308,7 +315,8 @@ def run(args):
     out = args.output or f"finetuned-{args.task}"
     tr.export(out, encoder=enc)
     info = {"task": args.task, "kind": data.kind, "files": data.files, "metric": data.metric,
-            "best_epoch": tr.best_epoch, "train_layers": K, "model": enc.path, "cache_seconds": cache_seconds,
+            "best_epoch": tr.best_epoch, "train_layers": K, "optimizer": optimizer, "model": enc.path,
+            "cache_seconds": cache_seconds,
             "history": tr.history, "lr": tr.lr, "head_lr": tr.head_lr, "lr_search": tr.lr_search_tries}
     from ._C import atomic_write
     atomic_write(os.path.join(out, "finetune.json"), [json.dumps(info, indent=1).encode()])
@@ -354,18 +362,21 @@ def add_parser(sub):
     cli_io.common_options(f, batch=32, input_required=False)
     f.add_argument("--eval-input", default=None, help="dev file of --input (the best epoch is picked on it)")
     f.add_argument("--output", default=None, help="exported model directory (default: ./finetuned-<task>)")
-    f.add_argument("--train-layers", type=int, default=0, metavar="K",
-                   help="also train the encoder's top K layers (sentence tasks then pool [CLS] through BERT's pooler: "
-                        "the export loads in transformers' pipelines)")
+    f.add_argument("--train-layers", type=int, default=None, metavar="K",
+                   help="train the encoder's top K layers with the head (default: every layer, "
+                        "fasttran.trainer.FINETUNE_DEFAULT; 0: the head alone on the frozen encoder's features). "
+                        "With K > 0 the sentence tasks pool [CLS] through BERT's pooler: the export loads in "
+                        "transformers' pipelines")
+    f.add_argument("--optimizer", default=None, choices=["adamw", "lamb"],
+                   help="default AdamW (FINETUNE_DEFAULT); each optimizer has its own recipe per K")
     f.add_argument("--epochs", type=int, default=None,
                    help="passes over the training split (default 3, or the --train-layers recipe's)")
     f.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: the Trainer's, LAMB: head " +
-                        f"{DEFAULT_LR[('lamb', 'linear')]:g}; with --train-layers K the recipe for K, "
-                        f"fasttran.trainer.DEFAULT_TOPK_RECIPES: e.g. K=3 layers " +
-                        f"{DEFAULT_TOPK_RECIPES['lamb'][3]['lr']:g}, head {DEFAULT_TOPK_RECIPES['lamb'][3]['head_lr']:g},"
-                        f" decay {DEFAULT_TOPK_RECIPES['lamb'][3]['layer_lr_decay']:g}). A given --lr is every "
-                        "parameter's unless --head-lr / --layer-lr-decay say otherwise")
+                   help="learning rate (default: the recipe for the optimizer and K, fasttran.trainer."
+                        f"DEFAULT_TOPK_RECIPES: e.g. AdamW, every layer of a 6-layer model: "
+                        f"{DEFAULT_TOPK_RECIPES['adamw'][6]['lr']:g}; the head alone: the Trainer's DEFAULT_LR, "
+                        f"AdamW {DEFAULT_LR[('adamw', 'linear')]:g}). A given --lr is every parameter's unless "
+                        "--head-lr / --layer-lr-decay say otherwise")
     f.add_argument("--head-lr", type=float, default=None,
                    help="with --train-layers: the head's own learning rate (default: the recipe's, or --lr)")
     f.add_argument("--layer-lr-decay", type=float, default=None,

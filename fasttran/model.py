@@ -104,10 +104,7 @@ class Model:
         """A step without examples (a process's empty slice of an uneven last global batch): the
         gradients are zero, and every bucket is still handed to `ready`, so the reductions of all
         processes pair up. Returns the loss's share, 0."""
-        self._core.zero_grads()
-        for bucket in range(len(self._core.buckets())) if ready is not None else ():
-            ready(bucket)
-        return 0.0
+        return self._core.idle(ready)
 
     def forward(self, x, lengths, valid=None):
         """the logits (host) of one batch, no dropout"""

@@ -63,7 +63,8 @@ def default_lr(optimizer, head="classification"):
 #: those listed takes the nearest one listed below it. LAMB's were chosen by benchmarks/sweep_recipes.py
 #: (benchmarks/recipes_sweep.json: MiniLM, selected on a slice held out of each training split; k = 3
 #: from the sweep at full training size over MRPC and CoLA, benchmarks/recipes_sweep_full_k3.json);
-#: AdamW's are the rates usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py).
+#: AdamW's k = 1 is the rate usual for fine-tuning BERT-family encoders (benchmarks/topk_sst2.py), its
+#: k = 3 and 6 from the sweep behind FINETUNE_DEFAULT below.
 #: (The sweep's k = 0 pick, lr 4e-2 for the head alone after 2 x 16 steps, is not taken: the heads'
 #: DEFAULT_LR come from all of SST-2, benchmarks/sweep_defaults.py.)
 DEFAULT_TOPK_RECIPES = {
@@ -71,8 +72,17 @@ DEFAULT_TOPK_RECIPES = {
              2: {"lr": 1.5e-3, "head_lr": 1e-2, "layer_lr_decay": 1.0, "epochs": 3},
              3: {"lr": 1.5e-3, "head_lr": 1.5e-3, "layer_lr_decay": 0.8, "epochs": 2},
              6: {"lr": 1.5e-3, "head_lr": 1.5e-3, "layer_lr_decay": 0.8, "epochs": 3}},
-    "adamw": {1: {"lr": 1e-4, "head_lr": 1e-4, "layer_lr_decay": 1.0}},
+    "adamw": {1: {"lr": 1e-4, "head_lr": 1e-4, "layer_lr_decay": 1.0},
+              3: {"lr": 2e-4, "head_lr": 2e-4, "layer_lr_decay": 1.0, "epochs": 3},
+              6: {"lr": 1e-4, "head_lr": 1e-4, "layer_lr_decay": 1.0, "epochs": 3}},
 }
+#: `fasttran finetune`'s default where the user names neither: the share of the encoder's layers
+#: trained (K = round(share x L), at least 1) and the optimizer, whose DEFAULT_TOPK_RECIPES entry
+#: trains them. Chosen by benchmarks/sweep_recipes.py --default-candidates
+#: (benchmarks/recipes_sweep_default.json: k = L/2 and L, LAMB and AdamW at full training size, scored
+#: on slices held out of MRPC's and CoLA's training splits; the AdamW entries at 3 and 6 from the same
+#: sweep).
+FINETUNE_DEFAULT = {"layers": 1.0, "optimizer": "adamw"}
 #: the layers' default lr per optimizer at k = 1 (the recipes above hold every k's)
 DEFAULT_TOPK_LR = {name: r[1]["lr"] for name, r in DEFAULT_TOPK_RECIPES.items()}
 _DEFAULT_WARMUP, _DEFAULT_EPOCHS = 0.1, 3
@@ -574,17 +584,14 @@ class Trainer:
         place): (examples, global loss, (right, counted) or None)."""
         g0 = where.step * self._batch_examples
         glob = order[g0:g0 + where.size]   # the global batch's examples
-        gt, _ = self.head.batch(prep, glob, None)
-        lengths_all = np.asarray(cache.lengths, np.int64) if cache.positions == "all" else None
-        before = glob[:where.offset]
-        place = (where.row_offset, where.offset, int((lengths_all[before] ** 2).sum()) if lengths_all is not None
-                 else where.offset)
+        place, denominator = self._slice_terms(prep, glob, where.offset, where.row_offset,
+                                               cache.lengths if cache.positions == "all" else None)
         self.reduction.begin(self.global_step)
         if len(ids):
             idx = cache.index_of(ids)
             x, lengths = rows_of(batch)
             targets, valid = self.head.batch(prep, idx, lengths)
-            loss, logits = self.model.step(x, lengths, targets, valid, denominator=self.head.denominator(gt),
+            loss, logits = self.model.step(x, lengths, targets, valid, denominator=denominator,
                                            seed=self.seed, step=self.global_step, place=place,
                                            loss_scale=self._scale(), ready=self.reduction.ready)
             correct = self.head.correct(logits, targets)
@@ -597,6 +604,15 @@ class Trainer:
         if refused is not None:
             self._diverged(cache, ids, loss, refused)
         return len(ids), loss, correct
+
+    def _slice_terms(self, prep, glob, offset, row_offset, lengths):
+        """A rank's slice of the global batch `glob` (after its first `offset` examples, `row_offset`
+        rows): its place -- (rows, examples, attention scores) before it, which the dropout masks are
+        numbered from -- and the global batch's loss denominator. `lengths`: every example's length
+        where the attention is ragged, else None. The per-step loop and the C loop's reads both call it."""
+        before = glob[:offset]
+        scores = int((np.asarray(lengths, np.int64)[before] ** 2).sum()) if lengths is not None else offset
+        return (row_offset, offset, scores), self.head.denominator(self.head.batch(prep, glob, None)[0])
 
     def _diverged(self, cache, ids, loss, refused=None):
         """A non-finite loss or gradient (the optimizer's refusal): features with NaN or Inf are named
@@ -880,7 +896,7 @@ class Trainer:
         slices = None if red.world_size == 1 else cache._store.slices(np.ascontiguousarray(order, np.int64), bs,
                                                                       red.rank, red.world_size)
         reduction = None if type(red) is Reduction else red.in_loop()
-        opt, head, model = self.optimizer, self.head, self.model
+        opt, head = self.optimizer, self.head
         if opt._table is None:
             opt._build()
         groups, grads = opt.param_groups, self._gviews
@@ -906,8 +922,6 @@ class Trainer:
             calls.append((b, n))
             b, g = b + n, g + n
 
-        sq = lengths_of.astype(np.int64) ** 2 if ragged else None
-
         def read(i):
             """a call's examples and their features: (glob, x or None, lengths, steps); steps: (each step's
             first example in glob, rows, place in its global batch or None, denominator or None)"""
@@ -924,9 +938,8 @@ class Trainer:
                     parts.append(g[lo:hi])
                     examples[k + 1] = examples[k] + hi - lo
                     rows[k] = int(lengths_of[g[lo:hi]].sum())
-                    before = g[:lo]
-                    place[k] = (int(lengths_of[before].sum()), lo, int(sq[before].sum()) if sq is not None else lo)
-                    denominators[k] = head.denominator(head.batch(prep, g, None)[0])
+                    place[k], denominators[k] = self._slice_terms(prep, g, lo, int(lengths_of[g[:lo]].sum()),
+                                                                  lengths_of if ragged else None)
                 glob = np.ascontiguousarray(np.concatenate(parts), np.int64)
                 steps = (examples, rows, place, denominators)
             if reads or not len(glob):   # the cache's index of an example is its place in example_ids
@@ -945,7 +958,6 @@ class Trainer:
 
     def _c_calls(self, cache, prep, epoch, start, total, warm, bar, checkpoint_dir, checkpoint_every, stop_at_step,
                  calls, read, ahead, count_of, groups, grads, reduction):
-        bs = self._batch_examples
         opt, head, model = self.optimizer, self.head, self.model
         acc = {"loss_sum": 0.0, "right": 0, "counted": 0, "seen": 0, "b": start}
         pending = ahead.submit(read, 0) if ahead is not None and calls else None

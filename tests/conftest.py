@@ -105,6 +105,17 @@ def sst2_sentences():
     return load_sst2(sst2_file("dev"))[0]
 
 
+def ragged_ids(rng, n, T, low, high):
+    """n random sequences of token ids in [low, high) padded to T with 0 -- the first T long, the rest
+    1..T -- and their attention mask"""
+    lens = rng.integers(1, T + 1, n)
+    lens[0] = T
+    ids = rng.integers(low, high, (n, T))
+    mask = (np.arange(T)[None, :] < lens[:, None]).astype(np.int64)
+    ids[mask == 0] = 0
+    return ids, mask
+
+
 def make_checkpoint(path, dtype="float32", pooler=True, wrapper=None, seed=0, **cfg):
     """Write a random-weight BERT checkpoint with transformers (safetensors) into `path`."""
     import torch

@@ -24,12 +24,9 @@ def small_path(tmp_path_factory):
 
 
 def batch(seed, n=6, T=13, vocab=99):
+    from conftest import ragged_ids
     rng = np.random.default_rng(seed)
-    lens = rng.integers(1, T + 1, n)
-    lens[0] = T
-    ids = rng.integers(1, vocab, (n, T))
-    mask = (np.arange(T)[None, :] < lens[:, None]).astype(np.int64)
-    ids[mask == 0] = 0
+    ids, mask = ragged_ids(rng, n, T, 1, vocab)
     types = rng.integers(0, 2, (n, T)) * mask
     return ids, mask, types
 

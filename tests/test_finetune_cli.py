@@ -2,7 +2,6 @@
 (written here, and the real files where $FASTTRAN_DATA has them), Trainer.fit(keep_best=...), and
 the command end to end on small slices: the table it prints, the best epoch's weights in the
 export, and the export loading in transformers / sentence-transformers with fasttran's logits."""
-import argparse
 import json
 import os
 
@@ -283,11 +282,21 @@ def mrpc_pairs(n):
     return ex.texts, ex.text_pairs
 
 
+def pipeline_gives(model_dir, texts, pairs, logits, every):
+    """pipeline("text-classification") on the export: every `every`-th pair's scores are fasttran's logits"""
+    from transformers import pipeline
+    pipe = pipeline("text-classification", model=model_dir, device="cpu")
+    for i in range(0, len(logits), every):
+        scores = pipe({"text": texts[i], "text_pair": pairs[i]}, function_to_apply="none", top_k=None)
+        got = {d["label"]: d["score"] for d in scores}
+        np.testing.assert_allclose([got["0"], got["1"]], logits[i], atol=1e-4)
+
+
 def test_mrpc_frozen_head_and_one_layer(minilm_dir, tmp_path, capsys):
     from conftest import glue_file
     glue_file("MRPC", "train")   # (skips without the real files)
     common = ["--task", "mrpc", "--data", DATA, "--limit", "48", "--epochs", "2", "--model", minilm_dir]
-    res, out = finetune(capsys, *common, "--output", str(tmp_path / "frozen"))
+    res, out = finetune(capsys, *common, "--train-layers", "0", "--output", str(tmp_path / "frozen"))
     check_table(res, out, "f1")
     assert "sentence-transformers layout" in out and "SentenceTransformer(" in out
     texts, pairs = mrpc_pairs(48)
@@ -301,12 +310,27 @@ def test_mrpc_frozen_head_and_one_layer(minilm_dir, tmp_path, capsys):
     check_table(res, out, "f1")
     assert "AutoModelForSequenceClassification.from_pretrained(" in out and "the head in place" in out
     logits = res.trainer.predict(res.dev[0], output="logits")
-    from transformers import pipeline
-    pipe = pipeline("text-classification", model=str(tmp_path / "k1"), device="cpu")
-    for i in range(0, 48, 5):
-        scores = pipe({"text": texts[i], "text_pair": pairs[i]}, function_to_apply="none", top_k=None)
-        got = {d["label"]: d["score"] for d in scores}
-        np.testing.assert_allclose([got["0"], got["1"]], logits[i], atol=1e-4)
+    pipeline_gives(str(tmp_path / "k1"), texts, pairs, logits, every=5)
+
+
+def test_the_default_trains_every_layer_with_the_swept_recipe(minilm_dir, tmp_path, capsys):
+    """only --task and --data: K = every layer (FINETUNE_DEFAULT) with its optimizer's recipe, the
+    export in transformers' layout with the head in place, its logits fasttran's"""
+    from conftest import glue_file
+    glue_file("MRPC", "train")
+    res, out = finetune(capsys, "--task", "mrpc", "--data", DATA, "--limit", "24", "--epochs", "1", "--model",
+                        minilm_dir, "--output", str(tmp_path / "d"))
+    tr, d = res.trainer, fasttran.trainer.FINETUNE_DEFAULT
+    want_k = max(1, round(d["layers"] * 6))
+    assert tr.train_layers == want_k and tr.optimizer_name == d["optimizer"]
+    recipe = fasttran.trainer.topk_recipe(d["optimizer"], want_k)
+    assert tr.lr == recipe["lr"] and (tr.head_lr or tr.lr) == recipe["head_lr"]   # (None: the layers' lr)
+    info = json.load(open(tmp_path / "d" / "finetune.json"))
+    assert info["train_layers"] == want_k and info["optimizer"] == d["optimizer"]
+    assert "AutoModelForSequenceClassification.from_pretrained(" in out and "top 6 layer(s) + head" in out
+    texts, pairs = mrpc_pairs(24)
+    logits = tr.predict(res.dev[0], output="logits")
+    pipeline_gives(str(tmp_path / "d"), texts, pairs, logits, every=7)
 
 
 def test_conll_one_layer(minilm_dir, tmp_path, capsys):
@@ -342,6 +366,7 @@ def test_own_files_keep_the_best_epoch(minilm_dir, tmp_path, capsys, sst_small):
     write(f"{tmp_path}/flipped.tsv", tsv(("sentence", "label"), *zip(s, 1 - y)))
     res, out = finetune(capsys, "--task", "classification", "--input", str(tmp_path / "train.tsv"),
                         "--eval-input", str(tmp_path / "flipped.tsv"), "--epochs", "3", "--lr", "0.02",
+                        "--train-layers", "0", "--optimizer", "lamb",
                         "--model", minilm_dir, "--output", str(tmp_path / "m"))
     tr = res.trainer
     check_table(res, out, "accuracy")
@@ -362,7 +387,7 @@ def test_search_picks_the_lr_on_the_training_split(minilm_dir, tmp_path, capsys)
     res, out = finetune(capsys, "--task", "mrpc", "--data", DATA, "--limit", "40", "--epochs", "1", "--train-layers",
                         "1", "--search", "--model", minilm_dir, "--output", str(tmp_path / "s"))
     tries = res.trainer.lr_search_tries
-    base = fasttran.trainer.topk_recipe("lamb", 1)["lr"]
+    base = fasttran.trainer.topk_recipe(fasttran.trainer.FINETUNE_DEFAULT["optimizer"], 1)["lr"]
     assert [t["lr"] for t in tries] == pytest.approx([base * 0.5, base, base * 2])
     best = max(tries, key=lambda t: t["f1"])   # (ties: the first)
     assert res.trainer.lr == best["lr"]

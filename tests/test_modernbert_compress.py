@@ -35,12 +35,9 @@ def task_model(path, seed=1):
 
 def task_data(seed, n=16, T=13):
     """ragged, some sequences longer than the 8-token window"""
+    from conftest import ragged_ids
     rng = np.random.default_rng(seed)
-    lens = rng.integers(1, T + 1, n)
-    lens[0] = T
-    ids = rng.integers(3, V, (n, T))
-    mask = (np.arange(T)[None, :] < lens[:, None]).astype(np.int64)
-    ids[mask == 0] = 0
+    ids, mask = ragged_ids(rng, n, T, 3, V)
     return compress.TaskData(ids, mask, None, rng.integers(0, 2, n))
 
 

@@ -7,8 +7,6 @@ forward. Then Trainer(train_layers=k) end to end: the cache at layer L - k, the 
 the encoder in the loop, the C epoch loop equal to the per-step one, the memory report against what
 is allocated, and what stays refused by name (dropout, Tempo's in-place options). The CUDA backend
 runs the same gradient checks where there is one (the emulator without a GPU)."""
-import json
-import os
 
 import numpy as np
 import pytest
@@ -27,17 +25,9 @@ LENGTHS = [70, 9, 45]   # packed rows: longer and shorter than the window
 
 
 def make_model(path, seed=0, **over):
-    torch.manual_seed(seed)
-    config = transformers.ModernBertConfig(**dict(SMALL, **over))
-    model = transformers.ModernBertModel(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif p.dim() == 2 and "embeddings" not in name:
-                p.normal_(0.0, 1.0 / np.sqrt(p.shape[1]))
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    """test_modernbert's random checkpoint, at SMALL's shape"""
+    from test_modernbert import make_model as checkpoint_at
+    return checkpoint_at(path, seed, **dict(SMALL, **over))
 
 
 @pytest.fixture(scope="module")

@@ -870,6 +870,10 @@ ft_status ft_model_reserve(ft_model *m, int64_t B, int64_t N);
  * ft_head_logits_count floats. Targets are not checked here (the caller checked them all). */
 ft_status ft_model_step(ft_model *m, const ft_model_batch *b, double *loss, float *logits_host, ft_bucket_fn ready,
                         void *arg);
+/* A step without examples (a process's empty slice of an uneven last global batch): every gradient
+ * 0, and each bucket still handed to `ready` (or NULL), so the ranks' reductions pair up. The one
+ * definition of it: the C loop and Model.idle both call it. */
+ft_status ft_model_idle(ft_model *m, ft_bucket_fn ready, void *arg);
 /* Inference: logits_host = the model's logits (no dropout, nothing kept for a backward) */
 ft_status ft_model_forward(ft_model *m, const ft_model_batch *b, float *logits_host);
 /* bytes the model holds: parameters + gradients (the layers' too) and its per-batch buffers */

@@ -127,14 +127,6 @@ static PyObject *Model_reserve(Model *self, PyObject *args) {
     return ft_py_none_or_raise(st);
 }
 
-static PyObject *Model_zero_grads(Model *self, PyObject *unused) {
-    (void)unused;
-    if (!ready_model(self)) return NULL;
-    ft_status st;
-    FT_PY_NOGIL(st, ft_model_zero_grads(self->model));
-    return ft_py_none_or_raise(st);
-}
-
 static PyObject *Model_allocated(Model *self, PyObject *unused) {
     (void)unused;
     return ready_model(self) ? PyLong_FromSize_t(ft_model_allocated(self->model)) : NULL;
@@ -250,6 +242,25 @@ static PyObject *Model_step(Model *self, PyObject *args, PyObject *kw) {
     }
     if (st != FT_OK) return ft_py_raise(st);
     return PyFloat_FromDouble(loss);
+}
+
+/* idle(ready=None) -> 0.0: a step without examples (ft_model_idle) */
+static PyObject *Model_idle(Model *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ready", NULL};
+    PyObject *ro = Py_None;
+    if (!ready_model(self) || !PyArg_ParseTupleAndKeywords(args, kw, "|O", kwlist, &ro)) return NULL;
+    if (ro != Py_None && !PyCallable_Check(ro)) return ft_py_fail(ft_errors.input_type, "ready must be callable or None");
+    bucket_hook hook = {ro, NULL, NULL, NULL};
+    ft_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ft_model_idle(self->model, ro != Py_None ? on_bucket : NULL, &hook);
+    Py_END_ALLOW_THREADS
+    if (hook.error_type) {
+        PyErr_Restore(hook.error_type, hook.error_value, hook.error_tb);
+        return NULL;
+    }
+    if (st != FT_OK) return ft_py_raise(st);
+    return PyFloat_FromDouble(0.0);
 }
 
 /* forward(x, lengths, logits, valid=None): inference */
@@ -621,7 +632,8 @@ static PyMethodDef Model_methods[] = {
     {"read_params", (PyCFunction)Model_read_params, METH_VARARGS, "read_params(offset, n) -> float32 array (host)."},
     {"reserve", (PyCFunction)Model_reserve, METH_VARARGS, "reserve(B, N): per-batch buffers for this size now."},
     {"allocated", (PyCFunction)Model_allocated, METH_NOARGS, "bytes held: parameters, gradients, buffers."},
-    {"zero_grads", (PyCFunction)Model_zero_grads, METH_NOARGS, "every gradient 0."},
+    {"idle", (PyCFunction)(void (*)(void))Model_idle, METH_VARARGS | METH_KEYWORDS,
+     "idle(ready=None) -> 0.0: a step without examples; every gradient 0, each bucket still handed to ready."},
     {"step", (PyCFunction)(void (*)(void))Model_step, METH_VARARGS | METH_KEYWORDS,
      "step(x, lengths, targets, valid=None, denominator=0, seed=0, step=0, row_base=0, seq_base=0, sq_base=0, "
      "loss_scale=1.0, logits=None, ready=None) -> loss: forward, loss and every gradient."},

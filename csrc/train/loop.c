@@ -156,8 +156,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
             st = ft_model_step(m, &b, &loss, out->logits ? out->logits + lg : NULL, red ? red->ready : NULL,
                                red ? red->ctx : NULL);
         } else {   /* an empty slice of its global batch: no gradient, every bucket still handed over */
-            st = ft_model_zero_grads(m);
-            for (size_t i = 0; st == FT_OK && red->ready && i < ft_model_num_buckets(m); i++) red->ready(red->ctx, i);
+            st = ft_model_idle(m, red->ready, red->ctx);
         }
         if (st != FT_OK) break;
         if (red) {   /* the ranks' sums: every gradient and the loss the global batch's */

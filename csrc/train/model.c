@@ -135,6 +135,12 @@ ft_status ft_model_zero_grads(ft_model *m) {
     return st;
 }
 
+ft_status ft_model_idle(ft_model *m, ft_bucket_fn ready, void *arg) {
+    FT_TRY(ft_model_zero_grads(m));
+    for (size_t i = 0; ready && i < ft_model_num_buckets(m); i++) ready(arg, i);
+    return FT_OK;
+}
+
 ft_status ft_model_read_params(ft_model *m, size_t offset, float *host, size_t n) {
     FT_TRY(check_range(m, offset, n));
     return m->be->download(m->be, host, m->params + offset, n * sizeof(float));
