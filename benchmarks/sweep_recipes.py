@@ -78,7 +78,7 @@ def trainer_args(k, recipe, seed):
               warmup=recipe.get("warmup", 0.1), epochs=recipe["epochs"], lr=recipe["lr"])
     if k:
         kw.update(train_layers=k, pooling="cls", pooler=True, head_lr=recipe["head_lr"],
-                  layer_lr_decay=recipe["layer_lr_decay"])
+                  layer_lr_decay=recipe["layer_lr_decay"], precision=recipe.get("precision", "float32"))
     return kw
 
 
