@@ -611,7 +611,7 @@ class Trainer:
         numbered from -- and the global batch's loss denominator. `lengths`: every example's length
         where the attention is ragged, else None. The per-step loop and the C loop's reads both call it."""
         before = glob[:offset]
-        scores = int((np.asarray(lengths, np.int64)[before] ** 2).sum()) if lengths is not None else offset
+        scores = int((np.asarray(lengths)[before].astype(np.int64) ** 2).sum()) if lengths is not None else offset
         return (row_offset, offset, scores), self.head.denominator(self.head.batch(prep, glob, None)[0])
 
     def _diverged(self, cache, ids, loss, refused=None):
