@@ -187,8 +187,9 @@ class Sweep:
 
     def run_default(self, candidates):
         """`fasttran finetune`'s default: each (k, recipe) of `candidates` scored on the held-out slices
-        like a stage above; the best mean is the choice (ties: the earlier, i.e. the cheaper, candidate),
-        then checked once on dev"""
+        like a stage above; the best mean is the choice (ties: the earlier, i.e. the cheaper, candidate)
+        -- or, with --tolerance t, the fastest candidate whose mean is within t of the best --, then
+        checked once on dev"""
         scored = []
         for i, (k, recipe) in enumerate(candidates):
             caches = {task: caches_for(self.enc, parts, k) for task, (parts, _) in self.data.items()}
@@ -199,7 +200,10 @@ class Sweep:
             self.out["choice"]["finetune_default"] = {"tried": [(x, kk, r, sec) for x, _, kk, r, sec in scored]}
             self.save()
         s, _, k, r, _ = max(scored, key=lambda t: (t[0], t[1]))
-        self.out["choice"]["finetune_default"].update(chosen={"train_layers": k, "recipe": r}, mean_holdout=s)
+        if self.args.tolerance:
+            s, _, k, r, _ = min((t for t in scored if t[0] >= s - self.args.tolerance), key=lambda t: t[4])
+        self.out["choice"]["finetune_default"].update(chosen={"train_layers": k, "recipe": r}, mean_holdout=s,
+                                                      tolerance=self.args.tolerance)
         caches = {task: caches_for(self.enc, parts, k) for task, (parts, _) in self.data.items()}
         for task, (parts, metric) in self.data.items():
             rec = run_one(task, metric, k, r, caches[task], self.args.seed, on="dev")
@@ -222,6 +226,9 @@ def main():
     ap.add_argument("--default-candidates", default=None, metavar="JSON",
                     help="instead of the staged sweep: a JSON list of [k, recipe] pairs (a recipe may name its "
                          "optimizer), scored on the held-out slices; the best is `fasttran finetune`'s default")
+    ap.add_argument("--tolerance", type=float, default=0.0,
+                    help="--default-candidates: the fastest candidate within this of the best mean held-out score "
+                         "(0: the best)")
     ap.add_argument("--reuse", nargs="*", default=[], metavar="JSON",
                     help="earlier sweeps' runs at the same data, sizes and seed: not run again")
     args = ap.parse_args()

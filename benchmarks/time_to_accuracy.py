@@ -2,7 +2,8 @@
 fine-tuning every layer of the same checkpoint on the same machine and threads.
 
     python benchmarks/time_to_accuracy.py [--tasks mrpc stsb cola sst2 conll squad] [--seeds 0 1 2]
-        [--ref-lrs 2e-5 5e-5 1e-4] [--ks 0 1 2 3 6] [--optimizer adamw|lamb] [--epochs 3] [--threads 2]
+        [--ref-lrs 2e-5 5e-5 1e-4] [--ref-bf16] [--ks 0 1 2 3 6] [--optimizer adamw|lamb]
+        [--precision float32|bfloat16] [--epochs 3] [--threads 2]
         [--train-limit N] [--dev-limit N] [--no-reference] [--json benchmarks/last_time_to_accuracy.json]
         [--plot benchmarks/time_to_accuracy.png]
 
@@ -13,12 +14,14 @@ of the training subset; the first 1,000 dev questions). Scores are x 100.
 
 The reference: transformers' `Trainer` fine-tuning every layer, the standard recipe -- AdamW, each
 learning rate of --ref-lrs, --epochs epochs, batch 32, 10% linear warm-up then linear decay, weight
-decay 0.01, dynamic padding -- with AutoModelFor{SequenceClassification, TokenClassification,
+decay 0.01, dynamic padding, float32 (--ref-bf16: torch's bf16 autocast, TrainingArguments(bf16=True))
+-- with AutoModelFor{SequenceClassification, TokenClassification,
 QuestionAnswering}. Its best lr is the one with the best mean (over seeds) of its best epoch.
 
-fasttran: `Trainer(task, train_layers=k, optimizer=--optimizer)` at its defaults otherwise, as
-`fasttran finetune --train-layers k` trains it (the optimizer by default finetune's,
-trainer.FINETUNE_DEFAULT; k > 0 sentence tasks pool [CLS] through BERT's pooler) for --epochs
+fasttran: `Trainer(task, train_layers=k, optimizer=--optimizer, precision=--precision)` at its
+defaults otherwise, as `fasttran finetune --train-layers k` trains it (the optimizer and precision by
+default finetune's, trainer.FINETUNE_DEFAULT and trainer.finetune_precision: bf16 mixed precision
+where the CPU has AVX512_BF16; k > 0 sentence tasks pool [CLS] through BERT's pooler) for --epochs
 epochs, k in --ks (0: the frozen encoder and a head; 6: every layer of MiniLM), its cache of layer L
 - k built once per k and counted in every seed's time.
 
@@ -26,7 +29,8 @@ Every run records the dev score after each epoch and the wall time to that point
 evaluation time taken out, the cache build included for fasttran, tokenisation excluded for both
 (the same token ids feed both). Summary per task: the reference's best score; for each fasttran k
 the best score and the time to reach the reference's best minus one point (mean over the seeds
-that reach it; `None` when none does), and that time against the reference's own. Writes the JSON
+that reach it; `None` when none does), and that time against the reference's own (and against the
+--ref-bf16 reference's time to the same target, "reference_bf16" in the JSON). Writes the JSON
 after every run and a plot of score against time (matplotlib) at the end."""
 import argparse
 import json
@@ -166,7 +170,7 @@ def run_reference(task, path, train, dev, ydev, names, lr, seed, args):
             output_dir=tmp, learning_rate=lr, num_train_epochs=args.epochs, per_device_train_batch_size=32,
             warmup_steps=int(0.1 * steps), weight_decay=0.01, lr_scheduler_type="linear", eval_strategy="no",
             save_strategy="no", logging_strategy="no", report_to=[], seed=seed, use_cpu=True, disable_tqdm=True,
-            dataloader_num_workers=0)
+            dataloader_num_workers=0, bf16=args.ref_bf16)
         torch.set_num_threads(args.threads)
         tf.Trainer(model=model, args=targs, train_dataset=train, data_collator=_collate,
                    callbacks=[Epochs()]).train()
@@ -179,6 +183,9 @@ def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
     import fasttran
     head_task, main, _ = task_data.TASKS[task]
     kw = dict(epochs=args.epochs, train_layers=k, show_progress=False, optimizer=args.optimizer)
+    precision = args.precision or fasttran.trainer.finetune_precision(k)   # a head alone: float32
+    if precision != "float32":
+        kw["precision"] = precision
     if k and head_task in ("classification", "regression"):   # as `fasttran finetune`: [CLS] through BERT's pooler
         kw.update(pooling="cls", pooler=True)
     if names is not None and head_task not in ("regression", "qa"):
@@ -214,17 +221,29 @@ def summarize(row):
         rt = [t for t in rt if t is not None]
         out.update(reference_best_lr=float(best_lr), reference_best=rbest, target=target,
                    reference_time_to_target=float(np.mean(rt)) if rt else None)
+    bf = {lr: c for lr, c in row.get("reference_bf16", {}).items() if c}   # --ref-bf16 runs: the float32
+    if bf:                                                                # reference's target, when it has one
+        best_bf = max(bf, key=lambda lr: np.mean([max(v for _, v in c) for c in bf[lr].values()]))
+        bbest = float(np.mean([max(v for _, v in c) for c in bf[best_bf].values()]))
+        out.setdefault("target", bbest - 1.0)
+        bt = [t for t in (first_time(c, out["target"]) for c in bf[best_bf].values()) if t is not None]
+        out.update(reference_bf16_best_lr=float(best_bf), reference_bf16_best=bbest,
+                   reference_bf16_seeds=len(bf[best_bf]),
+                   reference_bf16_time_to_target=float(np.mean(bt)) if bt else None)
     for k, (build, curves) in row["fasttran"].items():
         best = float(np.mean([max(v for _, v in c) for c in curves.values()]))
         d = {"best": best, "cache_build_s": build, "total_s": float(np.mean([c[-1][0] for c in curves.values()]))}
-        if ref:
+        if "target" in out:
             ts = [first_time(c, out["target"]) for c in curves.values()]
             reached = [t for t in ts if t is not None]
             d["seeds_reaching_target"] = len(reached)
             d["time_to_target"] = float(np.mean(reached)) if reached else None
-            if reached and out["reference_time_to_target"]:
+            if reached and out.get("reference_time_to_target"):
                 d["speedup_to_target"] = out["reference_time_to_target"] / d["time_to_target"]
-            d["gap_to_reference"] = best - out["reference_best"]
+            if reached and out.get("reference_bf16_time_to_target"):
+                d["speedup_to_target_vs_bf16"] = out["reference_bf16_time_to_target"] / d["time_to_target"]
+            if ref:
+                d["gap_to_reference"] = best - out["reference_best"]
         out[f"k={k}"] = d
     return out
 
@@ -241,6 +260,11 @@ def plot(rows, path):
                 next(iter(row["reference"]))
             for c in row["reference"][lr].values():
                 ax.plot(*zip(*c), "k.-", alpha=0.6, label=f"transformers Trainer, all layers, lr {lr}")
+        for lr, cs in row.get("reference_bf16", {}).items():
+            for c in cs.values():
+                ax.plot(*zip(*c), ".--", color="0.5", alpha=0.7,
+                        label=f"transformers Trainer, all layers, lr {lr}, bf16 autocast")
+        if "target" in s:
             ax.axhline(s["target"], color="k", lw=0.6, ls=":")
         for i, (k, (_, curves)) in enumerate(row["fasttran"].items()):
             for j, c in enumerate(curves.values()):
@@ -263,6 +287,11 @@ def main():
     ap.add_argument("--ks", type=int, nargs="*", default=None, help="layers fasttran trains (default 0 1 2 L/2 L)")
     ap.add_argument("--optimizer", default=None, choices=["adamw", "lamb"],
                     help="fasttran's optimizer (default: fasttran finetune's, trainer.FINETUNE_DEFAULT)")
+    ap.add_argument("--precision", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="the trained layers' products (default: fasttran finetune's, trainer.finetune_precision: "
+                         "bf16 mixed precision where the CPU has AVX512_BF16, else float32)")
+    ap.add_argument("--ref-bf16", action="store_true",
+                    help="the reference in bf16 mixed precision (TrainingArguments(bf16=True): torch's autocast)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--train-limit", type=int, default=None, help="the first N training examples of each task")
@@ -281,8 +310,9 @@ def main():
     ks = args.ks if args.ks is not None else sorted({0, 1, 2, L // 2, L})
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "threads": args.threads, "epochs": args.epochs, "seeds": args.seeds,
-            "ref_lrs": args.ref_lrs, "ks": ks, "optimizer": args.optimizer, "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            "ref_lrs": args.ref_lrs, "ref_bf16": args.ref_bf16, "ks": ks, "optimizer": args.optimizer,
+            "precision": args.precision or f"finetune's ({fasttran.trainer.finetune_precision(1)} for k > 0)",
+            "torch": torch.__version__, "transformers": transformers.__version__,
             "fasttran": fasttran.__version__, "command": " ".join(sys.argv)}
     rows = []
     for task in args.tasks:
@@ -291,7 +321,7 @@ def main():
             dv_in = tuple(np.asarray(a)[:args.dev_limit] for a in dv_in)
             ydev = ydev[:args.dev_limit]
         row = {"task": task, "metric": task_data.TASKS[task][1], "train": len(tr_in[0]), "dev": len(dv_in[0]),
-               "load_avg_before": os.getloadavg(), "fasttran": {}, "reference": {}}
+               "load_avg_before": os.getloadavg(), "fasttran": {}, "reference": {}, "reference_bf16": {}}
         rows.append(row)
         kind = task_data.TASKS[task][0]
         for k in ks:
@@ -306,11 +336,12 @@ def main():
             train = _Rows(tr_in, y, tkind)
             dev = _Rows(dv_in, None if tkind == "qa" else ydev, tkind)
             for lr in args.ref_lrs:
-                row["reference"][str(lr)] = {}
+                refs = row["reference_bf16" if args.ref_bf16 else "reference"]
+                refs[str(lr)] = {}
                 for seed in args.seeds:
                     c = run_reference(task, path, train, dev, ydev, names, lr, seed, args)
-                    row["reference"][str(lr)][seed] = c
-                    print(f"{task} transformers lr {lr:g} seed {seed}: " + " ".join(f"{v:.1f}@{t:.0f}s" for t, v in c),
+                    refs[str(lr)][seed] = c
+                    print(f"{task} transformers{' bf16' if args.ref_bf16 else ''} lr {lr:g} seed {seed}: " + " ".join(f"{v:.1f}@{t:.0f}s" for t, v in c),
                           flush=True)
                     _save(args.json, meta, rows)
         row["load_avg_after"] = os.getloadavg()

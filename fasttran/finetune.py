@@ -62,8 +62,10 @@ class TopLayers:
         cores -- the projections' inputs rounded to copies, then cuBLAS on 16-bit inputs, the fused
         attention kernels' WMMA -- each product's inputs rounded to nearest with 8 / 11 significant
         bits; softmax, its statistics,
-        dropout and the kept probabilities stay float32, as in FlashAttention). On the CPU the
-        half-precision modes are a slow reference of the GPU's arithmetic, for tests.
+        dropout and the kept probabilities stay float32, as in FlashAttention). Training steps only:
+        forward(training=False) -- evaluation, predictions -- multiplies in float32, as the exported
+        float32 model does. On the CPU bf16 runs natively with AVX512_BF16 (vdpbf16ps) or AMX;
+        elsewhere the half-precision modes are a slow reference of the GPU's arithmetic, for tests.
         extra: floats of room after the layers in the parameter and gradient buffers, for a task head
         (fasttran.model.Model keeps layers and head in one flat table). shared_grads: the gradient
         buffer in memory the other processes of this machine can map (a data-parallel rank's, whose

@@ -1,13 +1,14 @@
 """`fasttran finetune`: one command from a task's files to an exported model.
 
-    fasttran finetune --task mrpc --data DIR [--train-layers K] [--optimizer adamw|lamb] [--epochs N] [--lr LR]
-        [--output DIR]
+    fasttran finetune --task mrpc --data DIR [--train-layers K] [--optimizer adamw|lamb]
+        [--precision float32|bfloat16] [--epochs N] [--lr LR] [--output DIR]
 
 The tasks are declared once, in TASKS: where each task's files are (GLUE's folder names, the split
 files), how they are read (columns, header, label names), the Trainer task and the metric that picks
 the best epoch. The command reads the train and dev splits, builds the activation caches (the
 encoder runs once to the states of layer L-K: by default K = L, every layer trained, with AdamW,
-trainer.FINETUNE_DEFAULT; --train-layers 0: the head alone on the last layer), trains with the
+in bf16 mixed precision where the device multiplies bf16 natively, trainer.FINETUNE_DEFAULT and
+trainer.finetune_precision; --train-layers 0: the head alone on the last layer), trains with the
 recipe for the optimizer and K (trainer.DEFAULT_TOPK_RECIPES), evaluates on dev after every epoch,
 puts back the best epoch's weights (Trainer.fit(keep_best=...)), exports (fasttran.export) and
 prints a table of the epochs and the line saying what loads the export. `--input FILE [--eval-input
@@ -235,13 +236,17 @@ def run(args):
     from .export import how_to_load, layout_of
     data = _load(args)
     enc = cli_io.encoder(args)
-    from .trainer import FINETUNE_DEFAULT
+    from .trainer import FINETUNE_DEFAULT, finetune_precision
     K = args.train_layers
     if K is None:   # the sweep's default depth (trainer.FINETUNE_DEFAULT)
         K = max(1, int(round(FINETUNE_DEFAULT["layers"] * enc.num_layers)))
     optimizer = args.optimizer or FINETUNE_DEFAULT["optimizer"]
     if K < 0 or K > enc.num_layers:
         cli_io.fail(f"--train-layers {K}: the model has {enc.num_layers} layers")
+    precision = getattr(args, "precision", None) or finetune_precision(K, enc.device)
+    if precision != "float32" and not K:
+        cli_io.fail(f"--precision {precision} trains the encoder's layers in mixed precision: the head alone "
+                    "(--train-layers 0) trains in float32")
     layer = enc.num_layers - K if K else -1
     from .heads import head_class
     head = head_task(data.kind)
@@ -293,7 +298,7 @@ def run(args):
         cache_seconds = time.perf_counter() - t0
         n_train, n_dev = len(train_cache), len(ev[0])
         kw = dict(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, train_layers=K,
-                  optimizer=optimizer,
+                  optimizer=optimizer, precision=precision,
                   device=enc.device, head_lr=getattr(args, "head_lr", None),
                   layer_lr_decay=getattr(args, "layer_lr_decay", None))
         if data.label_names is not None:
@@ -315,14 +320,15 @@ def run(args):
     out = args.output or f"finetuned-{args.task}"
     tr.export(out, encoder=enc)
     info = {"task": args.task, "kind": data.kind, "files": data.files, "metric": data.metric,
-            "best_epoch": tr.best_epoch, "train_layers": K, "optimizer": optimizer, "model": enc.path,
-            "cache_seconds": cache_seconds,
+            "best_epoch": tr.best_epoch, "train_layers": K, "optimizer": optimizer, "precision": precision,
+            "model": enc.path, "cache_seconds": cache_seconds,
             "history": tr.history, "lr": tr.lr, "head_lr": tr.head_lr, "lr_search": tr.lr_search_tries}
     from ._C import atomic_write
     atomic_write(os.path.join(out, "finetune.json"), [json.dumps(info, indent=1).encode()])
     best = tr.history[tr.best_epoch - 1]
     print(f"\n{args.task}: {n_train} train / {n_dev} dev examples, caches built in "
-          f"{cache_seconds:.1f} s, {'head only' if not K else f'top {K} layer(s) + head'}")
+          f"{cache_seconds:.1f} s, {'head only' if not K else f'top {K} layer(s) + head'}"
+          + (f", {precision} mixed precision" if precision != "float32" else ""))
     if tr.lr_search_tries:
         print("lr search (held out: the training split's last tenth, one epoch per try):")
         for t in tr.lr_search_tries:
@@ -369,6 +375,10 @@ def add_parser(sub):
                         "transformers' pipelines")
     f.add_argument("--optimizer", default=None, choices=["adamw", "lamb"],
                    help="default AdamW (FINETUNE_DEFAULT); each optimizer has its own recipe per K")
+    f.add_argument("--precision", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the trained layers' products (default: bfloat16 mixed precision where the device multiplies "
+                        "bf16 natively -- CUDA, or a CPU with AVX512_BF16 -- else float32; FINETUNE_DEFAULT). The "
+                        "weights and their sums stay float32; the export is float32")
     f.add_argument("--epochs", type=int, default=None,
                    help="passes over the training split (default 3, or the --train-layers recipe's)")
     f.add_argument("--lr", type=float, default=None,

@@ -81,8 +81,10 @@ DEFAULT_TOPK_RECIPES = {
 #: trains them. Chosen by benchmarks/sweep_recipes.py --default-candidates
 #: (benchmarks/recipes_sweep_default.json: k = L/2 and L, LAMB and AdamW at full training size, scored
 #: on slices held out of MRPC's and CoLA's training splits; the AdamW entries at 3 and 6 from the same
-#: sweep).
-FINETUNE_DEFAULT = {"layers": 1.0, "optimizer": "adamw"}
+#: sweep). The precision: bf16 mixed precision where the device multiplies bf16 natively (CUDA, or a
+#: CPU with AVX512_BF16), float32 elsewhere -- the same held-out scores as float32 on MRPC and CoLA
+#: (benchmarks/recipes_sweep_default_bf16.json), in about half the time; see finetune_precision.
+FINETUNE_DEFAULT = {"layers": 1.0, "optimizer": "adamw", "precision": "bfloat16"}
 #: the layers' default lr per optimizer at k = 1 (the recipes above hold every k's)
 DEFAULT_TOPK_LR = {name: r[1]["lr"] for name, r in DEFAULT_TOPK_RECIPES.items()}
 _DEFAULT_WARMUP, _DEFAULT_EPOCHS = 0.1, 3
@@ -130,6 +132,22 @@ _SCALE_GROWTH_STEPS, _SCALE_MAX = 2000, 2.0 ** 24   # float16 loss scaling (as t
 
 def _cpu_isa():
     return _C.cpu_isa()
+
+
+def native_bf16(device="cpu"):
+    """Whether `device` multiplies bf16 natively: CUDA, or a CPU with AVX512_BF16 (vdpbf16ps: Intel
+    Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later). Elsewhere bf16 products are a slow
+    reference and the Trainer refuses precision='bfloat16' on the CPU."""
+    return parse_device(device).is_cuda or bool(_C.cpu_features()[0]["avx512_bf16"])
+
+
+def finetune_precision(train_layers, device="cpu"):
+    """`fasttran finetune`'s precision where the user names none: FINETUNE_DEFAULT's (bf16 mixed
+    precision) when layers train on a device that multiplies bf16 natively, else float32 (a head
+    alone always trains in float32)."""
+    if train_layers and FINETUNE_DEFAULT["precision"] != "float32" and native_bf16(device):
+        return FINETUNE_DEFAULT["precision"]
+    return "float32"
 
 
 
@@ -303,7 +321,7 @@ class Trainer:
             if not train_layers:
                 raise InputError(f"precision={precision!r} (mixed precision: the trained encoder layers' products "
                                  "in half precision) needs train_layers >= 1: a head alone trains in float32")
-            if not device.is_cuda and (precision != "bfloat16" or not _C.cpu_features()[0]["avx512_bf16"]):
+            if not device.is_cuda and (precision != "bfloat16" or not native_bf16(device)):
                 raise InputError(f"precision={precision!r} on the CPU needs bfloat16 and a CPU with bf16 dot products "
                                  f"(avx512_bf16: Intel Cooper Lake, Sapphire Rapids (AMX) or later, AMD Zen 4 or later; "
                                  f"this one runs the {_cpu_isa()!r} kernels without it): elsewhere half-precision "

@@ -147,7 +147,7 @@ def cli_error(capsys, *argv):
     return str(e.value.code) + capsys.readouterr().err
 
 
-def test_command_errors(tmp_path, capsys):
+def test_command_errors(tmp_path, capsys, minilm_dir):
     err = cli_error(capsys, "--task", "wnli", "--data", str(tmp_path))
     assert "unknown task 'wnli'" in err and "mrpc, sst2, cola" in err and "classification, pair" in err
     err = cli_error(capsys, "--task", "rte", "--data", str(tmp_path))
@@ -160,6 +160,10 @@ def test_command_errors(tmp_path, capsys):
     assert "is a known task: use --data DIR" in err
     err = cli_error(capsys, "--task", "qa", "--input", str(tmp_path / "train.json"), "--eval-input", "dev.json")
     assert f"--input {tmp_path / 'train.json'}: no such file" in err
+    glue_fixtures(str(tmp_path / "g"))
+    err = cli_error(capsys, "--task", "mrpc", "--data", str(tmp_path / "g"), "--model", minilm_dir,
+                    "--train-layers", "0", "--precision", "bfloat16")
+    assert "--precision bfloat16 trains the encoder's layers" in err and "(--train-layers 0) trains in float32" in err
 
 
 def lines(path):
@@ -325,9 +329,13 @@ def test_the_default_trains_every_layer_with_the_swept_recipe(minilm_dir, tmp_pa
     assert tr.train_layers == want_k and tr.optimizer_name == d["optimizer"]
     recipe = fasttran.trainer.topk_recipe(d["optimizer"], want_k)
     assert tr.lr == recipe["lr"] and (tr.head_lr or tr.lr) == recipe["head_lr"]   # (None: the layers' lr)
+    precision = fasttran.trainer.finetune_precision(want_k)   # bf16 where this CPU multiplies it
+    assert tr.precision == precision and tr.top.matmul_precision == precision
     info = json.load(open(tmp_path / "d" / "finetune.json"))
-    assert info["train_layers"] == want_k and info["optimizer"] == d["optimizer"]
+    assert info["train_layers"] == want_k and info["optimizer"] == d["optimizer"] and info["precision"] == precision
     assert "AutoModelForSequenceClassification.from_pretrained(" in out and "top 6 layer(s) + head" in out
+    assert ("bfloat16 mixed precision" in out) == (precision == "bfloat16")
+    # (the mixed precision is the training steps': predict multiplies in float32, as the export does)
     texts, pairs = mrpc_pairs(24)
     logits = tr.predict(res.dev[0], output="logits")
     pipeline_gives(str(tmp_path / "d"), texts, pairs, logits, every=7)

@@ -83,11 +83,11 @@ def test_recomputed_attention_probabilities_train_alike_and_resume_exactly(enc, 
     assert Trainer.load(str(tmp_path / "ck"), show_progress=False).tempo == rp
 
 
-@pytest.mark.skipif(fasttran._C.cpu_isa() != "amx", reason="bf16 training on the CPU needs AMX (Sapphire Rapids+)")
-def test_bf16_on_amx_learns_like_float32_and_resumes_exactly(enc, data, cache1, tmp_path):
-    """precision="bfloat16" on a CPU with AMX: the layers' products on the tiles in bf16 (one term of
-    the bf16x6 split), float32 master weights. The losses follow the float32 run's within bf16's
-    rounding (yet differ: the bf16 products did run), it learns as much, and resumes bit for bit."""
+@pytest.mark.skipif(not fasttran.trainer.native_bf16(), reason="bf16 training on the CPU needs AVX512_BF16 or AMX")
+def test_bf16_learns_like_float32_and_resumes_exactly(enc, data, cache1, tmp_path):
+    """precision="bfloat16" on a CPU with bf16 products (AMX: the tiles in bf16, one term of the bf16x6
+    split; AVX512_BF16: vdpbf16ps), float32 master weights. The losses follow the float32 run's within
+    bf16's rounding (yet differ: the bf16 products did run), it learns as much, and resumes bit for bit."""
     y = data[3]
     f32 = trainer(1, epochs=2, lr=3e-4)
     f32.fit(cache1, y)
@@ -100,6 +100,36 @@ def test_bf16_on_amx_learns_like_float32_and_resumes_exactly(enc, data, cache1, 
     acc_bf, acc_32 = bf.evaluate(cache1, y)["accuracy"], f32.evaluate(cache1, y)["accuracy"]
     assert abs(acc_bf - acc_32) <= 0.03, (acc_bf, acc_32)
     assert_resumes_exactly(bf, trainer(1, epochs=2, lr=3e-4, precision="bfloat16"), cache1, y, tmp_path)
+
+
+def test_mixed_precision_trains_in_bf16_and_evaluates_in_float32(enc):
+    """matmul_precision='bfloat16' is the training steps' arithmetic: forward(training=True) differs
+    from float32 by bf16's rounding, forward(training=False) -- evaluation, predict -- is the float32
+    stack's bit for bit, as the exported float32 model computes (on any CPU: without bf16 products
+    the rounded reference runs)."""
+    from fasttran.finetune import TopLayers
+    rng = np.random.default_rng(3)
+    lengths = np.array([9, 1, 14], np.int32)
+    x = rng.standard_normal((int(lengths.sum()), enc.config["hidden_size"])).astype(np.float32)
+    off = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    bf, f32 = TopLayers(enc, 2, matmul_precision="bfloat16", **off), TopLayers(enc, 2, **off)
+    np.testing.assert_array_equal(np.array(bf.forward(x, lengths)), np.array(f32.forward(x, lengths)))
+    trained = np.array(bf.forward(x, lengths, training=True))
+    ref = np.array(f32.forward(x, lengths, training=True))
+    err = np.abs(trained - ref).max() / np.abs(ref).max()
+    assert 1e-5 < err < 3e-2, err
+    np.testing.assert_array_equal(np.array(bf.forward(x, lengths)), np.array(f32.forward(x, lengths)))
+
+
+def test_finetune_precision_is_bf16_where_the_device_multiplies_it(monkeypatch):
+    """FINETUNE_DEFAULT's bf16 where layers train on CUDA or a CPU with AVX512_BF16; float32 for a head
+    alone and on CPUs without bf16 products (where the Trainer would refuse it)"""
+    fp = fasttran.trainer.finetune_precision
+    assert fasttran.trainer.FINETUNE_DEFAULT["precision"] == "bfloat16"
+    assert fp(0) == "float32" and fp(0, "cuda") == "float32" and fp(6, "cuda") == "bfloat16"
+    for has, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(fasttran.trainer._C, "cpu_features", lambda has=has: ({"avx512_bf16": has}, {}))
+        assert fp(6) == want and fp(1, "cpu") == want and fasttran.trainer.native_bf16() is has
 
 
 def test_bf16_refused_where_the_cpu_has_no_bf16_products(monkeypatch):

@@ -715,7 +715,11 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
         FT_TRY(s->be->upload(s->be, s->work.zeros, s->zeros_host, (size_t)N * (size_t)C * sizeof(float)));
     }
     ft_layer_options inference = s->opt;
-    if (!training) inference.hidden_dropout = inference.attention_dropout = 0.0f;
+    if (!training) {   /* evaluation and predictions: no dropout, and float32 products whatever the training's
+                        * matmul_precision -- the weights as the exported float32 model computes with them */
+        inference.hidden_dropout = inference.attention_dropout = 0.0f;
+        inference.matmul_precision = FT_F32;
+    }
     s->batch = (ft_layer_batch){&s->cfg, training ? &s->opt : NULL, N, B, P, s->seqs, seed, step, row_base, sq_base};
     ft_layer_batch bt = s->batch;
     bt.opt = training ? &s->opt : &inference;
