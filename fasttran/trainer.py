@@ -83,7 +83,7 @@ DEFAULT_TOPK_RECIPES = {
 #: on slices held out of MRPC's and CoLA's training splits; the AdamW entries at 3 and 6 from the same
 #: sweep). The precision: bf16 mixed precision where the device multiplies bf16 natively (CUDA, or a
 #: CPU with AVX512_BF16), float32 elsewhere -- the same held-out scores as float32 on MRPC and CoLA
-#: (benchmarks/recipes_sweep_default_bf16.json), in about half the time; see finetune_precision.
+#: (benchmarks/recipes_sweep_default_precision.json), in 0.63x the time; see finetune_precision.
 FINETUNE_DEFAULT = {"layers": 1.0, "optimizer": "adamw", "precision": "bfloat16"}
 #: the layers' default lr per optimizer at k = 1 (the recipes above hold every k's)
 DEFAULT_TOPK_LR = {name: r[1]["lr"] for name, r in DEFAULT_TOPK_RECIPES.items()}
