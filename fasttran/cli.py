@@ -263,7 +263,7 @@ def cmd_train(args):
     tr.save(args.output)
     print(f"saved to {args.output}")
     if tr._interrupt:   # Ctrl-C: the trainer stopped after the step in flight and saved
-        print(f"fasttran: interrupted; continue with the same command and --resume", file=sys.stderr)
+        print("fasttran: interrupted; continue with the same command and --resume", file=sys.stderr)
         return 130
 
 
@@ -476,7 +476,7 @@ def build_parser():
     t.add_argument("--train-layers", type=int, default=0, metavar="K",
                    help="also train the encoder's top K layers, from a cache of layer L-K with --positions all")
     t.add_argument("--precision", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the trained layers' products (mixed precision; bfloat16 on CPUs with AMX, or CUDA)")
+                   help="the trained layers' products (mixed precision; bfloat16 on CPUs with AVX512_BF16 or AMX, or CUDA)")
     t.add_argument("--tempo", default=None, metavar="OPTS",
                    help="memory options of the trained layers, comma-separated, or 'all': "
                         + ", ".join(_TEMPO_ALL))

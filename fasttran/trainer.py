@@ -248,8 +248,9 @@ class Trainer:
     (None: the checkpoint's), `dropout` the head's; `tempo` switches Tempo's memory options and
     FlashAttention's recomputed probabilities (see fasttran.finetune.TopLayers; e.g.
     tempo={"recompute_attention_probs": True} for long sequences). `precision="bfloat16"` (with
-    train_layers; on CUDA, or on a CPU with AMX) trains the layers in mixed precision: float32
-    storage, master weights and sums, the projections' products in bf16 on tensor cores / AMX tiles
+    train_layers; on CUDA, or on a CPU with AVX512_BF16 or AMX) trains the layers in mixed precision:
+    float32 storage, master weights and sums, the projections' products in bf16 on tensor cores /
+    AMX tiles / vdpbf16ps; evaluation and predict multiply in float32, as the export does
     (about 0.5% relative error per product, like PyTorch's AMP; attention's products too, as its
     bf16 FlashAttention: softmax and its statistics stay float32);
     "float16" (CUDA) the same with fp16 products (11
