@@ -341,8 +341,8 @@ def main():
                 for seed in args.seeds:
                     c = run_reference(task, path, train, dev, ydev, names, lr, seed, args)
                     refs[str(lr)][seed] = c
-                    print(f"{task} transformers{' bf16' if args.ref_bf16 else ''} lr {lr:g} seed {seed}: " + " ".join(f"{v:.1f}@{t:.0f}s" for t, v in c),
-                          flush=True)
+                    print(f"{task} transformers{' bf16' if args.ref_bf16 else ''} lr {lr:g} seed {seed}: "
+                          + " ".join(f"{v:.1f}@{t:.0f}s" for t, v in c), flush=True)
                     _save(args.json, meta, rows)
         row["load_avg_after"] = os.getloadavg()
         _save(args.json, meta, rows)

@@ -145,9 +145,7 @@ def finetune_precision(train_layers, device="cpu"):
     """`fasttran finetune`'s precision where the user names none: FINETUNE_DEFAULT's (bf16 mixed
     precision) when layers train on a device that multiplies bf16 natively, else float32 (a head
     alone always trains in float32)."""
-    if train_layers and FINETUNE_DEFAULT["precision"] != "float32" and native_bf16(device):
-        return FINETUNE_DEFAULT["precision"]
-    return "float32"
+    return FINETUNE_DEFAULT["precision"] if train_layers and native_bf16(device) else "float32"
 
 
 
@@ -1353,8 +1351,9 @@ class Trainer:
         """A Trainer restored from save(): head, optimizer state, step, position and history."""
         state = cls._read_state(path)
         cfg = dict(state["config"], **overrides)
-        if (not parse_device(cfg.get("device", "cpu")).is_cuda and "precision" not in overrides
-                and not (cfg.get("precision") == "bfloat16" and _C.cpu_features()[0]["avx512_bf16"])):
+        device = cfg.get("device", "cpu")
+        if (not parse_device(device).is_cuda and "precision" not in overrides
+                and not (cfg.get("precision") == "bfloat16" and native_bf16(device))):
             cfg["precision"] = "float32"   # what this CPU cannot run in half precision continues in float32
         self = cls(Head.from_config(state["head"]), **cfg)
         self._load_into(path, state)
