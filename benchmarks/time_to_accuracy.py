@@ -30,7 +30,10 @@ evaluation time taken out, the cache build included for fasttran, tokenisation e
 (the same token ids feed both). Summary per task: the reference's best score; for each fasttran k
 the best score and the time to reach the reference's best minus one point (mean over the seeds
 that reach it; `None` when none does), and that time against the reference's own (and against the
---ref-bf16 reference's time to the same target, "reference_bf16" in the JSON). Writes the JSON
+--ref-bf16 reference's time to the same target, "reference_bf16" in the JSON). --ref-frozen-embeddings:
+the reference as fasttran trains every layer (k = L) -- its embeddings frozen and their output not dropped
+(fasttran's cache holds it) -- an ablation kept apart ("reference_frozen_embeddings", its best score in
+the summary). Writes the JSON
 after every run and a plot of score against time (matplotlib) at the end."""
 import argparse
 import json
@@ -152,6 +155,10 @@ def run_reference(task, path, train, dev, ydev, names, lr, seed, args):
         model = tf.AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1 if kind == "regression" else len(names),
             problem_type="regression" if kind == "regression" else "single_label_classification")
+    if args.ref_frozen_embeddings:   # as fasttran's k = L: the cached embeddings' output, neither trained nor dropped
+        emb = model.base_model.embeddings
+        emb.requires_grad_(False)
+        emb.dropout.p = 0.0
     steps = -(-len(train) // 32) * args.epochs
     curve, clock = [], {"eval": 0.0}
 
@@ -183,6 +190,8 @@ def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
     import fasttran
     head_task, main, _ = task_data.TASKS[task]
     kw = dict(epochs=args.epochs, train_layers=k, show_progress=False, optimizer=args.optimizer)
+    if args.eps is not None:
+        kw["eps"] = args.eps
     precision = args.precision or fasttran.trainer.finetune_precision(k)   # a head alone: float32
     if precision != "float32":
         kw["precision"] = precision
@@ -230,6 +239,11 @@ def summarize(row):
         out.update(reference_bf16_best_lr=float(best_bf), reference_bf16_best=bbest,
                    reference_bf16_seeds=len(bf[best_bf]),
                    reference_bf16_time_to_target=float(np.mean(bt)) if bt else None)
+    for key in ("reference_frozen_embeddings",):   # ablations: each lr's mean best
+        for lr, c in row.get(key, {}).items():
+            if c:
+                out[f"{key}_best"] = {**out.get(f"{key}_best", {}),
+                                      lr: float(np.mean([max(v for _, v in x) for x in c.values()]))}
     for k, (build, curves) in row["fasttran"].items():
         best = float(np.mean([max(v for _, v in c) for c in curves.values()]))
         d = {"best": best, "cache_build_s": build, "total_s": float(np.mean([c[-1][0] for c in curves.values()]))}
@@ -290,8 +304,12 @@ def main():
     ap.add_argument("--precision", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the trained layers' products (default: fasttran finetune's, trainer.finetune_precision: "
                          "bf16 mixed precision where the CPU has AVX512_BF16, else float32)")
+    ap.add_argument("--eps", type=float, default=None,
+                    help="fasttran's optimizer eps (default: the Trainer's); the reference's is torch AdamW's 1e-8")
     ap.add_argument("--ref-bf16", action="store_true",
                     help="the reference in bf16 mixed precision (TrainingArguments(bf16=True): torch's autocast)")
+    ap.add_argument("--ref-frozen-embeddings", action="store_true",
+                    help="the reference with its embeddings frozen and undropped, as fasttran's k = L (an ablation)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--train-limit", type=int, default=None, help="the first N training examples of each task")
@@ -310,7 +328,9 @@ def main():
     ks = args.ks if args.ks is not None else sorted({0, 1, 2, L // 2, L})
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "threads": args.threads, "epochs": args.epochs, "seeds": args.seeds,
-            "ref_lrs": args.ref_lrs, "ref_bf16": args.ref_bf16, "ks": ks, "optimizer": args.optimizer,
+            "ref_lrs": args.ref_lrs, "ref_bf16": args.ref_bf16,
+            "ref_frozen_embeddings": args.ref_frozen_embeddings, "ks": ks, "optimizer": args.optimizer,
+            "eps": args.eps if args.eps is not None else fasttran.Trainer().eps,
             "precision": args.precision or f"finetune's ({fasttran.trainer.finetune_precision(1)} for k > 0)",
             "torch": torch.__version__, "transformers": transformers.__version__,
             "fasttran": fasttran.__version__, "command": " ".join(sys.argv)}
@@ -321,7 +341,8 @@ def main():
             dv_in = tuple(np.asarray(a)[:args.dev_limit] for a in dv_in)
             ydev = ydev[:args.dev_limit]
         row = {"task": task, "metric": task_data.TASKS[task][1], "train": len(tr_in[0]), "dev": len(dv_in[0]),
-               "load_avg_before": os.getloadavg(), "fasttran": {}, "reference": {}, "reference_bf16": {}}
+               "load_avg_before": os.getloadavg(), "fasttran": {}, "reference": {}, "reference_bf16": {},
+               "reference_frozen_embeddings": {}}
         rows.append(row)
         kind = task_data.TASKS[task][0]
         for k in ks:
@@ -336,12 +357,14 @@ def main():
             train = _Rows(tr_in, y, tkind)
             dev = _Rows(dv_in, None if tkind == "qa" else ydev, tkind)
             for lr in args.ref_lrs:
-                refs = row["reference_bf16" if args.ref_bf16 else "reference"]
+                refs = row["reference_frozen_embeddings" if args.ref_frozen_embeddings else
+                           "reference_bf16" if args.ref_bf16 else "reference"]
                 refs[str(lr)] = {}
                 for seed in args.seeds:
                     c = run_reference(task, path, train, dev, ydev, names, lr, seed, args)
                     refs[str(lr)][seed] = c
-                    print(f"{task} transformers{' bf16' if args.ref_bf16 else ''} lr {lr:g} seed {seed}: "
+                    print(f"{task} transformers{' bf16' if args.ref_bf16 else ''}"
+                          f"{' frozen embeddings' if args.ref_frozen_embeddings else ''} lr {lr:g} seed {seed}: "
                           + " ".join(f"{v:.1f}@{t:.0f}s" for t, v in c), flush=True)
                     _save(args.json, meta, rows)
         row["load_avg_after"] = os.getloadavg()

@@ -162,6 +162,17 @@ class Architecture:
             names[wrapper + hf[len("bert."):] if hf.startswith("bert.") else hf] = ours
         return self.hf_class[:-len("Model")] + bert_class[len("Bert"):], names
 
+    def dense_from_pooler(self, layout):
+        """Whether the architecture's class for `layout` runs the base model's pooler as its dense layer
+        (BERT's sequence classification and multiple choice, RoBERTa's multiple choice): transformers
+        then starts it from the checkpoint's pooler, and so do fasttran's heads (heads.make_head). The
+        classes with a dense layer of their own (RoBERTa's classification head, DistilBERT's
+        pre_classifier ...) start it at random."""
+        how = self.heads.get(layout, {})
+        return (self.pooler and layout in ("sequence-classification", "multiple-choice")
+                and layout not in self.head_shapes and not isinstance(how, str)
+                and "bert.pooler.dense.weight" not in how)
+
     def head_shape(self, layout, cfg=None, source="config.json"):
         """The fasttran.heads.DenseShape of the dense layer the architecture's class for `layout` runs
         before its classifier, under config `cfg`; None where the class has none (BERT's token and QA
@@ -246,6 +257,8 @@ _HEAD_ACTS = {"tanh": "tanh", "relu": "relu", "gelu": "gelu"}
 
 _ROBERTA = dict(position_ids="after_padding", token_types="zero", prefixes=("roberta.", ""),
                 defaults={"pad_token_id": 1},
+                # RobertaClassificationHead drops the first token's row before its dense layer
+                head_shapes={"sequence-classification": {"input_dropout": True}},
                 # RobertaClassificationHead: dense + tanh + out_proj on the first token = fasttran's pooler head
                 heads={"sequence-classification": {"bert.pooler.dense.weight": "classifier.dense.weight",
                                                    "bert.pooler.dense.bias": "classifier.dense.bias",
@@ -294,7 +307,9 @@ ARCHITECTURES = (
                                                    "classifier.bias": "classifier.out_proj.bias"},
                        "multiple-choice": {"bert.pooler.dense.weight": "sequence_summary.summary.weight",
                                            "bert.pooler.dense.bias": "sequence_summary.summary.bias"}},
-                head_shapes={"sequence-classification": {"act": "gelu"}, "multiple-choice": {"act": "gelu"}},
+                # (ElectraClassificationHead drops its input; the SequenceSummary has no first dropout)
+                head_shapes={"sequence-classification": {"act": "gelu", "input_dropout": True},
+                             "multiple-choice": {"act": "gelu"}},
                 head_shape_keys={"multiple-choice": {"act": "summary_activation"}},
                 head_configs={"multiple-choice": {"summary_type": "first", "summary_use_proj": True,
                                                   "summary_proj_to_labels": False}}),

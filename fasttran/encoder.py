@@ -484,6 +484,14 @@ class Encoder:
                 out[name + "_scale"] = scale
         return out
 
+    def pooler_state(self):
+        """{"pooler.dense.weight", "pooler.dense.bias": float32 NumPy copies}: the checkpoint's pooler
+        (empty when the encoder has none)"""
+        if not self._core.has_pooler:
+            return {}
+        return {name: self._core.tensor(i) for i, (name, _shape) in enumerate(self._core.tensors())
+                if name.startswith("pooler.")}
+
     def load_state_dict(self, state, strict=True):
         """Set parameters from {name: array} as :meth:`state_dict` gives them (Hugging Face names;
         an int8 encoder's quantized tensors as int8 arrays with their ``<name>_scale``). Shapes

@@ -19,6 +19,7 @@ sentence-transformers loads (its Pooling and Dense modules, the classic module n
 version reads). Every directory also holds the tokenizer files and fasttran's own head.json +
 head.safetensors, so Encoder.from_pretrained and the Trainer read it back.
 """
+import dataclasses
 import json
 import os
 
@@ -78,11 +79,16 @@ def _own_config(encoder, architecture, extra):
     return cfg
 
 
+def _inference(shape):
+    """a DenseShape as inference runs it: the input dropout (training's) set aside"""
+    return None if shape is None else dataclasses.replace(shape, input_dropout=False)
+
+
 def _mismatch(arch, layout, head, cfg):
     """why the architecture's class for `layout` cannot hold `head` (None: it can): its dense layer's
     shape (fasttran.architectures' head_shapes) or its pooling"""
-    want = arch.head_shape(layout, cfg)
-    have = head.shape if head.dense else None
+    want = _inference(arch.head_shape(layout, cfg))
+    have = _inference(head.shape if head.dense else None)
     cls = arch.hf_class[:-len("Model")]
     if want != have:
         return (f"{cls}'s {layout} head runs {describe_shape(want)}, this head {describe_shape(have)} (a head made "

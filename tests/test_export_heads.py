@@ -193,3 +193,33 @@ def test_pipeline_gives_the_exports_probabilities(tmp_path, minilm_dir):
     for i, text in enumerate(texts[:5]):
         got = {d["label"]: d["score"] for d in pipe([text])[0]}
         assert abs(got["neg"] - ours[i, 0]) <= 1e-4 and abs(got["pos"] - ours[i, 1]) <= 1e-4
+
+
+LAYOUTS = (("sequence-classification", "classification", "AutoModelForSequenceClassification", np.arange(8) % 2),
+           ("multiple-choice", "multiple-choice", "AutoModelForMultipleChoice", np.arange(4) % 2))
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "distilbert", "electra"])
+def test_a_dense_layer_starts_where_transformers_class_starts_it(models, tmp_path, minilm_dir, model_type):
+    """A class that runs the base model's pooler (BERT's sequence classification and multiple choice,
+    RoBERTa's multiple choice) loads it from the checkpoint, and a fasttran head with BERT's pooler on
+    [CLS] starts from the same weights; a class with a dense layer of its own (RoBERTa's classification
+    head, DistilBERT's pre_classifier, ELECTRA's heads) starts it at random, and so does the head."""
+    path = {"bert": minilm_dir, "distilbert": models.get("distilbert"), "electra": models.get("electra")}.get(
+        model_type) or ta.make_model(tmp_path / model_type, model_type, seed=4, num_hidden_layers=1)
+    enc = fasttran.Encoder.from_pretrained(path)
+    src = enc.pooler_state()
+    assert bool(src) == enc.has_pooler
+    for layout, task, auto, y in LAYOUTS:
+        m = getattr(transformers, auto).from_pretrained(path)
+        pooler = getattr(getattr(m, m.base_model_prefix), "pooler", None)   # the class runs the base pooler
+        head = make_head(task, enc.hidden_size, y, pooling="cls", pooler=True, encoder=enc, examples=8)
+        assert enc.architecture.dense_from_pooler(layout) == (pooler is not None), layout
+        if pooler is not None:
+            assert np.array_equal(head.tensors["pooler.dense.weight"], pooler.dense.weight.detach().numpy())
+            assert np.array_equal(head.tensors["pooler.dense.bias"], pooler.dense.bias.detach().numpy())
+        elif src:
+            assert not np.array_equal(head.tensors["pooler.dense.weight"], src["pooler.dense.weight"])
+        if layout == "sequence-classification" and pooler is not None:   # mean pooling: no class runs it
+            mean = make_head(task, enc.hidden_size, y, pooling="mean", pooler=True, encoder=enc, examples=8)
+            assert not np.array_equal(mean.tensors["pooler.dense.weight"], src["pooler.dense.weight"])

@@ -22,10 +22,11 @@ F = torch.nn.functional
 SHAPES = {
     "bert": DenseShape(),
     "distilbert": DenseShape(act="relu"),
-    "electra": DenseShape(act="gelu"),
+    "electra": DenseShape(act="gelu", input_dropout=True),
+    "roberta": DenseShape(input_dropout=True),
     "modernbert": DenseShape(act="gelu", bias=False, norm="layernorm", norm_eps=1e-5),
     "tanh+ln": DenseShape(act="tanh", norm="layernorm+bias", norm_eps=1e-3),
-    "relu+ln, no bias": DenseShape(act="relu", bias=False, norm="layernorm", norm_eps=1e-2),
+    "relu+ln, no bias": DenseShape(act="relu", bias=False, norm="layernorm", norm_eps=1e-2, input_dropout=True),
 }
 ACTS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": F.gelu}
 
@@ -37,6 +38,11 @@ def randomize(head, rng):
         v = rng.normal(0.0, 0.3, t.shape)
         state[name] = (1.0 + v if name.endswith("norm.weight") else v).astype(np.float32)
     head.load_state_dict(state)
+
+
+def _in_drop(head, h, seed, step):
+    """the dense layer's input: dropped (site 0) only where the shape says (RoBERTa's, ELECTRA's heads)"""
+    return _drop(h, seed, step, 0, head.dropout) if head.shape.input_dropout else h
 
 
 def dense_ref(P, h, shape, seed, step, p):
@@ -55,7 +61,7 @@ def pooled_ref(head, x, lengths, seed, step):
     xt = _t(x, True)
     ends = np.cumsum(lengths)
     pooled = torch.stack([xt[e - n] if head.pooling == "cls" else xt[e - n:e].mean(0) for n, e in zip(lengths, ends)])
-    h = dense_ref(P, _drop(pooled, seed, step, 0, head.dropout), head.shape, seed, step, head.dropout)
+    h = dense_ref(P, _in_drop(head, pooled, seed, step), head.shape, seed, step, head.dropout)
     return P, xt, h @ P["classifier.weight"].T + P["classifier.bias"]
 
 
@@ -120,7 +126,7 @@ def test_multiple_choice_dense_shapes_match_autograd(shape):
 def per_token_ref(head, x, seed, step, out_name):
     P = {k: _t(v, True) for k, v in head.tensors.items()}
     xt = _t(x, True)
-    h = dense_ref(P, _drop(xt, seed, step, 0, head.dropout), head.shape, seed, step, head.dropout)
+    h = dense_ref(P, _in_drop(head, xt, seed, step), head.shape, seed, step, head.dropout)
     return P, xt, h @ P[out_name + ".weight"].T + P[out_name + ".bias"]
 
 
@@ -207,8 +213,12 @@ def test_bad_shapes_are_refused_by_name():
         make_head("classification", 8, num_labels=2, shape=SHAPES["electra"])
     with pytest.raises(fasttran.InputError, match="unknown dense-shape fields"):
         ClassificationHead(8, 2, pooler=True, shape={"activation": "gelu"})
+    with pytest.raises(fasttran.InputError, match="input_dropout are True or False"):
+        DenseShape(input_dropout=1)
     with pytest.raises(fasttran.InputError, match="dense activation"):   # the C check, at the boundary
         _C.head_tensors((1, 8, 2, 0.1, 0, 1, 7, 0, 0, 0.0, 0))
+    with pytest.raises(fasttran.InputError, match="dense_input_dropout must be 0 or 1"):
+        _C.head_tensors((1, 8, 2, 0.1, 0, 1, 0, 0, 0, 0.0, 0, 2))
 
 
 @pytest.fixture(scope="module")

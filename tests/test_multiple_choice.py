@@ -36,7 +36,7 @@ def _reference(head, x, lengths, y, seed, step):
     xt = _t(x, True)
     ends = np.cumsum(lengths)
     pooled = torch.stack([xt[e - n] for n, e in zip(lengths, ends)])
-    h = _drop(pooled, seed, step, 0, head.dropout)
+    h = _drop(pooled, seed, step, 0, head.dropout) if head.shape.input_dropout else pooled
     h = torch.tanh(h @ P["pooler.dense.weight"].T + P["pooler.dense.bias"])
     h = _drop(h, seed, step, 1, head.dropout)
     z = (h @ P["classifier.weight"].T + P["classifier.bias"]).reshape(-1, head.num_choices)

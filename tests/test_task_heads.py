@@ -34,7 +34,8 @@ def _sequence_reference(head, x, lengths, seed, step):
     rows = [xt[e - n:e] for n, e in zip(lengths, ends)]
     pooled = torch.stack([r[0] if head.pooling == "cls" else r.mean(0) for r in rows])
     B, C = pooled.shape
-    h = _drop(pooled, seed, step, 0, head.dropout)
+    # the input drops, but not before BERT's pooler (transformers' BertForSequenceClassification)
+    h = pooled if head.pooler and not head.shape.input_dropout else _drop(pooled, seed, step, 0, head.dropout)
     if head.pooler:
         h = torch.tanh(h @ P["pooler.dense.weight"].T + P["pooler.dense.bias"])
         h = _drop(h, seed, step, 1, head.dropout)

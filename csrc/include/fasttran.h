@@ -653,6 +653,9 @@ typedef struct {
     ft_head_norm norm;
     float norm_eps;        /* > 0 with a norm */
     int dense;             /* TOKEN / QA: 1 runs the dense layer on every row (ModernBERT's head) */
+    int dense_input_dropout; /* with a dense layer: 1 drops its input too (RoBERTa's and ELECTRA's
+                              * classification heads), 0 only its output (BERT's pooler, DistilBERT's
+                              * pre_classifier, ModernBERT's head); without one the classifier's input drops */
 } ft_head_config;
 /* the activation's name ("tanh", ...), NULL for none */
 const char *ft_head_act_name(int act);

@@ -75,19 +75,19 @@ static int same_device(ft_device *have, int *set, ft_device d, const char *what)
 
 static int parse_head(PyObject *args_tuple, ft_head_config *cfg) {
     int kind, loss = FT_LOSS_XENT, pooling = FT_POOL_MEAN, act = FT_HEAD_ACT_TANH, no_bias = 0, norm = FT_HEAD_NORM_NONE;
-    int dense = 0;
+    int dense = 0, dense_input_dropout = 0;
     long long hidden, labels;
     float dropout, norm_eps = 0.0f;
     if (!PyTuple_Check(args_tuple)) {
         ft_py_fail(ft_errors.input_type, "a head configuration is a tuple (kind, hidden, num_labels, dropout[, loss, "
-                   "pooling, act, no_dense_bias, norm, norm_eps, dense])");
+                   "pooling, act, no_dense_bias, norm, norm_eps, dense, dense_input_dropout])");
         return 0;
     }
-    if (!PyArg_ParseTuple(args_tuple, "iLLf|iiiiifi", &kind, &hidden, &labels, &dropout, &loss, &pooling, &act,
-                          &no_bias, &norm, &norm_eps, &dense))
+    if (!PyArg_ParseTuple(args_tuple, "iLLf|iiiiifii", &kind, &hidden, &labels, &dropout, &loss, &pooling, &act,
+                          &no_bias, &norm, &norm_eps, &dense, &dense_input_dropout))
         return 0;
     *cfg = (ft_head_config){(ft_head_kind)kind, hidden, labels, dropout, (ft_head_loss)loss, (ft_pooling)pooling,
-                            (ft_head_act)act, no_bias, (ft_head_norm)norm, norm_eps, dense};
+                            (ft_head_act)act, no_bias, (ft_head_norm)norm, norm_eps, dense, dense_input_dropout};
     ft_status st = ft_head_check(cfg);
     if (st != FT_OK) { ft_py_raise(st); return 0; }
     return 1;
@@ -95,7 +95,8 @@ static int parse_head(PyObject *args_tuple, ft_head_config *cfg) {
 
 int ft_py_parse_head(PyObject *config, ft_head_config *cfg) { return parse_head(config, cfg); }
 
-/* head_tensors((kind, hidden, num_labels, dropout[, loss, pooling, act, no_dense_bias, norm, norm_eps, dense])) -> ([(name, shape, offset)], total) */
+/* head_tensors((kind, hidden, num_labels, dropout[, loss, pooling, act, no_dense_bias, norm, norm_eps, dense,
+ * dense_input_dropout])) -> ([(name, shape, offset)], total) */
 static PyObject *py_head_tensors(PyObject *self, PyObject *arg) {
     (void)self;
     ft_head_config cfg;

@@ -2,7 +2,8 @@
  * consecutive sequences of the batch (B = questions x G), each scored from its pooled row through
  * BERT's pooler, the scores of a question compared by a softmax (B sequences, N rows, C hidden;
  * num_labels = G, the choices per question):
- *   h = tanh(dropout(pooled) W1^T + b1); score (B) = dropout(h) w^T + b       W1 (C, C), w (1, C), b (1)
+ *   h = tanh(pooled W1^T + b1); score (B) = dropout(h) w^T + b                W1 (C, C), w (1, C), b (1)
+ *   (dropout(pooled) too where cfg->dense_input_dropout; BERT's class has none)
  *   (h: the dense layer in the configured shape, head_dense.c: DistilBERT's ReLU, ELECTRA's and
  *   ModernBERT's GELU ...)
  *   loss: per question, softmax cross-entropy over its G scores against labels (B / G) in [0, G),

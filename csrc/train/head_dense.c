@@ -24,6 +24,9 @@ ft_status ft_head_check_dense(const ft_head_config *cfg) {
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: no_dense_bias must be 0 or 1, got %d", cfg->no_dense_bias);
     if (cfg->dense != 0 && cfg->dense != 1)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: dense must be 0 or 1, got %d", cfg->dense);
+    if (cfg->dense_input_dropout != 0 && cfg->dense_input_dropout != 1)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "head: dense_input_dropout must be 0 or 1, got %d",
+                        cfg->dense_input_dropout);
     if (cfg->norm != FT_HEAD_NORM_NONE && cfg->norm != FT_HEAD_NORM_LN && cfg->norm != FT_HEAD_NORM_LN_BIAS)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "head: unknown dense norm %d", (int)cfg->norm);
     if (has_norm(cfg) && !(cfg->norm_eps > 0.0f && cfg->norm_eps < 1.0f))

@@ -3,7 +3,8 @@
  *   pooled (B, C) = mean (or CLS: first) row of each sequence of x (N, C), or x itself when every
  *                   sequence has one row (features pooled by the cache)
  *   linear: logits (B, K) = dropout(pooled) W^T + b                            W (K, C), b (K)
- *   pooler: h = tanh(dropout(pooled) W1^T + b1); logits = dropout(h) W^T + b   W1 (C, C)
+ *   pooler: h = tanh([dropout](pooled) W1^T + b1); logits = dropout(h) W^T + b   W1 (C, C)
+ *           (the input dropout where cfg->dense_input_dropout: RoBERTa's and ELECTRA's heads; BERT's pooler has none)
  *           (BERT's; the dense layer in the configured shape: head_dense.c)
  *   loss: softmax cross-entropy (labels (B)), squared error (regression: targets (B, K)) or binary
  *   cross-entropy per label (multi-label: targets (B, K) in [0, 1]), each term times `scale`.
@@ -39,7 +40,7 @@ static size_t parts(const ft_head_config *cfg, int pooler, int64_t K, int64_t B,
     const size_t BC = (size_t)(B * cfg->hidden);
     const int pool = N != B;
     part[P_POOLED] = pool ? BC : 0;
-    part[P_DROP] = drop ? BC : 0;
+    part[P_DROP] = drop && (!pooler || cfg->dense_input_dropout) ? BC : 0;
     part[P_H] = pooler ? ft_head_dense_workspace(cfg, B) : 0;
     part[P_H2] = pooler && drop ? BC : 0;
     part[P_DFEAT] = grads && pooler ? BC : 0;
@@ -108,7 +109,8 @@ ft_status ft_head_pooled_step(ft_backend *be, const head_call *c, int pooler, in
         FT_TRY(be->pool_forward(be, FT_F32, w[P_POOLED], c->x, first, count, B, C));
         in = w[P_POOLED];
     }
-    if (c->drop) {
+    const int drop_in = c->drop && (!pooler || cfg->dense_input_dropout);   /* the classifier's or dense layer's input */
+    if (drop_in) {
         FT_TRY(be->dropout(be, w[P_DROP], in, B * C, p, key_in));
         in = w[P_DROP];
     }
@@ -137,7 +139,7 @@ ft_status ft_head_pooled_step(ft_backend *be, const head_call *c, int pooler, in
         FT_TRY(ft_head_dense_backward(be, cfg, c->params, in, B, w[P_H], df, c->grads, dpooled));
     }
     if (!dpooled) return FT_OK;
-    if (c->drop) FT_TRY(be->dropout(be, dpooled, dpooled, B * C, p, key_in));
+    if (drop_in) FT_TRY(be->dropout(be, dpooled, dpooled, B * C, p, key_in));
     if (pool) FT_TRY(be->pool_backward(be, c->dx, dpooled, first, count, B, N, C));
     return FT_OK;
 }

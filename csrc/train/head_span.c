@@ -5,7 +5,7 @@
  *   context: token type 1 but the final [SEP]) against labels (2, B) = the answer's start and
  *   end row within the sequence; each term times `scale` (1 / 2 B of the global batch).
  * With `dense` (ModernBERT's prediction head), the dense layer (head_dense.c) on every row first:
- *   logits = W dropout(dense(dropout(x)))^T + b. */
+ *   logits = W dropout(dense(x))^T + b (dense(dropout(x)) where cfg->dense_input_dropout). */
 #include "core/status.h"
 #include "head.h"
 
@@ -60,7 +60,8 @@ static ft_status step(ft_backend *be, const head_call *c) {
     float *hdrop = dws + (cfg->dense ? ft_head_dense_workspace(cfg, N) : 0);
     float *dfeat = hdrop + (c->drop ? N * C : 0);
     const float *x = c->x, *in;
-    if (c->drop) {
+    const int drop_in = c->drop && (!cfg->dense || cfg->dense_input_dropout);   /* the first layer's input */
+    if (drop_in) {
         FT_TRY(be->dropout(be, dropped, x, N * C, p, key_in));
         x = dropped;
     }
@@ -90,7 +91,7 @@ static ft_status step(ft_backend *be, const head_call *c) {
         FT_TRY(be->gemm(be, 1, 0, N, C, 2, 1.0f, dlogits, N, W, C, 0.0f, c->dx, C));    /* dx (N, C) */
     }
     if (!c->dx) return FT_OK;
-    if (c->drop) FT_TRY(be->dropout(be, c->dx, c->dx, N * C, p, key_in));
+    if (drop_in) FT_TRY(be->dropout(be, c->dx, c->dx, N * C, p, key_in));
     return FT_OK;
 }
 

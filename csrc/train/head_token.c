@@ -5,7 +5,7 @@
  *   sub-tokens after a word's first, padding) takes no part; each term times `scale`
  *   (1 / the labelled rows of the global batch).
  * With `dense` (ModernBERT's prediction head), the dense layer (head_dense.c) on every row first:
- *   logits = dropout(dense(dropout(x))) W^T + b. */
+ *   logits = dropout(dense(x)) W^T + b (dense(dropout(x)) where cfg->dense_input_dropout). */
 #include "core/status.h"
 #include "head.h"
 
@@ -52,7 +52,8 @@ static ft_status step(ft_backend *be, const head_call *c) {
     float *hdrop = dws + (cfg->dense ? ft_head_dense_workspace(cfg, N) : 0);
     float *dfeat = hdrop + (c->drop ? N * C : 0);
     const float *in = c->x, *feat;
-    if (c->drop) {
+    const int drop_in = c->drop && (!cfg->dense || cfg->dense_input_dropout);   /* the first layer's input */
+    if (drop_in) {
         FT_TRY(be->dropout(be, dropped, in, N * C, p, key_in));
         in = dropped;
     }
@@ -76,7 +77,7 @@ static ft_status step(ft_backend *be, const head_call *c) {
         if (c->drop) FT_TRY(be->dropout(be, dfeat, dfeat, N * C, p, key_hid));
         FT_TRY(ft_head_dense_backward(be, cfg, c->params, in, N, dws, dfeat, c->grads, c->dx));
     }
-    if (c->dx && c->drop) FT_TRY(be->dropout(be, c->dx, c->dx, N * C, p, key_in));
+    if (c->dx && drop_in) FT_TRY(be->dropout(be, c->dx, c->dx, N * C, p, key_in));
     return FT_OK;
 }
 

@@ -52,7 +52,9 @@ def make_head(task, hidden_size, targets=None, num_labels=None, dropout=None, se
     multiple choice; token and QA heads with pooler=True where the architecture's classes have one)
     takes `shape` (a DenseShape), else the shape of `encoder`'s architecture's class for the task
     (fasttran.architectures: DistilBERT's ReLU, ELECTRA's GELU, ModernBERT's prediction head), so
-    that it exports to that class; else BERT's pooler."""
+    that it exports to that class; else BERT's pooler. Where that class runs the base model's pooler
+    on the first token (BERT's; architectures.Architecture.dense_from_pooler) and `encoder` has one,
+    the head's pooler starts from the checkpoint's, as transformers starts its class."""
     cls = head_class(task)
     kw = dict(TASKS[task][1])
     own = kw.pop("pooler", None)
@@ -64,8 +66,25 @@ def make_head(task, hidden_size, targets=None, num_labels=None, dropout=None, se
             raise InputError(f"shape= is the dense layer's before the classifier: a {task} head has one with "
                              "pooler=True")
         kw["shape"] = shape
-    return cls.for_task(hidden_size, targets, num_labels=num_labels, dropout=dropout, seed=seed, pooling=pooling,
+    head = cls.for_task(hidden_size, targets, num_labels=num_labels, dropout=dropout, seed=seed, pooling=pooling,
                         pooler=pooler, label_names=label_names, examples=examples, **kw)
+    if encoder is not None and cls.has_dense(pooler):
+        start_from_pooler(head, encoder)
+    return head
+
+
+def start_from_pooler(head, encoder):
+    """Set `head`'s dense layer to `encoder`'s pooler (the checkpoint's) where the architecture's class
+    for the head runs that pooler: BERT's shape, on the [CLS] row, the same width. Returns whether it did."""
+    if not (head.shape == BERT_POOLER and getattr(head, "pooling", None) == "cls"
+            and encoder.architecture.dense_from_pooler(head.export_as)):
+        return False
+    src, mine = encoder.pooler_state(), head.tensors
+    if not src or any(name not in mine or mine[name].shape != v.shape for name, v in src.items()):
+        return False
+    for name, v in src.items():
+        mine[name][...] = v
+    return True
 
 
 def default_lr(optimizer, head="classification", pooler=None):

@@ -54,12 +54,16 @@ class DenseShape:
     pre_classifier; gelu, exact: ELECTRA's classification head, ModernBERT's prediction head), a bias
     or not, an optional LayerNorm after it ("layernorm" without a bias, "layernorm+bias") with `norm_eps`,
     and `per_token`: token and QA heads run it on every row before their classifier (ModernBERT's).
+    `input_dropout`: training drops the dense layer's input as well as its output (RoBERTa's and
+    ELECTRA's classification heads); BERT's pooler, DistilBERT's pre_classifier and ModernBERT's head
+    drop its output only. It changes training, never a trained head's logits.
     fasttran.architectures says which shape each architecture's classes have."""
     act: str = "tanh"
     bias: bool = True
     norm: object = None
     norm_eps: float = 1e-5
     per_token: bool = False
+    input_dropout: bool = False
 
     def __post_init__(self):
         if self.act not in _C.HEAD_ACTS:
@@ -69,12 +73,13 @@ class DenseShape:
         eps = self.norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise InputError(f"norm_eps must lie in (0, 1), got {eps!r}")
-        if not isinstance(self.bias, bool) or not isinstance(self.per_token, bool):
-            raise InputError("a head's dense bias and per_token are True or False")
+        if not all(isinstance(v, bool) for v in (self.bias, self.per_token, self.input_dropout)):
+            raise InputError("a head's dense bias, per_token and input_dropout are True or False")
 
     def c_fields(self, per_token=False):
-        """(act, no_dense_bias, norm, norm_eps, dense) of the C head configuration"""
-        return (_C.HEAD_ACTS[self.act], int(not self.bias), _NORMS[self.norm], float(self.norm_eps), int(per_token))
+        """(act, no_dense_bias, norm, norm_eps, dense, dense_input_dropout) of the C head configuration"""
+        return (_C.HEAD_ACTS[self.act], int(not self.bias), _NORMS[self.norm], float(self.norm_eps), int(per_token),
+                int(self.input_dropout))
 
     def config(self):
         return dataclasses.asdict(self)
@@ -409,8 +414,8 @@ def describe_shape(shape):
     if shape is None:
         return "no dense layer"
     norm = {None: "", "layernorm": " + LayerNorm without bias", "layernorm+bias": " + LayerNorm"}[shape.norm]
-    return f"dense{'' if shape.bias else ' without bias'} + {shape.act}{norm}" + (" on every token" if shape.per_token
-                                                                                    else "")
+    return (f"{'dropout + ' if shape.input_dropout else ''}dense{'' if shape.bias else ' without bias'} + "
+            f"{shape.act}{norm}" + (" on every token" if shape.per_token else ""))
 
 
 def token_offsets(lengths):
