@@ -7,6 +7,13 @@
 
 enum { HEAD_SITE_INPUT = 0, HEAD_SITE_HIDDEN = 1 };   /* dropout sites 0..15 belong to the heads */
 
+/* whether a head training with dropout (`drop`) drops its input: always without a dense layer; with
+ * one (`dense`), only where the architecture's class does (cfg->dense_input_dropout: RoBERTa's and
+ * ELECTRA's heads drop it, BERT's pooler does not) */
+static inline int head_drops_input(const ft_head_config *cfg, int dense, int drop) {
+    return drop && (!dense || cfg->dense_input_dropout);
+}
+
 typedef struct { const char *name; int ndim; int64_t shape[2]; } head_tensor;
 enum { HEAD_MAX_TENSORS = 8 };
 

@@ -40,7 +40,7 @@ static size_t parts(const ft_head_config *cfg, int pooler, int64_t K, int64_t B,
     const size_t BC = (size_t)(B * cfg->hidden);
     const int pool = N != B;
     part[P_POOLED] = pool ? BC : 0;
-    part[P_DROP] = drop && (!pooler || cfg->dense_input_dropout) ? BC : 0;
+    part[P_DROP] = head_drops_input(cfg, pooler, drop) ? BC : 0;
     part[P_H] = pooler ? ft_head_dense_workspace(cfg, B) : 0;
     part[P_H2] = pooler && drop ? BC : 0;
     part[P_DFEAT] = grads && pooler ? BC : 0;
@@ -109,7 +109,7 @@ ft_status ft_head_pooled_step(ft_backend *be, const head_call *c, int pooler, in
         FT_TRY(be->pool_forward(be, FT_F32, w[P_POOLED], c->x, first, count, B, C));
         in = w[P_POOLED];
     }
-    const int drop_in = c->drop && (!pooler || cfg->dense_input_dropout);   /* the classifier's or dense layer's input */
+    const int drop_in = head_drops_input(cfg, pooler, c->drop);   /* the classifier's or dense layer's input */
     if (drop_in) {
         FT_TRY(be->dropout(be, w[P_DROP], in, B * C, p, key_in));
         in = w[P_DROP];

@@ -19,13 +19,13 @@ static size_t tensors(const ft_head_config *cfg, head_tensor *out) {
 static int64_t logits_count(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)B; return 2 * N; }
 static int64_t two_per_sequence(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)N; return 2 * B; }
 
-/* workspace: dropped input (N, C), d logits (2, N), then with `dense` its workspace, its output's
- * dropout (N, C) and d of the scores' input (N, C) */
+/* workspace: the dropped input (N, C) where head_drops_input, d logits (2, N),
+ * then with `dense` its workspace, its output's dropout (N, C) and d of the scores' input (N, C) */
 static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
     (void)B;
     (void)dx;
     const size_t NC = (size_t)(N * cfg->hidden);
-    return (drop ? NC : 0) + (grads ? (size_t)(2 * N) : 0) +
+    return (head_drops_input(cfg, cfg->dense, drop) ? NC : 0) + (grads ? (size_t)(2 * N) : 0) +
            (cfg->dense ? ft_head_dense_workspace(cfg, N) + (drop ? NC : 0) + (grads ? NC : 0) : 0);
 }
 
@@ -55,12 +55,12 @@ static ft_status step(ft_backend *be, const head_call *c) {
     const float p = cfg->dropout, *W = c->params + dense, *b = W + 2 * C;
     const uint64_t key_in = c->key_in + bt->row_base * (uint64_t)C;
     const uint64_t key_hid = c->key_hidden + bt->row_base * (uint64_t)C;
-    float *dropped = c->drop ? c->ws : NULL, *dlogits = c->grads ? c->ws + (c->drop ? N * C : 0) : NULL;
-    float *dws = c->ws + (c->drop ? N * C : 0) + (c->grads ? 2 * N : 0);        /* the dense layer's */
+    const int drop_in = head_drops_input(cfg, cfg->dense, c->drop);   /* the first layer's input */
+    float *dropped = drop_in ? c->ws : NULL, *dlogits = c->grads ? c->ws + (drop_in ? N * C : 0) : NULL;
+    float *dws = c->ws + (drop_in ? N * C : 0) + (c->grads ? 2 * N : 0);        /* the dense layer's */
     float *hdrop = dws + (cfg->dense ? ft_head_dense_workspace(cfg, N) : 0);
     float *dfeat = hdrop + (c->drop ? N * C : 0);
     const float *x = c->x, *in;
-    const int drop_in = c->drop && (!cfg->dense || cfg->dense_input_dropout);   /* the first layer's input */
     if (drop_in) {
         FT_TRY(be->dropout(be, dropped, x, N * C, p, key_in));
         x = dropped;

@@ -19,13 +19,13 @@ static size_t tensors(const ft_head_config *cfg, head_tensor *out) {
 static int64_t logits_count(const ft_head_config *cfg, int64_t B, int64_t N) { (void)B; return N * cfg->num_labels; }
 static int64_t rows(const ft_head_config *cfg, int64_t B, int64_t N) { (void)cfg; (void)B; return N; }
 
-/* workspace: dropped input (N, C), d logits (N, K), then with `dense` its workspace, its output's
- * dropout (N, C) and d of the classifier's input (N, C) */
+/* workspace: the dropped input (N, C) where head_drops_input, d logits (N, K),
+ * then with `dense` its workspace, its output's dropout (N, C) and d of the classifier's input (N, C) */
 static size_t workspace(const ft_head_config *cfg, int64_t B, int64_t N, int grads, int dx, int drop) {
     (void)B;
     (void)dx;
     const size_t NC = (size_t)(N * cfg->hidden);
-    return (drop ? NC : 0) + (grads ? (size_t)(N * cfg->num_labels) : 0) +
+    return (head_drops_input(cfg, cfg->dense, drop) ? NC : 0) + (grads ? (size_t)(N * cfg->num_labels) : 0) +
            (cfg->dense ? ft_head_dense_workspace(cfg, N) + (drop ? NC : 0) + (grads ? NC : 0) : 0);
 }
 
@@ -47,12 +47,12 @@ static ft_status step(ft_backend *be, const head_call *c) {
     const float p = cfg->dropout, *W = c->params + dense, *b = W + K * C;
     const uint64_t key_in = c->key_in + c->bt->row_base * (uint64_t)C;
     const uint64_t key_hid = c->key_hidden + c->bt->row_base * (uint64_t)C;
-    float *dropped = c->drop ? c->ws : NULL, *dlogits = c->grads ? c->ws + (c->drop ? N * C : 0) : NULL;
-    float *dws = c->ws + (c->drop ? N * C : 0) + (c->grads ? N * K : 0);        /* the dense layer's */
+    const int drop_in = head_drops_input(cfg, cfg->dense, c->drop);   /* the first layer's input */
+    float *dropped = drop_in ? c->ws : NULL, *dlogits = c->grads ? c->ws + (drop_in ? N * C : 0) : NULL;
+    float *dws = c->ws + (drop_in ? N * C : 0) + (c->grads ? N * K : 0);        /* the dense layer's */
     float *hdrop = dws + (cfg->dense ? ft_head_dense_workspace(cfg, N) : 0);
     float *dfeat = hdrop + (c->drop ? N * C : 0);
     const float *in = c->x, *feat;
-    const int drop_in = c->drop && (!cfg->dense || cfg->dense_input_dropout);   /* the first layer's input */
     if (drop_in) {
         FT_TRY(be->dropout(be, dropped, in, N * C, p, key_in));
         in = dropped;
