@@ -252,6 +252,41 @@ def test_memory_report_agrees_with_what_is_allocated(minilm):
     assert 0 <= now - held <= 64 * 32 * 2 and peak == now
 
 
+def test_an_inference_forward_holds_one_layers_activations(minilm):
+    """Evaluation keeps nothing for a backward: the layers share one layer's activations (and two
+    output buffers), so a long evaluation batch does not hold k layers' attention probabilities.
+    Its outputs equal a training forward's without dropout, and training afterwards is unchanged."""
+    enc, _ = minilm
+    L, C = enc.num_layers, enc.config["hidden_size"]
+    lengths = np.array([40, 7, 33, 1, 40], np.int32)
+    x = np.random.default_rng(1).standard_normal((int(lengths.sum()), C)).astype(np.float32)
+    dout = np.random.default_rng(2).standard_normal(x.shape).astype(np.float32)
+    make = lambda: _C.LayerStack(enc._core, L - 4, 4, -1, hidden_dropout=0.0, attention_dropout=0.0)
+    ev, tr = make(), make()
+    y_ev, y_tr = np.zeros_like(x), np.zeros_like(x)
+    ev.forward(x, lengths, y_ev)                      # evaluation first, on a fresh stack
+    tr.forward(x, lengths, y_tr, training=True)
+    np.testing.assert_array_equal(y_ev, y_tr)
+    # the bytes held (on fresh stacks, a batch of equal lengths: what memory() reports exactly)
+    B, T = 5, 40
+    xu = np.random.default_rng(3).standard_normal((B * T, C)).astype(np.float32)
+    ev2, tr2 = make(), make()
+    ev2.forward(xu, np.full(B, T, np.int32), np.zeros_like(xu))
+    tr2.forward(xu, np.full(B, T, np.int32), np.zeros_like(xu), training=True)
+    acts = sum(v for k, v in tr2.memory(B, T)["activations"].items() if k != "input")
+    (held_ev, _), (held_tr, _) = ev2.allocated(), tr2.allocated()
+    assert held_tr - held_ev >= 0.6 * acts, (held_ev, held_tr, acts)   # 4 layers' against about one's
+    with pytest.raises(Exception, match="no training forward"):
+        ev.backward(dout)
+    dx_ev, dx_tr = np.zeros_like(x), np.zeros_like(x)
+    y2 = np.zeros_like(x)
+    ev.forward(x, lengths, y2, training=True)         # and training after it lays its own out again
+    np.testing.assert_array_equal(y2, y_tr)
+    ev.backward(dout, dx_ev)
+    tr.backward(dout, dx_tr)
+    np.testing.assert_array_equal(dx_ev, dx_tr)
+
+
 def test_bad_input(minilm):
     enc, _ = minilm
     L = enc.num_layers

@@ -576,19 +576,32 @@ static size_t work_layout(const ft_layer_stack *s, int64_t B, int64_t N, int64_t
     return o;
 }
 
-/* saved activations of every layer for N rows and P probabilities */
-static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, char *base) {
-    size_t sizes[FT_LAYER_ACT_KINDS];
-    const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4;
-    size_t o = 0;
+/* Inference (`shared`): nothing is kept for a backward, so every layer lays its activations over the
+ * same slot (the end is the largest layer's), and the outputs alternate between two buffers before
+ * it -- layer l reads layer l-1's output while it writes its own. Training: each layer its own. */
+#define ARENA_BEGIN(nc)                                                      \
+    size_t o = 0, end = 0, slot = 0;                                         \
+    if (shared) o = slot = 2 * align64(nc)
 #define TAKE(ptr, type, bytes)                                              \
     do {                                                                     \
         size_t b_ = (bytes);                                                 \
         if (base) (ptr) = b_ ? (type)(base + o) : NULL;                      \
         o += align64(b_);                                                    \
     } while (0)
+#define TAKE_OUT(a, l, nc)                                                   \
+    do {                                                                     \
+        if (!shared) TAKE((a)->out, float *, nc);                            \
+        else if (base) (a)->out = (float *)(base + ((l) & 1) * align64(nc)); \
+    } while (0)
+
+/* saved activations of every layer for N rows and P probabilities (shared: one layer's, for inference) */
+static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, int shared, char *base) {
+    size_t sizes[FT_LAYER_ACT_KINDS];
+    const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4;
+    ARENA_BEGIN(nc);
     for (int64_t l = 0; l < s->count; l++) {
         ft_layer_acts *a = &s->acts[l];
+        if (shared) o = slot;
         ft_layer_acts_sizes(&s->cfg, &s->opt, &s->shape[l], N, P, sizes);
         TAKE(a->qkv, float *, sizes[ACT_QKV]);
         if (s->opt.recompute_attention_probs) {
@@ -605,27 +618,22 @@ static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, char *
         TAKE(a->ln1_stats, float *, sizes[ACT_LN_STATS] / 2);
         TAKE(a->ln2_stats, float *, sizes[ACT_LN_STATS] / 2);
         TAKE(a->h1, float *, nc);
-        TAKE(a->out, float *, nc);
+        TAKE_OUT(a, l, nc);
         TAKE(a->ffn_pre, float *, sizes[ACT_GELU_IN]);
         TAKE(a->gelu_bits, uint8_t *, sizes[ACT_GELU_BITS]);
         TAKE(a->ffn_act, float *, sizes[ACT_GELU_OUT]);
+        end = o > end ? o : end;
     }
-#undef TAKE
-    return o;
+    return end;
 }
 
 /* a pre-LN stack's saved activations (ft_layer_forward_train_pre; ft_layer_acts_sizes' kinds) */
-static size_t arena_layout_pre(const ft_layer_stack *s, int64_t N, int64_t P, char *base) {
+static size_t arena_layout_pre(const ft_layer_stack *s, int64_t N, int64_t P, int shared, char *base) {
     const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4, st = (size_t)N * 2 * 4;
-    size_t o = 0;
-#define TAKE(ptr, type, bytes)                                              \
-    do {                                                                     \
-        size_t b_ = (bytes);                                                 \
-        if (base) (ptr) = b_ ? (type)(base + o) : NULL;                      \
-        o += align64(b_);                                                    \
-    } while (0)
+    ARENA_BEGIN(nc);
     for (int64_t l = 0; l < s->count; l++) {
         ft_layer_acts *a = &s->acts[l];
+        if (shared) o = slot;
         const ft_layer_shape *sh = &s->shape[l];
         const size_t n = (size_t)N, A = (size_t)sh->attn, I = (size_t)sh->inter, first = sh->index > 0,
                      fin = sh->final_norm != 0;
@@ -648,11 +656,14 @@ static size_t arena_layout_pre(const ft_layer_stack *s, int64_t N, int64_t P, ch
         TAKE(a->ffn_act, float *, n * I * 4);
         TAKE(a->res_out, float *, fin * nc);
         TAKE(a->fin_stats, float *, fin * st);
-        TAKE(a->out, float *, nc);
+        TAKE_OUT(a, l, nc);
+        end = o > end ? o : end;
     }
-#undef TAKE
-    return o;
+    return end;
 }
+#undef ARENA_BEGIN
+#undef TAKE
+#undef TAKE_OUT
 
 static ft_status grow(ft_layer_stack *s, void **buf, size_t *have, size_t need) {
     if (need <= *have) return FT_OK;
@@ -694,10 +705,11 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     s->ready = 0;
     s->sig_valid = 0;
     const int pre = s->cfg.norm == FT_NORM_PRE;
-    size_t (*layout)(const ft_layer_stack *, int64_t, int64_t, char *) = pre ? arena_layout_pre : arena_layout;
-    FT_TRY(grow(s, &s->arena, &s->arena_bytes, layout(s, N, P, NULL)));
+    size_t (*layout)(const ft_layer_stack *, int64_t, int64_t, int, char *) = pre ? arena_layout_pre : arena_layout;
+    const int shared = !training;   /* evaluation keeps nothing for a backward: one layer's activations */
+    FT_TRY(grow(s, &s->arena, &s->arena_bytes, layout(s, N, P, shared, NULL)));
     FT_TRY(grow(s, &s->ws, &s->ws_bytes, work_layout(s, B, N, T, NULL, NULL)));
-    layout(s, N, P, s->arena);
+    layout(s, N, P, shared, s->arena);
     work_layout(s, B, N, T, &s->work, s->ws);
     if (pre) {   /* RoPE's positions (each row's index in its sequence) and the zeros, for this batch */
         if (N > s->pos_cap) {
