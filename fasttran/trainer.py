@@ -122,6 +122,11 @@ _TEMPO = MEMORY_OPTIONS   # the Trainer's `tempo` keys: the layer stack's memory
 _C_LOOP_STEPS = 32
 _C_LOOP_CHUNK_BYTES = 64 << 20
 
+#: evaluation and predictions: at most this many token pairs (examples x the longest's tokens^2) a
+#: batch, so that one layer's attention probabilities stay near 200 MiB a 12-head layer: 256 examples
+#: up to 128 tokens, 28 SQuAD windows of 384, one ModernBERT document of 2,048 or more
+_EVAL_TOKEN_PAIRS = 256 * 128 * 128
+
 
 class TrainingInterrupted(Exception):
     pass
@@ -1088,10 +1093,15 @@ class Trainer:
 
     def _outputs(self, cache, prep=None, batch_size=256):
         """The head's outputs for every example of `cache` (its example order), computed on the
-        model's device."""
+        model's device, `batch_size` examples a batch (fewer where the cache's longest example has more
+        than 128 tokens: _EVAL_TOKEN_PAIRS)."""
         self._ready_for(cache, "evaluate or predict on this cache")
         prep = prep if prep is not None else self.head.prepare_eval(cache, None)
         chunks = []
+        lengths = getattr(cache, "lengths", None) if cache.positions == "all" else None
+        if lengths is not None and len(lengths):   # long sequences: fewer per batch (attention holds n^2 per head)
+            T = int(np.max(lengths))
+            batch_size = min(batch_size, max(1, _EVAL_TOKEN_PAIRS // (T * T)))
         batch_size = max(1, batch_size // self._group) * self._group   # whole groups
         steps = (len(cache) + batch_size - 1) // batch_size
         # a bar appears when the pass is slow (an uncached source runs the encoder)

@@ -106,3 +106,23 @@ def test_qa_and_multiple_choice_outputs(enc, sst):
     assert np.allclose(ps.sum(1), 1, atol=1e-6) and np.allclose(pe.sum(1), 1, atol=1e-6)
     assert (ps[types[:, :ps.shape[1]] == 0] == 0).all()
     assert start.shape == (8, lengths.max())
+
+
+def test_long_sequences_are_evaluated_in_fewer_per_batch(enc, sst):
+    """Evaluation batches hold at most _EVAL_TOKEN_PAIRS token pairs (one layer's attention
+    probabilities bounded): 512-token sequences go 16 a batch, and the outputs are those of one
+    sequence at a time."""
+    from fasttran import trainer as trainer_mod
+    long = [" ".join((sst[0] * 2)[i:i + 80]) for i in range(40)]
+    ids, mask, types = enc.tokenize(long, max_length=512)
+    assert mask.sum(1).min() == 512
+    tr = Trainer("classification", train_layers=1, pooling="cls", pooler=True, epochs=1, batch_size=8,
+                 show_progress=False, seed=0)
+    cache = tr.cache_for(enc, ids, mask, types, show_progress=False)
+    tr.fit(cache, sst[1][:40])
+    seen, forward = [], tr.model.forward
+    tr.model.forward = lambda x, lengths, valid=None: seen.append(len(lengths)) or forward(x, lengths, valid)
+    logits = tr.predict(cache, output="logits")
+    assert seen == [16, 16, 8] and trainer_mod._EVAL_TOKEN_PAIRS // 512 ** 2 == 16
+    one = np.concatenate([tr._outputs(cache, batch_size=1)])
+    assert np.abs(logits - one).max() <= 1e-5
