@@ -259,6 +259,8 @@ def summarize(row):
             if ref:
                 d["gap_to_reference"] = best - out["reference_best"]
         out[f"k={k}"] = d
+    if "finetune_default_k" in row:   # the row `fasttran finetune` trains without --train-layers
+        out["finetune_default"] = f"k={row['finetune_default_k']}"
     return out
 
 
@@ -341,6 +343,7 @@ def main():
             dv_in = tuple(np.asarray(a)[:args.dev_limit] for a in dv_in)
             ydev = ydev[:args.dev_limit]
         row = {"task": task, "metric": task_data.TASKS[task][1], "train": len(tr_in[0]), "dev": len(dv_in[0]),
+               "finetune_default_k": fasttran.trainer.finetune_layers(L, len(tr_in[0])),   # finetune's depth here
                "load_avg_before": os.getloadavg(), "fasttran": {}, "reference": {}, "reference_bf16": {},
                "reference_frozen_embeddings": {}}
         rows.append(row)
@@ -375,7 +378,7 @@ def main():
         s = r["summary"]
         ref = (f"{s['reference_best']:.1f} ({s['reference_best_lr']:g}) | "
                f"{s['reference_time_to_target'] or float('nan'):.0f} s") if "reference_best" in s else "- | -"
-        fast = "; ".join(f"{k}: {d['best']:.1f}, " + (f"{d['time_to_target']:.0f} s, {d.get('speedup_to_target', 0):.1f}x"
+        fast = "; ".join(f"{k}{' (default)' if s.get('finetune_default') == k else ''}: {d['best']:.1f}, " + (f"{d['time_to_target']:.0f} s, {d.get('speedup_to_target', 0):.1f}x"
                                                       if d.get("time_to_target") else "not reached")
                          for k, d in s.items() if k.startswith("k="))
         print(f"| {r['task']} | {ref} | {fast} |")

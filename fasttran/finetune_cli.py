@@ -6,9 +6,10 @@
 The tasks are declared once, in TASKS: where each task's files are (GLUE's folder names, the split
 files), how they are read (columns, header, label names), the Trainer task and the metric that picks
 the best epoch. The command reads the train and dev splits, builds the activation caches (the
-encoder runs once to the states of layer L-K: by default K = L, every layer trained, with AdamW,
-in bf16 mixed precision where the device multiplies bf16 natively, trainer.FINETUNE_DEFAULT and
-trainer.finetune_precision; --train-layers 0: the head alone on the last layer), trains with the
+encoder runs once to the states of layer L-K: by default K = L, every layer trained, or L/2 from
+22,000 training examples (QA: windows) on, with AdamW, in bf16 mixed precision where the device
+multiplies bf16 natively, trainer.FINETUNE_DEFAULT, finetune_layers and finetune_precision;
+--train-layers 0: the head alone on the last layer), trains with the
 recipe for the optimizer and K (trainer.DEFAULT_TOPK_RECIPES), evaluates on dev after every epoch,
 puts back the best epoch's weights (Trainer.fit(keep_best=...)), exports (fasttran.export) and
 prints a table of the epochs and the line saying what loads the export. `--input FILE [--eval-input
@@ -236,21 +237,31 @@ def run(args):
     from .export import how_to_load, layout_of
     data = _load(args)
     enc = cli_io.encoder(args)
-    from .trainer import FINETUNE_DEFAULT, finetune_precision
+    from .trainer import FINETUNE_DEFAULT, finetune_layers, finetune_precision
+    squad = reader_of(data.kind) == "squad"
+    if getattr(args, "search", False) and squad:
+        cli_io.fail("--search is for the sentence and token tasks (QA's windows are cut per question)")
     K = args.train_layers
-    if K is None:   # the sweep's default depth (trainer.FINETUNE_DEFAULT)
-        K = max(1, int(round(FINETUNE_DEFAULT["layers"] * enc.num_layers)))
-    optimizer = args.optimizer or FINETUNE_DEFAULT["optimizer"]
-    if K < 0 or K > enc.num_layers:
+    if K is not None and not 0 <= K <= enc.num_layers:
         cli_io.fail(f"--train-layers {K}: the model has {enc.num_layers} layers")
-    precision = getattr(args, "precision", None) or finetune_precision(K, enc.device)
-    if precision != "float32" and not K:
-        cli_io.fail(f"--precision {precision} trains the encoder's layers in mixed precision: the head alone "
+    if getattr(args, "precision", None) not in (None, "float32") and K == 0:
+        cli_io.fail(f"--precision {args.precision} trains the encoder's layers in mixed precision: the head alone "
                     "(--train-layers 0) trains in float32")
+    t0 = time.perf_counter()
+    if squad:   # the windows first: their number sets the default depth
+        st = {"max_length": args.max_length or 384, "doc_stride": 128}
+        tr_feats = cli_io.squad_features(argparse.Namespace(input=data.files["train"], limit=args.limit), enc,
+                                         dict(st, answers_only=True))
+        dev_feats = cli_io.squad_features(argparse.Namespace(input=data.files["dev"], limit=args.limit), enc,
+                                          dict(st, answers_only=False))
+        print(f"train: {tr_feats!r}\ndev:   {dev_feats!r}", file=sys.stderr)
+    if K is None:   # the sweep's default depth, by the training split's size (trainer.finetune_layers)
+        K = finetune_layers(enc.num_layers, len(tr_feats.input_ids) if squad else len(data.train))
+    optimizer = args.optimizer or FINETUNE_DEFAULT["optimizer"]
+    precision = getattr(args, "precision", None) or finetune_precision(K, enc.device)
     layer = enc.num_layers - K if K else -1
     from .heads import head_class
     head = head_task(data.kind)
-    squad = reader_of(data.kind) == "squad"
     sequence = not head_class(head).takes_tokens
     positions = "all" if (K or not sequence) else "mean"
     work = args.cache_dir
@@ -258,18 +269,9 @@ def run(args):
     if work is None and squad:   # QA windows keep every token: on disk, not in memory
         tmp = tempfile.TemporaryDirectory(prefix="fasttran-finetune-")
         work = tmp.name
-    if getattr(args, "search", False) and squad:
-        cli_io.fail("--search is for the sentence and token tasks (QA's windows are cut per question)")
-    t0 = time.perf_counter()
     search = None
     try:
         if squad:
-            st = {"max_length": args.max_length or 384, "doc_stride": 128}
-            tr_feats = cli_io.squad_features(argparse.Namespace(input=data.files["train"], limit=args.limit), enc,
-                                           dict(st, answers_only=True))
-            dev_feats = cli_io.squad_features(argparse.Namespace(input=data.files["dev"], limit=args.limit), enc,
-                                            dict(st, answers_only=False))
-            print(f"train: {tr_feats!r}\ndev:   {dev_feats!r}", file=sys.stderr)
             train_cache = _cache(enc, tr_feats.input_ids, tr_feats.attention_mask, tr_feats.token_type_ids, layer,
                                  "all", "float16", os.path.join(work, "train"), args.cache_batch_size)
             dev_cache = _cache(enc, dev_feats.input_ids, dev_feats.attention_mask, dev_feats.token_type_ids, layer,
@@ -352,7 +354,7 @@ def cmd_finetune(args):
 
 def add_parser(sub):
     """the `finetune` subcommand on the CLI's subparsers"""
-    from .trainer import DEFAULT_LR, DEFAULT_TOPK_RECIPES
+    from .trainer import DEFAULT_LR, DEFAULT_TOPK_RECIPES, FINETUNE_DEFAULT
     table = "\n".join(f"  {t.name:<6} {t.what}" for t in TASKS.values())
     f = sub.add_parser(
         "finetune", formatter_class=cli_io.Fmt,
@@ -370,7 +372,9 @@ def add_parser(sub):
     f.add_argument("--output", default=None, help="exported model directory (default: ./finetuned-<task>)")
     f.add_argument("--train-layers", type=int, default=None, metavar="K",
                    help="train the encoder's top K layers with the head (default: every layer, "
-                        "fasttran.trainer.FINETUNE_DEFAULT; 0: the head alone on the frozen encoder's features). "
+                        f"{FINETUNE_DEFAULT['large_layers']:g} x them from {FINETUNE_DEFAULT['large_train']:,} "
+                        "training examples on, fasttran.trainer.finetune_layers; 0: the head alone on the frozen "
+                        "encoder's features). "
                         "With K > 0 the sentence tasks pool [CLS] through BERT's pooler: the export loads in "
                         "transformers' pipelines")
     f.add_argument("--optimizer", default=None, choices=["adamw", "lamb"],
