@@ -189,13 +189,15 @@ class Sweep:
         """`fasttran finetune`'s default: each (k, recipe) of `candidates` scored on the held-out slices
         like a stage above; the best mean is the choice (ties: the earlier, i.e. the cheaper, candidate)
         -- or, with --tolerance t, the fastest candidate whose mean is within t of the best --, then
-        checked once on dev"""
+        checked once on dev (unless --no-dev-check)"""
         scored = []
         for i, (k, recipe) in enumerate(candidates):
-            caches = {task: caches_for(self.enc, parts, k) for task, (parts, _) in self.data.items()}
-            t0 = time.perf_counter()
+            keys = [json.dumps([task, k, recipe], sort_keys=True) for task in self.data]
+            caches = None if all(key in self.done for key in keys) else \
+                {task: caches_for(self.enc, parts, k) for task, (parts, _) in self.data.items()}   # (reused: none)
             s = self.score(k, recipe, caches)
-            scored.append((s, -i, k, recipe, time.perf_counter() - t0))
+            # its cost: the training runs' seconds (a reused run's as it was measured)
+            scored.append((s, -i, k, recipe, sum(self.done[key]["seconds"] for key in keys)))
             print(f"default candidate k={k} {json.dumps(recipe)}: mean held-out {s:.4f}", flush=True)
             self.out["choice"]["finetune_default"] = {"tried": [(x, kk, r, sec) for x, _, kk, r, sec in scored]}
             self.save()
@@ -204,6 +206,9 @@ class Sweep:
             s, _, k, r, _ = min((t for t in scored if t[0] >= s - self.args.tolerance), key=lambda t: t[4])
         self.out["choice"]["finetune_default"].update(chosen={"train_layers": k, "recipe": r}, mean_holdout=s,
                                                       tolerance=self.args.tolerance)
+        if not self.args.dev_check:
+            self.save()
+            return
         caches = {task: caches_for(self.enc, parts, k) for task, (parts, _) in self.data.items()}
         for task, (parts, metric) in self.data.items():
             rec = run_one(task, metric, k, r, caches[task], self.args.seed, on="dev")
@@ -229,6 +234,8 @@ def main():
     ap.add_argument("--tolerance", type=float, default=0.0,
                     help="--default-candidates: the fastest candidate within this of the best mean held-out score "
                          "(0: the best)")
+    ap.add_argument("--no-dev-check", dest="dev_check", action="store_false",
+                    help="--default-candidates: skip the final dev run of the choice (its dev score measured elsewhere)")
     ap.add_argument("--reuse", nargs="*", default=[], metavar="JSON",
                     help="earlier sweeps' runs at the same data, sizes and seed: not run again")
     args = ap.parse_args()
