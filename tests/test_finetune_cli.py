@@ -343,12 +343,30 @@ def test_the_default_trains_every_layer_with_the_swept_recipe(minilm_dir, tmp_pa
 
 def test_the_default_depth_halves_from_large_training_sets(minilm_dir, tmp_path, capsys, monkeypatch):
     """finetune_layers: every layer below FINETUNE_DEFAULT["large_train"] training examples, half of
-    them (rounded, at least one) from there; the command counts the training split (QA: its windows)
-    and trains that many layers with their recipe"""
-    from conftest import glue_file
+    them (rounded, at least one) from there; the command counts SQuAD's windows once cut (written
+    here: runs without the real data)"""
     fl, d = fasttran.trainer.finetune_layers, fasttran.trainer.FINETUNE_DEFAULT
     n = d["large_train"]
     assert (fl(6, n - 1), fl(6, n), fl(12, 10 * n), fl(24, n), fl(1, 10 * n), fl(3, n)) == (6, 3, 6, 12, 1, 2)
+    ctx = "Fasttran was written in 2026 in a small town by three people."
+    qas = [{"id": f"q{i}", "question": q, "answers": [{"text": a, "answer_start": ctx.index(a)}]}
+           for i, (q, a) in enumerate((("When?", "2026"), ("Where?", "a small town"), ("By whom?", "three people")))]
+    write(f"{tmp_path}/squad/train-v1.1.json", json.dumps({"version": "1.1", "data": [
+        {"title": "t", "paragraphs": [{"context": ctx, "qas": qas}]}]}))
+    write(f"{tmp_path}/squad/dev-v1.1.json", open(f"{tmp_path}/squad/train-v1.1.json").read())
+    for large, want_k in ((4, 6), (3, 3)):   # three windows: "large" from 3 on (the wiring, not the boundary)
+        monkeypatch.setitem(d, "large_train", large)
+        res, out = finetune(capsys, "--task", "squad", "--data", str(tmp_path), "--epochs", "1", "--model", minilm_dir,
+                            "--output", str(tmp_path / f"q{large}"), "--cache-dir", str(tmp_path / f"c{large}"))
+        assert len(res.train_cache) == 3 and res.trainer.train_layers == want_k, (large, res.trainer.train_layers)
+        assert f"top {want_k} layer(s) + head" in out and "AutoModelForQuestionAnswering" in out
+        assert json.load(open(tmp_path / f"q{large}" / "finetune.json"))["train_layers"] == want_k
+
+
+def test_the_default_depth_counts_the_training_split(minilm_dir, tmp_path, capsys, monkeypatch):
+    """a GLUE task: the training split's examples (after --limit) set the depth, and the recipe follows it"""
+    from conftest import glue_file
+    d = fasttran.trainer.FINETUNE_DEFAULT
     glue_file("MRPC", "train")
     monkeypatch.setitem(d, "large_train", 20)   # a small "large" split: the wiring, not the boundary
     for limit, want_k in ((19, 6), (20, 3)):
@@ -359,19 +377,6 @@ def test_the_default_depth_halves_from_large_training_sets(minilm_dir, tmp_path,
         assert tr.lr == fasttran.trainer.topk_recipe(d["optimizer"], want_k)["lr"]
         assert f"top {want_k} layer(s) + head" in out
         assert json.load(open(tmp_path / f"m{limit}" / "finetune.json"))["train_layers"] == want_k
-    # SQuAD: the windows are cut first, their number sets the depth (one window here: "large" from 1)
-    ctx = "Fasttran was written in 2026 in a small town by three people."
-    qas = [{"id": f"q{i}", "question": q, "answers": [{"text": a, "answer_start": ctx.index(a)}]}
-           for i, (q, a) in enumerate((("When?", "2026"), ("Where?", "a small town"), ("By whom?", "three people")))]
-    write(f"{tmp_path}/squad/train-v1.1.json", json.dumps({"version": "1.1", "data": [
-        {"title": "t", "paragraphs": [{"context": ctx, "qas": qas}]}]}))
-    write(f"{tmp_path}/squad/dev-v1.1.json", open(f"{tmp_path}/squad/train-v1.1.json").read())
-    for large, want_k in ((4, 6), (3, 3)):
-        monkeypatch.setitem(d, "large_train", large)
-        res, out = finetune(capsys, "--task", "squad", "--data", str(tmp_path), "--epochs", "1", "--model", minilm_dir,
-                            "--output", str(tmp_path / f"q{large}"), "--cache-dir", str(tmp_path / f"c{large}"))
-        assert len(res.train_cache) == 3 and res.trainer.train_layers == want_k, (large, res.trainer.train_layers)
-        assert f"top {want_k} layer(s) + head" in out and "AutoModelForQuestionAnswering" in out
 
 
 def test_conll_one_layer(minilm_dir, tmp_path, capsys):
