@@ -68,16 +68,21 @@ def glue_fixtures(root):
     write(f"{g}/MNLI/dev_matched.tsv", tsv(*mnli(MNLI_DEV_HEAD, 6)))
 
 
+def squad_fixture(root, ctx, questions):
+    """root/squad/{train,dev}-v1.1.json: one paragraph `ctx` with (question, answer) pairs, dev = train"""
+    qas = [{"id": f"q{i + 1}", "question": q, "answers": [{"text": a, "answer_start": ctx.index(a)}]}
+           for i, (q, a) in enumerate(questions)]
+    text = json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": ctx, "qas": qas}]}]})
+    write(f"{root}/squad/train-v1.1.json", text)
+    write(f"{root}/squad/dev-v1.1.json", text)
+
+
 def test_task_table_reads_each_layout(tmp_path):
     glue_fixtures(str(tmp_path))
     write(f"{tmp_path}/conll2003/train.txt", "-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n"
                                              "German JJ B-NP B-MISC\n\nPeter NNP B-NP B-PER\nBlackburn NNP I-NP I-PER\n")
     write(f"{tmp_path}/conll2003/valid.txt", "CRICKET NNP B-NP O\n- : O O\nLEICESTERSHIRE NNP B-NP B-ORG\n")
-    ctx = "Fasttran was written in 2026 in a small town."
-    write(f"{tmp_path}/squad/train-v1.1.json", json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": [
-        {"context": ctx, "qas": [{"id": "q1", "question": "When?", "answers": [{"text": "2026", "answer_start": 24}]}]}
-    ]}]}))
-    write(f"{tmp_path}/squad/dev-v1.1.json", open(f"{tmp_path}/squad/train-v1.1.json").read())
+    squad_fixture(str(tmp_path), "Fasttran was written in 2026 in a small town.", [("When?", "2026")])
     want = {  # task: (train texts[0], pairs[0] or None, labels, label names)
         "mrpc": ("a cat sat train", "a cat was sitting", [1, 0], ["0", "1"]),
         "cola": ("The sailors rode the breeze train.", None, [1, 0], ["0", "1"]),
@@ -325,7 +330,8 @@ def test_the_default_trains_every_layer_with_the_swept_recipe(minilm_dir, tmp_pa
     res, out = finetune(capsys, "--task", "mrpc", "--data", DATA, "--limit", "24", "--epochs", "1", "--model",
                         minilm_dir, "--output", str(tmp_path / "d"))
     tr, d = res.trainer, fasttran.trainer.FINETUNE_DEFAULT
-    want_k = max(1, round(d["layers"] * 6))   # (24 examples: below FINETUNE_DEFAULT["large_train"])
+    want_k = fasttran.trainer.finetune_layers(6, 24)
+    assert want_k == max(1, round(d["layers"] * 6))   # 24 examples: below FINETUNE_DEFAULT["large_train"]
     assert tr.train_layers == want_k and tr.optimizer_name == d["optimizer"]
     recipe = fasttran.trainer.topk_recipe(d["optimizer"], want_k)
     assert tr.lr == recipe["lr"] and (tr.head_lr or tr.lr) == recipe["head_lr"]   # (None: the layers' lr)
@@ -348,12 +354,8 @@ def test_the_default_depth_halves_from_large_training_sets(minilm_dir, tmp_path,
     fl, d = fasttran.trainer.finetune_layers, fasttran.trainer.FINETUNE_DEFAULT
     n = d["large_train"]
     assert (fl(6, n - 1), fl(6, n), fl(12, 10 * n), fl(24, n), fl(1, 10 * n), fl(3, n)) == (6, 3, 6, 12, 1, 2)
-    ctx = "Fasttran was written in 2026 in a small town by three people."
-    qas = [{"id": f"q{i}", "question": q, "answers": [{"text": a, "answer_start": ctx.index(a)}]}
-           for i, (q, a) in enumerate((("When?", "2026"), ("Where?", "a small town"), ("By whom?", "three people")))]
-    write(f"{tmp_path}/squad/train-v1.1.json", json.dumps({"version": "1.1", "data": [
-        {"title": "t", "paragraphs": [{"context": ctx, "qas": qas}]}]}))
-    write(f"{tmp_path}/squad/dev-v1.1.json", open(f"{tmp_path}/squad/train-v1.1.json").read())
+    squad_fixture(str(tmp_path), "Fasttran was written in 2026 in a small town by three people.",
+                  [("When?", "2026"), ("Where?", "a small town"), ("By whom?", "three people")])
     for large, want_k in ((4, 6), (3, 3)):   # three windows: "large" from 3 on (the wiring, not the boundary)
         monkeypatch.setitem(d, "large_train", large)
         res, out = finetune(capsys, "--task", "squad", "--data", str(tmp_path), "--epochs", "1", "--model", minilm_dir,
