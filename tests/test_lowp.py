@@ -315,6 +315,29 @@ def test_bf16_linear_and_gemm_prec_equal_the_rounding_reference():
         assert np.array_equal(got[:, N:], C0[:, N:])
 
 
+@needs_bf16
+def test_bf16_gemm_prec_past_the_kept_scratch():
+    """gemm_prec(bfloat16) keeps its packed operand and its product before alpha and beta in the calling
+    thread's buffers up to 64 MiB and allocates larger ones per call: a 4100 x 4100 product with beta
+    (67 MB of it) equals the rounding reference, and so does a small one right after (the kept
+    buffers still good)."""
+    import test_backend_ops as T
+    be = T.Backend(-1)
+    rng = np.random.default_rng(11)
+    for M, N, K in [(4100, 4100, 40), (50, 70, 90)]:
+        a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
+        C0 = rng.standard_normal((M, N)).astype(np.float32)
+        got = T.run_case(be, "gemm_prec", dict(prec=2, trans_a=0, trans_b=1, M=M, N=N, K=K, alpha=1.0, A=T.In(a),
+                                               lda=K, B=T.In(b), ldb=K, beta=0.5, C=T.Out((M, N), init=C0), ldc=N))["C"]
+        ar, br = round_bf16(a), round_bf16(b)
+        rows = rng.choice(M, min(M, 64), replace=False)
+        want = ar[rows] @ br.T + 0.5 * C0[rows].astype(np.float64)
+        bound = _bf16_bound(ar[rows], br.T, K) + 2.0 ** -23 * (np.abs(ar[rows]) @ np.abs(br.T) + 0.5 * np.abs(C0[rows]))
+        assert (np.abs(got[rows] - want) <= bound).all(), (M, np.abs(got[rows] - want).max())
+        del got
+    be.free_all()
+
+
 # ---- the encoders on all-MiniLM-L6-v2, real sentences ---------------------------------------------------
 @pytest.fixture(scope="module")
 def minilm_three(minilm_dir, sst2_sentences):

@@ -317,6 +317,14 @@ const char *ft_cpu_bf16_kernel(void) {
     return kl ? kl->name : NULL;
 }
 
+/* the bits of bf16(v), nearest even (ft_cpu_round_bf16's rule; a NaN stays a quiet NaN) */
+static inline uint16_t bf16_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x0040u : r);
+}
+
 /* ---- layouts and packing ---------------------------------------------------------------------- */
 static size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
@@ -361,18 +369,52 @@ void ft_lp_pack_panel_i8(const ft_lp_kernel *kl, uint8_t *packed, const int8_t *
     }
 }
 
+/* bf16 panel p: 32-bit word g * 16 + j holds column j's elements k = 2g (low half) and 2g + 1 (high
+ * half), zero past N and K. Whole groups of a whole panel take the branch-free loops (vectorised:
+ * sixteen words per k pair k-major; a column's pairs, then a 16 x 16 transpose of words,
+ * line-major); the edges go element by element. bf16_bits everywhere, so the bits are the same. */
+static inline uint32_t bf16_pair(const float *w, int64_t i0, int64_t i1, int ok0, int ok1) {
+    return (uint32_t)(ok0 ? bf16_bits(w[i0]) : 0) | (uint32_t)(ok1 ? bf16_bits(w[i1]) : 0) << 16;
+}
+
 void ft_lp_pack_panel_bf16(const ft_lp_kernel *kl, uint8_t *packed, const float *w, int64_t ld, int kmajor, int64_t N,
                            int64_t K, int64_t p) {
     const ft_lp_layout L = ft_lp_layout_of(kl, N, K);
-    uint16_t *dst = (uint16_t *)(packed + (size_t)p * L.panel_bytes);
-    for (int64_t g = 0; g < L.groups; g++)
-        for (int j = 0; j < FT_LP_PANEL; j++) {
-            const int64_t col = p * FT_LP_PANEL + j;
-            for (int t = 0; t < 2; t++) {
-                const int64_t k = 2 * g + t;
-                const float v = col < N && k < K ? (kmajor ? w[k * ld + col] : w[col * ld + k]) : 0.0f;
-                dst[g * 32 + 2 * j + t] = ft_f32_to_bf16(v);
+    uint32_t *dst = (uint32_t *)(packed + (size_t)p * L.panel_bytes);
+    const int64_t c0 = p * FT_LP_PANEL, nc = N - c0 < FT_LP_PANEL ? N - c0 : FT_LP_PANEL;
+    const int64_t full = nc == FT_LP_PANEL ? K / 2 : 0;   /* groups with both k and every column real */
+    if (kmajor) {
+        for (int64_t g = 0; g < full; g++) {
+            const float *r0 = w + 2 * g * ld + c0, *r1 = r0 + ld;
+            uint32_t *d = dst + g * FT_LP_PANEL;
+#pragma omp simd
+            for (int j = 0; j < FT_LP_PANEL; j++) d[j] = (uint32_t)bf16_bits(r0[j]) | (uint32_t)bf16_bits(r1[j]) << 16;
+        }
+    } else {
+        uint32_t t[FT_LP_PANEL][FT_LP_PANEL];   /* [column][group] */
+        int64_t g0 = 0;
+        for (; g0 + FT_LP_PANEL <= full; g0 += FT_LP_PANEL) {
+            for (int j = 0; j < FT_LP_PANEL; j++) {
+                const float *row = w + (c0 + j) * ld + 2 * g0;
+#pragma omp simd
+                for (int q = 0; q < FT_LP_PANEL; q++)
+                    t[j][q] = (uint32_t)bf16_bits(row[2 * q]) | (uint32_t)bf16_bits(row[2 * q + 1]) << 16;
             }
+            for (int q = 0; q < FT_LP_PANEL; q++)
+                for (int j = 0; j < FT_LP_PANEL; j++) dst[(g0 + q) * FT_LP_PANEL + j] = t[j][q];
+        }
+        for (int64_t g = g0; g < full; g++)
+            for (int j = 0; j < FT_LP_PANEL; j++) {
+                const float *row = w + (c0 + j) * ld;
+                dst[g * FT_LP_PANEL + j] = (uint32_t)bf16_bits(row[2 * g]) | (uint32_t)bf16_bits(row[2 * g + 1]) << 16;
+            }
+    }
+    for (int64_t g = full; g < L.groups; g++)   /* the edges: a last odd k, K's padding, columns past N */
+        for (int j = 0; j < FT_LP_PANEL; j++) {
+            const int64_t col = c0 + j, k0 = 2 * g, k1 = k0 + 1;
+            const int ok = col < N;
+            dst[g * FT_LP_PANEL + j] = kmajor ? bf16_pair(w, k0 * ld + col, k1 * ld + col, ok && k0 < K, ok && k1 < K)
+                                              : bf16_pair(w, col * ld + k0, col * ld + k1, ok && k0 < K, ok && k1 < K);
         }
 }
 
@@ -391,14 +433,6 @@ void ft_lp_rows_init(ft_lp_rows *r, const ft_lp_kernel *kl, void *mem, int64_t M
     const size_t d = up64((size_t)r->Mp * (size_t)r->lda);
     r->scale = kl->wt == FT_I8 ? (float *)((char *)mem + d) : NULL;
     r->zp = kl->wt == FT_I8 ? (int32_t *)((char *)mem + d + up64((size_t)r->Mp * 4)) : NULL;
-}
-
-/* the bits of bf16(v), nearest even (ft_cpu_round_bf16's rule; a NaN stays a quiet NaN) */
-static inline uint16_t bf16_bits(float v) {
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x0040u : r);
 }
 
 void ft_lp_quantize_row(const float *x, int64_t K, uint8_t *u, float *scale, int32_t *zp) {

@@ -12,21 +12,34 @@
 #include "lowp.h"
 #include "rowfun.h"
 
-/* ---- the calling thread's buffer for prepared rows, grown on demand, freed at thread exit ----- */
+/* ---- the calling thread's buffers, grown on demand, freed at thread exit -------------------------
+ * SCRATCH_ROWS: prepared rows; SCRATCH_PACKED: gemm_prec's packed op(B); SCRATCH_PRODUCT: its product
+ * before alpha and beta. Up to SCRATCH_KEEP bytes stay between calls (a training step's products
+ * reuse them instead of faulting in fresh pages); a larger request is allocated and freed per call. */
+enum { SCRATCH_ROWS, SCRATCH_PACKED, SCRATCH_PRODUCT, SCRATCH_SLOTS };
+#define SCRATCH_KEEP ((size_t)64 << 20)
 typedef struct {
-    void *p;
-    size_t bytes;
+    void *p[SCRATCH_SLOTS];
+    size_t bytes[SCRATCH_SLOTS];
 } scratch_buf;
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 static void scratch_free(void *v) {
     scratch_buf *b = v;
-    free(b->p);
+    for (int i = 0; i < SCRATCH_SLOTS; i++) free(b->p[i]);
     free(b);
 }
 static void scratch_make_key(void) { pthread_key_create(&scratch_key, scratch_free); }
 
-static void *rows_scratch(size_t bytes) {
+/* slot's buffer of at least `bytes` (64-byte aligned), or NULL; *owned = 1 when the caller frees it
+ * (larger than SCRATCH_KEEP) */
+static void *thread_scratch(int slot, size_t bytes, int *owned) {
+    bytes = (bytes + 63) & ~(size_t)63;
+    *owned = 0;
+    if (bytes > SCRATCH_KEEP) {
+        *owned = 1;
+        return aligned_alloc(64, bytes);
+    }
     pthread_once(&scratch_once, scratch_make_key);
     scratch_buf *b = pthread_getspecific(scratch_key);
     if (!b) {
@@ -36,14 +49,14 @@ static void *rows_scratch(size_t bytes) {
             return NULL;
         }
     }
-    if (b->bytes < bytes) {
-        free(b->p);
-        b->bytes = 0;
-        b->p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-        if (!b->p) return NULL;
-        b->bytes = bytes;
+    if (b->bytes[slot] < bytes) {
+        free(b->p[slot]);
+        b->bytes[slot] = 0;
+        b->p[slot] = aligned_alloc(64, bytes);
+        if (!b->p[slot]) return NULL;
+        b->bytes[slot] = bytes;
     }
-    return b->p;
+    return b->p[slot];
 }
 
 /* ---- checks at the op boundary ------------------------------------------------------------------ */
@@ -122,8 +135,10 @@ ft_status cpu_pack_weight_bf16(ft_backend *be, void *packed, const float *w, int
 /* the prepared rows of x (M, K) (line-major, row stride ld, or k-major) in the calling thread's
  * scratch, rows in parallel */
 static ft_status prepare(const ft_lp_kernel *kl, ft_lp_rows *r, const float *x, int64_t ld, int kmajor, int64_t M,
-                         int64_t K) {
-    void *mem = rows_scratch(ft_lp_rows_bytes(kl, M, K));
+                         int64_t K, void **owned_mem) {
+    int owned;
+    void *mem = thread_scratch(SCRATCH_ROWS, ft_lp_rows_bytes(kl, M, K), &owned);
+    *owned_mem = owned ? mem : NULL;
     if (!mem) return ft_error(FT_ERR_NOMEM, "out of memory for the prepared rows of a %lld x %lld product", (long long)M,
                               (long long)K);
     ft_lp_rows_init(r, kl, mem, M, K);
@@ -155,7 +170,8 @@ ft_status cpu_gemm_i8(ft_backend *be, int32_t *C, const uint8_t *A, const int32_
     if (lda < K || ldc < N) return ft_error(FT_ERR_INVALID_ARGUMENT, "gemm_i8: lda %lld < K %lld or ldc %lld < N %lld",
                                             (long long)lda, (long long)K, (long long)ldc, (long long)N);
     ft_lp_rows r;
-    void *mem = rows_scratch(ft_lp_rows_bytes(kl, M, K));
+    int owned;
+    void *mem = thread_scratch(SCRATCH_ROWS, ft_lp_rows_bytes(kl, M, K), &owned);
     if (!mem) return ft_error(FT_ERR_NOMEM, "out of memory for gemm_i8's rows");
     ft_lp_rows_init(&r, kl, mem, M, K);
     /* the given u8 rows into the kernel's layout (u8, or widened to int16), scale 1 */
@@ -174,7 +190,9 @@ ft_status cpu_gemm_i8(ft_backend *be, int32_t *C, const uint8_t *A, const int32_
             }
         }
     }
-    return ft_cpu_lp_product(kl, &r, w_packed, M, K, N, C, ldc, NULL, -1, NULL, NULL, NULL, 0.0f, 1);
+    const ft_status st = ft_cpu_lp_product(kl, &r, w_packed, M, K, N, C, ldc, NULL, -1, NULL, NULL, NULL, 0.0f, 1);
+    if (owned) free(mem);
+    return st;
 }
 
 /* x (M, K) prepared (quantized or rounded), then the product: act(. + bias), or LN(residual + . + bias) */
@@ -186,8 +204,11 @@ static ft_status linear_lp(ft_dtype wt, const char *op, float *out, const float 
     FT_TRY(check_k(kl, K, op));
     if (M <= 0 || N <= 0) return FT_OK;
     ft_lp_rows r;
-    FT_TRY(prepare(kl, &r, x, K, 0, M, K));
-    return ft_cpu_lp_product(kl, &r, w_packed, M, K, N, out, N, bias, act, residual, gamma, beta, eps, 0);
+    void *owned = NULL;
+    ft_status st = prepare(kl, &r, x, K, 0, M, K, &owned);
+    if (st == FT_OK) st = ft_cpu_lp_product(kl, &r, w_packed, M, K, N, out, N, bias, act, residual, gamma, beta, eps, 0);
+    free(owned);
+    return st;
 }
 
 ft_status cpu_linear_lp_forward(ft_backend *be, ft_dtype wt, float *out, const float *x, const void *w_packed,
@@ -246,14 +267,15 @@ ft_status ft_cpu_bf16_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64
     const ft_lp_kernel *kl = ft_lp_kernel_for(FT_BF16);
     const ft_lp_layout lay = ft_lp_layout_of(kl, N, K);
     const int direct = alpha == 1.0f && beta == 0.0f;
-    void *wp = aligned_alloc(64, lay.bytes);
-    float *t = direct ? C : malloc((size_t)M * (size_t)N * sizeof(float));
+    int wp_owned = 0, t_owned = 0;
+    void *wp = thread_scratch(SCRATCH_PACKED, lay.bytes, &wp_owned), *rows_owned = NULL;
+    float *t = direct ? C : thread_scratch(SCRATCH_PRODUCT, (size_t)M * (size_t)N * sizeof(float), &t_owned);
     ft_status st = wp && t ? FT_OK : ft_error(FT_ERR_NOMEM, "out of memory for a %lld x %lld x %lld bf16 product",
                                               (long long)M, (long long)N, (long long)K);
     /* op(B)^T (N, K): B's rows when transposed (line-major), else its columns (k-major) */
     if (st == FT_OK) pack_bf16(kl, wp, B, ldb, !trans_b, N, K);
     ft_lp_rows r;
-    if (st == FT_OK) st = prepare(kl, &r, A, lda, trans_a, M, K);
+    if (st == FT_OK) st = prepare(kl, &r, A, lda, trans_a, M, K, &rows_owned);
     if (st == FT_OK) st = ft_cpu_lp_product(kl, &r, wp, M, K, N, t, direct ? ldc : N, NULL, -1, NULL, NULL, NULL, 0.0f, 0);
     if (st == FT_OK && !direct) {
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (M * N > 65536)
@@ -261,7 +283,8 @@ ft_status ft_cpu_bf16_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64
             for (int64_t n = 0; n < N; n++)
                 C[m * ldc + n] = beta == 0.0f ? alpha * t[m * N + n] : alpha * t[m * N + n] + beta * C[m * ldc + n];
     }
-    free(wp);
-    if (!direct) free(t);
+    free(rows_owned);
+    if (wp_owned) free(wp);
+    if (t_owned) free(t);
     return st;
 }
