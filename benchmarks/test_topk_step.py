@@ -168,10 +168,13 @@ def test_bf16_topk_step_against_pytorch_amp(arch, k, tmp_path):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             amp = run_layers(layers, xt)
     want, amp = want.numpy().astype(np.float64), amp.float().numpy().astype(np.float64)
-    got = top.forward(x, lengths).reshape(B, T, -1)
+    # the training forward multiplies in bf16 (evaluation, training=False, in float32): its error, dropout off
+    from fasttran.finetune import TopLayers
+    nodrop = TopLayers(enc, k, hidden_dropout=0.0, attention_dropout=0.0, matmul_precision="bfloat16")
+    got = nodrop.forward(x, lengths, training=True).reshape(B, T, -1)
     rel = lambda a: float(np.linalg.norm(a - want) / np.linalg.norm(want))
     err, err_amp = rel(got), rel(amp)
-    assert err <= 2e-2 and np.abs(top32.forward(x, lengths).reshape(B, T, -1) - want).max() <= 1e-4, (err, err_amp)
+    assert 1e-4 < err <= 2e-2 and np.abs(top32.forward(x, lengths).reshape(B, T, -1) - want).max() <= 1e-4, (err, err_amp)
     layers.train()
     steps = {"fasttran bf16": lambda r: fasttran_step(top, head, opt, hgrads, gviews, x, lengths, y, r),
              "fasttran fp32": lambda r: fasttran_step(top32, head32, opt32, hgrads32, gviews32, x, lengths, y, r),

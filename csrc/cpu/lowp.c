@@ -490,10 +490,39 @@ static void prepare_row(const ft_lp_kernel *kl, ft_lp_rows *r, const float *src,
     }
 }
 
+/* bf16 rows [m0, m0 + 16) of a k-major x, all real: word g of row m holds x[2g][m] (low half) and
+ * x[2g + 1][m], zero past K up to Kp. A k pair's sixteen words at once (the rows of x are
+ * contiguous in m), then a 16 x 16 word transpose into the rows: bf16_bits, so the bits of
+ * prepare_row's. */
+static void bf16_rows_kmajor(ft_lp_rows *r, const float *x, int64_t ld, int64_t K, int64_t m0) {
+    const int64_t ldw = r->lda / 4, full = K / 2;
+    uint32_t *d = (uint32_t *)(r->data + m0 * r->lda);
+    uint32_t t[FT_LP_GATHER][FT_LP_GATHER];   /* [group][row] */
+    int64_t g0 = 0;
+    for (; g0 + FT_LP_GATHER <= full; g0 += FT_LP_GATHER) {
+        for (int q = 0; q < FT_LP_GATHER; q++) {
+            const float *k0 = x + 2 * (g0 + q) * ld + m0, *k1 = k0 + ld;
+#pragma omp simd
+            for (int j = 0; j < FT_LP_GATHER; j++) t[q][j] = (uint32_t)bf16_bits(k0[j]) | (uint32_t)bf16_bits(k1[j]) << 16;
+        }
+        for (int j = 0; j < FT_LP_GATHER; j++)
+            for (int q = 0; q < FT_LP_GATHER; q++) d[j * ldw + g0 + q] = t[q][j];
+    }
+    for (int64_t g = g0; g < ldw; g++)   /* the last groups: fewer than 16, a last odd k, K's padding */
+        for (int j = 0; j < FT_LP_GATHER; j++) {
+            const int64_t k0 = 2 * g, k1 = k0 + 1;
+            d[j * ldw + g] = bf16_pair(x, k0 * ld + m0 + j, k1 * ld + m0 + j, k0 < K, k1 < K);
+        }
+}
+
 void ft_lp_prepare_rows(const ft_lp_kernel *kl, ft_lp_rows *r, const float *x, int64_t ld, int kmajor, int64_t M,
                         int64_t K, int64_t r0, int64_t r1, float *tmp) {
     for (int64_t m0 = r0; m0 < r1; m0 += FT_LP_GATHER) {
         const int64_t m1 = m0 + FT_LP_GATHER < r1 ? m0 + FT_LP_GATHER : r1, real = m1 < M ? m1 : M;
+        if (kl->wt == FT_BF16 && kmajor && real - m0 == FT_LP_GATHER) {
+            bf16_rows_kmajor(r, x, ld, K, m0);
+            continue;
+        }
         if (kmajor && m0 < real)   /* a transposed operand: FT_LP_GATHER rows at a time, a cache line per k */
             for (int64_t k = 0; k < K; k++)
                 for (int64_t m = m0; m < real; m++) tmp[(m - m0) * K + k] = x[k * ld + m];
