@@ -268,6 +268,7 @@ def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False)
     for ax, row in zip(axes[0], rows):
         s = row["summary"]
@@ -282,10 +283,13 @@ def plot(rows, path):
                         label=f"transformers Trainer, all layers, lr {lr}, bf16 autocast")
         if "target" in s:
             ax.axhline(s["target"], color="k", lw=0.6, ls=":")
-        for i, (k, (_, curves)) in enumerate(row["fasttran"].items()):
+        ks = sorted({int(k) for r in rows for k in r["fasttran"]})   # one colour per k across the panels
+        for k, (_, curves) in row["fasttran"].items():
             for j, c in enumerate(curves.values()):
-                ax.plot(*zip(*c), ".-", color=f"C{i}", alpha=0.7, label=f"fasttran k={k}" if j == 0 else None)
+                ax.plot(*zip(*c), ".-", color=f"C{ks.index(int(k))}", alpha=0.7,
+                        label=f"fasttran k={k}" if j == 0 else None)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # decades only: no crowded labels
         ax.set_title(f"{row['task']} ({row['metric']} x 100)")
         ax.set_xlabel("seconds (training, cache build included)")
         h, lab = ax.get_legend_handles_labels()
