@@ -376,6 +376,16 @@ void ft_lp_pack_panel_i8(const ft_lp_kernel *kl, uint8_t *packed, const int8_t *
 static inline uint32_t bf16_pair(const float *w, int64_t i0, int64_t i1, int ok0, int ok1) {
     return (uint32_t)(ok0 ? bf16_bits(w[i0]) : 0) | (uint32_t)(ok1 ? bf16_bits(w[i1]) : 0) << 16;
 }
+/* sixteen words: d[j] = bf16(lo[j]) | bf16(hi[j]) << 16 (a k pair of sixteen contiguous columns or rows) */
+static inline void bf16_words16(uint32_t *d, const float *lo, const float *hi) {
+#pragma omp simd
+    for (int j = 0; j < 16; j++) d[j] = (uint32_t)bf16_bits(lo[j]) | (uint32_t)bf16_bits(hi[j]) << 16;
+}
+/* dst[a * ld + b] = t[b][a]: a 16 x 16 block of words put in place transposed */
+static inline void put_transposed16(uint32_t *dst, int64_t ld, const uint32_t t[16][16]) {
+    for (int a = 0; a < 16; a++)
+        for (int b = 0; b < 16; b++) dst[a * ld + b] = t[b][a];
+}
 
 void ft_lp_pack_panel_bf16(const ft_lp_kernel *kl, uint8_t *packed, const float *w, int64_t ld, int kmajor, int64_t N,
                            int64_t K, int64_t p) {
@@ -383,16 +393,11 @@ void ft_lp_pack_panel_bf16(const ft_lp_kernel *kl, uint8_t *packed, const float 
     uint32_t *dst = (uint32_t *)(packed + (size_t)p * L.panel_bytes);
     const int64_t c0 = p * FT_LP_PANEL, nc = N - c0 < FT_LP_PANEL ? N - c0 : FT_LP_PANEL;
     const int64_t full = nc == FT_LP_PANEL ? K / 2 : 0;   /* groups with both k and every column real */
+    int64_t g0 = 0;                                         /* the groups from here go element by element */
     if (kmajor) {
-        for (int64_t g = 0; g < full; g++) {
-            const float *r0 = w + 2 * g * ld + c0, *r1 = r0 + ld;
-            uint32_t *d = dst + g * FT_LP_PANEL;
-#pragma omp simd
-            for (int j = 0; j < FT_LP_PANEL; j++) d[j] = (uint32_t)bf16_bits(r0[j]) | (uint32_t)bf16_bits(r1[j]) << 16;
-        }
+        for (; g0 < full; g0++) bf16_words16(dst + g0 * FT_LP_PANEL, w + 2 * g0 * ld + c0, w + (2 * g0 + 1) * ld + c0);
     } else {
         uint32_t t[FT_LP_PANEL][FT_LP_PANEL];   /* [column][group] */
-        int64_t g0 = 0;
         for (; g0 + FT_LP_PANEL <= full; g0 += FT_LP_PANEL) {
             for (int j = 0; j < FT_LP_PANEL; j++) {
                 const float *row = w + (c0 + j) * ld + 2 * g0;
@@ -400,16 +405,10 @@ void ft_lp_pack_panel_bf16(const ft_lp_kernel *kl, uint8_t *packed, const float 
                 for (int q = 0; q < FT_LP_PANEL; q++)
                     t[j][q] = (uint32_t)bf16_bits(row[2 * q]) | (uint32_t)bf16_bits(row[2 * q + 1]) << 16;
             }
-            for (int q = 0; q < FT_LP_PANEL; q++)
-                for (int j = 0; j < FT_LP_PANEL; j++) dst[(g0 + q) * FT_LP_PANEL + j] = t[j][q];
+            put_transposed16(dst + g0 * FT_LP_PANEL, FT_LP_PANEL, t);
         }
-        for (int64_t g = g0; g < full; g++)
-            for (int j = 0; j < FT_LP_PANEL; j++) {
-                const float *row = w + (c0 + j) * ld;
-                dst[g * FT_LP_PANEL + j] = (uint32_t)bf16_bits(row[2 * g]) | (uint32_t)bf16_bits(row[2 * g + 1]) << 16;
-            }
     }
-    for (int64_t g = full; g < L.groups; g++)   /* the edges: a last odd k, K's padding, columns past N */
+    for (int64_t g = g0; g < L.groups; g++)   /* the rest: under 16 groups, a last odd k, K's padding, columns past N */
         for (int j = 0; j < FT_LP_PANEL; j++) {
             const int64_t col = c0 + j, k0 = 2 * g, k1 = k0 + 1;
             const int ok = col < N;
@@ -500,13 +499,9 @@ static void bf16_rows_kmajor(ft_lp_rows *r, const float *x, int64_t ld, int64_t 
     uint32_t t[FT_LP_GATHER][FT_LP_GATHER];   /* [group][row] */
     int64_t g0 = 0;
     for (; g0 + FT_LP_GATHER <= full; g0 += FT_LP_GATHER) {
-        for (int q = 0; q < FT_LP_GATHER; q++) {
-            const float *k0 = x + 2 * (g0 + q) * ld + m0, *k1 = k0 + ld;
-#pragma omp simd
-            for (int j = 0; j < FT_LP_GATHER; j++) t[q][j] = (uint32_t)bf16_bits(k0[j]) | (uint32_t)bf16_bits(k1[j]) << 16;
-        }
-        for (int j = 0; j < FT_LP_GATHER; j++)
-            for (int q = 0; q < FT_LP_GATHER; q++) d[j * ldw + g0 + q] = t[q][j];
+        for (int q = 0; q < FT_LP_GATHER; q++)
+            bf16_words16(t[q], x + 2 * (g0 + q) * ld + m0, x + (2 * (g0 + q) + 1) * ld + m0);
+        put_transposed16(d + g0, ldw, t);
     }
     for (int64_t g = g0; g < ldw; g++)   /* the last groups: fewer than 16, a last odd k, K's padding */
         for (int j = 0; j < FT_LP_GATHER; j++) {

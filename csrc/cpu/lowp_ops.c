@@ -31,15 +31,12 @@ static void scratch_free(void *v) {
 }
 static void scratch_make_key(void) { pthread_key_create(&scratch_key, scratch_free); }
 
-/* slot's buffer of at least `bytes` (64-byte aligned), or NULL; *owned = 1 when the caller frees it
- * (larger than SCRATCH_KEEP) */
-static void *thread_scratch(int slot, size_t bytes, int *owned) {
+/* slot's buffer of at least `bytes` (64-byte aligned), or NULL; *to_free: what the caller frees
+ * after use (the buffer when larger than SCRATCH_KEEP, else NULL) */
+static void *thread_scratch(int slot, size_t bytes, void **to_free) {
     bytes = (bytes + 63) & ~(size_t)63;
-    *owned = 0;
-    if (bytes > SCRATCH_KEEP) {
-        *owned = 1;
-        return aligned_alloc(64, bytes);
-    }
+    *to_free = NULL;
+    if (bytes > SCRATCH_KEEP) return *to_free = aligned_alloc(64, bytes);
     pthread_once(&scratch_once, scratch_make_key);
     scratch_buf *b = pthread_getspecific(scratch_key);
     if (!b) {
@@ -135,10 +132,8 @@ ft_status cpu_pack_weight_bf16(ft_backend *be, void *packed, const float *w, int
 /* the prepared rows of x (M, K) (line-major, row stride ld, or k-major) in the calling thread's
  * scratch, rows in parallel */
 static ft_status prepare(const ft_lp_kernel *kl, ft_lp_rows *r, const float *x, int64_t ld, int kmajor, int64_t M,
-                         int64_t K, void **owned_mem) {
-    int owned;
-    void *mem = thread_scratch(SCRATCH_ROWS, ft_lp_rows_bytes(kl, M, K), &owned);
-    *owned_mem = owned ? mem : NULL;
+                         int64_t K, void **to_free) {
+    void *mem = thread_scratch(SCRATCH_ROWS, ft_lp_rows_bytes(kl, M, K), to_free);
     if (!mem) return ft_error(FT_ERR_NOMEM, "out of memory for the prepared rows of a %lld x %lld product", (long long)M,
                               (long long)K);
     ft_lp_rows_init(r, kl, mem, M, K);
@@ -170,8 +165,8 @@ ft_status cpu_gemm_i8(ft_backend *be, int32_t *C, const uint8_t *A, const int32_
     if (lda < K || ldc < N) return ft_error(FT_ERR_INVALID_ARGUMENT, "gemm_i8: lda %lld < K %lld or ldc %lld < N %lld",
                                             (long long)lda, (long long)K, (long long)ldc, (long long)N);
     ft_lp_rows r;
-    int owned;
-    void *mem = thread_scratch(SCRATCH_ROWS, ft_lp_rows_bytes(kl, M, K), &owned);
+    void *to_free;
+    void *mem = thread_scratch(SCRATCH_ROWS, ft_lp_rows_bytes(kl, M, K), &to_free);
     if (!mem) return ft_error(FT_ERR_NOMEM, "out of memory for gemm_i8's rows");
     ft_lp_rows_init(&r, kl, mem, M, K);
     /* the given u8 rows into the kernel's layout (u8, or widened to int16), scale 1 */
@@ -191,7 +186,7 @@ ft_status cpu_gemm_i8(ft_backend *be, int32_t *C, const uint8_t *A, const int32_
         }
     }
     const ft_status st = ft_cpu_lp_product(kl, &r, w_packed, M, K, N, C, ldc, NULL, -1, NULL, NULL, NULL, 0.0f, 1);
-    if (owned) free(mem);
+    free(to_free);
     return st;
 }
 
@@ -204,10 +199,10 @@ static ft_status linear_lp(ft_dtype wt, const char *op, float *out, const float 
     FT_TRY(check_k(kl, K, op));
     if (M <= 0 || N <= 0) return FT_OK;
     ft_lp_rows r;
-    void *owned = NULL;
-    ft_status st = prepare(kl, &r, x, K, 0, M, K, &owned);
+    void *to_free;
+    ft_status st = prepare(kl, &r, x, K, 0, M, K, &to_free);
     if (st == FT_OK) st = ft_cpu_lp_product(kl, &r, w_packed, M, K, N, out, N, bias, act, residual, gamma, beta, eps, 0);
-    free(owned);
+    free(to_free);
     return st;
 }
 
@@ -267,15 +262,15 @@ ft_status ft_cpu_bf16_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64
     const ft_lp_kernel *kl = ft_lp_kernel_for(FT_BF16);
     const ft_lp_layout lay = ft_lp_layout_of(kl, N, K);
     const int direct = alpha == 1.0f && beta == 0.0f;
-    int wp_owned = 0, t_owned = 0;
-    void *wp = thread_scratch(SCRATCH_PACKED, lay.bytes, &wp_owned), *rows_owned = NULL;
-    float *t = direct ? C : thread_scratch(SCRATCH_PRODUCT, (size_t)M * (size_t)N * sizeof(float), &t_owned);
+    void *wp_free, *t_free = NULL, *rows_free = NULL;
+    void *wp = thread_scratch(SCRATCH_PACKED, lay.bytes, &wp_free);
+    float *t = direct ? C : thread_scratch(SCRATCH_PRODUCT, (size_t)M * (size_t)N * sizeof(float), &t_free);
     ft_status st = wp && t ? FT_OK : ft_error(FT_ERR_NOMEM, "out of memory for a %lld x %lld x %lld bf16 product",
                                               (long long)M, (long long)N, (long long)K);
     /* op(B)^T (N, K): B's rows when transposed (line-major), else its columns (k-major) */
     if (st == FT_OK) pack_bf16(kl, wp, B, ldb, !trans_b, N, K);
     ft_lp_rows r;
-    if (st == FT_OK) st = prepare(kl, &r, A, lda, trans_a, M, K, &rows_owned);
+    if (st == FT_OK) st = prepare(kl, &r, A, lda, trans_a, M, K, &rows_free);
     if (st == FT_OK) st = ft_cpu_lp_product(kl, &r, wp, M, K, N, t, direct ? ldc : N, NULL, -1, NULL, NULL, NULL, 0.0f, 0);
     if (st == FT_OK && !direct) {
 #pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (M * N > 65536)
@@ -283,8 +278,8 @@ ft_status ft_cpu_bf16_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64
             for (int64_t n = 0; n < N; n++)
                 C[m * ldc + n] = beta == 0.0f ? alpha * t[m * N + n] : alpha * t[m * N + n] + beta * C[m * ldc + n];
     }
-    free(rows_owned);
-    if (wp_owned) free(wp);
-    if (t_owned) free(t);
+    free(rows_free);
+    free(wp_free);
+    free(t_free);
     return st;
 }
