@@ -192,6 +192,8 @@ def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
     kw = dict(epochs=args.epochs, train_layers=k, show_progress=False, optimizer=args.optimizer)
     if args.eps is not None:
         kw["eps"] = args.eps
+    if args.embedding_dropout is not None:
+        kw["embedding_dropout"] = args.embedding_dropout
     precision = args.precision or fasttran.trainer.finetune_precision(k)   # a head alone: float32
     if precision != "float32":
         kw["precision"] = precision
@@ -312,6 +314,9 @@ def main():
                          "bf16 mixed precision where the CPU has AVX512_BF16, else float32)")
     ap.add_argument("--eps", type=float, default=None,
                     help="fasttran's optimizer eps (default: the Trainer's); the reference's is torch AdamW's 1e-8")
+    ap.add_argument("--embedding-dropout", type=float, default=None,
+                    help="fasttran's dropout on the embeddings' output at k = L, as the reference's embeddings drop "
+                         "theirs (an ablation; default the Trainer's, 0)")
     ap.add_argument("--ref-bf16", action="store_true",
                     help="the reference in bf16 mixed precision (TrainingArguments(bf16=True): torch's autocast)")
     ap.add_argument("--ref-frozen-embeddings", action="store_true",
@@ -337,6 +342,8 @@ def main():
             "ref_lrs": args.ref_lrs, "ref_bf16": args.ref_bf16,
             "ref_frozen_embeddings": args.ref_frozen_embeddings, "ks": ks, "optimizer": args.optimizer,
             "eps": args.eps if args.eps is not None else fasttran.Trainer().eps,
+            "embedding_dropout": (args.embedding_dropout if args.embedding_dropout is not None
+                                  else fasttran.Trainer().embedding_dropout),
             "precision": args.precision or f"finetune's ({fasttran.trainer.finetune_precision(1)} for k > 0)",
             "torch": torch.__version__, "transformers": transformers.__version__,
             "fasttran": fasttran.__version__, "command": " ".join(sys.argv)}

@@ -81,6 +81,10 @@ class Architecture:
     #: the config's (hidden, attention) dropout keys, and their value when absent (training encoder layers)
     dropout_keys: tuple = ("hidden_dropout_prob", "attention_probs_dropout_prob")
     dropout_default: float = 0.1
+    #: the config's key of the dropout on the embeddings' output -- the first layer's input, which is what
+    #: the cache holds when every layer trains; None where the rows fasttran caches come after a projection
+    #: that follows the dropout (ELECTRA's embeddings_project)
+    embedding_dropout_key: str = "hidden_dropout_prob"
 
     def unsupported(self):
         """Why the C encoder cannot run this architecture ([] when it can)."""
@@ -276,6 +280,7 @@ ARCHITECTURES = (
                  config_keys={"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
                               "intermediate_size": "hidden_dim", "hidden_act": "activation"},
                  defaults={"num_hidden_layers": 6}, fixed={"layer_norm_eps": 1e-12, "type_vocab_size": 0},
+                 dropout_keys=("dropout", "attention_dropout"), embedding_dropout_key="dropout",
                  layer_prefix="transformer.layer.", prefixes=("distilbert.", ""),
                  # DistilBertFor{SequenceClassification,MultipleChoice}: pre_classifier + ReLU + classifier on CLS
                 heads={layout: {"bert.pooler.dense.weight": "pre_classifier.weight",
@@ -297,6 +302,7 @@ ARCHITECTURES = (
                         "output.LayerNorm.weight": "output_layer_norm.weight",
                         "output.LayerNorm.bias": "output_layer_norm.bias"}),
     Architecture("electra", ("electra",), "ElectraModel", embedding_projection=True, pooler=False,
+                 embedding_dropout_key=None,
                  defaults={"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024,
                            "embedding_size": 128}, prefixes=("electra.", ""),
                  # ElectraClassificationHead: dense + GELU + out_proj on CLS; ElectraForMultipleChoice: its
@@ -320,6 +326,7 @@ ARCHITECTURES = (
                  defaults={"vocab_size": 50368, "num_hidden_layers": 22, "intermediate_size": 1152,
                            "max_position_embeddings": 8192, "pad_token_id": 50283, "layer_norm_eps": 1e-5},
                  fixed={"type_vocab_size": 0}, dropout_keys=("mlp_dropout", "attention_dropout"), dropout_default=0.0,
+                 embedding_dropout_key="embedding_dropout",
                  # ModernBertFor*: ModernBertPredictionHead (dense [classifier_bias] + classifier_activation +
                 # LayerNorm without bias) on the pooled state (classifier_pooling) or on every token, then classifier
                 heads={layout: {"bert.pooler.dense.weight": "head.dense.weight", "bert.pooler.dense.bias": "head.dense.bias",

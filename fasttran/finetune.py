@@ -40,7 +40,7 @@ class TopLayers:
 
     def __init__(self, encoder, k, device=None, hidden_dropout=None, attention_dropout=None, inplace_gelu=None,
                  inplace_layernorm=None, recompute_attention_dropout=True, matmul_precision="float32",
-                 recompute_attention_probs=False, extra=0, shared_grads=False):
+                 recompute_attention_probs=False, extra=0, shared_grads=False, embedding_dropout=0.0):
         """k: how many of the top layers to train (1..L). device: where to train ('cpu', 'cuda:N';
         default the encoder's). Dropout defaults to the checkpoint's (hidden_dropout_prob,
         attention_probs_dropout_prob). Tempo's options (each leaves the gradients unchanged up to fp32
@@ -51,6 +51,14 @@ class TopLayers:
         GELU costs more CPU time than the memory is worth there). Pre-LN layers (ModernBERT) have
         neither in-place option (off by default there; asking for one is refused) and no dropout
         (their checkpoints' default 0; asking for more is refused).
+        embedding_dropout: when every layer trains (k = L), the layers' input is the embeddings' output,
+        which transformers drops before the first layer (hidden_dropout_prob; DistilBERT's dropout,
+        ModernBERT's embedding_dropout): the stack drops its input with this probability in training
+        steps; None: the checkpoint's. Default 0, the embeddings' output undropped: with the
+        checkpoint's 0.1, fine-tuning every layer of all-MiniLM-L6-v2 scored no better on MRPC or
+        CoLA (three seeds each; benchmarks/RESULTS.md section 12). Below k = L the input comes from
+        frozen layers, which run without dropout, and it is 0; so it is for ELECTRA, whose dropout
+        comes before the embeddings' projection and so before the rows fasttran keeps.
         recompute_attention_probs (FlashAttention's: the attention probabilities, NH n^2 floats per
         sequence of n tokens, are not kept; each row's softmax maximum and 1/sum are, 2 floats per
         row and head, and the backward recomputes the probabilities from Q and K: at 512 tokens a
@@ -82,6 +90,10 @@ class TopLayers:
             (("hidden_dropout_prob", "attention_probs_dropout_prob"), 0.1)
         hidden_dropout = float(raw.get(keys[0], default) if hidden_dropout is None else hidden_dropout)
         attention_dropout = float(raw.get(keys[1], default) if attention_dropout is None else attention_dropout)
+        emb_key = arch.embedding_dropout_key if arch is not None else "hidden_dropout_prob"
+        if embedding_dropout is None:
+            embedding_dropout = raw.get(emb_key, default) if emb_key else 0.0
+        embedding_dropout = float(embedding_dropout) if int(k) == L and emb_key else 0.0
         pre_ln = arch is not None and arch.norm == "pre"   # Tempo's in-place options are post-LN layers'
         if inplace_gelu is None:
             inplace_gelu = device.is_cuda and not pre_ln
@@ -96,9 +108,12 @@ class TopLayers:
         self.options = dict(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                             inplace_gelu=bool(inplace_gelu), inplace_layernorm=bool(inplace_layernorm),
                             recompute_attention_dropout=bool(recompute_attention_dropout),
-                            recompute_attention_probs=bool(recompute_attention_probs))
+                            recompute_attention_probs=bool(recompute_attention_probs),
+                            embedding_dropout=embedding_dropout)
         self.hidden_size = encoder.config["hidden_size"]
-        self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, device.index, **self.options,
+        stack_opts = dict(self.options)   # (the C stack's name: it drops its input, whatever that is)
+        stack_opts["input_dropout"] = stack_opts.pop("embedding_dropout")
+        self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, device.index, **stack_opts,
                                     matmul_precision=dict(_C.DTYPES)[matmul_precision], extra=int(extra),
                                     shared_grads=bool(shared_grads))
         self._table, self.num_params = self._stack.tensors()
@@ -236,5 +251,7 @@ class TopLayers:
         opts = ", ".join(k for k in MEMORY_OPTIONS if self.options[k])
         return (f"TopLayers(layers {self.first_layer}..{self.num_layers - 1} of {self.num_layers}, "
                 f"{self.num_params / 1e6:.1f}M params, {self.device}, dropout {self.options['hidden_dropout']}/"
-                f"{self.options['attention_dropout']}, tempo: {opts or 'off'}"
+                f"{self.options['attention_dropout']}"
+                + (f" (embeddings' {self.options['embedding_dropout']})" if self.options['embedding_dropout'] else "")
+                + f", tempo: {opts or 'off'}"
                 + (f", {self.matmul_precision} products" if self.matmul_precision != "float32" else "") + ")")

@@ -265,7 +265,8 @@ class Trainer:
     `train_layers=k` also trains the encoder's top k layers, from a cache of layer L - k
     (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls" for the sequence heads (token
     and QA heads take every token's state); `layer_dropout` is their hidden and attention dropout
-    (None: the checkpoint's), `dropout` the head's; `tempo` switches Tempo's memory options and
+    (None: the checkpoint's), `embedding_dropout` (every layer trained) the first layer's input's, as
+    transformers drops the embeddings' output (default 0; None: the checkpoint's), `dropout` the head's; `tempo` switches Tempo's memory options and
     FlashAttention's recomputed probabilities (see fasttran.finetune.TopLayers; e.g.
     tempo={"recompute_attention_probs": True} for long sequences). `precision="bfloat16"` (with
     train_layers; on CUDA, or on a CPU with AVX512_BF16 or AMX) trains the layers in mixed precision:
@@ -287,7 +288,7 @@ class Trainer:
                  warmup=None, epochs=None, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
                  tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction="auto",
-                 head_lr=None, layer_lr_decay=None):
+                 head_lr=None, layer_lr_decay=None, embedding_dropout=0.0):
         if isinstance(head, str):
             if head not in TASKS:
                 raise InputError(f"unknown head {head!r}; choose one of {sorted(TASKS)} or pass a head object")
@@ -300,10 +301,11 @@ class Trainer:
                              f"got {train_layers!r}")
         if pooling not in ("mean", "cls"):
             raise InputError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
-        if layer_dropout is not None and (isinstance(layer_dropout, bool) or not isinstance(layer_dropout, (int, float))
-                                          or not 0.0 <= layer_dropout < 1.0):
-            raise InputError(f"layer_dropout must be a probability in [0, 1) (or None for the checkpoint's "
-                             f"hidden/attention dropout), got {layer_dropout!r}")
+        for name, p in (("layer_dropout", layer_dropout), ("embedding_dropout", embedding_dropout)):
+            if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0):
+                raise InputError(f"{name} must be a probability in [0, 1) (or None for the checkpoint's "
+                                 f"{'hidden/attention' if name == 'layer_dropout' else 'embeddings'} dropout), "
+                                 f"got {p!r}")
         tempo = dict(tempo or {})
         unknown = set(tempo) - set(_TEMPO)
         if unknown:
@@ -374,6 +376,7 @@ class Trainer:
         self.show_progress = True if show_progress is None else bool(show_progress)
         self.train_layers, self.pooling, self.tempo = int(train_layers), pooling, tempo
         self.layer_dropout = None if layer_dropout is None else float(layer_dropout)
+        self.embedding_dropout = None if embedding_dropout is None else float(embedding_dropout)
         self.precision = precision
         self.reduction = reduction or Reduction()
         # float16 products: dynamic loss scaling (PyTorch GradScaler's rule): [scale, steps since the
@@ -431,6 +434,7 @@ class Trainer:
             drop = {} if self.layer_dropout is None else dict(hidden_dropout=self.layer_dropout,
                                                               attention_dropout=self.layer_dropout)
             self.top = TopLayers(self._encoder, self.train_layers, device=self.device, **drop, **self.tempo,
+                                 embedding_dropout=self.embedding_dropout,
                                  matmul_precision=self.precision, extra=self.head.num_parameters,
                                  shared_grads=getattr(self.reduction, "shared_grads", False))
             if ckpt.get("layers") is not None:
@@ -1292,7 +1296,7 @@ class Trainer:
                 "max_grad_norm": self.max_grad_norm, "betas": list(self.betas), "eps": self.eps,
                 "train_layers": self.train_layers, "pooling": self.pooling, "tempo": self.tempo,
                 "layer_dropout": self.layer_dropout, "precision": self.precision, "head_lr": self.head_lr,
-                "layer_lr_decay": self.layer_lr_decay}
+                "layer_lr_decay": self.layer_lr_decay, "embedding_dropout": self.embedding_dropout}
 
     def save(self, path):
         """Write head weights and optimizer state (safetensors) and the trainer state (JSON),

@@ -110,7 +110,8 @@ def test_compressed_copy_keeps_its_structure_through_files(small_path, tmp_path)
 def test_significance_recorder_switches_on_off_and_on(small_path):
     enc = fasttran.Encoder.from_pretrained(small_path)
     L, C = enc.num_layers, enc.hidden_size
-    top = TopLayers(enc, L, hidden_dropout=0.0, attention_dropout=0.0, inplace_gelu=False, inplace_layernorm=False)
+    top = TopLayers(enc, L, hidden_dropout=0.0, attention_dropout=0.0, embedding_dropout=0.0, inplace_gelu=False,
+                    inplace_layernorm=False)
     rng = np.random.default_rng(0)
     lengths = np.array([5, 3, 7], np.int32)
     x = rng.standard_normal((lengths.sum(), C)).astype(np.float32)

@@ -40,14 +40,17 @@ def minilm(minilm_dir):
     return enc, ref
 
 
-def torch_layers(ref, first, count, x, lengths, p_hidden=0.0, p_attn=0.0, seed=0, step=0):
-    """The layers in float64 autograd, written out so fasttran's dropout masks can be applied."""
+def torch_layers(ref, first, count, x, lengths, p_hidden=0.0, p_attn=0.0, seed=0, step=0, p_input=0.0):
+    """The layers in float64 autograd, written out so fasttran's dropout masks can be applied
+    (p_input: the stack's input dropout, site 15)."""
     cfg = ref.config
     C, NH = cfg.hidden_size, cfg.num_attention_heads
     hs = C // NH
     N = x.shape[0]
     P = NH * sum(n * n for n in lengths)
     h = x
+    if p_input:
+        h = h * torch.from_numpy(keep_mask(seed, step, 15, N * C, p_input)).reshape(N, C) / (1 - p_input)
     for layer in range(first, first + count):
         L = ref.encoder.layer[layer]
         sites = [16 + layer * 3 + s for s in range(3)]   # after the heads' sites 0..15
@@ -165,6 +168,37 @@ def test_dropout_masks_reproduced_in_torch_give_the_same_gradients(minilm, devic
     # the masks really dropped something: without dropout the output differs
     out0, _, _, _ = run_fasttran(enc, L - 2, 2, x, LENGTHS, dout, device)
     assert np.abs(out - out0).max() > 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_input_dropout_is_the_embeddings_dropout(minilm, device):
+    """input_dropout drops the stack's input (at layer 0: the embeddings' output, as BERT's embeddings
+    do after their LayerNorm) with the masks of site 15; the gradients, d x included (through the
+    same mask), equal autograd's with those masks, and evaluation's forward drops nothing."""
+    enc, ref = minilm
+    x, dout = inputs(enc, 0, seed=2)
+    drop = dict(hidden_dropout=0.1, attention_dropout=0.1)
+    out, g, dx, st = run_fasttran(enc, 0, 2, x, LENGTHS, dout, device, input_dropout=0.25, **drop)
+    out_r, g_r, dx_r = reference(ref, 0, 2, x, LENGTHS, dout, p_hidden=0.1, p_attn=0.1, p_input=0.25)
+    assert np.abs(out - out_r).max() <= 1e-4
+    check_grads(g, g_r, 1e-4)
+    assert rel(dx, dx_r) <= 1e-4
+    assert (dx == 0).mean() >= 0.2   # the dropped inputs have no gradient
+    without, _, _, _ = run_fasttran(enc, 0, 2, x, LENGTHS, dout, device, **drop)
+    assert np.abs(out - without).max() > 1e-2
+    # evaluation: no dropout anywhere, the same output as a stack without it
+    lens = np.asarray(LENGTHS, np.int32)
+    to = (lambda a: fasttran.from_dlpack(a).to("cuda")) if device >= 0 else (lambda a: a)
+    as_np = (lambda t: t.numpy()) if device >= 0 else np.asarray
+    e1, e2 = to(np.zeros_like(x)), to(np.zeros_like(x))
+    st.forward(to(x), lens, e1, training=False)
+    _C.LayerStack(enc._core, 0, 2, device).forward(to(x), lens, e2, training=False)
+    assert np.array_equal(as_np(e1), as_np(e2))
+    # its copy of the input counts in the memory report
+    other = _C.LayerStack(enc._core, 0, 2, device, **drop)
+    assert st.memory(4, 16)["activations"]["input"] == 2 * other.memory(4, 16)["activations"]["input"]
+    with pytest.raises(fasttran.InputError, match="input"):
+        _C.LayerStack(enc._core, 0, 1, device, input_dropout=1.0)
 
 
 TEMPO = ["inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "recompute_attention_probs"]

@@ -323,3 +323,36 @@ def test_qa_head_trains_the_top_layers(enc, qa_data, tmp_path):
         assert np.abs(np.where(np.isinf(lg), 0, lg - ref[:, j, :n])).max() <= 1e-4
     # stopped after 5 steps, saved, reloaded, continued: the same layers and head
     assert_resumes_exactly(tr, qa(), cache, spans, tmp_path)
+
+
+def test_embedding_dropout_at_every_layer(enc, data, tmp_path):
+    """With every layer trained the layers' input is the embeddings' output, which transformers drops
+    (hidden_dropout_prob): embedding_dropout does the same there (None: the checkpoint's), never below
+    k = L; default 0. ELECTRA (dropout before its embedding projection) has none to apply. The
+    Trainer's value reaches the layers and survives save / load."""
+    from fasttran.architectures import BY_MODEL_TYPE
+    from fasttran.finetune import TopLayers
+    L = enc.num_layers
+    assert TopLayers(enc, L).options["embedding_dropout"] == 0.0
+    every = TopLayers(enc, L, embedding_dropout=None)
+    assert every.options["embedding_dropout"] == pytest.approx(0.1) and "embeddings' 0.1" in repr(every)
+    assert TopLayers(enc, L - 1, embedding_dropout=0.3).options["embedding_dropout"] == 0.0
+    assert TopLayers(enc, L, embedding_dropout=0.3).options["embedding_dropout"] == pytest.approx(0.3)
+    assert BY_MODEL_TYPE["electra"].embedding_dropout_key is None
+    assert BY_MODEL_TYPE["distilbert"].embedding_dropout_key == "dropout"
+    with pytest.raises(fasttran.InputError, match="dropout"):
+        TopLayers(enc, L, embedding_dropout=1.0)
+    with pytest.raises(fasttran.InputError, match="embedding_dropout"):
+        trainer(L, embedding_dropout=1.5)
+    y = data[3]
+    cache = Trainer("classification", train_layers=L, show_progress=False).cache_for(enc, *data[:3],
+                                                                                       show_progress=False)
+    runs = {}
+    for p in (0.0, None):
+        t = trainer(L, embedding_dropout=p)
+        t.fit(cache, y, stop_at_step=1, checkpoint_dir=str(tmp_path / f"ck{p}"))
+        assert t.top.options["embedding_dropout"] == pytest.approx(0.1 if p is None else 0.0)
+        runs[p] = [g.copy() for _, g in t.top.named_parameters()]
+    assert any(not np.array_equal(a, b) for a, b in zip(runs[0.0], runs[None]))   # the masks changed the step
+    back = Trainer.load(str(tmp_path / "ckNone"), show_progress=False)
+    assert back.embedding_dropout is None

@@ -727,6 +727,9 @@ typedef struct {
      * (mixed precision: float32 storage, master weights and sums; half-precision products on
      * tensor cores; softmax, its statistics and dropout in float32). */
     ft_dtype matmul_precision;
+    /* dropout on the stack's input x in training (0: none): where the stack starts at layer 0 and x
+     * is the embeddings' output, the dropout BERT applies after the embeddings' LayerNorm */
+    float input_dropout;
 } ft_layer_options;
 
 /* kinds of saved activations (ft_layer_memory.activations), names in ft_layer_act_kind_names */
@@ -764,8 +767,8 @@ float *ft_layer_stack_params(ft_layer_stack *s);                       /* device
 float *ft_layer_stack_grads(ft_layer_stack *s);                        /* device memory */
 /* out (N, C) = the layers applied to x (N, C): B sequences of lengths[b] rows packed one after
  * another (lengths: host memory), x and out in the stack's device memory. training != 0 keeps what
- * the backward needs (x must stay valid until then) and applies dropout with masks from (seed,
- * step, layer, site), element indices counted from where the batch starts in its global batch:
+ * the backward needs (x must stay valid until then) and applies dropout (input_dropout on x, then
+ * each layer's) with masks from (seed, step, layer, site), element indices counted from where the batch starts in its global batch:
  * row_base rows and sq_base = the sum of n^2 over the sequences before it (hidden states from
  * row_base C, attention probabilities from NH sq_base), so that a
  * slice of a global batch draws the masks the whole batch would (data-parallel training); 0, 0

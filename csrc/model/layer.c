@@ -47,14 +47,20 @@ static int inplace_act_ok(ft_activation act) {
     return act == FT_ACT_GELU_ERF || act == FT_ACT_GELU_TANH || act == FT_ACT_RELU;
 }
 
-/* sites 0..15 belong to the heads (train/head.c); layer l's sites follow. A mask element is
+/* sites 0..14 belong to the heads (train/head.c), 15 to the stack's input; layer l's sites follow. A mask element is
  * keep(key, index), so counting the indices from the batch's place in its global batch is adding
  * that place to the key: probabilities from NH sq_base (sq_base = the sum of n^2 over the global
  * batch's sequences before this one), hidden states from row_base C. */
+enum { SITE_STACK_INPUT = 15 };   /* the stack's input (input_dropout): the last of the heads' range, unused there */
 static uint64_t site_key(const ft_layer_batch *bt, int64_t layer, int site) {
     const uint64_t base = site == SITE_ATTN_PROBS ? bt->sq_base * (uint64_t)bt->cfg->num_heads
                                                   : bt->row_base * (uint64_t)bt->cfg->hidden_size;
     return ft_dropout_key(bt->seed, bt->step, 16 + (uint64_t)layer * SITES + (uint64_t)site) + base;
+}
+
+/* the stack input's dropout (input_dropout): its rows counted from row_base, as the hidden states' */
+static uint64_t input_key(const ft_layer_batch *bt) {
+    return ft_dropout_key(bt->seed, bt->step, SITE_STACK_INPUT) + bt->row_base * (uint64_t)bt->cfg->hidden_size;
 }
 
 void ft_layer_acts_sizes(const ft_bert_config *cfg, const ft_layer_options *opt, const ft_layer_shape *sh, int64_t N,
@@ -434,10 +440,10 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     if (pre && (!e->cfg.no_bias || !e->cfg.gated_ffn))   /* ModernBERT's layers: bias-free, GeGLU */
         return ft_error(FT_ERR_UNSUPPORTED, "training pre-LN encoder layers needs ModernBERT's layer: no biases and a "
                         "gated FFN (this config has %s)", !e->cfg.no_bias ? "biases" : "an ungated FFN");
-    if (pre && opt && (opt->hidden_dropout > 0.0f || opt->attention_dropout > 0.0f))
-        return ft_error(FT_ERR_UNSUPPORTED, "training pre-LN encoder layers (ModernBERT) supports no dropout: hidden "
-                        "and attention dropout must be 0, got %g and %g", opt ? (double)opt->hidden_dropout : 0.0,
-                        opt ? (double)opt->attention_dropout : 0.0);
+    if (pre && opt && (opt->hidden_dropout > 0.0f || opt->attention_dropout > 0.0f || opt->input_dropout > 0.0f))
+        return ft_error(FT_ERR_UNSUPPORTED, "training pre-LN encoder layers (ModernBERT) supports no dropout: hidden, "
+                        "attention and input dropout must be 0, got %g, %g and %g", (double)opt->hidden_dropout,
+                        (double)opt->attention_dropout, (double)opt->input_dropout);
     if (pre && opt && (opt->inplace_gelu || opt->inplace_layernorm))
         return ft_error(FT_ERR_UNSUPPORTED, "training pre-LN encoder layers (ModernBERT): Tempo's in-place %s is not "
                         "supported; turn it off", opt->inplace_gelu ? "GELU (inplace_gelu)" : "LayerNorm (inplace_layernorm)");
@@ -450,9 +456,11 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
                         (long long)first, (long long)(first + count), (long long)L);
     if (!opt) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack: no options");
     if (!(opt->hidden_dropout >= 0.0f && opt->hidden_dropout < 1.0f) ||
-        !(opt->attention_dropout >= 0.0f && opt->attention_dropout < 1.0f))
-        return ft_error(FT_ERR_INVALID_ARGUMENT, "dropout probabilities must be in [0, 1), got %g and %g",
-                        (double)opt->hidden_dropout, (double)opt->attention_dropout);
+        !(opt->attention_dropout >= 0.0f && opt->attention_dropout < 1.0f) ||
+        !(opt->input_dropout >= 0.0f && opt->input_dropout < 1.0f))
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "dropout probabilities must be in [0, 1), got %g (hidden), %g "
+                        "(attention) and %g (input)", (double)opt->hidden_dropout, (double)opt->attention_dropout,
+                        (double)opt->input_dropout);
     if (opt->matmul_precision != FT_F32 && opt->matmul_precision != FT_BF16 && opt->matmul_precision != FT_F16)
         return ft_error(FT_ERR_INVALID_ARGUMENT, "the layers' matmul precision must be float32, bfloat16 or float16, "
                         "got %s", ft_dtype_name(opt->matmul_precision));
@@ -599,6 +607,7 @@ static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, int sh
     size_t sizes[FT_LAYER_ACT_KINDS];
     const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4;
     ARENA_BEGIN(nc);
+    TAKE(s->acts[0].x_dropped, float *, !shared && s->opt.input_dropout > 0.0f ? nc : 0);
     for (int64_t l = 0; l < s->count; l++) {
         ft_layer_acts *a = &s->acts[l];
         if (shared) o = slot;
@@ -729,7 +738,7 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     ft_layer_options inference = s->opt;
     if (!training) {   /* evaluation and predictions: no dropout, and float32 products whatever the training's
                         * matmul_precision -- the weights as the exported float32 model computes with them */
-        inference.hidden_dropout = inference.attention_dropout = 0.0f;
+        inference.hidden_dropout = inference.attention_dropout = inference.input_dropout = 0.0f;
         inference.matmul_precision = FT_F32;
     }
     s->batch = (ft_layer_batch){&s->cfg, training ? &s->opt : NULL, N, B, P, s->seqs, seed, step, row_base, sq_base};
@@ -737,6 +746,10 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     bt.opt = training ? &s->opt : &inference;
     if (training)   /* the recorder's rows of this batch, filled by the backward (none: 0 bytes) */
         FT_TRY(grow(s, (void **)&s->rec.rows, &s->rec_bytes, (size_t)N * (size_t)s->rec.ld * sizeof(float)));
+    if (training && s->opt.input_dropout > 0.0f) {   /* the stack's input dropped (BERT's embeddings' dropout) */
+        FT_TRY(s->be->dropout(s->be, s->acts[0].x_dropped, x, N * C, s->opt.input_dropout, input_key(&bt)));
+        x = s->acts[0].x_dropped;
+    }
     for (int64_t l = 0; l < s->count; l++) {
         s->acts[l].x = l ? s->acts[l - 1].out : x;
         FT_TRY(s->forward_train(s->be, &bt, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work));
@@ -768,7 +781,10 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
         }
     }
     if (loss_scale != 1.0f && dx) FT_TRY(s->be->scale(s->be, s->work.g, N * C, 1.0f / loss_scale));
-    if (dx) FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
+    if (dx && s->opt.input_dropout > 0.0f)   /* through the input's dropout: the same mask and scale */
+        FT_TRY(s->be->dropout(s->be, dx, s->work.g, N * C, s->opt.input_dropout, input_key(&s->batch)));
+    else if (dx)
+        FT_TRY(s->be->copy(s->be, dx, s->work.g, (size_t)N * (size_t)C * sizeof(float)));
     s->ready = 0;
     s->sig_valid = 1;
     return s->be->synchronize(s->be);
@@ -825,7 +841,9 @@ ft_status ft_layer_stack_memory(const ft_layer_stack *s, const ft_layer_options 
         ft_layer_acts_sizes(&s->cfg, opt, &s->shape[l], N, P, sizes);
         for (int k = 0; k < FT_LAYER_ACT_KINDS; k++) m->activations[k] += sizes[k];
     }
-    m->activations[ACT_INPUT] = (size_t)N * (size_t)s->cfg.hidden_size * sizeof(float);
+    /* the caller's rows, and their copy after input_dropout */
+    m->activations[ACT_INPUT] = (size_t)(1 + (opt->input_dropout > 0.0f)) * (size_t)N * (size_t)s->cfg.hidden_size *
+                                sizeof(float);
     m->weights = m->gradients = (s->n_params + s->extra) * sizeof(float);   /* the head's floats after the layers too */
     ft_layer_work wk;
     m->workspace = work_layout(s, B, N, T, &wk, NULL);

@@ -48,6 +48,8 @@ typedef struct {
     float *mlp_in;       /* (N, C)   the MLP norm's output */
     float *res_out;      /* (N, C)   with a final norm: the residual stream it normalises (else NULL) */
     float *fin_stats;    /* (N, 2)   the final norm's statistics */
+    float *x_dropped;    /* (N, C)   the bottom layer's only: the stack's input after input_dropout, in
+                          *          training (else NULL); its x points here then */
 } ft_layer_acts;
 
 /* the per-step buffers that nothing keeps between forward and backward */

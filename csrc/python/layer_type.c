@@ -73,19 +73,19 @@ static void *buffer(LayerStack *self, PyObject *o, const char *what, ft_dtype dt
 static int LayerStack_init(LayerStack *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"encoder", "first", "count", "device_index", "hidden_dropout", "attention_dropout",
                              "inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "matmul_precision",
-                             "recompute_attention_probs", "extra", "shared_grads", NULL};
+                             "recompute_attention_probs", "extra", "shared_grads", "input_dropout", NULL};
     PyObject *enc_o;
     long long first, count, extra = 0;
     int device_index = -1, ig = 0, il = 0, rd = 1, prec = FT_F32, rp = 0, shared = 0;
-    float hp = 0.0f, ap = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffpppipLp", kwlist, &enc_o, &first, &count, &device_index, &hp,
-                                     &ap, &ig, &il, &rd, &prec, &rp, &extra, &shared))
+    float hp = 0.0f, ap = 0.0f, ip = 0.0f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffpppipLpf", kwlist, &enc_o, &first, &count, &device_index, &hp,
+                                     &ap, &ig, &il, &rd, &prec, &rp, &extra, &shared, &ip))
         return -1;
     if (extra < 0) { ft_py_fail(ft_errors.input, "extra must be >= 0, got %lld", extra); return -1; }
     ft_encoder *enc = ft_py_encoder_of(enc_o);
     if (!enc) return -1;
     if (self->stack) { ft_py_fail(ft_errors.base, "LayerStack is already initialised"); return -1; }
-    ft_layer_options opt = {hp, ap, ig, il, rd, rp, (ft_dtype)prec};
+    ft_layer_options opt = {hp, ap, ig, il, rd, rp, (ft_dtype)prec, ip};
     ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
     shared = ft_py_shared_grads(shared);
     ft_status st;
@@ -371,7 +371,8 @@ static PyType_Slot LayerStack_slots[] = {
     {Py_tp_doc, "LayerStack(encoder, first, count, device_index=-1, hidden_dropout=0, attention_dropout=0, "
                 "inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=True, matmul_precision=0 (ft_dtype), "
                 "recompute_attention_probs=False, extra=0 (floats after the layers in params/grads: a task head's room), "
-                "shared_grads=False (the gradients in shared memory: a data-parallel rank's))"},
+                "shared_grads=False (the gradients in shared memory: a data-parallel rank's), "
+                "input_dropout=0 (dropout on the stack's input in training: at layer 0, the embeddings'))"},
     {0, NULL}};
 
 static PyType_Spec LayerStack_spec = {"fasttran._C.LayerStack", sizeof(LayerStack), 0, Py_TPFLAGS_DEFAULT,

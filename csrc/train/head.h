@@ -5,7 +5,8 @@
 #define FT_TRAIN_HEAD_H
 #include "backend.h"
 
-enum { HEAD_SITE_INPUT = 0, HEAD_SITE_HIDDEN = 1 };   /* dropout sites 0..15 belong to the heads */
+enum { HEAD_SITE_INPUT = 0, HEAD_SITE_HIDDEN = 1 };   /* dropout sites 0..14: the heads'; 15: a layer
+                                                         * stack's input (model/layer.c) */
 
 /* whether a head training with dropout (`drop`) drops its input: always without a dense layer; with
  * one (`dense`), only where the architecture's class does (cfg->dense_input_dropout: RoBERTa's and

@@ -143,8 +143,8 @@ def gradient_scores(model, data, group, batch_size=32, show_progress=True):
         raise UnsupportedError("gradient significance runs on the CPU encoder")
     from ..finetune import TopLayers
     L = model.num_layers
-    stack = TopLayers(model.encoder, L, device="cpu", hidden_dropout=0.0, attention_dropout=0.0, inplace_gelu=False,
-                      inplace_layernorm=False, recompute_attention_dropout=True)
+    stack = TopLayers(model.encoder, L, device="cpu", hidden_dropout=0.0, attention_dropout=0.0, embedding_dropout=0.0,
+                      inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=True)
     stack.record_significance(group)
     s = model.structure
     H, G = sum(s["layer_heads"]), sum(n // group for n in s["layer_intermediate"])
