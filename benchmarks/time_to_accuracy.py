@@ -16,7 +16,9 @@ The reference: transformers' `Trainer` fine-tuning every layer, the standard rec
 learning rate of --ref-lrs, --epochs epochs, batch 32, 10% linear warm-up then linear decay, weight
 decay 0.01, dynamic padding, float32 (--ref-bf16: torch's bf16 autocast, TrainingArguments(bf16=True))
 -- with AutoModelFor{SequenceClassification, TokenClassification,
-QuestionAnswering}. Its best lr is the one with the best mean (over seeds) of its best epoch.
+QuestionAnswering}. Its best lr is the one with the best mean of its best epoch over the seeds
+every lr ran (the sweep's: seed 0 where one lr has more); its score, the mean over all of that lr's
+seeds.
 
 fasttran: `Trainer(task, train_layers=k, optimizer=--optimizer, precision=--precision)` at its
 defaults otherwise, as `fasttran finetune --train-layers k` trains it (the optimizer and precision by
@@ -224,8 +226,10 @@ def first_time(curve, target):
 def summarize(row):
     ref = {lr: c for lr, c in row.get("reference", {}).items() if c}   # learning rates with finished runs
     out = {}
-    if ref:
-        best_lr = max(ref, key=lambda lr: np.mean([max(v for _, v in c) for c in ref[lr].values()]))
+    if ref:   # the best lr on the seeds every lr ran (the sweep's), its score over all of its seeds
+        common = set.intersection(*(set(c) for c in ref.values()))
+        best_lr = max(ref, key=lambda lr: np.mean([max(v for _, v in c) for s, c in ref[lr].items()
+                                                   if s in common or not common]))
         rbest = float(np.mean([max(v for _, v in c) for c in ref[best_lr].values()]))
         target = rbest - 1.0
         rt = [first_time(c, target) for c in ref[best_lr].values()]
@@ -246,6 +250,9 @@ def summarize(row):
             if c:
                 out[f"{key}_best"] = {**out.get(f"{key}_best", {}),
                                       lr: float(np.mean([max(v for _, v in x) for x in c.values()]))}
+    for name, per_k in row.get("fasttran_ablations", {}).items():   # fasttran's ablations: each k's mean best
+        out.setdefault("fasttran_ablations_best", {})[name] = {
+            k: float(np.mean([max(v for _, v in c) for c in curves.values()])) for k, (_, curves) in per_k.items()}
     for k, (build, curves) in row["fasttran"].items():
         best = float(np.mean([max(v for _, v in c) for c in curves.values()]))
         d = {"best": best, "cache_build_s": build, "total_s": float(np.mean([c[-1][0] for c in curves.values()]))}
