@@ -266,8 +266,8 @@ class Trainer:
     (`trainer.cache_for(encoder, ...)`), with `pooling` "mean" or "cls" for the sequence heads (token
     and QA heads take every token's state); `layer_dropout` is their hidden and attention dropout
     (None: the checkpoint's), `embedding_dropout` (every layer trained) the first layer's input's, as
-    transformers drops the embeddings' output (default 0; None: the checkpoint's), `dropout` the head's; `tempo` switches Tempo's memory options and
-    FlashAttention's recomputed probabilities (see fasttran.finetune.TopLayers; e.g.
+    transformers drops the embeddings' output (default 0; None: the checkpoint's), `dropout` the
+    head's; `tempo` switches Tempo's memory options and FlashAttention's recomputed probabilities (see fasttran.finetune.TopLayers; e.g.
     tempo={"recompute_attention_probs": True} for long sequences). `precision="bfloat16"` (with
     train_layers; on CUDA, or on a CPU with AVX512_BF16 or AMX) trains the layers in mixed precision:
     float32 storage, master weights and sums, the projections' products in bf16 on tensor cores /
@@ -301,11 +301,11 @@ class Trainer:
                              f"got {train_layers!r}")
         if pooling not in ("mean", "cls"):
             raise InputError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
-        for name, p in (("layer_dropout", layer_dropout), ("embedding_dropout", embedding_dropout)):
+        for name, p, whose in (("layer_dropout", layer_dropout, "hidden/attention"),
+                               ("embedding_dropout", embedding_dropout, "embeddings'")):
             if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0):
-                raise InputError(f"{name} must be a probability in [0, 1) (or None for the checkpoint's "
-                                 f"{'hidden/attention' if name == 'layer_dropout' else 'embeddings'} dropout), "
-                                 f"got {p!r}")
+                raise InputError(f"{name} must be a probability in [0, 1) (or None for the checkpoint's {whose} "
+                                 f"dropout), got {p!r}")
         tempo = dict(tempo or {})
         unknown = set(tempo) - set(_TEMPO)
         if unknown:

@@ -53,7 +53,7 @@ def torch_layers(ref, first, count, x, lengths, p_hidden=0.0, p_attn=0.0, seed=0
         h = h * torch.from_numpy(keep_mask(seed, step, 15, N * C, p_input)).reshape(N, C) / (1 - p_input)
     for layer in range(first, first + count):
         L = ref.encoder.layer[layer]
-        sites = [16 + layer * 3 + s for s in range(3)]   # after the heads' sites 0..15
+        sites = [16 + layer * 3 + s for s in range(3)]   # after the heads' sites 0..14 and the input's 15
         pm = torch.from_numpy(keep_mask(seed, step, sites[0], P, p_attn)) if p_attn else None
         m1 = torch.from_numpy(keep_mask(seed, step, sites[1], N * C, p_hidden)).reshape(N, C) if p_hidden else None
         m2 = torch.from_numpy(keep_mask(seed, step, sites[2], N * C, p_hidden)).reshape(N, C) if p_hidden else None
@@ -81,10 +81,17 @@ def torch_layers(ref, first, count, x, lengths, p_hidden=0.0, p_attn=0.0, seed=0
     return h
 
 
+def on_device(device):
+    """(to the stack's device, back to NumPy) for device -1 (the CPU) or a CUDA index"""
+    if device >= 0:
+        return (lambda a: fasttran.from_dlpack(a).to("cuda")), (lambda t: t.numpy())
+    return (lambda a: a), np.asarray
+
+
 def run_fasttran(enc, first, count, x, lengths, dout, device=-1, **opt):
     st = _C.LayerStack(enc._core, first, count, device, **opt)
     lens = np.asarray(lengths, np.int32)
-    to = (lambda a: fasttran.from_dlpack(a).to("cuda")) if device >= 0 else (lambda a: a)
+    to, as_np = on_device(device)
     xd, out = to(x), to(np.zeros_like(x))
     training = dict(training=True, seed=11, step=3)
     st.forward(xd, lens, out, **training)
@@ -93,7 +100,6 @@ def run_fasttran(enc, first, count, x, lengths, dout, device=-1, **opt):
     names, total = st.tensors()
     grads = np.asarray(st.grads.numpy() if device >= 0 else st.grads)
     g = {n: grads[o:o + int(np.prod(s))].reshape(s) for n, s, o in names}
-    as_np = (lambda t: t.numpy()) if device >= 0 else np.asarray
     return as_np(out), g, as_np(dx), st
 
 
@@ -188,8 +194,7 @@ def test_input_dropout_is_the_embeddings_dropout(minilm, device):
     assert np.abs(out - without).max() > 1e-2
     # evaluation: no dropout anywhere, the same output as a stack without it
     lens = np.asarray(LENGTHS, np.int32)
-    to = (lambda a: fasttran.from_dlpack(a).to("cuda")) if device >= 0 else (lambda a: a)
-    as_np = (lambda t: t.numpy()) if device >= 0 else np.asarray
+    to, as_np = on_device(device)
     e1, e2 = to(np.zeros_like(x)), to(np.zeros_like(x))
     st.forward(to(x), lens, e1, training=False)
     _C.LayerStack(enc._core, 0, 2, device).forward(to(x), lens, e2, training=False)

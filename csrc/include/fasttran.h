@@ -768,8 +768,8 @@ float *ft_layer_stack_grads(ft_layer_stack *s);                        /* device
 /* out (N, C) = the layers applied to x (N, C): B sequences of lengths[b] rows packed one after
  * another (lengths: host memory), x and out in the stack's device memory. training != 0 keeps what
  * the backward needs (x must stay valid until then) and applies dropout (input_dropout on x, then
- * each layer's) with masks from (seed, step, layer, site), element indices counted from where the batch starts in its global batch:
- * row_base rows and sq_base = the sum of n^2 over the sequences before it (hidden states from
+ * each layer's) with masks from (seed, step, layer, site), element indices counted from where the
+ * batch starts in its global batch: row_base rows and sq_base = the sum of n^2 over the sequences before it (hidden states from
  * row_base C, attention probabilities from NH sq_base), so that a
  * slice of a global batch draws the masks the whole batch would (data-parallel training); 0, 0
  * for a whole batch. */

@@ -47,11 +47,10 @@ static int inplace_act_ok(ft_activation act) {
     return act == FT_ACT_GELU_ERF || act == FT_ACT_GELU_TANH || act == FT_ACT_RELU;
 }
 
-/* sites 0..14 belong to the heads (train/head.c), 15 to the stack's input; layer l's sites follow. A mask element is
- * keep(key, index), so counting the indices from the batch's place in its global batch is adding
+/* sites 0..14 belong to the heads (train/head.c), 15 to the stack's input (input_key); layer l's
+ * sites follow. A mask element is keep(key, index), so counting the indices from the batch's place in its global batch is adding
  * that place to the key: probabilities from NH sq_base (sq_base = the sum of n^2 over the global
  * batch's sequences before this one), hidden states from row_base C. */
-enum { SITE_STACK_INPUT = 15 };   /* the stack's input (input_dropout): the last of the heads' range, unused there */
 static uint64_t site_key(const ft_layer_batch *bt, int64_t layer, int site) {
     const uint64_t base = site == SITE_ATTN_PROBS ? bt->sq_base * (uint64_t)bt->cfg->num_heads
                                                   : bt->row_base * (uint64_t)bt->cfg->hidden_size;
@@ -59,6 +58,7 @@ static uint64_t site_key(const ft_layer_batch *bt, int64_t layer, int site) {
 }
 
 /* the stack input's dropout (input_dropout): its rows counted from row_base, as the hidden states' */
+enum { SITE_STACK_INPUT = 15 };
 static uint64_t input_key(const ft_layer_batch *bt) {
     return ft_dropout_key(bt->seed, bt->step, SITE_STACK_INPUT) + bt->row_base * (uint64_t)bt->cfg->hidden_size;
 }
