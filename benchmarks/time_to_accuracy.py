@@ -196,6 +196,8 @@ def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
         kw["eps"] = args.eps
     if args.embedding_dropout is not None:
         kw["embedding_dropout"] = args.embedding_dropout
+    if args.train_embeddings is not None and k == enc.num_layers:
+        kw["train_embeddings"] = args.train_embeddings
     precision = args.precision or fasttran.trainer.finetune_precision(k)   # a head alone: float32
     if precision != "float32":
         kw["precision"] = precision
@@ -324,6 +326,8 @@ def main():
     ap.add_argument("--embedding-dropout", type=float, default=None,
                     help="fasttran's dropout on the embeddings' output at k = L, as the reference's embeddings drop "
                          "theirs (an ablation; default the Trainer's, 0)")
+    ap.add_argument("--train-embeddings", type=int, choices=[0, 1], default=None,
+                    help="fasttran at k = L: train the embeddings too (1) or not (0); default: the Trainer's")
     ap.add_argument("--ref-bf16", action="store_true",
                     help="the reference in bf16 mixed precision (TrainingArguments(bf16=True): torch's autocast)")
     ap.add_argument("--ref-frozen-embeddings", action="store_true",
@@ -335,7 +339,18 @@ def main():
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--json", default=out_path("last_time_to_accuracy.json"))
     ap.add_argument("--plot", default=out_path("time_to_accuracy.png"))
+    ap.add_argument("--merge", nargs="+", metavar="PART", default=None,
+                    help="run nothing: fold these earlier runs' JSON files into --json and remake its plot")
+    ap.add_argument("--note", default=None, help="with --merge: when and beside what the parts ran")
+    ap.add_argument("--ablation", default=None, help="with --merge: file the parts' fasttran runs as this ablation")
     args = ap.parse_args()
+    if args.merge:
+        meta, rows = merge(args.json, args.merge, args.note, args.ablation)
+        _save(args.json, meta, rows)
+        if args.plot:
+            plot(rows, args.plot)
+        print(f"merged {len(args.merge)} file(s) into {args.json}" + (f"; plot: {args.plot}" if args.plot else ""))
+        return
     import fasttran
     import torch
     import transformers
@@ -351,6 +366,8 @@ def main():
             "eps": args.eps if args.eps is not None else fasttran.Trainer().eps,
             "embedding_dropout": (args.embedding_dropout if args.embedding_dropout is not None
                                   else fasttran.Trainer().embedding_dropout),
+            "train_embeddings": (bool(args.train_embeddings) if args.train_embeddings is not None
+                                 else fasttran.Trainer().train_embeddings),
             "precision": args.precision or f"finetune's ({fasttran.trainer.finetune_precision(1)} for k > 0)",
             "torch": torch.__version__, "transformers": transformers.__version__,
             "fasttran": fasttran.__version__, "command": " ".join(sys.argv)}
@@ -403,6 +420,53 @@ def main():
     if args.plot:
         plot(rows, args.plot)
         print("plot:", args.plot)
+
+
+def merge(into, parts, note=None, ablation=None):
+    """Fold the runs of earlier invocations' JSON files (`parts`) into the table at `into`: each run
+    adds its seeds' curves beside those already there (fasttran's per k, the reference's per lr and
+    variant), a seed run again replacing its old curve; its meta and load averages are kept, with
+    `note` (when and beside what it ran), and `ablation` files its fasttran runs under
+    fasttran_ablations[ablation] instead. Summaries and the plot are remade from the whole."""
+    if os.path.exists(into):
+        with open(into) as f:
+            table = json.load(f)
+        meta = table["meta"] if isinstance(table["meta"], list) else [table["meta"]]
+        rows = table["rows"]
+    else:
+        meta, rows = [], []
+    by_task = {r["task"]: r for r in rows}
+    for part in parts:
+        with open(part) as f:
+            d = json.load(f)
+        for m in d["meta"] if isinstance(d["meta"], list) else [dict(d["meta"], file=os.path.basename(part))]:
+            meta.append(dict(m, note=note) if note else m)
+        for prow in d["rows"]:
+            row = by_task.get(prow["task"])
+            if row is None:
+                row = {k: prow[k] for k in ("task", "metric", "train", "dev")}
+                row.update(fasttran={}, reference={})
+                by_task[prow["task"]] = row
+                rows.append(row)
+            if (row["train"], row["dev"]) != (prow["train"], prow["dev"]):
+                raise SystemExit(f"{part}: {prow['task']} ran on {prow['train']} / {prow['dev']} examples, the "
+                                 f"table's on {row['train']} / {row['dev']}: not the same task")
+            if "finetune_default_k" in prow:
+                row["finetune_default_k"] = prow["finetune_default_k"]
+            row.setdefault("runs", []).extend(prow.get("runs") or [{
+                "file": os.path.basename(part), "load_avg_before": prow.get("load_avg_before"),
+                "load_avg_after": prow.get("load_avg_after")}])
+            ft = row.setdefault("fasttran_ablations", {}).setdefault(ablation, {}) if ablation else row["fasttran"]
+            for k, (build, curves) in prow["fasttran"].items():
+                ft.setdefault(k, [build, {}])[1].update(curves)
+            for name, per_k in ({} if ablation else prow.get("fasttran_ablations", {})).items():
+                for k, (build, curves) in per_k.items():
+                    row.setdefault("fasttran_ablations", {}).setdefault(name, {}).setdefault(k, [build, {}])[1].update(curves)
+            for key in ("reference", "reference_bf16", "reference_frozen_embeddings"):
+                for lr, curves in prow.get(key, {}).items():
+                    if curves:
+                        row.setdefault(key, {}).setdefault(lr, {}).update(curves)
+    return meta, rows
 
 
 def _save(path, meta, rows):

@@ -10,7 +10,7 @@
 #define FT_BACKEND_H
 #include "fasttran.h"
 
-#define FT_BACKEND_ABI 15
+#define FT_BACKEND_ABI 16
 
 typedef struct ft_backend ft_backend;
 
@@ -229,6 +229,23 @@ typedef struct {
                                   const float *residual, const float *y, const float *bias,         \
                                   const float *gamma, const float *beta, int64_t N, int64_t C,      \
                                   float eps, float p, uint64_t key), (be, out, ln_in, stats, residual, y, bias, gamma, beta, N, C, eps, p, key))                                \
+    /* the embeddings trained (ft_layer_options.train_embeddings): sum (N, C) row r = word[ids[r]] \
+     * + type[types[r]] + pos[positions[r]] (embed_ln_forward's terms, order and NULLs: type NULL, \
+     * no type term; types NULL, type row 0; pos NULL, no position term), kept for the backward;   \
+     * out (N, C) = its LayerNorm (embed_ln_forward's bits), stats (N, 2) = (mean, rstd); beta    \
+     * NULL: no bias */                                                                            \
+    X(embed_train_forward, (ft_backend *be, float *out, float *sum, float *stats, const int32_t *ids, \
+                            const int32_t *types, const int32_t *positions, const float *word,      \
+                            const float *pos, const float *type, const float *gamma,                \
+                            const float *beta, int64_t N, int64_t C, float eps), (be, out, sum, stats, ids, types, positions, word, pos, type, gamma, beta, N, C, eps)) \
+    /* embed_train_forward's tables' gradients from dsum (N, C), overwritten: dword (n_word, C)   \
+     * row i = the sum of the rows r of dsum with ids[r] = i, in order of r (0 where none), and   \
+     * likewise dpos (n_pos, C) by positions and dtype (n_type, C) by types (types NULL: row 0);  \
+     * dpos / dtype NULL: skipped. The order of the sums never depends on the threads. */         \
+    X(embed_backward, (ft_backend *be, float *dword, float *dpos, float *dtype, const float *dsum,   \
+                       const int32_t *ids, const int32_t *types, const int32_t *positions,          \
+                       int64_t N, int64_t C, int64_t n_word, int64_t n_pos, int64_t n_type),        \
+      (be, dword, dpos, dtype, dsum, ids, types, positions, N, C, n_word, n_pos, n_type))          \
     /* dx (N, C) = the LayerNorm backward of dy; dgamma, dbeta (C) overwritten. saved: the        \
      * LayerNorm input (saved_is_output = 0), or its output (1: Tempo's in-place LayerNorm, the   \
      * normalised input recovered as (out - beta) / gamma). dx may alias dy. */                   \

@@ -29,6 +29,16 @@ def mean_rows(out, offsets):
     return pooled
 
 
+def _int32_rows(a, N, what):
+    """a host int32 (N,) array of token ids or types (a check here; their ranges are checked in C)"""
+    a = np.asarray(a)
+    if a.shape != (N,) or not np.issubdtype(a.dtype, np.integer):
+        raise InputError(f"{what} must be {N} integers (one per row), got shape {a.shape} dtype {a.dtype}")
+    if a.size and (a.min() < -2**31 or a.max() >= 2**31):
+        raise InputError(f"{what} holds values out of int32's range")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
 _MATMUL_PRECISIONS = ("float32", "bfloat16", "float16")
 #: the options that change what a training step keeps (Tempo's three and FlashAttention's)
 MEMORY_OPTIONS = ("inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "recompute_attention_probs")
@@ -40,7 +50,8 @@ class TopLayers:
 
     def __init__(self, encoder, k, device=None, hidden_dropout=None, attention_dropout=None, inplace_gelu=None,
                  inplace_layernorm=None, recompute_attention_dropout=True, matmul_precision="float32",
-                 recompute_attention_probs=False, extra=0, shared_grads=False, embedding_dropout=0.0):
+                 recompute_attention_probs=False, extra=0, shared_grads=False, embedding_dropout=0.0,
+                 train_embeddings=False):
         """k: how many of the top layers to train (1..L). device: where to train ('cpu', 'cuda:N';
         default the encoder's). Dropout defaults to the checkpoint's (hidden_dropout_prob,
         attention_probs_dropout_prob). Tempo's options (each leaves the gradients unchanged up to fp32
@@ -77,7 +88,13 @@ class TopLayers:
         extra: floats of room after the layers in the parameter and gradient buffers, for a task head
         (fasttran.model.Model keeps layers and head in one flat table). shared_grads: the gradient
         buffer in memory the other processes of this machine can map (a data-parallel rank's, whose
-        reduction sums the ranks' tables in place: fasttran.distributed.DataParallel)."""
+        reduction sums the ranks' tables in place: fasttran.distributed.DataParallel).
+        train_embeddings (k = L only): the embeddings train too -- the word, position and token-type
+        tables and their LayerNorm, first in `params` / `named_parameters()` -- as transformers trains
+        them when it fine-tunes every layer; the layers' input is then the rows' token ids
+        (`forward(None, lengths, ids=..., types=...)`), not the embeddings' output. The tables'
+        gradients are dense (every row, 0 where no token of the batch reads it), as torch's
+        nn.Embedding gives them to AdamW. Not for an embeddings' projection (ELECTRA-small)."""
         L = encoder.num_layers
         arch = getattr(encoder, "architecture", None)
         if arch is not None:
@@ -94,6 +111,9 @@ class TopLayers:
         if embedding_dropout is None:
             embedding_dropout = raw.get(emb_key, default) if emb_key else 0.0
         embedding_dropout = float(embedding_dropout) if int(k) == L and emb_key else 0.0
+        if train_embeddings and int(k) != L:
+            raise InputError(f"train_embeddings needs every layer trained (k = {L}), got k = {k}: the embeddings "
+                             f"feed layer 0, and below it the cache holds frozen layers' output")
         pre_ln = arch is not None and arch.norm == "pre"   # Tempo's in-place options are post-LN layers'
         if inplace_gelu is None:
             inplace_gelu = device.is_cuda and not pre_ln
@@ -109,10 +129,11 @@ class TopLayers:
                             inplace_gelu=bool(inplace_gelu), inplace_layernorm=bool(inplace_layernorm),
                             recompute_attention_dropout=bool(recompute_attention_dropout),
                             recompute_attention_probs=bool(recompute_attention_probs),
-                            embedding_dropout=embedding_dropout)
+                            embedding_dropout=embedding_dropout, train_embeddings=bool(train_embeddings))
         self.hidden_size = encoder.config["hidden_size"]
         stack_opts = dict(self.options)   # (the C stack's name: it drops its input, whatever that is)
         stack_opts["input_dropout"] = stack_opts.pop("embedding_dropout")
+        self.train_embeddings = bool(train_embeddings)
         self._stack = _C.LayerStack(encoder._core, self.first_layer, self.k, device.index, **stack_opts,
                                     matmul_precision=dict(_C.DTYPES)[matmul_precision], extra=int(extra),
                                     shared_grads=bool(shared_grads))
@@ -145,21 +166,33 @@ class TopLayers:
         """an uninitialised float32 buffer on the layers' device"""
         return self.device.empty(shape)
 
-    def forward(self, x, lengths, training=False, seed=0, step=0, out=None, row_base=0, sq_base=0):
+    def forward(self, x, lengths, training=False, seed=0, step=0, out=None, row_base=0, sq_base=0, ids=None,
+                types=None):
         """out (N, C) = the layers on x (N, C): the rows of len(lengths) sequences packed one after
         another (lengths[b] rows each). training=True keeps what backward() needs (x must not change
         until then) and applies dropout with masks from (seed, step, layer, site). `out`: a buffer
         on the layers' device to write into (default: a new one). row_base, sq_base: where the batch
         starts in its global batch (rows, and the sum of n^2 of the sequences before it), so that a
-        slice of a global batch draws its dropout masks (data-parallel training)."""
+        slice of a global batch draws its dropout masks (data-parallel training). With
+        train_embeddings: x None and the rows' token ids and types (N each, packed as x would be;
+        types None: 0) instead."""
         lengths = np.ascontiguousarray(lengths, dtype=np.int32)
         if lengths.ndim != 1 or len(lengths) == 0:
             raise InputError("lengths must be a non-empty 1-d array of sequence lengths")
-        x = self._buffer(x, "x")
         N = int(lengths.sum())
+        if self.train_embeddings != (ids is not None) or (ids is not None and x is not None):
+            raise InputError("these layers train the embeddings: give the rows' token ids (x None), not x"
+                             if self.train_embeddings else
+                             "these layers take the embeddings' output x; token ids are for train_embeddings=True")
+        tokens = {}
+        if ids is not None:
+            tokens["ids"] = _int32_rows(ids, N, "ids")
+            tokens["types"] = None if types is None else _int32_rows(types, N, "types")
+        else:
+            x = self._buffer(x, "x")
         out = self._empty((N, self.hidden_size)) if out is None else out
         self._stack.forward(x, lengths, out, training=bool(training), seed=int(seed), step=int(step),
-                            row_base=int(row_base), sq_base=int(sq_base))
+                            row_base=int(row_base), sq_base=int(sq_base), **tokens)
         # the backward reads x: keep it alive (a NumPy x for CUDA layers is a temporary device copy)
         self._saved_x = x if training else None
         return out
@@ -253,5 +286,6 @@ class TopLayers:
                 f"{self.num_params / 1e6:.1f}M params, {self.device}, dropout {self.options['hidden_dropout']}/"
                 f"{self.options['attention_dropout']}"
                 + (f" (embeddings' {self.options['embedding_dropout']})" if self.options['embedding_dropout'] else "")
+                + (", embeddings trained" if self.train_embeddings else "")
                 + f", tempo: {opts or 'off'}"
                 + (f", {self.matmul_precision} products" if self.matmul_precision != "float32" else "") + ")")

@@ -32,6 +32,15 @@ def rows_of(batch):
     return batch, np.ones(batch.shape[0], np.int32)
 
 
+def _tokens(tokens):
+    """step / forward's keywords for the rows as tokens: (ids, types) -> host int32 arrays"""
+    if tokens is None:
+        return {}
+    ids, types = tokens
+    return {"ids": np.ascontiguousarray(ids, np.int32),
+            "types": None if types is None else np.ascontiguousarray(types, np.int32)}
+
+
 class Model:
     """A task head on frozen features, or on top layers trained with it (`layers`: a TopLayers made
     with `extra=head.num_parameters`, on the same device). shared_grads: the gradient table in
@@ -89,15 +98,16 @@ class Model:
         return np.empty(n, np.float32)
 
     def step(self, x, lengths, targets, valid=None, denominator=0.0, seed=0, step=0, place=(0, 0, 0), loss_scale=1.0,
-             ready=None):
+             ready=None, tokens=None):
         """Forward with dropout, loss and every gradient (into `grads`) for one batch. `denominator`:
         the loss terms of the global batch (0: this batch's); `place`: (rows, examples, sum of n^2) of
         the global batch before this slice (dropout masks); `ready(bucket)` is called as each gradient
-        bucket is final. Returns (loss, logits (host, the head's layout))."""
+        bucket is final. Layers that train the embeddings take the rows as `tokens` = (ids, types),
+        host int32 (N,) each, and x None. Returns (loss, logits (host, the head's layout))."""
         logits = self._logits(lengths)
         loss = self._core.step(x, lengths, targets, valid, denominator=float(denominator), seed=int(seed),
                                step=int(step), row_base=int(place[0]), seq_base=int(place[1]), sq_base=int(place[2]),
-                               loss_scale=float(loss_scale), logits=logits, ready=ready)
+                               loss_scale=float(loss_scale), logits=logits, ready=ready, **_tokens(tokens))
         return loss, logits
 
     def idle(self, ready=None):
@@ -106,10 +116,10 @@ class Model:
         processes pair up. Returns the loss's share, 0."""
         return self._core.idle(ready)
 
-    def forward(self, x, lengths, valid=None):
-        """the logits (host) of one batch, no dropout"""
+    def forward(self, x, lengths, valid=None, tokens=None):
+        """the logits (host) of one batch, no dropout (tokens: as step's)"""
         logits = self._logits(lengths)
-        self._core.forward(x, lengths, logits, valid)
+        self._core.forward(x, lengths, logits, valid, **_tokens(tokens))
         return logits
 
     def allocated(self):

@@ -267,7 +267,9 @@ class Trainer:
     and QA heads take every token's state); `layer_dropout` is their hidden and attention dropout
     (None: the checkpoint's), `embedding_dropout` (every layer trained) the first layer's input's, as
     transformers drops the embeddings' output (default 0; None: the checkpoint's), `dropout` the
-    head's; `tempo` switches Tempo's memory options and FlashAttention's recomputed probabilities (see fasttran.finetune.TopLayers; e.g.
+    head's; `train_embeddings=True` (every layer trained) trains the embeddings too -- the word,
+    position and type tables and their LayerNorm, as transformers' full fine-tuning does -- from the
+    cache's token ids, in layer 0's lr group and gradient bucket; `tempo` switches Tempo's memory options and FlashAttention's recomputed probabilities (see fasttran.finetune.TopLayers; e.g.
     tempo={"recompute_attention_probs": True} for long sequences). `precision="bfloat16"` (with
     train_layers; on CUDA, or on a CPU with AVX512_BF16 or AMX) trains the layers in mixed precision:
     float32 storage, master weights and sums, the projections' products in bf16 on tensor cores /
@@ -288,7 +290,7 @@ class Trainer:
                  warmup=None, epochs=None, batch_size=32, seed=0, device="cpu", max_grad_norm=1.0, betas=(0.9, 0.999),
                  eps=1e-6, dropout=None, num_labels=None, show_progress=None, train_layers=0, pooling="mean",
                  tempo=None, layer_dropout=None, precision="float32", pooler=None, label_names=None, reduction="auto",
-                 head_lr=None, layer_lr_decay=None, embedding_dropout=0.0):
+                 head_lr=None, layer_lr_decay=None, embedding_dropout=0.0, train_embeddings=False):
         if isinstance(head, str):
             if head not in TASKS:
                 raise InputError(f"unknown head {head!r}; choose one of {sorted(TASKS)} or pass a head object")
@@ -313,6 +315,9 @@ class Trainer:
         for name, v in (("head_lr", head_lr), ("layer_lr_decay", layer_lr_decay)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v))):
                 raise InputError(f"{name} must be a finite number > 0 (or None for the default), got {v!r}")
+        if train_embeddings and not train_layers:
+            raise InputError("train_embeddings trains the embeddings under every encoder layer: it needs "
+                             "train_layers = the encoder's layer count")
         if not train_layers and head_lr is not None:
             raise InputError("head_lr is the head's learning rate beside the trained layers' (train_layers > 0); with "
                              "train_layers=0 the head is all that trains: give its rate as lr")
@@ -377,6 +382,7 @@ class Trainer:
         self.train_layers, self.pooling, self.tempo = int(train_layers), pooling, tempo
         self.layer_dropout = None if layer_dropout is None else float(layer_dropout)
         self.embedding_dropout = None if embedding_dropout is None else float(embedding_dropout)
+        self.train_embeddings = bool(train_embeddings)
         self.precision = precision
         self.reduction = reduction or Reduction()
         # float16 products: dynamic loss scaling (PyTorch GradScaler's rule): [scale, steps since the
@@ -434,7 +440,7 @@ class Trainer:
             drop = {} if self.layer_dropout is None else dict(hidden_dropout=self.layer_dropout,
                                                               attention_dropout=self.layer_dropout)
             self.top = TopLayers(self._encoder, self.train_layers, device=self.device, **drop, **self.tempo,
-                                 embedding_dropout=self.embedding_dropout,
+                                 embedding_dropout=self.embedding_dropout, train_embeddings=self.train_embeddings,
                                  matmul_precision=self.precision, extra=self.head.num_parameters,
                                  shared_grads=getattr(self.reduction, "shared_grads", False))
             if ckpt.get("layers") is not None:
@@ -634,9 +640,10 @@ class Trainer:
             idx = cache.index_of(ids)
             x, lengths = rows_of(batch)
             targets, valid = self.head.batch(prep, idx, lengths)
+            x, tokens = self._rows_or_tokens(cache, ids, x)
             loss, logits = self.model.step(x, lengths, targets, valid, denominator=denominator,
                                            seed=self.seed, step=self.global_step, place=place,
-                                           loss_scale=self._scale(), ready=self.reduction.ready)
+                                           loss_scale=self._scale(), ready=self.reduction.ready, tokens=tokens)
             correct = self.head.correct(logits, targets)
         else:   # an empty slice of an uneven last batch: no gradient, but every reduction still happens
             loss, correct = self.model.idle(self.reduction.ready), None
@@ -647,6 +654,14 @@ class Trainer:
         if refused is not None:
             self._diverged(cache, ids, loss, refused)
         return len(ids), loss, correct
+
+    def _rows_or_tokens(self, cache, ids, x):
+        """(x, None), or (None, (token ids, types)) of examples `ids` for layers that train the
+        embeddings: their input is the tokens the cache was built from, not its rows"""
+        if self.top is None or not self.top.train_embeddings:
+            return x, None
+        tok, types, _ = cache.inputs(ids, ragged=True)
+        return None, (tok, types)
 
     def _slice_terms(self, prep, glob, offset, row_offset, lengths):
         """A rank's slice of the global batch `glob` (after its first `offset` examples, `row_offset`
@@ -985,6 +1000,9 @@ class Trainer:
                                                                   lengths_of if ragged else None)
                 glob = np.ascontiguousarray(np.concatenate(parts), np.int64)
                 steps = (examples, rows, place, denominators)
+            if self.top is not None and self.top.train_embeddings:   # the layers' input: the examples' tokens
+                tok = cache.inputs(cache.example_ids[glob], ragged=True)[:2] if len(glob) else None
+                return glob, tok, lengths_of[glob].astype(np.int32), steps
             if reads or not len(glob):   # the cache's index of an example is its place in example_ids
                 return glob, None, lengths_of[glob].astype(np.int32), steps
             return (glob,) + rows_of(cache.get(cache.example_ids[glob], output="device", ragged=ragged,
@@ -1058,11 +1076,15 @@ class Trainer:
                 account(done)
                 return self._interrupt
 
+            tokens = {}
+            if isinstance(x, tuple):   # layers that train the embeddings: the steps' rows as tokens
+                tokens = {"ids": np.ascontiguousarray(x[0], np.int32), "types": np.ascontiguousarray(x[1], np.int32)}
+                x = None
             done, stop, message = model._core.train_steps(
                 opt._table, groups, grads, float(opt.max_grad_norm or 0.0), opt.check_finite, x, lengths, examples,
                 targets, denominators, lrs, self.seed, g0, losses, logits, every=20, phase=b0, callback=callback,
-                cache=None if x is not None else cache._store, index=None if x is not None else glob, valid=valid,
-                scaler=scaler, place=place, reduction=reduction)
+                cache=None if x is not None or tokens else cache._store, index=None if x is not None or tokens else glob,
+                valid=valid, scaler=scaler, place=place, reduction=reduction, **tokens)
             del x
             if scaler is not None:
                 self.loss_scale = [float(scaler[0]), int(scaler[1])]
@@ -1132,7 +1154,8 @@ class Trainer:
                                             group=self._group):
                 x, lengths = rows_of(batch)
                 _, valid = self.head.batch(prep, cache.index_of(ids), lengths)
-                chunks.append(self.head.outputs(self.model.forward(x, lengths, valid), lengths, valid))
+                x, tokens = self._rows_or_tokens(cache, ids, x)
+                chunks.append(self.head.outputs(self.model.forward(x, lengths, valid, tokens=tokens), lengths, valid))
                 del batch
                 bar.update(1)
         return self.head.collect(chunks)
@@ -1296,7 +1319,8 @@ class Trainer:
                 "max_grad_norm": self.max_grad_norm, "betas": list(self.betas), "eps": self.eps,
                 "train_layers": self.train_layers, "pooling": self.pooling, "tempo": self.tempo,
                 "layer_dropout": self.layer_dropout, "precision": self.precision, "head_lr": self.head_lr,
-                "layer_lr_decay": self.layer_lr_decay, "embedding_dropout": self.embedding_dropout}
+                "layer_lr_decay": self.layer_lr_decay, "embedding_dropout": self.embedding_dropout,
+                "train_embeddings": self.train_embeddings}
 
     def save(self, path):
         """Write head weights and optimizer state (safetensors) and the trainer state (JSON),
@@ -1443,6 +1467,7 @@ class Trainer:
         return (f"Trainer(head={head}, optimizer={self.optimizer_name!r}, lr={self.lr:g}, schedule={self.schedule!r}, "
                 f"epochs={self.epochs}, batch_size={self.batch_size}, seed={self.seed}, step={self.global_step}"
                 + (f", train_layers={self.train_layers}" if self.train_layers else "")
+                + (", train_embeddings=True" if self.train_embeddings else "")
                 + (f", head_lr={self.head_lr:g}" if self.head_lr is not None else "")
                 + (f", layer_lr_decay={self.layer_lr_decay:g}" if self.layer_lr_decay != 1.0 else "")
                 + (f", precision={self.precision!r}" if self.precision != "float32" else "")

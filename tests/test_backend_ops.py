@@ -809,6 +809,41 @@ for N, C, fo, alias in [(1, 1, False, False), (7, 33, True, False), (509, 72, Fa
         _ln_backward(N, C, fo, alias))
 
 
+def _embed_train(N, C, V=50, P=520, TV=3, table="both"):
+    """table: "both" (positions and types), "notypes" (DistilBERT: no type table), "rotary" (words only)"""
+    def build(rng):
+        return dict(out=Out((N, C), tol=5e-5), sum=Out((N, C), tol=1e-6), stats=Out((N, 2), tol=5e-5),
+                    ids=In(rng.integers(0, V, N).astype(np.int32)),
+                    types=In(rng.integers(0, TV, N).astype(np.int32)) if table == "both" else None,
+                    positions=In(rng.integers(0, P, N).astype(np.int32)) if table != "rotary" else None,
+                    word=In(f32(rng, V, C)), pos=In(f32(rng, P, C)) if table != "rotary" else None,
+                    type=In(f32(rng, TV, C)) if table == "both" else None, gamma=In(1 + 0.1 * f32(rng, C)),
+                    beta=In(0.1 * f32(rng, C)) if table != "rotary" else None, N=N, C=C, eps=1e-12)
+    return build
+
+
+for N, C, table in [(1, 1, "both"), (14, 33, "both"), (509, 72, "notypes"), (15, 384, "both"), (6, 1025, "rotary"),
+                    (0, 16, "both")]:
+    case("embed_train_forward", f"{N}x{C}-{table}")(_embed_train(N, C, table=table))
+
+
+def _embed_backward(N, C, V, P, TV, tables):
+    def build(rng):
+        tol = 1e-5 * max(1.0, np.sqrt(N))
+        return dict(dword=Out((V, C), tol=tol), dpos=Out((P, C), tol=tol) if "pos" in tables else None,
+                    dtype=Out((TV, C), tol=tol) if "type" in tables else None, dsum=In(f32(rng, N, C)),
+                    ids=In(rng.integers(0, V, N).astype(np.int32)),   # V small against N: rows repeat
+                    types=In(rng.integers(0, TV, N).astype(np.int32)) if "type" in tables else None,
+                    positions=In(rng.integers(0, P, N).astype(np.int32)) if "pos" in tables else None,
+                    N=N, C=C, n_word=V, n_pos=P, n_type=TV)
+    return build
+
+
+for N, C, V, P, TV, tables in [(1, 1, 1, 1, 1, "pos type"), (37, 33, 5, 9, 2, "pos type"), (509, 72, 60, 512, 0, "pos"),
+                               (130, 384, 1000, 0, 0, ""), (0, 16, 4, 4, 2, "pos type")]:
+    case("embed_backward", f"{N}x{C}-rows{V}-{tables.replace(' ', '-') or 'words'}")(_embed_backward(N, C, V, P, TV, tables))
+
+
 def _act_train(N, K, act, keep_pre, bits, alias):
     def build(rng):
         h = f32(rng, N, K, scale=2.0)

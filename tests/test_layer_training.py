@@ -206,6 +206,80 @@ def test_input_dropout_is_the_embeddings_dropout(minilm, device):
         _C.LayerStack(enc._core, 0, 1, device, input_dropout=1.0)
 
 
+def token_rows(seed=0):
+    """random token ids (a [CLS] first, some repeated) and types for LENGTHS' packed rows"""
+    rng = np.random.default_rng(seed)
+    ids, types = [], []
+    for n in LENGTHS:
+        ids.append(np.concatenate([[101], rng.integers(1000, 1012, n - 1)])[:n])   # few ids: rows repeat
+        types.append((np.arange(n) >= n // 2).astype(np.int32))
+    return np.concatenate(ids).astype(np.int32), np.concatenate(types)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trained_embeddings(minilm, device):
+    """train_embeddings: the stack starts from token ids -- word + type + position rows, their
+    LayerNorm, its dropout (site 15) -- and the tables' gradients (dense, repeated ids summed) and
+    the LayerNorm's equal float64 autograd through transformers' own embedding modules; evaluation
+    gives the cached path's bits on the CPU (the embeddings' output as the encoder computes it)."""
+    enc, ref = minilm
+    L = enc.num_layers
+    ids, types = token_rows(seed=4)
+    lens = np.asarray(LENGTHS, np.int32)
+    N, C = len(ids), enc.hidden_size
+    dout = np.random.default_rng(5).standard_normal((N, C)).astype(np.float32)
+    to, as_np = on_device(device)
+    drop = dict(hidden_dropout=0.1, attention_dropout=0.1, input_dropout=0.25)
+    st = _C.LayerStack(enc._core, 0, L, device, train_embeddings=True, **drop)
+    out = to(np.zeros((N, C), np.float32))
+    st.forward(None, lens, out, training=True, seed=11, step=3, ids=ids, types=types)
+    st.backward(to(dout))
+    names, total = st.tensors()
+    grads = np.asarray(st.grads.numpy() if device >= 0 else st.grads)
+    g = {n: grads[o:o + int(np.prod(s))].reshape(s) for n, s, o in names}
+    emb = ref.embeddings
+    ref.zero_grad()
+    pos = np.concatenate([np.arange(n) for n in LENGTHS])
+    e = emb.LayerNorm(emb.word_embeddings(torch.from_numpy(ids).long()) +
+                      emb.token_type_embeddings(torch.from_numpy(types).long()) +
+                      emb.position_embeddings(torch.from_numpy(pos).long()))
+    out_r = torch_layers(ref, 0, L, e, LENGTHS, p_hidden=0.1, p_attn=0.1, seed=11, step=3, p_input=0.25)
+    (out_r * torch.from_numpy(dout).double()).sum().backward()
+    g_r = {n: p.grad.numpy() for n, p in ref.named_parameters() if p.grad is not None}
+    assert np.abs(as_np(out) - out_r.detach().numpy()).max() <= 1e-4
+    assert [n for n, _, _ in names][:5] == ["embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight",
+                                            "embeddings.token_type_embeddings.weight", "embeddings.LayerNorm.weight",
+                                            "embeddings.LayerNorm.bias"]
+    assert set(g) == set(g_r)   # every parameter but the pooler's
+    check_grads(g, g_r, 1e-4)
+    word = g["embeddings.word_embeddings.weight"]
+    assert set(np.flatnonzero(np.abs(word).sum(1))) == set(ids)   # the rows read, and only those
+    # evaluation: the cached embeddings' output through the same layers, bit for bit
+    plain = _C.LayerStack(enc._core, 0, L, device)
+    x = np.concatenate([enc.forward(ids[None, a:a + n], token_type_ids=types[None, a:a + n], output_layers=[0])[0][0]
+                        for a, n in zip(np.cumsum([0] + LENGTHS[:-1]), LENGTHS)]).astype(np.float32)
+    e1, e2 = to(np.zeros((N, C), np.float32)), to(np.zeros((N, C), np.float32))
+    st.forward(None, lens, e1, ids=ids, types=types)
+    plain.forward(to(np.ascontiguousarray(x)), lens, e2)
+    if device < 0:   # (x is the CPU encoder's: on CUDA the sums of the embeddings' LayerNorm run in another order)
+        assert np.array_equal(as_np(e1), as_np(e2))
+    assert np.abs(as_np(e1) - as_np(e2)).max() <= 1e-5
+    # the tables count in the parameters; their sum and statistics in the input's memory
+    assert total == plain.tensors()[1] + sum(int(np.prod(s)) for n, s, _ in names if n.startswith("embeddings."))
+    assert st.memory(4, 16)["activations"]["input"] > _C.LayerStack(enc._core, 0, L, device, **drop).memory(4, 16)[
+        "activations"]["input"]
+    # the tokens are checked, asked for, and used once
+    for bad, what in [(np.full(N, enc.config["vocab_size"], np.int32), "vocab_size"), (-ids, "out of range")]:
+        with pytest.raises(fasttran.InputError, match=what):
+            st.forward(None, lens, e1, ids=bad, types=types)
+    with pytest.raises(fasttran.InputError, match="type_vocab_size"):
+        st.forward(None, lens, e1, ids=ids, types=types + 2)
+    with pytest.raises(fasttran.InputError, match="x must be NULL|token ids"):
+        st.forward(to(np.ascontiguousarray(x)), lens, e1)
+    with pytest.raises(fasttran.InputError, match="every layer"):
+        _C.LayerStack(enc._core, 1, L - 1, device, train_embeddings=True)
+
+
 TEMPO = ["inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "recompute_attention_probs"]
 
 

@@ -175,6 +175,36 @@ def test_gradients_match_autograd(small, device, k, recompute):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_trained_embeddings_match_autograd(small, device):
+    """train_embeddings on ModernBERT: words only (no position or type table: RoPE), a LayerNorm without
+    bias, every layer above; the word table's and the norm's gradients within 1e-4 of float64
+    autograd through transformers' own embeddings module, the layers' too"""
+    from fasttran.finetune import TopLayers
+    path, hf = small
+    enc = fasttran.Encoder.from_pretrained(path)
+    L = enc.num_layers
+    ids, mask = packed_batch(seed=9)
+    real = mask.astype(bool)
+    top = TopLayers(enc, L, device=device, train_embeddings=True)
+    out = np.asarray(top.forward(None, LENGTHS, training=True, seed=1, step=0, ids=ids[real]))
+    dout = np.random.default_rng(8).standard_normal(out.shape).astype(np.float32)
+    assert top.backward(dout) is None
+    hf.zero_grad()
+    x = hf.embeddings(input_ids=torch.as_tensor(ids[real])[None])[0]   # (eval: dropout off)
+    ref = torch_layers(hf, 0, L, x, LENGTHS)
+    (ref * torch.from_numpy(dout).double()).sum().backward()
+    ref = ref.detach().numpy()
+    assert np.abs(out - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max()), "outputs"
+    params = dict(hf.named_parameters())
+    names = [n for n, _ in top.named_gradients()]
+    assert [n for n in names if n.startswith("embeddings.")] == ["embeddings.word_embeddings.weight",
+                                                                 "embeddings.LayerNorm.weight"]
+    for name, g in top.named_gradients():
+        want = params[enc.architecture.checkpoint_name(name)].grad.numpy()
+        assert np.abs(np.asarray(g) - want).max() <= 1e-4 * np.abs(want).max(), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gradients_at_modernbert_base_width(tmp_path, device):
     """ModernBERT-base's layer width (hidden 768, 12 heads, FFN 1152), the top 2 of 3 layers (a local
     one under a global one): outputs, gradients and d input within 1e-4 of float64 autograd"""

@@ -356,3 +356,41 @@ def test_embedding_dropout_at_every_layer(enc, data, tmp_path):
     assert any(not np.array_equal(a, b) for a, b in zip(runs[0.0], runs[None]))   # the masks changed the step
     back = Trainer.load(str(tmp_path / "ckNone"), show_progress=False)
     assert back.embedding_dropout is None
+
+
+def test_trained_embeddings_resume_exactly_and_export(enc, data, tmp_path):
+    """train_embeddings: the embeddings train with every layer (their tables in the flat table, in
+    layer 0's lr group), resume bit for bit from a checkpoint, and export into a model transformers
+    loads with them in place: its hidden states equal fasttran's, its embeddings the trained ones
+    (not the checkpoint's)."""
+    torch = pytest.importorskip("torch")
+    from transformers import BertModel
+    ids, mask, types, y = data
+    L = enc.num_layers
+    with pytest.raises(fasttran.InputError, match="train_layers"):
+        trainer(0, train_embeddings=True)
+    with pytest.raises(fasttran.InputError, match="every layer"):
+        trainer(L - 1, train_embeddings=True).fit(trainer(L - 1).cache_for(enc, ids[:16], mask[:16], types[:16],
+                                                                            show_progress=False), y[:16])
+    cache = trainer(L).cache_for(enc, ids, mask, types, show_progress=False)
+    full = trainer(L, train_embeddings=True, layer_lr_decay=0.8)
+    full.fit(cache, y)
+    names = [n for n, _ in full.model.named_parameters()]
+    assert names[0] == "embeddings.word_embeddings.weight" and "embeddings" in repr(full.top)
+    factors = dict(zip(names, fasttran.trainer.lr_factors(full.model, full.lr, full.head_lr, full.layer_lr_decay)))
+    assert factors["embeddings.word_embeddings.weight"] == factors["encoder.layer.0.output.dense.weight"] \
+        == pytest.approx(0.8 ** (L - 1))   # the embeddings train with layer 0
+    assert_resumes_exactly(full, trainer(L, train_embeddings=True, layer_lr_decay=0.8), cache, y, tmp_path)
+    path = full.export(str(tmp_path / "exported"))
+    ref = BertModel.from_pretrained(path).eval()
+    word = dict(full.top.named_parameters())["embeddings.word_embeddings.weight"]
+    assert np.array_equal(ref.embeddings.word_embeddings.weight.detach().numpy(), word)
+    assert not np.array_equal(word, BertModel.from_pretrained(enc.path).embeddings.word_embeddings.weight.detach().numpy())
+    with torch.no_grad():
+        h = ref(input_ids=torch.as_tensor(ids[:8]), attention_mask=torch.as_tensor(mask[:8]),
+                token_type_ids=torch.as_tensor(types[:8])).last_hidden_state.numpy()
+    got = fasttran.Encoder.from_pretrained(path).forward(ids[:8], mask[:8], types[:8])
+    assert np.abs(got - h)[mask[:8].astype(bool)].max() <= 1e-4
+    # evaluation reads the trained embeddings: the same logits as the exported encoder's features
+    ev = full.evaluate(cache, y)
+    assert ev == Trainer.load(str(tmp_path / "ck"), show_progress=False).evaluate(cache, y)

@@ -45,7 +45,8 @@ def caches(enc, inputs):
     return {"mean": _cache(enc, inputs, positions="mean"), "cls": _cache(enc, inputs, positions="cls"),
             "all": _cache(enc, inputs, positions="all"), "top1": _cache(enc, inputs, positions="all", layer=L - 1),
             "qa": _cache(enc, pairs, positions="all"), "qatop1": _cache(enc, pairs, positions="all", layer=L - 1),
-            "top2": _cache(enc, inputs, positions="all", layer=L - 2)}
+            "top2": _cache(enc, inputs, positions="all", layer=L - 2),
+            "layer0": _cache(enc, inputs, positions="all", layer=0)}
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,9 @@ CASES = {   # name: (task, cache, Trainer arguments)
     # a learning rate per group: the head's own, the lower layer's decayed (lr_scale in both loops)
     "top2groups": ("classification", "top2", dict(optimizer="lamb", lr=1e-3, head_lr=4e-3, layer_lr_decay=0.6,
                                                   dropout=0.1, train_layers=2, layer_dropout=0.1)),
+    # every layer and the embeddings: the steps' rows as token ids (one epoch: six layers)
+    "embeddings": ("classification", "layer0", dict(optimizer="adamw", lr=1e-4, train_layers=6, train_embeddings=True,
+                                                    layer_dropout=0.1, embedding_dropout=0.1, epochs=1)),
 }
 
 
@@ -128,7 +132,7 @@ def test_c_loop_equals_the_python_loop(case, device, caches, targets, monkeypatc
     c = _trainer(case, device, False)
     c.fit(cache, y, eval=ev)
     assert c._c_loop_refusal(cache) is None
-    assert len(calls) == 3   # one per epoch
+    assert len(calls) == c.epochs   # one per epoch
     assert_same(c, py)
     if ev is not None:
         assert c.evaluate(cache, y) == py.evaluate(cache, y)

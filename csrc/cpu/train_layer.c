@@ -56,6 +56,72 @@ ft_status cpu_residual_ln_train_forward(ft_backend *be, float *out, float *ln_in
     return FT_OK;
 }
 
+/* Per row: the embeddings' sum in embed_ln_forward's order, kept, then its LayerNorm and statistics
+ * (the same arithmetic as ft_layernorm_row: embed_ln_forward's bits) */
+ft_status cpu_embed_train_forward(ft_backend *be, float *out, float *sum, float *stats, const int32_t *ids,
+                                  const int32_t *types, const int32_t *positions, const float *word, const float *pos,
+                                  const float *type, const float *gamma, const float *beta, int64_t N, int64_t C,
+                                  float eps) {
+    (void)be;
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 32768)
+    for (int64_t r = 0; r < N; r++) {
+        const float *w = word + (int64_t)ids[r] * C;
+        float *o = sum + r * C, *y = out + r * C;
+        if (!pos) {
+            memcpy(o, w, (size_t)C * sizeof(float));
+        } else if (type) {
+            const float *p = pos + (int64_t)positions[r] * C, *ty = type + (types ? (int64_t)types[r] * C : 0);
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) o[c] = w[c] + ty[c] + p[c];
+        } else {
+            const float *p = pos + (int64_t)positions[r] * C;
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) o[c] = w[c] + p[c];
+        }
+        const float mean = ft_row_sum(o, C) / (float)C;
+        const float rstd = 1.0f / sqrtf(ft_row_sqdev(o, C, mean) / (float)C + eps);
+        if (beta) {
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) y[c] = (o[c] - mean) * rstd * gamma[c] + beta[c];
+        } else {
+#pragma omp simd
+            for (int64_t c = 0; c < C; c++) y[c] = (o[c] - mean) * rstd * gamma[c];
+        }
+        stats[2 * r] = mean;
+        stats[2 * r + 1] = rstd;
+    }
+    return FT_OK;
+}
+
+/* Each table zeroed, then its rows summed: the threads split the columns, each running over the rows
+ * in order, so every sum has one order whatever the thread count */
+ft_status cpu_embed_backward(ft_backend *be, float *dword, float *dpos, float *dtype, const float *dsum,
+                             const int32_t *ids, const int32_t *types, const int32_t *positions, int64_t N, int64_t C,
+                             int64_t n_word, int64_t n_pos, int64_t n_type) {
+    (void)be;
+    float *tables[3] = {dword, dpos, dtype};
+    const int32_t *index[3] = {ids, positions, types};
+    const int64_t rows[3] = {n_word, n_pos, n_type};
+    for (int t = 0; t < 3; t++) {
+        if (!tables[t]) continue;
+        memset(tables[t], 0, (size_t)rows[t] * (size_t)C * sizeof(float));
+        const int32_t *ix = index[t];
+        float *d = tables[t];
+        const int64_t blocks = (C + 63) / 64;
+#pragma omp parallel for schedule(static) num_threads(ft_num_threads()) if (N * C > 32768)
+        for (int64_t k = 0; k < blocks; k++) {
+            const int64_t c0 = k * 64, c1 = c0 + 64 < C ? c0 + 64 : C;
+            for (int64_t r = 0; r < N; r++) {
+                float *o = d + (ix ? (int64_t)ix[r] : 0) * C;
+                const float *g = dsum + r * C;
+#pragma omp simd
+                for (int64_t c = c0; c < c1; c++) o[c] += g[c];
+            }
+        }
+    }
+    return FT_OK;
+}
+
 /* One pass over row chunks: per row the normalised input (from the saved input and the row's
  * statistics, or from the output: Tempo), its share of dgamma / dbeta (double, per chunk, reduced
  * in chunk order: the thread count never changes a bit), then dx. A row's dx is written after

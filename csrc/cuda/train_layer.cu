@@ -18,6 +18,21 @@ namespace {
 
 constexpr int LN_CHUNK = 64;   // rows per partial column sum
 
+// the block's row x (C; `sum` its threads' partial sums) normalised into y (may alias x): the mean,
+// then the centred variance (two passes, as the CPU's rows), y = (x - mean) rstd gamma + beta (beta
+// NULL: no bias), st = (mean, rstd)
+__device__ inline void ln_train_row(float *y, const float *x, float *st, const float *gamma, const float *beta,
+                                    int64_t C, float sum, float eps, float *sh) {
+    const float mean = block_sum(sum, sh) / (float)C;
+    float var = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) { float d = x[c] - mean; var += d * d; }
+    var = block_sum(var, sh) / (float)C;
+    const float rstd = rsqrtf(var + eps);
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+        y[c] = beta ? (x[c] - mean) * rstd * gamma[c] + beta[c] : (x[c] - mean) * rstd * gamma[c];
+    if (threadIdx.x == 0) { st[0] = mean; st[1] = rstd; }
+}
+
 // one block per row: t = residual + dropout(y + bias); out = LN(t); stats = (mean, rstd)
 __global__ void residual_ln_train_kernel(float *out, float *ln_in, float *stats, const float *residual, const float *y,
                                          const float *bias, const float *gamma, const float *beta, int64_t C, float eps,
@@ -35,13 +50,35 @@ __global__ void residual_ln_train_kernel(float *out, float *ln_in, float *stats,
         if (ln_in) ln_in[r * C + c] = v;
         sum += v;
     }
-    const float mean = block_sum(sum, sh) / (float)C;
-    float var = 0.0f;
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) { float d = o[c] - mean; var += d * d; }
-    var = block_sum(var, sh) / (float)C;
-    const float rstd = rsqrtf(var + eps);
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = (o[c] - mean) * rstd * gamma[c] + beta[c];
-    if (threadIdx.x == 0) { stats[2 * r] = mean; stats[2 * r + 1] = rstd; }
+    ln_train_row(o, o, stats + 2 * r, gamma, beta, C, sum, eps, sh);
+}
+
+// one block per row: sum = word[id] + type[t] + pos[p] (embed_ln_kernel's order), kept; out = LN(sum);
+// stats = (mean, rstd)
+__global__ void embed_train_kernel(float *out, float *sum, float *stats, const int32_t *ids, const int32_t *types,
+                                   const int32_t *positions, const float *word, const float *pos, const float *type,
+                                   const float *gamma, const float *beta, int64_t C, float eps) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    const float *w = word + (int64_t)ids[r] * C, *p = pos ? pos + (int64_t)positions[r] * C : nullptr;
+    const float *ty = type ? type + (types ? (int64_t)types[r] * C : 0) : nullptr;
+    float *o = sum + r * C, *y = out + r * C;
+    float acc = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        const float v = !p ? w[c] : ty ? (w[c] + ty[c]) + p[c] : w[c] + p[c];
+        o[c] = v;
+        acc += v;
+    }
+    ln_train_row(y, o, stats + 2 * r, gamma, beta, C, acc, eps, sh);
+}
+
+// one thread per column: the rows of dsum added into their table rows in order of r (no atomics:
+// the same bits every run). N dependent steps per column: cheap beside the layers at the batches
+// top-k training runs; a sort by row and segmented sums would be the way past that.
+__global__ void embed_backward_kernel(float *d, const float *dsum, const int32_t *index, int64_t N, int64_t C) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    for (int64_t r = 0; r < N; r++) d[(index ? (int64_t)index[r] : 0) * C + c] += dsum[r * C + c];
 }
 
 __device__ inline float ln_xhat(const float *saved, const float *stats, const float *gamma, const float *beta, int64_t r,
@@ -208,6 +245,33 @@ ft_status cuda_residual_ln_train_forward(ft_backend *be, float *out, float *ln_i
     FT_LAUNCH(residual_ln_train_kernel, (unsigned)N, row_threads(C), 0, ctx_of(be)->stream)(
         out, ln_in, stats, residual, y, bias, gamma, beta, C, eps, thr, p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, key);
     return launched("residual_ln_train_forward");
+}
+
+ft_status cuda_embed_train_forward(ft_backend *be, float *out, float *sum, float *stats, const int32_t *ids,
+                                   const int32_t *types, const int32_t *positions, const float *word, const float *pos,
+                                   const float *type, const float *gamma, const float *beta, int64_t N, int64_t C,
+                                   float eps) {
+    if (N == 0 || C == 0) return FT_OK;
+    FT_LAUNCH(embed_train_kernel, (unsigned)N, row_threads(C), 0, ctx_of(be)->stream)(
+        out, sum, stats, ids, types, positions, word, pos, type, gamma, beta, C, eps);
+    return launched("embed_train_forward");
+}
+
+ft_status cuda_embed_backward(ft_backend *be, float *dword, float *dpos, float *dtype, const float *dsum,
+                              const int32_t *ids, const int32_t *types, const int32_t *positions, int64_t N, int64_t C,
+                              int64_t n_word, int64_t n_pos, int64_t n_type) {
+    cudaStream_t s = ctx_of(be)->stream;
+    float *tables[3] = {dword, dpos, dtype};
+    const int32_t *index[3] = {ids, positions, types};
+    const int64_t rows[3] = {n_word, n_pos, n_type};
+    for (int t = 0; t < 3; t++) {
+        if (!tables[t] || rows[t] * C == 0) continue;
+        FT_CU(cudaMemsetAsync(tables[t], 0, (size_t)rows[t] * (size_t)C * sizeof(float), s), "embed_backward");
+        if (N == 0) continue;
+        FT_LAUNCH(embed_backward_kernel, grid_of(C, 128), 128, 0, s)(tables[t], dsum, index[t], N, C);
+        FT_TRY(launched("embed_backward"));
+    }
+    return FT_OK;
 }
 
 ft_status cuda_layernorm_backward(ft_backend *be, float *dx, float *dgamma, float *dbeta, const float *dy,

@@ -730,6 +730,11 @@ typedef struct {
     /* dropout on the stack's input x in training (0: none): where the stack starts at layer 0 and x
      * is the embeddings' output, the dropout BERT applies after the embeddings' LayerNorm */
     float input_dropout;
+    /* the embeddings trained too (the stack must start at layer 0): their tables and LayerNorm come
+     * first in the parameters, inside layer 0's range, and the stack's input is token ids
+     * (ft_layer_stack_set_tokens), not x -- what transformers trains when it fine-tunes every layer.
+     * Not for an embeddings' projection (ELECTRA-small: embedding_size != hidden_size). */
+    int train_embeddings;
 } ft_layer_options;
 
 /* kinds of saved activations (ft_layer_memory.activations), names in ft_layer_act_kind_names */
@@ -775,6 +780,11 @@ float *ft_layer_stack_grads(ft_layer_stack *s);                        /* device
  * for a whole batch. */
 ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_t *lengths, int64_t B, float *out,
                                  int training, uint64_t seed, uint64_t step, uint64_t row_base, uint64_t sq_base);
+/* With train_embeddings: the next forward's rows as tokens (host memory, N each, in x's packed
+ * order): ids in [0, vocab_size) and types (NULL: 0) in [0, type_vocab_size) (0 without a type
+ * table); checked here, positions taken from the rows' places in their sequences as the encoder
+ * takes them. The forward then takes x NULL and uses them once: set them before every forward. */
+ft_status ft_layer_stack_set_tokens(ft_layer_stack *s, const int32_t *ids, const int32_t *types, int64_t N);
 /* After a training forward: the gradients (overwritten) from dout (N, C); dx (N, C) or NULL.
  * loss_scale != 1 (float16 mixed precision's loss scaling, a power of two): the backward runs on
  * dout * loss_scale, so that small gradients survive fp16 products, and each layer's gradients
@@ -863,6 +873,9 @@ typedef struct {
     uint64_t row_base, seq_base, sq_base;   /* the batch's place in its global batch: rows, sequences
                                     and sum of n^2 before it (0 for a whole batch) */
     float loss_scale;            /* float16 products' loss scaling (1: none) */
+    /* layers that train the embeddings (ft_layer_options.train_embeddings) take the rows as tokens:
+     * x NULL, ids and types (NULL: 0) HOST (N) in x's packed order (ft_layer_stack_set_tokens) */
+    const int32_t *ids, *types;
 } ft_model_batch;
 
 /* called with a bucket's index once its gradients are final and complete in memory */
@@ -945,6 +958,9 @@ typedef struct {
      * bucket still handed over, loss 0), and the loss checked and reported is the reduction's total */
     const int64_t *place;
     const ft_train_reduction *reduction;
+    /* or, x and cache NULL: layers that train the embeddings, every step's rows as token ids and
+     * types (NULL: 0), HOST, one step after another (ft_model_batch's ids / types) */
+    const int32_t *ids, *types;
 } ft_train_plan;
 
 typedef enum {

@@ -324,6 +324,14 @@ struct ft_layer_stack {
                           const ft_layer_weights *, const ft_layer_acts *, const ft_layer_work *,
                           const ft_layer_weights *, int, const ft_layer_recorder *);
     int32_t *pos_host;                  /* host (N): each row's position in its sequence (pre-LN) */
+    /* the embeddings, when trained (opt.train_embeddings): their block first in params / grads and
+     * inside layer 0's range ([0, layer_start[1])); the floats of the block, the offsets in it of
+     * the word, position and type tables and the LayerNorm's weight and bias (NO_TENSOR: absent),
+     * and the tables' rows; the next forward's tokens (host (3, tok_cap): ids, types, positions) */
+    size_t emb_floats, emb_off[5];
+    int64_t emb_rows[3];
+    int32_t *tok_host;
+    int64_t tok_n, tok_cap;             /* rows set by ft_layer_stack_set_tokens (0: none) */
     float *zeros_host;                  /* host (N, C) zeros, uploaded into the workspace (pre-LN) */
     int64_t pos_cap;
 };
@@ -361,6 +369,9 @@ static void bind_weights(ft_layer_weights *w, float *base, const size_t off[TENS
     for (int k = 0; k < TENSORS; k++) *slots[k] = off[k] == NO_TENSOR ? NULL : base + off[k];
 }
 
+/* where layer l's own weights start in params / grads (layer 0's range holds the embeddings before them) */
+static size_t layer_base(const ft_layer_stack *s, int64_t l) { return s->layer_start[l] + (l ? 0 : s->emb_floats); }
+
 static size_t stack_bytes_now(const ft_layer_stack *s) {
     return 2 * (s->n_params + s->extra) * sizeof(float) + s->arena_bytes + s->ws_bytes + s->rec_bytes;
 }
@@ -383,6 +394,7 @@ void ft_layer_stack_free(ft_layer_stack *s) {
     free(s->pool_host);
     free(s->pos_host);
     free(s->zeros_host);
+    free(s->tok_host);
     free(s->shape);
     free(s->layer_start);
     free(s->layer_heads);
@@ -425,7 +437,7 @@ static ft_status copy_structure(ft_layer_stack *s, const ft_encoder *e) {
                                        e->cfg.norm == FT_NORM_PRE && l + 1 == L};
         size_t off[TENSORS], floats;
         layer_offsets(&s->cfg, &s->shape[i], off, &floats);
-        s->layer_start[i + 1] = s->layer_start[i] + floats;
+        s->layer_start[i + 1] = (i ? s->layer_start[i] : s->emb_floats) + floats;   /* layer 0's range: the embeddings too */
     }
     s->n_params = s->layer_start[s->count];
     return FT_OK;
@@ -466,6 +478,15 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
                         "got %s", ft_dtype_name(opt->matmul_precision));
     if (opt->inplace_gelu && !inplace_act_ok(e->cfg.activation))
         return ft_error(FT_ERR_UNSUPPORTED, "in-place activation needs GELU or ReLU");
+    if (opt->train_embeddings && first != 0)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "training the embeddings needs every layer trained (the stack from "
+                        "layer 0), got layers [%lld, %lld) of %lld", (long long)first, (long long)(first + count),
+                        (long long)L);
+    if (opt->train_embeddings && ft_config_embedding_size(&e->cfg) != e->cfg.hidden_size)
+        return ft_error(FT_ERR_UNSUPPORTED, "training the embeddings of a model with an embeddings' projection "
+                        "(embedding_size %lld, hidden_size %lld: ELECTRA-small) is not supported; train the layers "
+                        "alone (train_embeddings off)", (long long)ft_config_embedding_size(&e->cfg),
+                        (long long)e->cfg.hidden_size);
     ft_layer_stack *s = calloc(1, sizeof *s);
     if (!s) return ft_error(FT_ERR_NOMEM, "out of memory");
     ft_layer_recorder_none(&s->rec);
@@ -476,6 +497,15 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     s->first = first;
     s->count = count;
     ft_status st = ft_backend_for(dev, &s->be);
+    for (int t = 0; t < 5; t++) s->emb_off[t] = NO_TENSOR;
+    if (opt->train_embeddings) {   /* the encoder's embeddings block: word, positions, types, LayerNorm (encoder.c) */
+        const size_t C = (size_t)e->cfg.hidden_size, at[5] = {e->word, e->pos, e->type, e->emb_ln_g, e->emb_ln_b};
+        for (int t = 0; t < 5; t++) s->emb_off[t] = at[t] == FT_NO_OFFSET ? NO_TENSOR : at[t] - e->word;
+        s->emb_floats = (e->emb_ln_b != FT_NO_OFFSET ? e->emb_ln_b : e->emb_ln_g) + C - e->word;
+        s->emb_rows[0] = ft_config_vocab_rows(&e->cfg);
+        s->emb_rows[1] = e->pos != FT_NO_OFFSET ? e->cfg.max_position_embeddings : 0;
+        s->emb_rows[2] = e->type != FT_NO_OFFSET ? e->cfg.type_vocab_size : 0;
+    }
     if (st == FT_OK) st = copy_structure(s, e);
     if (st == FT_OK && opt->inplace_layernorm) {
         /* the backward divides by gamma: a zero would lose the normalised input */
@@ -493,7 +523,7 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     }
     /* the named views: the encoder's, for these layers, offsets relative to the stack */
     if (st == FT_OK) {
-        s->views = calloc((size_t)count * 16, sizeof *s->views);
+        s->views = calloc((size_t)count * 16 + 5, sizeof *s->views);
         s->w = calloc((size_t)count, sizeof *s->w);
         s->gw = calloc((size_t)count, sizeof *s->gw);
         s->acts = calloc((size_t)count, sizeof *s->acts);
@@ -501,6 +531,15 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     }
     for (size_t k = 0; st == FT_OK && k < e->n_views; k++) {
         long long l;
+        if (opt->train_embeddings && !strncmp(e->views[k].name, "embeddings.", 11)) {   /* the block, from 0 */
+            stack_view *v = &s->views[s->n_views++];
+            snprintf(v->name, sizeof v->name, "%s", e->views[k].name);
+            v->ndim = e->views[k].ndim;
+            v->shape[0] = e->views[k].shape[0];
+            v->shape[1] = e->views[k].shape[1];
+            v->offset = e->views[k].offset - e->word;
+            continue;
+        }
         if (pre && first + count == L && !strncmp(e->views[k].name, "final_norm.", 11))
             l = L - 1;   /* the final norm belongs to the encoder's last layer */
         else if (sscanf(e->views[k].name, "encoder.layer.%lld.", &l) != 1 || l < first || l >= first + count)
@@ -510,20 +549,22 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
         v->ndim = e->views[k].ndim;
         v->shape[0] = e->views[k].shape[0];
         v->shape[1] = e->views[k].shape[1];
-        v->offset = s->layer_start[l - first] + (e->views[k].offset - e->layers[l].wqkv);
+        v->offset = layer_base(s, l - first) + (e->views[k].offset - e->layers[l].wqkv);
     }
     s->extra = extra_floats;
     if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->params);
     if (st == FT_OK) st = ft_backend_alloc_grads(s->be, (s->n_params + s->extra) * sizeof(float), shared_grads,
                                                  (void **)&s->grads);
+    if (st == FT_OK && s->emb_floats)
+        st = s->be->upload(s->be, s->params, e->host_params + e->word, s->emb_floats * sizeof(float));
     for (int64_t l = 0; st == FT_OK && l < count; l++) {
         /* the encoder's layer block is contiguous in the same order (model/encoder.c's layout) */
         size_t off[TENSORS], floats;
         layer_offsets(&s->cfg, &s->shape[l], off, &floats);
-        st = s->be->upload(s->be, s->params + s->layer_start[l], e->host_params + e->layers[first + l].wqkv,
+        st = s->be->upload(s->be, s->params + layer_base(s, l), e->host_params + e->layers[first + l].wqkv,
                            floats * sizeof(float));
-        bind_weights(&s->w[l], s->params + s->layer_start[l], off);
-        bind_weights(&s->gw[l], s->grads + s->layer_start[l], off);
+        bind_weights(&s->w[l], s->params + layer_base(s, l), off);
+        bind_weights(&s->gw[l], s->grads + layer_base(s, l), off);
     }
     if (st == FT_OK) st = s->be->synchronize(s->be);
     if (st != FT_OK) { ft_layer_stack_free(s); return st; }
@@ -566,19 +607,21 @@ static size_t work_layout(const ft_layer_stack *s, int64_t B, int64_t N, int64_t
         wide = A3 > wide ? A3 : wide;
         NH = s->shape[l].heads > NH ? s->shape[l].heads : NH;
     }
-    const size_t sizes[9] = {align64(n * C * 4), align64(n * C * 4), align64(n * C * 4), align64(n * wide * 4),
-                             align64(s->be->attention_train_scratch_bytes(s->be, B, T, NH)),
-                             align64((size_t)B * 2 * 4), pre ? align64(n * 4) : 0, pre ? align64(n * C * 4) : 0,
-                             pre ? align64(C * 4) : 0};
+    const int emb = s->opt.train_embeddings != 0;
+    const size_t sizes[10] = {align64(n * C * 4), align64(n * C * 4), align64(n * C * 4), align64(n * wide * 4),
+                              align64(s->be->attention_train_scratch_bytes(s->be, B, T, NH)),
+                              align64((size_t)B * 2 * 4), pre ? align64(n * 4) : 0, pre ? align64(n * C * 4) : 0,
+                              pre || emb ? align64(C * 4) : 0, emb ? align64(3 * n * 4) : 0};
     float **slots[5] = {&wk->tmp, &wk->g, &wk->dctx, &wk->dbig, &wk->attn_scratch};
     if (wk) wk->attn_scratch_bytes = sizes[4];
     size_t o = 0;
-    for (int k = 0; k < 9; k++) {
+    for (int k = 0; k < 10; k++) {
         if (base && k < 5) *slots[k] = (float *)(base + o);
         if (base && k == 5) wk->pool_index = (int32_t *)(base + o);
         if (base && k == 6) wk->positions = pre ? (int32_t *)(base + o) : NULL;
         if (base && k == 7) wk->zeros = pre ? (float *)(base + o) : NULL;
-        if (base && k == 8) wk->dump = pre ? (float *)(base + o) : NULL;
+        if (base && k == 8) wk->dump = pre || emb ? (float *)(base + o) : NULL;
+        if (base && k == 9) wk->tokens = emb ? (int32_t *)(base + o) : NULL;
         o += sizes[k];
     }
     return o;
@@ -596,6 +639,16 @@ static size_t work_layout(const ft_layer_stack *s, int64_t B, int64_t N, int64_t
         if (base) (ptr) = b_ ? (type)(base + o) : NULL;                      \
         o += align64(b_);                                                    \
     } while (0)
+/* the embeddings' rows (trained embeddings), before every layer's: kept in inference too (the
+ * layers' shared slot starts after them) */
+#define TAKE_EMB(nc, N)                                                       \
+    do {                                                                      \
+        const int e_ = s->opt.train_embeddings != 0;                          \
+        TAKE(s->acts[0].emb_out, float *, e_ ? (nc) : 0);                     \
+        TAKE(s->acts[0].emb_sum, float *, e_ ? (nc) : 0);                     \
+        TAKE(s->acts[0].emb_stats, float *, e_ ? (size_t)(N) * 2 * 4 : 0);    \
+        if (shared) slot = o;                                                 \
+    } while (0)
 #define TAKE_OUT(a, l, nc)                                                   \
     do {                                                                     \
         if (!shared) TAKE((a)->out, float *, nc);                            \
@@ -607,6 +660,7 @@ static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, int sh
     size_t sizes[FT_LAYER_ACT_KINDS];
     const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4;
     ARENA_BEGIN(nc);
+    TAKE_EMB(nc, N);
     TAKE(s->acts[0].x_dropped, float *, !shared && s->opt.input_dropout > 0.0f ? nc : 0);
     for (int64_t l = 0; l < s->count; l++) {
         ft_layer_acts *a = &s->acts[l];
@@ -640,6 +694,7 @@ static size_t arena_layout(const ft_layer_stack *s, int64_t N, int64_t P, int sh
 static size_t arena_layout_pre(const ft_layer_stack *s, int64_t N, int64_t P, int shared, char *base) {
     const size_t nc = (size_t)N * (size_t)s->cfg.hidden_size * 4, st = (size_t)N * 2 * 4;
     ARENA_BEGIN(nc);
+    TAKE_EMB(nc, N);
     for (int64_t l = 0; l < s->count; l++) {
         ft_layer_acts *a = &s->acts[l];
         if (shared) o = slot;
@@ -673,6 +728,7 @@ static size_t arena_layout_pre(const ft_layer_stack *s, int64_t N, int64_t P, in
 #undef ARENA_BEGIN
 #undef TAKE
 #undef TAKE_OUT
+#undef TAKE_EMB
 
 static ft_status grow(ft_layer_stack *s, void **buf, size_t *have, size_t need) {
     if (need <= *have) return FT_OK;
@@ -686,9 +742,81 @@ static ft_status grow(ft_layer_stack *s, void **buf, size_t *have, size_t need) 
     return FT_OK;
 }
 
+ft_status ft_layer_stack_set_tokens(ft_layer_stack *s, const int32_t *ids, const int32_t *types, int64_t N) {
+    const ft_bert_config *c = &s->cfg;
+    s->tok_n = 0;
+    if (!s->opt.train_embeddings)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "these layers do not train the embeddings: their input is the "
+                        "embeddings' output x, not tokens");
+    if (N < 1 || !ids) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack tokens: no rows");
+    for (int64_t r = 0; r < N; r++) {
+        if (ids[r] < 0 || ids[r] >= c->vocab_size)
+            return ft_error(FT_ERR_OUT_OF_RANGE, "token id %lld (row %lld) is out of range for vocab_size %lld",
+                            (long long)ids[r], (long long)r, (long long)c->vocab_size);
+        const int32_t ty = types ? types[r] : 0;
+        if (ty < 0 || ty >= (s->emb_rows[2] ? s->emb_rows[2] : 1))
+            return ft_error(FT_ERR_OUT_OF_RANGE, s->emb_rows[2] ? "token type %lld (row %lld) is out of range for "
+                            "type_vocab_size %lld" : "token type %lld (row %lld): this model has no token types (pass "
+                            "zeros or none)", (long long)ty, (long long)r, (long long)s->emb_rows[2]);
+    }
+    if (N > s->tok_cap) {
+        int32_t *t = realloc(s->tok_host, (size_t)N * 3 * sizeof *t);
+        if (!t) return ft_error(FT_ERR_NOMEM, "out of memory");
+        s->tok_host = t;
+        s->tok_cap = N;
+    }
+    memcpy(s->tok_host, ids, (size_t)N * sizeof(int32_t));
+    for (int64_t r = 0; r < N; r++) s->tok_host[s->tok_cap + r] = types ? types[r] : 0;
+    s->tok_n = N;
+    return FT_OK;
+}
+
+/* The tokens set for this batch as the embeddings take them, into the workspace: rows of a pruned
+ * vocabulary, and each row's position in its sequence as the encoder counts it (model/encoder.c:
+ * RoBERTa's after the padding id, skipping tokens equal to it) */
+static ft_status upload_tokens(ft_layer_stack *s, int64_t N, int64_t B) {
+    const ft_bert_config *c = &s->cfg;
+    if (s->tok_n != N)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, s->tok_n ? "the tokens set are %lld rows, the batch has %lld" :
+                        "these layers train the embeddings: set the batch's tokens (ft_layer_stack_set_tokens) "
+                        "before each forward (%lld rows set, the batch has %lld)", (long long)s->tok_n, (long long)N);
+    s->tok_n = 0;   /* used once */
+    int32_t *ids = s->tok_host, *types = ids + s->tok_cap, *pos = ids + 2 * s->tok_cap;
+    for (int64_t b = 0; b < B; b++) {
+        const int32_t first = s->seqs[3 * b], n = s->seqs[3 * b + 1];
+        int64_t before = 0;
+        for (int32_t t = 0; t < n; t++) {
+            const int64_t r = first + t, id = ids[r];
+            int64_t p = t;
+            if (c->position_ids == FT_POS_AFTER_PADDING) p = id == c->pad_token_id ? c->pad_token_id : c->pad_token_id + 1 + before++;
+            if (s->emb_rows[1] && p >= s->emb_rows[1])
+                return ft_error(FT_ERR_INVALID_ARGUMENT, "sequence %lld: position %lld exceeds max_position_embeddings "
+                                "%lld (at most %lld tokens)", (long long)b, (long long)p, (long long)s->emb_rows[1],
+                                (long long)ft_config_max_tokens(c));
+            pos[r] = (int32_t)p;
+        }
+    }
+    /* rows of a pruned vocabulary, in place: the raw ids were used above */
+    if (c->vocab_map)
+        for (int64_t r = 0; r < N; r++) ids[r] = c->vocab_map[ids[r]];
+    FT_TRY(s->be->upload(s->be, s->work.tokens, ids, (size_t)N * sizeof(int32_t)));
+    FT_TRY(s->be->upload(s->be, s->work.tokens + N, types, (size_t)N * sizeof(int32_t)));
+    return s->be->upload(s->be, s->work.tokens + 2 * N, pos, (size_t)N * sizeof(int32_t));
+}
+
+/* the embeddings' tables in params (or grads): word, position, type, LayerNorm weight and bias (NULL: absent) */
+static float *emb_table(const ft_layer_stack *s, float *base, int t) {
+    return s->emb_off[t] == NO_TENSOR ? NULL : base + s->emb_off[t];
+}
+
 ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_t *lengths, int64_t B, float *out,
                                  int training, uint64_t seed, uint64_t step, uint64_t row_base, uint64_t sq_base) {
-    if (B < 1 || !x || !out || !lengths) return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack forward: empty batch");
+    const int emb = s->opt.train_embeddings != 0;
+    if (B < 1 || (!x && !emb) || !out || !lengths)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack forward: empty batch");
+    if (x && emb)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "these layers train the embeddings: their input is the tokens "
+                        "(ft_layer_stack_set_tokens), and x must be NULL");
     const int64_t C = s->cfg.hidden_size;
     if (B > s->seqs_cap) {
         int32_t *ns = realloc(s->seqs, (size_t)B * 3 * sizeof *ns);
@@ -746,6 +874,16 @@ ft_status ft_layer_stack_forward(ft_layer_stack *s, const float *x, const int32_
     bt.opt = training ? &s->opt : &inference;
     if (training)   /* the recorder's rows of this batch, filled by the backward (none: 0 bytes) */
         FT_TRY(grow(s, (void **)&s->rec.rows, &s->rec_bytes, (size_t)N * (size_t)s->rec.ld * sizeof(float)));
+    if (emb) {   /* the embeddings' output from this batch's tokens: the stack's input */
+        FT_TRY(upload_tokens(s, N, B));
+        const int32_t *tok = s->work.tokens;
+        float *p = s->params;
+        ft_layer_acts *a = &s->acts[0];
+        FT_TRY(s->be->embed_train_forward(s->be, a->emb_out, a->emb_sum, a->emb_stats, tok, s->emb_rows[2] ? tok + N : NULL,
+                                          tok + 2 * N, p, emb_table(s, p, 1), emb_table(s, p, 2), emb_table(s, p, 3),
+                                          emb_table(s, p, 4), N, C, s->cfg.layer_norm_eps));
+        x = a->emb_out;
+    }
     if (training && s->opt.input_dropout > 0.0f) {   /* the stack's input dropped (BERT's embeddings' dropout) */
         FT_TRY(s->be->dropout(s->be, s->acts[0].x_dropped, x, N * C, s->opt.input_dropout, input_key(&bt)));
         x = s->acts[0].x_dropped;
@@ -767,11 +905,28 @@ ft_status ft_layer_stack_backward(ft_layer_stack *s, const float *dout, float *d
         return ft_error(FT_ERR_INVALID_ARGUMENT, "layer stack backward: the loss scale must be finite and > 0, got %g",
                         (double)loss_scale);
     const int64_t N = s->batch.N, C = s->cfg.hidden_size;
+    const int emb = s->opt.train_embeddings != 0;
+    if (emb && dx)
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "these layers train the embeddings: their input is tokens, which "
+                        "have no gradient (dx must be NULL)");
     FT_TRY(s->be->copy(s->be, s->work.g, dout, (size_t)N * (size_t)C * sizeof(float)));
     if (loss_scale != 1.0f) FT_TRY(s->be->scale(s->be, s->work.g, N * C, loss_scale));
     for (int64_t l = s->count - 1; l >= 0; l--) {
         FT_TRY(s->backward(s->be, &s->batch, s->first + l, &s->shape[l], &s->w[l], &s->acts[l], &s->work, &s->gw[l],
-                           l > 0 || dx != NULL, &s->rec));
+                           l > 0 || dx != NULL || emb, &s->rec));
+        if (l == 0 && emb) {   /* on into the embeddings: their dropout, LayerNorm, then the tables' rows */
+            const ft_layer_acts *a = &s->acts[0];
+            float *g = s->work.g, *gr = s->grads;
+            const int32_t *tok = s->work.tokens;
+            if (s->opt.input_dropout > 0.0f)
+                FT_TRY(s->be->dropout(s->be, g, g, N * C, s->opt.input_dropout, input_key(&s->batch)));
+            float *dbeta = emb_table(s, gr, 4);
+            FT_TRY(s->be->layernorm_backward(s->be, g, emb_table(s, gr, 3), dbeta ? dbeta : s->work.dump, g, a->emb_sum,
+                                             a->emb_stats, emb_table(s, s->params, 3), emb_table(s, s->params, 4), N, C, 0));
+            FT_TRY(s->be->embed_backward(s->be, gr, emb_table(s, gr, 1), emb_table(s, gr, 2), g, tok,
+                                         s->emb_rows[2] ? tok + N : NULL, tok + 2 * N, N, C, s->emb_rows[0],
+                                         s->emb_rows[1], s->emb_rows[2]));
+        }
         if (loss_scale != 1.0f)
             FT_TRY(s->be->scale(s->be, s->grads + s->layer_start[l], (int64_t)(s->layer_start[l + 1] - s->layer_start[l]),
                                 1.0f / loss_scale));
@@ -844,6 +999,8 @@ ft_status ft_layer_stack_memory(const ft_layer_stack *s, const ft_layer_options 
     /* the caller's rows, and their copy after input_dropout */
     m->activations[ACT_INPUT] = (size_t)(1 + (opt->input_dropout > 0.0f)) * (size_t)N * (size_t)s->cfg.hidden_size *
                                 sizeof(float);
+    if (s->opt.train_embeddings)   /* the embeddings' sum and statistics too (their output is the input above) */
+        m->activations[ACT_INPUT] += (size_t)N * ((size_t)s->cfg.hidden_size + 2) * sizeof(float);
     m->weights = m->gradients = (s->n_params + s->extra) * sizeof(float);   /* the head's floats after the layers too */
     ft_layer_work wk;
     m->workspace = work_layout(s, B, N, T, &wk, NULL);
@@ -862,9 +1019,11 @@ ft_status ft_layer_stack_export(ft_layer_stack *s, ft_encoder *e) {
         return ft_error(FT_ERR_INVALID_ARGUMENT, "export: the encoder has another configuration");
     if (e->int8)
         return ft_error(FT_ERR_UNSUPPORTED, "export: the encoder is int8; export into a float32 encoder, then quantize it");
+    if (s->emb_floats)
+        FT_TRY(s->be->download(s->be, e->host_params + e->word, s->params, s->emb_floats * sizeof(float)));
     for (int64_t l = 0; l < s->count; l++)
-        FT_TRY(s->be->download(s->be, e->host_params + e->layers[s->first + l].wqkv, s->params + s->layer_start[l],
-                               (s->layer_start[l + 1] - s->layer_start[l]) * sizeof(float)));
+        FT_TRY(s->be->download(s->be, e->host_params + e->layers[s->first + l].wqkv, s->params + layer_base(s, l),
+                               (s->layer_start[l + 1] - layer_base(s, l)) * sizeof(float)));
     return ft_encoder_sync_params(e);   /* device copy; packed copies remade on the next forward */
 }
 

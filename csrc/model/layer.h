@@ -50,6 +50,10 @@ typedef struct {
     float *fin_stats;    /* (N, 2)   the final norm's statistics */
     float *x_dropped;    /* (N, C)   the bottom layer's only: the stack's input after input_dropout, in
                           *          training (else NULL); its x points here then */
+    /* the bottom layer's only, when the stack trains the embeddings (else NULL): */
+    float *emb_sum;      /* (N, C)   word + type + position rows, the embeddings' LayerNorm input */
+    float *emb_stats;    /* (N, 2)   its mean and 1/std */
+    float *emb_out;      /* (N, C)   its output: the stack's input before input_dropout */
 } ft_layer_acts;
 
 /* the per-step buffers that nothing keeps between forward and backward */
@@ -65,6 +69,7 @@ typedef struct {
     int32_t *positions;  /* (N)      each row's position in its sequence (RoPE) */
     float *zeros;        /* (N, C)   zeros: the norms' absent biases, a LayerNorm without a residual */
     float *dump;         /* (C)      the gradients of absent LayerNorm biases, thrown away */
+    int32_t *tokens;     /* (3, N)   trained embeddings: the rows' ids, types and positions */
 } ft_layer_work;
 
 typedef struct {

@@ -73,19 +73,20 @@ static void *buffer(LayerStack *self, PyObject *o, const char *what, ft_dtype dt
 static int LayerStack_init(LayerStack *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"encoder", "first", "count", "device_index", "hidden_dropout", "attention_dropout",
                              "inplace_gelu", "inplace_layernorm", "recompute_attention_dropout", "matmul_precision",
-                             "recompute_attention_probs", "extra", "shared_grads", "input_dropout", NULL};
+                             "recompute_attention_probs", "extra", "shared_grads", "input_dropout", "train_embeddings",
+                             NULL};
     PyObject *enc_o;
     long long first, count, extra = 0;
-    int device_index = -1, ig = 0, il = 0, rd = 1, prec = FT_F32, rp = 0, shared = 0;
+    int device_index = -1, ig = 0, il = 0, rd = 1, prec = FT_F32, rp = 0, shared = 0, te = 0;
     float hp = 0.0f, ap = 0.0f, ip = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffpppipLpf", kwlist, &enc_o, &first, &count, &device_index, &hp,
-                                     &ap, &ig, &il, &rd, &prec, &rp, &extra, &shared, &ip))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|iffpppipLpfp", kwlist, &enc_o, &first, &count, &device_index, &hp,
+                                     &ap, &ig, &il, &rd, &prec, &rp, &extra, &shared, &ip, &te))
         return -1;
     if (extra < 0) { ft_py_fail(ft_errors.input, "extra must be >= 0, got %lld", extra); return -1; }
     ft_encoder *enc = ft_py_encoder_of(enc_o);
     if (!enc) return -1;
     if (self->stack) { ft_py_fail(ft_errors.base, "LayerStack is already initialised"); return -1; }
-    ft_layer_options opt = {hp, ap, ig, il, rd, rp, (ft_dtype)prec, ip};
+    ft_layer_options opt = {hp, ap, ig, il, rd, rp, (ft_dtype)prec, ip, te};
     ft_device dev = {device_index < 0 ? FT_DEVICE_CPU : FT_DEVICE_CUDA, device_index < 0 ? 0 : device_index};
     shared = ft_py_shared_grads(shared);
     ft_status st;
@@ -144,12 +145,13 @@ static PyObject *LayerStack_flat(LayerStack *self, void *grads) {
 
 /* forward(x, lengths, out, training=False, seed=0, step=0): x, out (N, C) packed rows */
 static PyObject *LayerStack_forward(LayerStack *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"x", "lengths", "out", "training", "seed", "step", "row_base", "sq_base", NULL};
-    PyObject *xo, *lo, *oo;
+    static char *kwlist[] = {"x", "lengths", "out", "training", "seed", "step", "row_base", "sq_base", "ids", "types",
+                             NULL};
+    PyObject *xo, *lo, *oo, *ids_o = Py_None, *types_o = Py_None;
     int training = 0;
     unsigned long long seed = 0, step = 0, row_base = 0, sq_base = 0;
-    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OOO|pKKKK", kwlist, &xo, &lo, &oo, &training, &seed,
-                                                     &step, &row_base, &sq_base))
+    if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OOO|pKKKKOO", kwlist, &xo, &lo, &oo, &training, &seed,
+                                                     &step, &row_base, &sq_base, &ids_o, &types_o))
         return NULL;
     if (!PyArray_Check(lo) || PyArray_TYPE((PyArrayObject *)lo) != NPY_INT32 || PyArray_NDIM((PyArrayObject *)lo) != 1 ||
         !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)lo))
@@ -159,13 +161,26 @@ static PyObject *LayerStack_forward(LayerStack *self, PyObject *args, PyObject *
     int64_t N = 0;
     for (int64_t b = 0; b < B; b++) N += lengths[b];
     const int64_t C = ft_layer_stack_hidden_size(self->stack);
-    const float *x = buffer(self, xo, "x", FT_F32, N * C, 0);
-    if (!x) return NULL;
+    const int tokens = ids_o != Py_None;   /* trained embeddings: the rows as token ids (and types), host int32 */
+    if (tokens && xo != Py_None) return ft_py_fail(ft_errors.input, "give the rows as x or as token ids, not both");
+    const int32_t *ids = NULL, *types = NULL;
+    for (int k = 0; tokens && k < 2; k++) {
+        PyObject *o = k ? types_o : ids_o;
+        if (k && o == Py_None) break;
+        if (!PyArray_Check(o) || PyArray_TYPE((PyArrayObject *)o) != NPY_INT32 ||
+            !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o) || PyArray_SIZE((PyArrayObject *)o) != N)
+            return ft_py_fail(ft_errors.input_type, "%s must be a C-contiguous int32 NumPy array of %lld tokens (host "
+                              "memory, one per row)", k ? "types" : "ids", (long long)N);
+        *(k ? &types : &ids) = PyArray_DATA((PyArrayObject *)o);
+    }
+    const float *x = tokens ? NULL : buffer(self, xo, "x", FT_F32, N * C, 0);
+    if (!x && !tokens) return NULL;
     float *out = buffer(self, oo, "out", FT_F32, N * C, 0);
     if (!out) return NULL;
-    ft_status st;
+    ft_status st = FT_OK;
     Py_BEGIN_ALLOW_THREADS
-    st = ft_layer_stack_forward(self->stack, x, lengths, B, out, training, seed, step, row_base, sq_base);
+    if (tokens) st = ft_layer_stack_set_tokens(self->stack, ids, types, N);
+    if (st == FT_OK) st = ft_layer_stack_forward(self->stack, x, lengths, B, out, training, seed, step, row_base, sq_base);
     Py_END_ALLOW_THREADS
     if (st != FT_OK) return ft_py_raise(st);
     Py_RETURN_NONE;
@@ -349,7 +364,8 @@ static PyMethodDef LayerStack_methods[] = {
      "pool_backward(dpooled, dh, cls=False): the pooling's backward into dh (N, C)."},
     {"tensors", (PyCFunction)LayerStack_tensors, METH_NOARGS, "[(name, shape, offset)], total floats."},
     {"forward", (PyCFunction)(void (*)(void))LayerStack_forward, METH_VARARGS | METH_KEYWORDS,
-     "forward(x, lengths, out, training=False, seed=0, step=0, row_base=0, sq_base=0) over packed rows."},
+     "forward(x, lengths, out, training=False, seed=0, step=0, row_base=0, sq_base=0, ids=None, types=None) over "
+     "packed rows: x (N, C), or (train_embeddings) x None and the rows' token ids and types (host int32, N each)."},
     {"backward", (PyCFunction)(void (*)(void))LayerStack_backward, METH_VARARGS | METH_KEYWORDS,
      "backward(dout, dx=None, loss_scale=1.0): gradients of the last training forward into grads (loss_scale: "
      "the backward runs on dout * loss_scale and the gradients are scaled back)."},
@@ -372,7 +388,8 @@ static PyType_Slot LayerStack_slots[] = {
                 "inplace_gelu=False, inplace_layernorm=False, recompute_attention_dropout=True, matmul_precision=0 (ft_dtype), "
                 "recompute_attention_probs=False, extra=0 (floats after the layers in params/grads: a task head's room), "
                 "shared_grads=False (the gradients in shared memory: a data-parallel rank's), "
-                "input_dropout=0 (dropout on the stack's input in training: at layer 0, the embeddings'))"},
+                "input_dropout=0 (dropout on the stack's input in training: at layer 0, the embeddings'), "
+                "train_embeddings=False (first 0: the embeddings trained too, the input token ids))"},
     {0, NULL}};
 
 static PyType_Spec LayerStack_spec = {"fasttran._C.LayerStack", sizeof(LayerStack), 0, Py_TPFLAGS_DEFAULT,

@@ -164,7 +164,7 @@ static int host_array(PyObject *o, const char *what, int npy, int64_t need, int 
 
 /* the batch arguments of step() and forward(), checked: fills b; 0 with an exception */
 static int parse_batch(Model *self, PyObject *xo, PyObject *lo, PyObject *to, PyObject *vo, PyObject *zo,
-                       ft_model_batch *b, float **logits) {
+                       PyObject *ids_o, PyObject *types_o, ft_model_batch *b, float **logits) {
     if (!PyArray_Check(lo) || PyArray_TYPE((PyArrayObject *)lo) != NPY_INT32 || PyArray_NDIM((PyArrayObject *)lo) != 1 ||
         !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)lo) || PyArray_SIZE((PyArrayObject *)lo) < 1) {
         ft_py_fail(ft_errors.input_type, "lengths must be a non-empty 1-d int32 NumPy array (host memory)");
@@ -181,21 +181,32 @@ static int parse_batch(Model *self, PyObject *xo, PyObject *lo, PyObject *to, Py
         }
         N += lengths[i];
     }
-    ft_py_buf x;
-    if (!ft_py_get_buf(xo, "x", -1, FT_F32, 0, 0, &x)) return 0;
-    if (x.device.kind != self->device.kind || (x.device.kind == FT_DEVICE_CUDA && x.device.index != self->device.index)) {
+    b->lengths = lengths;
+    b->B = B;
+    if (ids_o != Py_None) {   /* layers that train the embeddings: the rows as tokens (host int32) */
+        if (xo != Py_None) {
+            ft_py_fail(ft_errors.input, "give the rows as x or as token ids, not both");
+            return 0;
+        }
+        if (!host_array(ids_o, "ids", NPY_INT32, N, 0, (void **)&b->ids) ||
+            !host_array(types_o, "types", NPY_INT32, N, 0, (void **)&b->types))
+            return 0;
+        b->x = NULL;
+    }
+    ft_py_buf x = {0};
+    if (ids_o == Py_None && !ft_py_get_buf(xo, "x", -1, FT_F32, 0, 0, &x)) return 0;
+    if (ids_o != Py_None) {
+    } else if (x.device.kind != self->device.kind || (x.device.kind == FT_DEVICE_CUDA && x.device.index != self->device.index)) {
         ft_py_fail(ft_errors.input, "the batch is on another device than the model (%s)",
                    self->device.kind == FT_DEVICE_CPU ? "the CPU" : "a CUDA device");
         return 0;
     }
-    if (x.numel != N * self->hidden) {
+    if (ids_o == Py_None && x.numel != N * self->hidden) {
         ft_py_fail(ft_errors.input, "x has %lld elements; %lld rows of width %lld expected", (long long)x.numel,
                    (long long)N, (long long)self->hidden);
         return 0;
     }
-    b->x = x.data;
-    b->lengths = lengths;
-    b->B = B;
+    if (ids_o == Py_None) b->x = x.data;
     const int fl = ft_head_float_targets(&self->head);
     return host_array(to, "targets", fl ? NPY_FLOAT32 : NPY_INT32, ft_head_target_count(&self->head, B, N), 0,
                       (void **)&b->targets) &&
@@ -207,20 +218,20 @@ static int parse_batch(Model *self, PyObject *xo, PyObject *lo, PyObject *to, Py
  *      seq_base=0, sq_base=0, loss_scale=1.0, logits=None, ready=None) -> loss */
 static PyObject *Model_step(Model *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"x", "lengths", "targets", "valid", "denominator", "seed", "step", "row_base", "seq_base",
-                             "sq_base", "loss_scale", "logits", "ready", NULL};
-    PyObject *xo, *lo, *to, *vo = Py_None, *zo = Py_None, *ro = Py_None;
+                             "sq_base", "loss_scale", "logits", "ready", "ids", "types", NULL};
+    PyObject *xo, *lo, *to, *vo = Py_None, *zo = Py_None, *ro = Py_None, *ids_o = Py_None, *types_o = Py_None;
     double denom = 0.0;
     unsigned long long seed = 0, step = 0, row_base = 0, seq_base = 0, sq_base = 0;
     float loss_scale = 1.0f;
     if (!ready_model(self) ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OOO|OdKKKKKfOO", kwlist, &xo, &lo, &to, &vo, &denom, &seed, &step,
-                                     &row_base, &seq_base, &sq_base, &loss_scale, &zo, &ro))
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOO|OdKKKKKfOOOO", kwlist, &xo, &lo, &to, &vo, &denom, &seed, &step,
+                                     &row_base, &seq_base, &sq_base, &loss_scale, &zo, &ro, &ids_o, &types_o))
         return NULL;
     if (to == Py_None) return ft_py_fail(ft_errors.input, "a training step needs targets");
     if (ro != Py_None && !PyCallable_Check(ro)) return ft_py_fail(ft_errors.input_type, "ready must be callable or None");
-    ft_model_batch b;
+    ft_model_batch b = {0};
     float *logits;
-    if (!parse_batch(self, xo, lo, to, vo, zo, &b, &logits)) return NULL;
+    if (!parse_batch(self, xo, lo, to, vo, zo, ids_o, types_o, &b, &logits)) return NULL;
     int64_t N = 0;
     for (int64_t i = 0; i < b.B; i++) N += b.lengths[i];
     b.denominator = denom > 0.0 ? denom : (double)ft_head_loss_count(&self->head, b.B, N);
@@ -265,13 +276,15 @@ static PyObject *Model_idle(Model *self, PyObject *args, PyObject *kw) {
 
 /* forward(x, lengths, logits, valid=None): inference */
 static PyObject *Model_forward(Model *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"x", "lengths", "logits", "valid", NULL};
-    PyObject *xo, *lo, *zo, *vo = Py_None;
-    if (!ready_model(self) || !PyArg_ParseTupleAndKeywords(args, kw, "OOO|O", kwlist, &xo, &lo, &zo, &vo)) return NULL;
+    static char *kwlist[] = {"x", "lengths", "logits", "valid", "ids", "types", NULL};
+    PyObject *xo, *lo, *zo, *vo = Py_None, *ids_o = Py_None, *types_o = Py_None;
+    if (!ready_model(self) ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO", kwlist, &xo, &lo, &zo, &vo, &ids_o, &types_o))
+        return NULL;
     if (zo == Py_None) return ft_py_fail(ft_errors.input, "forward needs a logits array to write into");
     ft_model_batch b = {0};
     float *logits;
-    if (!parse_batch(self, xo, lo, Py_None, vo, zo, &b, &logits)) return NULL;
+    if (!parse_batch(self, xo, lo, Py_None, vo, zo, ids_o, types_o, &b, &logits)) return NULL;
     b.denominator = 1.0;
     ft_status st;
     FT_PY_NOGIL(st, ft_model_forward(self->model, &b, logits));
@@ -446,18 +459,19 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "groups", "grads", "max_grad_norm", "check_finite", "x", "lengths",
                              "examples", "targets", "denominators", "lrs", "seed", "first_step", "losses", "logits",
                              "every", "phase", "callback", "cache", "index", "valid", "scaler", "place", "reduction",
-                             NULL};
+                             "ids", "types", NULL};
     PyObject *opt_o, *groups, *grads, *xo, *lo, *eo, *to, *do_, *ro, *so, *zo = Py_None, *cb = Py_None;
     PyObject *cache_o = Py_None, *index_o = Py_None, *valid_o = Py_None, *scaler_o = Py_None;
-    PyObject *place_o = Py_None, *red_o = Py_None;
+    PyObject *place_o = Py_None, *red_o = Py_None, *ids_o = Py_None, *types_o = Py_None;
     double max_norm;
     int check_finite;
     unsigned long long seed, first_step;
     long long every = 0, phase = 0;
     if (!ready_model(self) ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLOOOOOOO", kwlist, &opt_o, &groups, &grads, &max_norm,
+        !PyArg_ParseTupleAndKeywords(args, kw, "OOOdpOOOOOOKKO|OLLOOOOOOOOO", kwlist, &opt_o, &groups, &grads, &max_norm,
                                      &check_finite, &xo, &lo, &eo, &to, &do_, &ro, &seed, &first_step, &so, &zo,
-                                     &every, &phase, &cb, &cache_o, &index_o, &valid_o, &scaler_o, &place_o, &red_o))
+                                     &every, &phase, &cb, &cache_o, &index_o, &valid_o, &scaler_o, &place_o, &red_o,
+                                     &ids_o, &types_o))
         return NULL;
     const int reducing = red_o != Py_None;
     if (cb != Py_None && !PyCallable_Check(cb)) return ft_py_fail(ft_errors.input_type, "callback must be callable or None");
@@ -488,9 +502,14 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     ft_py_buf x = {0};
     ft_cache *cache = NULL;
     const int64_t *index = NULL;
-    if ((xo == Py_None) == (cache_o == Py_None) || (cache_o == Py_None) != (index_o == Py_None))
-        return ft_py_fail(ft_errors.input, "train_steps takes x, or a cache and the index of every example in it");
-    if (cache_o != Py_None) {   /* each step's rows read from the cache into the model's memory */
+    const int32_t *ids = NULL, *types = NULL;
+    if ((xo != Py_None) + (cache_o != Py_None) + (ids_o != Py_None) != 1 || (cache_o == Py_None) != (index_o == Py_None))
+        return ft_py_fail(ft_errors.input, "train_steps takes x, or a cache and the index of every example in it, or "
+                          "(layers that train the embeddings) the rows' token ids");
+    if (ids_o != Py_None) {   /* every step's rows as tokens: host int32, one step after another */
+        if (!(ids = host_exact(ids_o, "ids", NPY_INT32, N, 0, NULL))) return NULL;
+        if (types_o != Py_None && !(types = host_exact(types_o, "types", NPY_INT32, N, 0, NULL))) return NULL;
+    } else if (cache_o != Py_None) {   /* each step's rows read from the cache into the model's memory */
         if (!(cache = ft_py_cache_from(cache_o))) return NULL;
         if (!(index = host_exact(index_o, "index", NPY_INT64, n_lengths, 0, NULL))) return NULL;
         for (int64_t i = 0; i < n_lengths; i++) {
@@ -561,7 +580,7 @@ static PyObject *Model_train_steps(Model *self, PyObject *args, PyObject *kw) {
     if (r < 0) return ft_py_fail(ft_errors.input, "the optimizer's groups no longer hold its table's parameters");
     if (r == 0) return NULL;
     const ft_train_plan plan = {steps, x.data, lengths, examples, targets, denom, lrs, seed, first_step, cache, index,
-                                valid, scaler, place, reducing ? &red : NULL};
+                                valid, scaler, place, reducing ? &red : NULL, ids, types};
     ft_train_result res = {.loss = losses, .logits = logits, .stop = FT_TRAIN_DONE, .scaler = scaler};
     res.info.bad_tensor = -1;
     steps_hook hook = {cb, NULL, NULL, NULL};

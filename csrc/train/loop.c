@@ -95,7 +95,7 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
     out->done = 0;
     out->stop = FT_TRAIN_DONE;
     out->scaler = plan->scaler;
-    if (plan->steps < 0 || (plan->steps && (!plan->x == !plan->cache || (plan->cache && !plan->index) ||
+    if (plan->steps < 0 || (plan->steps && ((!plan->x + !plan->cache + !plan->ids) != 2 || (plan->cache && !plan->index) ||
                                             !plan->lengths || !plan->examples || !plan->targets ||
                                             !plan->denominator || !plan->lr)))
         return ft_error(FT_ERR_INVALID_ARGUMENT, "train steps: an incomplete plan");
@@ -138,8 +138,12 @@ ft_status ft_model_train_steps(ft_model *m, ft_optim_table *opt, const ft_optim_
         double loss = 0.0;
         if (B > 0) {
             ft_model_batch b = {0};
-            st = rows_of_step(&rows, m, k, row, head->hidden, &b.x);
-            if (st != FT_OK) break;
+            if (plan->ids) {   /* tokens: the layers compute the embeddings */
+                b.ids = plan->ids + row;
+                b.types = plan->types ? plan->types + row : NULL;
+            } else if ((st = rows_of_step(&rows, m, k, row, head->hidden, &b.x)) != FT_OK) {
+                break;
+            }
             b.lengths = plan->lengths + e0;
             b.valid = plan->valid ? plan->valid + row : NULL;
             b.B = B;

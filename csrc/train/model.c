@@ -222,7 +222,10 @@ size_t ft_model_allocated(const ft_model *m) {
 
 /* the batch's rows, its sequence table on the host and the device, and its targets uploaded */
 static ft_status stage(ft_model *m, const ft_model_batch *b, batch_bufs *v, int64_t *N_out) {
-    if (!b || b->B < 1 || !b->x || !b->lengths) return ft_error(FT_ERR_INVALID_ARGUMENT, "model: empty batch");
+    if (!b || b->B < 1 || (!b->x && !b->ids) || !b->lengths) return ft_error(FT_ERR_INVALID_ARGUMENT, "model: empty batch");
+    if (b->ids && (b->x || !m->layers))
+        return ft_error(FT_ERR_INVALID_ARGUMENT, "model: a batch of token ids is for layers that train the embeddings, "
+                        "and then without x");
     int64_t N = 0;
     for (int64_t i = 0; i < b->B; i++) {
         if (b->lengths[i] < 1)
@@ -264,6 +267,7 @@ static ft_status run(ft_model *m, const ft_model_batch *b, int training, double 
     const ft_head_batch hb = {b->B, N, m->seqs, on_device ? v.seqs : NULL, b->row_base, b->seq_base};
     const float *x = b->x;
     if (m->layers) {
+        if (b->ids) FT_TRY(ft_layer_stack_set_tokens(m->layers, b->ids, b->types, N));
         FT_TRY(ft_layer_stack_forward(m->layers, b->x, b->lengths, b->B, v.out, training, b->seed, b->step,
                                       b->row_base, b->sq_base));
         x = v.out;
