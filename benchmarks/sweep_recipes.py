@@ -78,7 +78,8 @@ def trainer_args(k, recipe, seed):
               warmup=recipe.get("warmup", 0.1), epochs=recipe["epochs"], lr=recipe["lr"])
     if k:
         kw.update(train_layers=k, pooling="cls", pooler=True, head_lr=recipe["head_lr"],
-                  layer_lr_decay=recipe["layer_lr_decay"], precision=recipe.get("precision", "float32"))
+                  layer_lr_decay=recipe["layer_lr_decay"], precision=recipe.get("precision", "float32"),
+                  train_embeddings=recipe.get("train_embeddings", False))
     return kw
 
 
@@ -230,7 +231,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "recipes_sweep.json"))
     ap.add_argument("--default-candidates", default=None, metavar="JSON",
                     help="instead of the staged sweep: a JSON list of [k, recipe] pairs (a recipe may name its "
-                         "optimizer), scored on the held-out slices; the best is `fasttran finetune`'s default")
+                         "optimizer, precision and train_embeddings), scored on the held-out slices; the best is `fasttran finetune`'s default")
     ap.add_argument("--tolerance", type=float, default=0.0,
                     help="--default-candidates: the fastest candidate within this of the best mean held-out score "
                          "(0: the best)")

@@ -196,8 +196,8 @@ def run_fasttran(task, enc, tr_in, y, dv_in, ydev, names, k, seeds, args):
         kw["eps"] = args.eps
     if args.embedding_dropout is not None:
         kw["embedding_dropout"] = args.embedding_dropout
-    if args.train_embeddings is not None and k == enc.num_layers:
-        kw["train_embeddings"] = args.train_embeddings
+    kw["train_embeddings"] = (fasttran.trainer.finetune_embeddings(k, enc.num_layers) if args.train_embeddings is None
+                              else bool(args.train_embeddings) and k == enc.num_layers)
     precision = args.precision or fasttran.trainer.finetune_precision(k)   # a head alone: float32
     if precision != "float32":
         kw["precision"] = precision
@@ -327,7 +327,8 @@ def main():
                     help="fasttran's dropout on the embeddings' output at k = L, as the reference's embeddings drop "
                          "theirs (an ablation; default the Trainer's, 0)")
     ap.add_argument("--train-embeddings", type=int, choices=[0, 1], default=None,
-                    help="fasttran at k = L: train the embeddings too (1) or not (0); default: the Trainer's")
+                    help="fasttran at k = L: train the embeddings too (1) or not (0); default: finetune's "
+                         "(trainer.finetune_embeddings)")
     ap.add_argument("--ref-bf16", action="store_true",
                     help="the reference in bf16 mixed precision (TrainingArguments(bf16=True): torch's autocast)")
     ap.add_argument("--ref-frozen-embeddings", action="store_true",
@@ -367,7 +368,7 @@ def main():
             "embedding_dropout": (args.embedding_dropout if args.embedding_dropout is not None
                                   else fasttran.Trainer().embedding_dropout),
             "train_embeddings": (bool(args.train_embeddings) if args.train_embeddings is not None
-                                 else fasttran.Trainer().train_embeddings),
+                                 else f"finetune's ({fasttran.trainer.FINETUNE_DEFAULT['embeddings']} at k = L)"),
             "precision": args.precision or f"finetune's ({fasttran.trainer.finetune_precision(1)} for k > 0)",
             "torch": torch.__version__, "transformers": transformers.__version__,
             "fasttran": fasttran.__version__, "command": " ".join(sys.argv)}

@@ -237,7 +237,7 @@ def run(args):
     from .export import how_to_load, layout_of
     data = _load(args)
     enc = cli_io.encoder(args)
-    from .trainer import FINETUNE_DEFAULT, finetune_layers, finetune_precision
+    from .trainer import FINETUNE_DEFAULT, finetune_embeddings, finetune_layers, finetune_precision
     squad = reader_of(data.kind) == "squad"
     if getattr(args, "search", False) and squad:
         cli_io.fail("--search is for the sentence and token tasks (QA's windows are cut per question)")
@@ -259,6 +259,11 @@ def run(args):
         K = finetune_layers(enc.num_layers, len(tr_feats.input_ids) if squad else len(data.train))
     optimizer = args.optimizer or FINETUNE_DEFAULT["optimizer"]
     precision = getattr(args, "precision", None) or finetune_precision(K, enc.device)
+    embeddings = getattr(args, "train_embeddings", None)
+    if embeddings and K != enc.num_layers:
+        cli_io.fail(f"--train-embeddings trains the embeddings under every layer: it needs --train-layers "
+                    f"{enc.num_layers} (every layer of this model), got {K}")
+    embeddings = finetune_embeddings(K, enc.num_layers) if embeddings is None else embeddings
     layer = enc.num_layers - K if K else -1
     from .heads import head_class
     head = head_task(data.kind)
@@ -302,7 +307,7 @@ def run(args):
         kw = dict(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, train_layers=K,
                   optimizer=optimizer, precision=precision,
                   device=enc.device, head_lr=getattr(args, "head_lr", None),
-                  layer_lr_decay=getattr(args, "layer_lr_decay", None))
+                  layer_lr_decay=getattr(args, "layer_lr_decay", None), train_embeddings=embeddings)
         if data.label_names is not None:
             kw["label_names"] = list(data.label_names)
         if sequence and K:   # BERT's pooler on [CLS]: the layout transformers' pipelines load, head in place
@@ -322,14 +327,15 @@ def run(args):
     out = args.output or f"finetuned-{args.task}"
     tr.export(out, encoder=enc)
     info = {"task": args.task, "kind": data.kind, "files": data.files, "metric": data.metric,
-            "best_epoch": tr.best_epoch, "train_layers": K, "optimizer": optimizer, "precision": precision,
+            "best_epoch": tr.best_epoch, "train_layers": K, "train_embeddings": embeddings, "optimizer": optimizer,
+            "precision": precision,
             "model": enc.path, "cache_seconds": cache_seconds,
             "history": tr.history, "lr": tr.lr, "head_lr": tr.head_lr, "lr_search": tr.lr_search_tries}
     from ._C import atomic_write
     atomic_write(os.path.join(out, "finetune.json"), [json.dumps(info, indent=1).encode()])
     best = tr.history[tr.best_epoch - 1]
     print(f"\n{args.task}: {n_train} train / {n_dev} dev examples, caches built in "
-          f"{cache_seconds:.1f} s, {'head only' if not K else f'top {K} layer(s) + head'}"
+          f"{cache_seconds:.1f} s, {'head only' if not K else f'top {K} layer(s)' + (' + embeddings' if embeddings else '') + ' + head'}"
           + (f", {precision} mixed precision" if precision != "float32" else ""))
     if tr.lr_search_tries:
         print("lr search (held out: the training split's last tenth, one epoch per try):")
@@ -377,6 +383,10 @@ def add_parser(sub):
                         "encoder's features). "
                         "With K > 0 the sentence tasks pool [CLS] through BERT's pooler: the export loads in "
                         "transformers' pipelines")
+    f.add_argument("--train-embeddings", default=None, action=argparse.BooleanOptionalAction,
+                   help="with every layer trained: train the embeddings too (the word, position and type tables "
+                        "and their LayerNorm, as transformers' full fine-tuning does); default: "
+                        + ("yes" if FINETUNE_DEFAULT["embeddings"] else "no") + " (FINETUNE_DEFAULT)")
     f.add_argument("--optimizer", default=None, choices=["adamw", "lamb"],
                    help="default AdamW (FINETUNE_DEFAULT); each optimizer has its own recipe per K")
     f.add_argument("--precision", default=None, choices=["float32", "bfloat16", "float16"],

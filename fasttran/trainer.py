@@ -92,7 +92,7 @@ DEFAULT_TOPK_RECIPES = {
 #: of them scored 2.7 points higher. The boundary sits between the two sizes measured (their
 #: geometric mean); where between them the two depths cross is not measured.
 FINETUNE_DEFAULT = {"layers": 1.0, "large_layers": 0.5, "large_train": 22_000, "optimizer": "adamw",
-                    "precision": "bfloat16"}
+                    "precision": "bfloat16", "embeddings": False}
 #: the layers' default lr per optimizer at k = 1 (the recipes above hold every k's)
 DEFAULT_TOPK_LR = {name: r[1]["lr"] for name, r in DEFAULT_TOPK_RECIPES.items()}
 _DEFAULT_WARMUP, _DEFAULT_EPOCHS = 0.1, 3
@@ -161,6 +161,12 @@ def finetune_layers(num_layers, n_train):
     d = FINETUNE_DEFAULT
     share = d["layers"] if int(n_train) < d["large_train"] else d["large_layers"]
     return max(1, int(round(share * int(num_layers))))
+
+
+def finetune_embeddings(train_layers, num_layers):
+    """`fasttran finetune`'s train_embeddings where the user says nothing: FINETUNE_DEFAULT's when
+    every layer trains (the embeddings sit under layer 0), else False."""
+    return bool(FINETUNE_DEFAULT["embeddings"]) and int(train_layers) == int(num_layers)
 
 
 def finetune_precision(train_layers, device="cpu"):

@@ -337,14 +337,44 @@ def test_the_default_trains_every_layer_with_the_swept_recipe(minilm_dir, tmp_pa
     assert tr.lr == recipe["lr"] and (tr.head_lr or tr.lr) == recipe["head_lr"]   # (None: the layers' lr)
     precision = fasttran.trainer.finetune_precision(want_k)   # bf16 where this CPU multiplies it
     assert tr.precision == precision and tr.top.matmul_precision == precision
+    emb = fasttran.trainer.finetune_embeddings(want_k, 6)   # FINETUNE_DEFAULT["embeddings"] at every layer
+    assert tr.train_embeddings == emb and tr.top.train_embeddings == emb
     info = json.load(open(tmp_path / "d" / "finetune.json"))
     assert info["train_layers"] == want_k and info["optimizer"] == d["optimizer"] and info["precision"] == precision
-    assert "AutoModelForSequenceClassification.from_pretrained(" in out and "top 6 layer(s) + head" in out
+    assert info["train_embeddings"] == emb
+    assert "AutoModelForSequenceClassification.from_pretrained(" in out
+    assert f"top 6 layer(s){' + embeddings' if emb else ''} + head" in out
     assert ("bfloat16 mixed precision" in out) == (precision == "bfloat16")
     # (the mixed precision is the training steps': predict multiplies in float32, as the export does)
     texts, pairs = mrpc_pairs(24)
     logits = tr.predict(res.dev[0], output="logits")
     pipeline_gives(str(tmp_path / "d"), texts, pairs, logits, every=7)
+
+
+@pytest.mark.parametrize("flag", ["--train-embeddings", "--no-train-embeddings"])
+def test_train_embeddings_flag(minilm_dir, tmp_path, capsys, flag):
+    """--train-embeddings / --no-train-embeddings whatever the default: the embeddings train with every
+    layer (only then: below it the command says what it needs), and the export -- its embeddings the
+    trained ones -- gives fasttran's logits in pipeline(...)"""
+    from conftest import glue_file
+    glue_file("MRPC", "train")
+    on = flag == "--train-embeddings"
+    if on:
+        with pytest.raises(SystemExit, match="--train-layers 6"):
+            finetune(capsys, "--task", "mrpc", "--data", DATA, "--limit", "16", "--epochs", "1", "--model", minilm_dir,
+                     "--train-layers", "3", flag, "--output", str(tmp_path / "k3"))
+    res, out = finetune(capsys, "--task", "mrpc", "--data", DATA, "--limit", "24", "--epochs", "1", "--model",
+                        minilm_dir, flag, "--output", str(tmp_path / "e"))
+    tr = res.trainer
+    assert tr.train_embeddings == on and ("top 6 layer(s) + embeddings + head" in out) == on
+    assert json.load(open(tmp_path / "e" / "finetune.json"))["train_embeddings"] == on
+    from safetensors.numpy import load_file
+    word = next(v for k, v in load_file(str(tmp_path / "e" / "model.safetensors")).items()
+                if k.endswith("word_embeddings.weight"))
+    trained = dict(tr.top.named_parameters()).get("embeddings.word_embeddings.weight")
+    assert (trained is not None) == on and (not on or np.array_equal(word, trained))
+    texts, pairs = mrpc_pairs(24)
+    pipeline_gives(str(tmp_path / "e"), texts, pairs, tr.predict(res.dev[0], output="logits"), every=11)
 
 
 def test_the_default_depth_halves_from_large_training_sets(minilm_dir, tmp_path, capsys, monkeypatch):
