@@ -653,7 +653,7 @@ class Trainer:
             x, tokens = self._rows_or_tokens(cache, ids, x)
             loss, logits = self.model.step(x, lengths, targets, valid, denominator=denominator,
                                            seed=self.seed, step=self.global_step, place=place,
-                                           loss_scale=self._scale(), ready=self.reduction.ready, tokens=tokens)
+                                           loss_scale=self._scale(), ready=self.reduction.ready, **tokens)
             correct = self.head.correct(logits, targets)
         else:   # an empty slice of an uneven last batch: no gradient, but every reduction still happens
             loss, correct = self.model.idle(self.reduction.ready), None
@@ -666,12 +666,14 @@ class Trainer:
         return len(ids), loss, correct
 
     def _rows_or_tokens(self, cache, ids, x):
-        """(x, None), or (None, (token ids, types)) of examples `ids` for layers that train the
-        embeddings: their input is the tokens the cache was built from, not its rows"""
+        """(x, {}), or (None, {"tokens": (token ids, types)}) of examples `ids` for layers that train
+        the embeddings -- their input is the tokens the cache was built from, not its rows: the
+        keywords Model.step / forward take them by (none otherwise, so a wrapped step or forward
+        with the earlier signature still works)"""
         if self.top is None or not self.top.train_embeddings:
-            return x, None
+            return x, {}
         tok, types, _ = cache.inputs(ids, ragged=True)
-        return None, (tok, types)
+        return None, {"tokens": (tok, types)}
 
     def _slice_terms(self, prep, glob, offset, row_offset, lengths):
         """A rank's slice of the global batch `glob` (after its first `offset` examples, `row_offset`
@@ -1165,7 +1167,7 @@ class Trainer:
                 x, lengths = rows_of(batch)
                 _, valid = self.head.batch(prep, cache.index_of(ids), lengths)
                 x, tokens = self._rows_or_tokens(cache, ids, x)
-                chunks.append(self.head.outputs(self.model.forward(x, lengths, valid, tokens=tokens), lengths, valid))
+                chunks.append(self.head.outputs(self.model.forward(x, lengths, valid, **tokens), lengths, valid))
                 del batch
                 bar.update(1)
         return self.head.collect(chunks)
