@@ -224,6 +224,9 @@ def cmd_train(args):
         _fail("--eval-input and --eval-cache go together: the cache of the eval file, built with `fasttran cache`")
     group = _join_group(args)
     enc = _encoder(args)
+    if args.train_embeddings and args.train_layers != enc.num_layers:
+        _fail(f"--train-embeddings trains the embeddings under every layer: it needs --train-layers {enc.num_layers} "
+              f"(every layer of this model, from a cache of layer 0), got {args.train_layers}")
     if args.head == "qa":
         cache, feats = _qa_source(args, enc, args.cache, args.input, True, "--cache")
         targets = feats   # spans and the context tokens
@@ -246,7 +249,7 @@ def cmd_train(args):
     kw = dict(optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
               weight_decay=args.weight_decay, schedule=args.schedule, warmup=args.warmup,
               train_layers=args.train_layers, precision=args.precision, tempo=_tempo(args.tempo),
-              pooling=args.pooling, device=enc.device)
+              pooling=args.pooling, device=enc.device, train_embeddings=args.train_embeddings)
     kw["pooler"] = args.pooler or None   # (heads without a pooler variant ignore it)
     if names is not None:
         kw["label_names"] = names
@@ -475,6 +478,10 @@ def build_parser():
                         "decides itself)")
     t.add_argument("--train-layers", type=int, default=0, metavar="K",
                    help="also train the encoder's top K layers, from a cache of layer L-K with --positions all")
+    t.add_argument("--train-embeddings", action="store_true",
+                   help="with --train-layers L (every layer, from a cache of layer 0): train the embeddings too -- "
+                        "the word, position and type tables and their LayerNorm, as transformers' full fine-tuning "
+                        "does")
     t.add_argument("--precision", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the trained layers' products (mixed precision; bfloat16 on CPUs with AVX512_BF16 or AMX, or CUDA)")
     t.add_argument("--tempo", default=None, metavar="OPTS",

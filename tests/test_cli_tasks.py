@@ -90,3 +90,26 @@ def test_token_classification_with_trained_layers(minilm_dir, tmp_path):
     err = run("train", *m, "--input", train, "--cache", "ct", "--output", "x", "--train-layers", "1", "--tempo",
               "fast", cwd=tmp_path, ok=False)
     assert "--tempo: unknown option(s) ['fast']" in err
+
+
+def test_train_embeddings(minilm_dir, tmp_path):
+    """`fasttran train --train-layers L --train-embeddings` from a cache of layer 0: the exported model's
+    embedding tables moved (they stay the checkpoint's bit for bit without the flag); other depths
+    are refused before any cache is read"""
+    m = ["--model", minilm_dir]
+    mrpc = glue_file("MRPC", "train")
+    run("cache", *m, "--task", "pair", "--input", mrpc, "--limit", "32", "--layer", "0", "--positions", "all",
+        "--output", "c0", cwd=tmp_path)
+    from transformers import AutoModel, AutoModelForSequenceClassification
+    base = AutoModel.from_pretrained(minilm_dir).embeddings
+    for flag, moved in ((["--train-embeddings"], True), ([], False)):
+        run("train", *m, "--input", mrpc, "--cache", "c0", "--output", f"ck{moved}", "--epochs", "1", "--batch-size",
+            "16", "--train-layers", "6", "--pooling", "cls", "--pooler", "--optimizer", "adamw", *flag, cwd=tmp_path)
+        run("export", *m, "--checkpoint", f"ck{moved}", "--output", f"m{moved}", cwd=tmp_path)
+        emb = AutoModelForSequenceClassification.from_pretrained(tmp_path / f"m{moved}").bert.embeddings
+        for name in ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm"):
+            a, b = getattr(emb, name).weight.detach().numpy(), getattr(base, name).weight.detach().numpy()
+            assert np.array_equal(a, b) != moved, name
+    err = run("train", *m, "--input", mrpc, "--cache", "c0", "--output", "x", "--train-layers", "3",
+              "--train-embeddings", cwd=tmp_path, ok=False)
+    assert "--train-embeddings trains the embeddings under every layer: it needs --train-layers 6" in err
