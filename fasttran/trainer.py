@@ -1013,7 +1013,7 @@ class Trainer:
                 glob = np.ascontiguousarray(np.concatenate(parts), np.int64)
                 steps = (examples, rows, place, denominators)
             if self.top is not None and self.top.train_embeddings:   # the layers' input: the examples' tokens
-                tok = cache.inputs(cache.example_ids[glob], ragged=True)[:2] if len(glob) else None
+                tok = cache.inputs_at(glob, ragged=True)[:2] if len(glob) else None
                 return glob, tok, lengths_of[glob].astype(np.int32), steps
             if reads or not len(glob):   # the cache's index of an example is its place in example_ids
                 return glob, None, lengths_of[glob].astype(np.int32), steps

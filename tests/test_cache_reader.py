@@ -56,6 +56,13 @@ def test_get_into_a_callers_buffer(setup, positions, dtype):
     assert np.array_equal(m.sum(1), lengths[pick]) and np.array_equal(i * m, ids[pick][:, :i.shape[1]] * m)
     fi, ft, off = c.inputs(pick, ragged=True)
     assert np.array_equal(np.diff(off), lengths[pick]) and np.array_equal(fi, i[m.astype(bool)])
+    at = c.index_of(pick)   # by position in the example order, as epoch_order gives them
+    for got, want in zip(c.inputs_at(at, ragged=True) + c.inputs_at(at), (fi, ft, off, i, m, t)):
+        assert np.array_equal(got, want)
+    with pytest.raises(InputRangeError, match=f"index holds {len(ids)}: the cache's positions are 0..{len(ids) - 1}"):
+        c.inputs_at([0, len(ids)])
+    with pytest.raises(InputError, match="1-D array of example positions"):
+        c.inputs_at([[0]])
 
 
 def test_reader_lifetime_and_close(setup):

@@ -140,8 +140,8 @@ int64_t ft_config_layer_heads(const ft_bert_config *c, int64_t layer);
 int64_t ft_config_layer_intermediate(const ft_bert_config *c, int64_t layer);
 int64_t ft_config_total_heads(const ft_bert_config *c);
 int64_t ft_config_vocab_rows(const ft_bert_config *c);   /* rows of the word embeddings */
-int64_t ft_config_max_tokens(const ft_bert_config *c);
-int64_t ft_config_embedding_size(const ft_bert_config *c);   /* E (hidden_size when the config says 0) */   /* real tokens a sequence may hold (positions) */
+int64_t ft_config_max_tokens(const ft_bert_config *c);   /* real tokens a sequence may hold (positions) */
+int64_t ft_config_embedding_size(const ft_bert_config *c);   /* E (hidden_size when the config says 0) */
 int ft_bert_config_equal(const ft_bert_config *a, const ft_bert_config *b);
 
 typedef enum { FT_POOL_NONE = 0, FT_POOL_CLS = 1, FT_POOL_MEAN = 2 } ft_pooling;

@@ -226,6 +226,11 @@ int64_t ft_config_embedding_size(const ft_bert_config *c) {
 int64_t ft_config_max_tokens(const ft_bert_config *c) {
     return c->max_position_embeddings - (c->position_ids == FT_POS_AFTER_PADDING ? c->pad_token_id + 1 : 0);
 }
+int64_t ft_config_position(const ft_bert_config *c, int64_t t, int64_t id, int real, int64_t *before) {
+    if (c->position_ids != FT_POS_AFTER_PADDING) return t;
+    if (id == c->pad_token_id) return c->pad_token_id;
+    return c->pad_token_id + 1 + (real ? (*before)++ : *before);
+}
 int64_t ft_config_vocab_rows(const ft_bert_config *c) { return c->vocab_map ? c->vocab_rows : c->vocab_size; }
 
 int64_t ft_config_total_heads(const ft_bert_config *c) {
@@ -858,11 +863,7 @@ static ft_status stage_inputs(const ft_encoder *e, int64_t B, int64_t T, const f
                         return ft_error(FT_ERR_OUT_OF_RANGE, "token_type_ids[%lld, %lld] = %lld is out of range for type_vocab_size %lld",
                                         (long long)b, (long long)t, (long long)ty, (long long)c->type_vocab_size);
                 }
-                int64_t pos = t;
-                if (c->position_ids == FT_POS_AFTER_PADDING) {
-                    pos = id == c->pad_token_id ? c->pad_token_id : c->pad_token_id + 1 + before;
-                    if (m != 0.0f && id != c->pad_token_id) before++;
-                }
+                int64_t pos = ft_config_position(c, t, id, m != 0.0f, &before);
                 if (pass == 0) {
                     if (m == 0.0f) continue;
                     if (pos >= c->max_position_embeddings)

@@ -106,4 +106,10 @@ void ft_encoder_layer_shapes(const ft_encoder *e, int64_t l, int64_t shapes[4][2
 /* host_params changed: refresh the backend's copy (in dtype) and drop the packed copies */
 ft_status ft_encoder_sync_params(ft_encoder *e);
 
+/* the position id of token t of a sequence, raw id `id`, a real token or padding: t, or FT_POS_AFTER_PADDING's
+ * rule. *before counts the sequence's real tokens so far whose id is not the padding id: start it at 0 per
+ * sequence and call once per token, in order. The encoder's input staging and the layers that train the
+ * embeddings both number positions with it. */
+int64_t ft_config_position(const ft_bert_config *c, int64_t t, int64_t id, int real, int64_t *before);
+
 #endif

@@ -531,25 +531,22 @@ ft_status ft_layer_stack_create(const ft_encoder *e, int64_t first, int64_t coun
     }
     for (size_t k = 0; st == FT_OK && k < e->n_views; k++) {
         long long l;
-        if (opt->train_embeddings && !strncmp(e->views[k].name, "embeddings.", 11)) {   /* the block, from 0 */
-            stack_view *v = &s->views[s->n_views++];
-            snprintf(v->name, sizeof v->name, "%s", e->views[k].name);
-            v->ndim = e->views[k].ndim;
-            v->shape[0] = e->views[k].shape[0];
-            v->shape[1] = e->views[k].shape[1];
-            v->offset = e->views[k].offset - e->word;
-            continue;
+        size_t offset;
+        if (opt->train_embeddings && !strncmp(e->views[k].name, "embeddings.", 11))
+            offset = e->views[k].offset - e->word;   /* the block, from 0 */
+        else {
+            if (pre && first + count == L && !strncmp(e->views[k].name, "final_norm.", 11))
+                l = L - 1;   /* the final norm belongs to the encoder's last layer */
+            else if (sscanf(e->views[k].name, "encoder.layer.%lld.", &l) != 1 || l < first || l >= first + count)
+                continue;
+            offset = layer_base(s, l - first) + (e->views[k].offset - e->layers[l].wqkv);
         }
-        if (pre && first + count == L && !strncmp(e->views[k].name, "final_norm.", 11))
-            l = L - 1;   /* the final norm belongs to the encoder's last layer */
-        else if (sscanf(e->views[k].name, "encoder.layer.%lld.", &l) != 1 || l < first || l >= first + count)
-            continue;
         stack_view *v = &s->views[s->n_views++];
         snprintf(v->name, sizeof v->name, "%s", e->views[k].name);
         v->ndim = e->views[k].ndim;
         v->shape[0] = e->views[k].shape[0];
         v->shape[1] = e->views[k].shape[1];
-        v->offset = layer_base(s, l - first) + (e->views[k].offset - e->layers[l].wqkv);
+        v->offset = offset;
     }
     s->extra = extra_floats;
     if (st == FT_OK) st = s->be->alloc(s->be, (s->n_params + s->extra) * sizeof(float), (void **)&s->params);
@@ -787,8 +784,7 @@ static ft_status upload_tokens(ft_layer_stack *s, int64_t N, int64_t B) {
         int64_t before = 0;
         for (int32_t t = 0; t < n; t++) {
             const int64_t r = first + t, id = ids[r];
-            int64_t p = t;
-            if (c->position_ids == FT_POS_AFTER_PADDING) p = id == c->pad_token_id ? c->pad_token_id : c->pad_token_id + 1 + before++;
+            const int64_t p = ft_config_position(c, t, id, 1, &before);
             if (s->emb_rows[1] && p >= s->emb_rows[1])
                 return ft_error(FT_ERR_INVALID_ARGUMENT, "sequence %lld: position %lld exceeds max_position_embeddings "
                                 "%lld (at most %lld tokens)", (long long)b, (long long)p, (long long)s->emb_rows[1],

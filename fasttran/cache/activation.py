@@ -22,7 +22,8 @@ import numpy as np
 
 from .. import _C
 from ..device import CPU, parse_device
-from ..errors import CacheCorruptError, CacheMismatchError, FastTranIOError, InputError, UnsupportedError
+from ..errors import (CacheCorruptError, CacheMismatchError, FastTranIOError, InputError, InputRangeError,
+                      UnsupportedError)
 from . import parallel, persist
 from .layout import (CODECS, POSITIONS, Plan, codec_code, input_fingerprints, model_fingerprint, parse_inputs, row_bytes,
                      rows_of)
@@ -546,7 +547,19 @@ class ActivationCache:
         (input_ids, attention_mask, token_type_ids), int32 (batch, longest) right-padded with
         zeros; with ragged=True (input_ids, token_type_ids, offsets): real tokens one example
         after another, offsets (batch + 1)."""
-        idx = np.arange(len(self._lengths)) if example_ids is None else self.index_of(example_ids)
+        return self.inputs_at(np.arange(len(self._lengths)) if example_ids is None else self.index_of(example_ids),
+                              ragged)
+
+    def inputs_at(self, index, ragged=False):
+        """:meth:`inputs` of the examples at positions `index` (0..N-1, the example order: what
+        :meth:`epoch_order` gives), without looking the ids up."""
+        idx = np.asarray(index)
+        if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer) or idx.size == 0):
+            raise InputError(f"index must be a 1-D array of example positions, got shape {idx.shape} {idx.dtype}")
+        idx = idx.astype(np.int64, copy=False)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(self._lengths)):
+            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+            raise InputRangeError(f"index holds {bad}: the cache's positions are 0..{len(self._lengths) - 1}")
         L = self._lengths[idx]
         if ragged:
             first = np.repeat(self._offsets[idx], L) + (np.arange(int(L.sum())) - np.repeat(np.cumsum(L) - L, L))
