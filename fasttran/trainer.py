@@ -92,9 +92,11 @@ DEFAULT_TOPK_RECIPES = {
 #: of them scored 2.7 points higher. The boundary sits between the two sizes measured (their
 #: geometric mean); where between them the two depths cross is not measured. "embeddings": whether
 #: every-layer training trains the embeddings too (`finetune_embeddings`): off -- on the slices held
-#: out of MRPC's and CoLA's training splits they scored +0.8 on the mean for one seed, inside the
-#: seeds' spread (benchmarks/recipes_sweep_embeddings.json), and no better on dev over three (RESULTS
-#: section 12), for about 15% more time a step.
+#: out of MRPC's and CoLA's training splits, seeds 0-2 (benchmarks/recipes_sweep_embeddings*.json),
+#: training them moved the two tasks' mean by +0.8, +2.2 and -1.2 points: +0.6 in all, less than one
+#: standard error of the difference (1.0); on dev, no better over three seeds (RESULTS section 12);
+#: for about 15% more time a step and a quarter more memory. A default moves on a gain beyond the
+#: seeds' noise.
 FINETUNE_DEFAULT = {"layers": 1.0, "large_layers": 0.5, "large_train": 22_000, "optimizer": "adamw",
                     "precision": "bfloat16", "embeddings": False}
 #: the layers' default lr per optimizer at k = 1 (the recipes above hold every k's)
