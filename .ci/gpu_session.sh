@@ -53,8 +53,9 @@ CUBLAS_WHEEL_LIB=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.
 [ -d .minilm-bf16 ] && export FASTTRAN_MINILM_BF16=$PWD/.minilm-bf16
 [ -d .cudnn-frontend/include ] && export FASTTRAN_CUDNN_FRONTEND_INCLUDE=$PWD/.cudnn-frontend/include
 CUDA_TESTS="tests/test_backend_ops.py tests/test_cuda.py tests/test_layer_training.py tests/test_cuda_training.py"
-# the C training loop and the architectures on the device (their CUDA cases; CPU cases run in CI)
-LOOP_ARCH_TESTS="tests/test_train_loop.py tests/test_architectures.py tests/test_modernbert.py tests/test_modernbert_training.py"
+# the C training loop, the architectures and the trained embeddings on the device (their CUDA cases;
+# CPU cases run in CI)
+LOOP_ARCH_TESTS="tests/test_train_loop.py tests/test_architectures.py tests/test_modernbert.py tests/test_modernbert_training.py tests/test_layer_training.py::test_trained_embeddings"
 
 phase_build() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
