@@ -428,7 +428,8 @@ def merge(into, parts, note=None, ablation=None):
     adds its seeds' curves beside those already there (fasttran's per k, the reference's per lr and
     variant), a seed run again replacing its old curve; its meta and load averages are kept, with
     `note` (when and beside what it ran), and `ablation` files its fasttran runs under
-    fasttran_ablations[ablation] instead. Summaries and the plot are remade from the whole."""
+    fasttran_ablations[ablation] instead. A k's cache build time is the part's where the part runs
+    every seed the table holds for that k again (each seed's curve counts its own build either way). Summaries and the plot are remade from the whole."""
     if os.path.exists(into):
         with open(into) as f:
             table = json.load(f)
@@ -459,7 +460,10 @@ def merge(into, parts, note=None, ablation=None):
                 "load_avg_after": prow.get("load_avg_after")}])
             ft = row.setdefault("fasttran_ablations", {}).setdefault(ablation, {}) if ablation else row["fasttran"]
             for k, (build, curves) in prow["fasttran"].items():
-                ft.setdefault(k, [build, {}])[1].update(curves)
+                entry = ft.setdefault(k, [build, {}])
+                if set(entry[1]) <= set(curves):   # every seed run again: the cache build is this run's
+                    entry[0] = build
+                entry[1].update(curves)
             for name, per_k in ({} if ablation else prow.get("fasttran_ablations", {})).items():
                 for k, (build, curves) in per_k.items():
                     row.setdefault("fasttran_ablations", {}).setdefault(name, {}).setdefault(k, [build, {}])[1].update(curves)
