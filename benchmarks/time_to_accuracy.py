@@ -428,8 +428,7 @@ def merge(into, parts, note=None, ablation=None):
     adds its seeds' curves beside those already there (fasttran's per k, the reference's per lr and
     variant), a seed run again replacing its old curve; its meta and load averages are kept, with
     `note` (when and beside what it ran), and `ablation` files its fasttran runs under
-    fasttran_ablations[ablation] instead. A k's cache build time is the part's where the part runs
-    every seed the table holds for that k again (each seed's curve counts its own build either way). Summaries and the plot are remade from the whole."""
+    fasttran_ablations[ablation] instead. Summaries and the plot are remade from the whole."""
     if os.path.exists(into):
         with open(into) as f:
             table = json.load(f)
@@ -459,19 +458,27 @@ def merge(into, parts, note=None, ablation=None):
                 "file": os.path.basename(part), "load_avg_before": prow.get("load_avg_before"),
                 "load_avg_after": prow.get("load_avg_after")}])
             ft = row.setdefault("fasttran_ablations", {}).setdefault(ablation, {}) if ablation else row["fasttran"]
-            for k, (build, curves) in prow["fasttran"].items():
-                entry = ft.setdefault(k, [build, {}])
-                if set(entry[1]) <= set(curves):   # every seed run again: the cache build is this run's
-                    entry[0] = build
-                entry[1].update(curves)
+            for k, run in prow["fasttran"].items():
+                _fold(ft, k, run)
             for name, per_k in ({} if ablation else prow.get("fasttran_ablations", {})).items():
-                for k, (build, curves) in per_k.items():
-                    row.setdefault("fasttran_ablations", {}).setdefault(name, {}).setdefault(k, [build, {}])[1].update(curves)
+                for k, run in per_k.items():
+                    _fold(row.setdefault("fasttran_ablations", {}).setdefault(name, {}), k, run)
             for key in ("reference", "reference_bf16", "reference_frozen_embeddings"):
                 for lr, curves in prow.get(key, {}).items():
                     if curves:
                         row.setdefault(key, {}).setdefault(lr, {}).update(curves)
     return meta, rows
+
+
+def _fold(per_k, k, run):
+    """Add one part's fasttran run of depth k, [cache build s, {seed: curve}], to per_k: its seeds'
+    curves replace those run again; the k's cache build time becomes the part's where the part runs
+    every seed per_k holds for k again (each curve counts its own build either way)."""
+    build, curves = run
+    entry = per_k.setdefault(k, [build, {}])
+    if set(entry[1]) <= set(curves):
+        entry[0] = build
+    entry[1].update(curves)
 
 
 def _save(path, meta, rows):
